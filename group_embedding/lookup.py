@@ -1,0 +1,176 @@
+"""Public grouped lookups: `group_embedding_lookup_sparse` and
+`group_embedding_lookup`.
+
+Tables are grouped by (dim, dtype, storage kind); each group runs ONE fused
+lookup (see `group_embedding.ops.fused_lookup`), whatever its number of
+tables. Results come back in the order of `params`.
+"""
+
+import sys
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
+
+import tensorflow as tf
+
+from group_embedding import lookup_inputs
+from group_embedding.ops import fused_lookup
+
+
+def _group_key(table) -> Tuple:
+    kind = "ev" if hasattr(table, "lookup_rows") else "variable"
+    return (int(table.shape[-1]), table.dtype, kind)
+
+
+def group_tables(tables: List[Any], params_num_per_group: int
+                 ) -> List[List[int]]:
+    """Splits table indices into fusable groups.
+
+    Tables of the same dim, dtype and storage kind share a group, in input
+    order; a group holds at most `params_num_per_group` tables.
+    """
+    by_key: Dict[Tuple, List[int]] = {}
+    for i, t in enumerate(tables):
+        by_key.setdefault(_group_key(t), []).append(i)
+    groups = []
+    for members in by_key.values():
+        for s in range(0, len(members), params_num_per_group):
+            groups.append(members[s:s + params_num_per_group])
+    return groups
+
+
+def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
+                                  partition_strategy="mod",
+                                  is_sequence=False,
+                                  params_num_per_group=sys.maxsize,
+                                  name=None, *, max_norm=None):
+    """Looks up and pools many embedding tables with one fused op per group.
+
+    Row b of output i equals stock
+    `tf.nn.embedding_lookup_sparse(params[i], sp_ids[i], sp_weights[i],
+    combiner=combiners[i], max_norm=max_norm)` for that row (zeros for an
+    empty row), forward and backward.
+
+    Shapes: K tables, B rows per batch, D embedding dim of a table,
+    T padded row length (for `is_sequence=True`).
+
+    Example::
+
+        # 2 features x batch of 3:      row 0     row 1   row 2
+        #   sp_ids[0] (user, one-hot)   [7]       [2]     []
+        #   sp_ids[1] (tags, multi-hot) [1, 4]    []      [4, 4, 9]
+        user, tags = ge.group_embedding_lookup_sparse(
+            [user_table, tag_table], [user_ids, tag_ids], ["sum", "mean"])
+        # user: [3, D_user], tags: [3, D_tags]; row 1 of tags is zeros.
+
+    Args:
+        params: list of K tables: `tf.Variable`/`keras.Variable` of shape
+            `[vocab_i, D_i]`, or `EmbeddingVariable`. Tables with equal D,
+            dtype and kind are fused into one lookup.
+        sp_ids: list of K id batches, each a `tf.SparseTensor [B, T]` (indices
+            in any order, duplicate ids allowed) or `tf.RaggedTensor
+            [B, None]`, int32 or int64. For a `tf.Variable` table every id
+            must lie in `[0, vocab_i)`.
+        combiners: "sum", "mean" or "sqrtn", one per table, or one string
+            for all; honoured per table even inside one group.
+        sp_weights: None, or a list of K entries, each None or float weights
+            of the same kind and layout as the matching ids.
+        partition_strategy: "mod" (default) or "div": which shard owns an id
+            once tables are sharded (collective mode); validated always.
+        is_sequence: if True, return unpooled `[B, T, D]` tensors (zeros at
+            padding; weights multiply their rows, combiners are unused).
+        params_num_per_group: at most this many tables per fused op
+            (default: no cap). On CPU a smaller value yields several
+            smaller ops that TF can run concurrently on its inter-op
+            threads; a bigger one means fewer ops and less overhead, while
+            the C++ kernel already spreads one op over all intra-op
+            threads. Keep the default unless profiling says otherwise.
+        name: optional name scope.
+        max_norm: (keyword only) if set, each looked-up row whose L2 norm
+            exceeds it is rescaled to `max_norm` before pooling.
+
+    Returns:
+        A list of K dense tensors, `[B, D_i]` (or `[B, T_i, D_i]`), in the
+        order of `params`.
+
+    Raises:
+        TypeError: a table is not a variable, ids are not integers, weights
+            are not floats, or an id batch is neither Sparse nor Ragged.
+        ValueError: lists of different lengths, unknown combiner or
+            partition strategy, rank != 2 ids, or batch sizes that differ.
+        tf.errors.InvalidArgumentError: (at run time) an id outside
+            `[0, vocab)` of its table, or batch sizes that differ.
+    """
+    params, sp_ids, combiners, sp_weights = lookup_inputs.check_lists(
+        params, sp_ids, combiners, sp_weights, partition_strategy,
+        params_num_per_group)
+    tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
+    names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
+    with tf.name_scope(name or "group_embedding_lookup_sparse"):
+        feats = lookup_inputs.to_feature_ids(sp_ids, sp_weights,
+                                             need_positions=is_sequence)
+        groups = group_tables(tables, params_num_per_group)
+
+        def lookup_group(members):
+            g_tables = [tables[i] for i in members]
+            g_feats = [feats[i] for i in members]
+            g_names = [names[i] for i in members]
+            if is_sequence:
+                return fused_lookup.sequence_lookup(g_tables, g_feats,
+                                                    g_names, max_norm)
+            return fused_lookup.pooled_lookup(
+                g_tables, g_feats, [combiners[i] for i in members], g_names,
+                max_norm)
+
+        outputs: List[Optional[tf.Tensor]] = [None] * len(tables)
+        for members in groups:
+            for i, out in zip(members, lookup_group(members)):
+                outputs[i] = out
+        return outputs
+
+
+def group_embedding_lookup(params, ids, partition_strategy="mod", name=None):
+    """Looks up dense id tensors in many tables, one fused op per group.
+
+    Output i equals `tf.nn.embedding_lookup(params[i], ids[i])`.
+
+    Args:
+        params: list of K tables, as in `group_embedding_lookup_sparse`.
+        ids: list of K integer tensors of any shape S_i.
+        partition_strategy: "mod" or "div", as in
+            `group_embedding_lookup_sparse`.
+        name: optional name scope.
+
+    Returns:
+        A list of K tensors of shape `S_i + [D_i]`.
+
+    Raises:
+        TypeError / ValueError: as in `group_embedding_lookup_sparse`.
+    """
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError("`ids` must be a list (one entry per table), got "
+                        f"{type(ids).__name__}.")
+    dense = []
+    for i, x in enumerate(ids):
+        if isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
+            raise TypeError(f"`ids[{i}]` must be a dense tensor; use "
+                            "group_embedding_lookup_sparse for "
+                            f"{type(x).__name__} ids.")
+        x = tf.convert_to_tensor(x)
+        if not x.dtype.is_integer:
+            raise TypeError(f"`ids[{i}]` must hold int32 or int64 ids, got "
+                            f"{x.dtype.name}.")
+        dense.append(x)
+    with tf.name_scope(name or "group_embedding_lookup"):
+        # Each id is a one-id row of a ragged batch with "sum": pooling is
+        # then the identity and the fused path serves dense lookups too.
+        ragged = [tf.RaggedTensor.from_row_lengths(
+                      tf.reshape(x, [-1]),
+                      tf.ones([tf.size(x, out_type=tf.int64)], tf.int64))
+                  for x in dense]
+        flat = group_embedding_lookup_sparse(
+            params, ragged, "sum", partition_strategy=partition_strategy)
+        return [tf.reshape(f, tf.concat([tf.shape(x), tf.shape(f)[1:]], 0))
+                for f, x in zip(flat, dense)]

@@ -1,0 +1,189 @@
+"""Validation and normalisation of the arguments of the grouped lookups.
+
+Every id feature leaves this module in one ragged form, `FeatureIds`
+(int64 values grouped by row + row_splits, optional float weights), which is
+what the fused kernels consume. Errors name the argument and its index.
+"""
+
+from typing import Any
+from typing import List
+from typing import Optional
+
+import keras
+import tensorflow as tf
+
+from group_embedding.ops import ragged_ids
+from group_embedding.ops.ragged_ids import FeatureIds
+
+SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
+PARTITION_STRATEGIES = ("mod", "div")
+
+
+def unwrap_table(param: Any, index: int) -> Any:
+    """Returns the `tf.Variable` behind `param` (Keras 3 variables wrap one).
+
+    Raises:
+        TypeError: if `param` is not a variable.
+    """
+    if isinstance(param, keras.Variable):
+        param = param.value
+    if hasattr(param, "lookup_rows"):  # EmbeddingVariable
+        return param
+    if not isinstance(param, tf.Variable):
+        raise TypeError(
+            f"`params[{index}]` must be a tf.Variable, keras.Variable or "
+            f"EmbeddingVariable, got {type(param).__name__}.")
+    if param.shape.rank != 2:
+        raise ValueError(
+            f"`params[{index}]` ({param.name}) must be a [vocab, dim] table, "
+            f"got shape {param.shape}.")
+    return param
+
+
+def table_name(param: Any, index: int) -> str:
+    """Names a table in error messages: `params[i] (variable name)`."""
+    name = getattr(param, "name", None)
+    return f"params[{index}] ({name})" if name else f"params[{index}]"
+
+
+def check_lists(params, sp_ids, combiners, sp_weights, partition_strategy,
+                params_num_per_group):
+    """Checks the list arguments' lengths and the closed choices.
+
+    Returns:
+        (params, sp_ids, combiners, sp_weights) as lists of one length.
+
+    Raises:
+        TypeError: a list argument is not a list.
+        ValueError: lengths differ, unknown combiner or partition strategy,
+            or a non-positive `params_num_per_group`.
+    """
+    if not isinstance(params, (list, tuple)):
+        raise TypeError("`params` must be a list of tables, got "
+                        f"{type(params).__name__}.")
+    if not isinstance(sp_ids, (list, tuple)):
+        raise TypeError("`sp_ids` must be a list (one entry per table), got "
+                        f"{type(sp_ids).__name__}.")
+    n = len(params)
+    if n == 0:
+        raise ValueError("`params` is empty: give at least one table.")
+    if len(sp_ids) != n:
+        raise ValueError(f"`sp_ids` has {len(sp_ids)} entries but `params` "
+                         f"has {n}; give one id tensor per table.")
+    if isinstance(combiners, str):
+        combiners = [combiners] * n
+    if combiners is None or len(combiners) != n:
+        got = None if combiners is None else len(combiners)
+        raise ValueError(f"`combiners` has {got} entries but `params` has "
+                         f"{n}; give one combiner per table or one string.")
+    for i, c in enumerate(combiners):
+        if c not in SUPPORTED_COMBINERS:
+            raise ValueError(f"Invalid `combiners[{i}]`: {c!r}, use one of "
+                             f"{', '.join(SUPPORTED_COMBINERS)}.")
+    if sp_weights is None:
+        sp_weights = [None] * n
+    if not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != n:
+        got = (len(sp_weights) if isinstance(sp_weights, (list, tuple))
+               else type(sp_weights).__name__)
+        raise ValueError(f"`sp_weights` must be None or a list of {n} "
+                         f"entries (None allowed per entry), got {got}.")
+    if partition_strategy not in PARTITION_STRATEGIES:
+        raise ValueError(f"Invalid `partition_strategy`: "
+                         f"{partition_strategy!r}, use one of "
+                         f"{', '.join(PARTITION_STRATEGIES)}.")
+    if (not isinstance(params_num_per_group, int)
+            or params_num_per_group < 1):
+        raise ValueError("`params_num_per_group` must be a positive int, got "
+                         f"{params_num_per_group!r}.")
+    return list(params), list(sp_ids), list(combiners), list(sp_weights)
+
+
+def _check_ids_dtype(ids_dtype, name):
+    if not ids_dtype.is_integer:
+        raise TypeError(f"`{name}` must hold int32 or int64 ids, got "
+                        f"{ids_dtype.name}.")
+
+
+def _check_weights(weights, ids, name):
+    """Checks the kind and dtype of one weight tensor against its ids."""
+    if weights is None:
+        return
+    kind = type(ids).__name__
+    if type(weights) is not type(ids):
+        raise TypeError(f"`{name}` must be a {kind} like its ids, got "
+                        f"{type(weights).__name__}.")
+    if not weights.dtype.is_floating:
+        raise TypeError(f"`{name}` must hold float weights, got "
+                        f"{weights.dtype.name}.")
+
+
+def to_feature_ids(sp_ids: List[Any], sp_weights: List[Any],
+                   need_positions: bool = False) -> List[FeatureIds]:
+    """Converts every id feature to `FeatureIds`, checking it on the way.
+
+    SparseTensors (indices in any order, duplicates allowed) are converted
+    together, once per feature; RaggedTensors are used as they are.
+
+    Raises:
+        TypeError: ids not integer, weights not float, unsupported kind.
+        ValueError: SparseTensor of rank != 2, RaggedTensor not 2-D, or
+            batch sizes that differ between features (when static).
+    """
+    feats: List[Optional[FeatureIds]] = [None] * len(sp_ids)
+    sparse_at = []
+    for i, (ids, w) in enumerate(zip(sp_ids, sp_weights)):
+        name = f"sp_ids[{i}]"
+        _check_weights(w, ids, f"sp_weights[{i}]")
+        if isinstance(ids, tf.SparseTensor):
+            _check_ids_dtype(ids.dtype, name)
+            rank = ids.shape.rank
+            if rank is None:
+                rank = tf.compat.dimension_value(ids.indices.shape[1])
+            if rank is not None and rank != 2:
+                raise ValueError(f"`{name}` must be a rank-2 SparseTensor "
+                                 f"[batch, ids per row], got rank {rank}.")
+            sparse_at.append(i)
+        elif isinstance(ids, tf.RaggedTensor):
+            _check_ids_dtype(ids.dtype, name)
+            if ids.ragged_rank != 1 or ids.shape.rank != 2:
+                raise ValueError(f"`{name}` must be a 2-D RaggedTensor "
+                                 f"[batch, None], got shape {ids.shape}.")
+            feats[i] = ragged_ids.from_ragged(ids, w, name, need_positions)
+        else:
+            raise TypeError(f"`{name}` must be a SparseTensor or "
+                            f"RaggedTensor, got {type(ids).__name__}.")
+    if sparse_at:
+        converted = ragged_ids.from_sparse(
+            [sp_ids[i] for i in sparse_at],
+            [sp_weights[i] for i in sparse_at],
+            [f"sp_ids[{i}]" for i in sparse_at], need_positions)
+        for i, f in zip(sparse_at, converted):
+            feats[i] = f
+    _check_batch_sizes(sp_ids)
+    return feats
+
+
+def _static_batch(ids):
+    if isinstance(ids, tf.SparseTensor):
+        return tf.get_static_value(ids.dense_shape[0])
+    return tf.compat.dimension_value(ids.shape[0])
+
+
+def _check_batch_sizes(sp_ids):
+    """Rejects statically known batch sizes that differ between features.
+
+    Dynamic sizes are checked again by the kernels (or the pure-TF asserts).
+    """
+    first = None
+    for i, ids in enumerate(sp_ids):
+        b = _static_batch(ids)
+        if b is None:
+            continue
+        if first is None:
+            first = (i, int(b))
+        elif int(b) != first[1]:
+            raise ValueError(
+                f"`sp_ids[{i}]` has batch size {int(b)} but "
+                f"`sp_ids[{first[0]}]` has {first[1]}; all features of one "
+                "lookup must share the batch.")
+

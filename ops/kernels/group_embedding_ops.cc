@@ -1,0 +1,630 @@
+// CPU kernels of group-embedding: the fused multi-table lookup, its
+// backward, the SparseTensor -> ragged conversion and a duplicate-safe
+// multithreaded sparse Adagrad update.
+//
+// Why custom kernels: stock TF has no op that gathers from several resource
+// variables at once, and its per-table chain (unique, gather, gather,
+// segment reduce) materialises [nnz, D] tensors several times.  These
+// kernels pool straight from the tables into [B, D] outputs and shard the
+// work over TF's intra-op thread pool.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace group_embedding {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::errors::InvalidArgument;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::OpOutputList;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::Var;
+using ::tensorflow::core::RefCountPtr;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
+
+Status ParseCombiners(const std::vector<std::string>& names,
+                      std::vector<Combiner>* out) {
+  for (const auto& n : names) {
+    if (n == "sum") {
+      out->push_back(kSum);
+    } else if (n == "mean") {
+      out->push_back(kMean);
+    } else if (n == "sqrtn") {
+      out->push_back(kSqrtn);
+    } else {
+      return InvalidArgument("Invalid combiner '", n,
+                             "', use one of sum, mean, sqrtn.");
+    }
+  }
+  return Status();
+}
+
+// Factor applied to every id of a row so that the pooled row equals
+// stock tf.nn.embedding_lookup_sparse; 0 for an empty row (stock would
+// divide 0 by 0, we return zeros).
+inline float RowScale(Combiner c, const float* w, int64_t begin,
+                      int64_t end) {
+  if (c == kSum || end == begin) return 1.0f;
+  double s = 0.0;
+  if (w == nullptr) {
+    s = static_cast<double>(end - begin);
+    if (c == kSqrtn) s = std::sqrt(s);
+  } else if (c == kMean) {
+    for (int64_t j = begin; j < end; ++j) s += w[j];
+  } else {
+    for (int64_t j = begin; j < end; ++j) s += double(w[j]) * w[j];
+    s = std::sqrt(s);
+  }
+  return s == 0.0 ? 0.0f : static_cast<float>(1.0 / s);
+}
+
+// Shared locks on several variables, taken once each in address order so
+// that they cannot deadlock with writers that lock in the same order.
+class SharedVarLocks {
+ public:
+  explicit SharedVarLocks(const std::vector<Var*>& vars) {
+    for (Var* v : vars) mus_.push_back(v->mu());
+    std::sort(mus_.begin(), mus_.end());
+    mus_.erase(std::unique(mus_.begin(), mus_.end()), mus_.end());
+    for (auto* m : mus_) m->lock_shared();
+  }
+  ~SharedVarLocks() {
+    for (auto it = mus_.rbegin(); it != mus_.rend(); ++it) {
+      (*it)->unlock_shared();
+    }
+  }
+
+ private:
+  std::vector<tensorflow::mutex*> mus_;
+};
+
+// Checks that ids/row_splits/weights of table `t` describe a ragged batch
+// and that every id addresses a row of a table with `vocab` rows.
+Status CheckRagged(const std::string& name, const Tensor& ids,
+                   const Tensor& splits, const Tensor& weights,
+                   int64_t vocab) {
+  if (splits.dims() != 1 || splits.NumElements() < 1) {
+    return InvalidArgument(name, ": row_splits must be a non-empty vector.");
+  }
+  const auto s = splits.flat<int64_t>();
+  const int64_t nnz = ids.NumElements();
+  if (s(0) != 0 || s(s.size() - 1) != nnz) {
+    return InvalidArgument(name, ": row_splits must start at 0 and end at ",
+                           nnz, " (number of ids), got ", s(0), "..",
+                           s(s.size() - 1), ".");
+  }
+  for (int64_t b = 1; b < s.size(); ++b) {
+    if (s(b) < s(b - 1)) {
+      return InvalidArgument(name, ": row_splits must be non-decreasing.");
+    }
+  }
+  if (weights.NumElements() != 0 && weights.NumElements() != nnz) {
+    return InvalidArgument(name, ": has ", nnz, " ids but ",
+                           weights.NumElements(), " weights.");
+  }
+  if (vocab >= 0) {
+    const auto v = ids.flat<int64_t>();
+    for (int64_t j = 0; j < nnz; ++j) {
+      if (v(j) < 0 || v(j) >= vocab) {
+        return InvalidArgument(name, ": id ", v(j),
+                               " is out of range [0, ", vocab,
+                               ") for this table.");
+      }
+    }
+  }
+  return Status();
+}
+
+// ---------------------------------------------------------------------------
+// Forward: pooled lookup of K ragged id batches from K tables.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingVariableLookup")
+    .Input("tables: num_tables * resource")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("pooled: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("table_names: list(string)")
+    .Attr("embedding_dim: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      for (int i = 0; i < n; ++i) {
+        auto splits = c->input(2 * n + i);
+        auto rows = c->Dim(splits, 0);
+        tensorflow::shape_inference::DimensionHandle b;
+        TF_RETURN_IF_ERROR(c->Subtract(rows, 1, &b));
+        c->set_output(i, c->MakeShape({b, c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
+class GroupEmbeddingVariableLookupOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingVariableLookupOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &table_names_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids, splits, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    const int k = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k &&
+                         static_cast<int>(table_names_.size()) == k,
+                InvalidArgument("combiners/table_names must have ", k,
+                                " entries."));
+
+    std::vector<RefCountPtr<Var>> refs(k);
+    std::vector<Var*> vars(k);
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
+                                         &refs[t]));
+      vars[t] = refs[t].get();
+    }
+    SharedVarLocks locks(vars);
+
+    std::vector<const float*> tables(k);
+    int64_t batch = -1;
+    int64_t total_nnz = 0;
+    for (int t = 0; t < k; ++t) {
+      const Tensor* table = vars[t]->tensor();
+      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                           table->dims() == 2 && table->dim_size(1) == dim_,
+                  InvalidArgument(table_names_[t],
+                                  ": expected a float32 [vocab, ", dim_,
+                                  "] table, got ",
+                                  table->shape().DebugString()));
+      OP_REQUIRES_OK(ctx, CheckRagged(table_names_[t], ids[t], splits[t],
+                                      weights[t], table->dim_size(0)));
+      const int64_t b = splits[t].NumElements() - 1;
+      OP_REQUIRES(ctx, batch < 0 || b == batch,
+                  InvalidArgument(table_names_[t], ": batch size ", b,
+                                  " differs from the batch size ", batch,
+                                  " of ", table_names_[0], "."));
+      batch = b;
+      total_nnz += ids[t].NumElements();
+      tables[t] = table->flat<float>().data();
+    }
+
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
+    std::vector<float*> outs(k);
+    for (int t = 0; t < k; ++t) {
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim_}), &o));
+      outs[t] = o->flat<float>().data();
+    }
+    if (batch == 0) return;
+
+    const int64_t dim = dim_;
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int t = static_cast<int>(unit / batch);
+        const int64_t b = unit % batch;
+        const int64_t* v = ids[t].flat<int64_t>().data();
+        const int64_t* s = splits[t].flat<int64_t>().data();
+        const float* w = weights[t].NumElements()
+                             ? weights[t].flat<float>().data()
+                             : nullptr;
+        const float* table = tables[t];
+        float* o = outs[t] + b * dim;
+        std::fill(o, o + dim, 0.0f);
+        const int64_t lo = s[b], hi = s[b + 1];
+        for (int64_t j = lo; j < hi; ++j) {
+          // Rows are random accesses into large tables: fetch ahead.
+          if (j + 4 < hi) __builtin_prefetch(table + v[j + 4] * dim);
+          const float* row = table + v[j] * dim;
+          const float wj = w ? w[j] : 1.0f;
+          for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
+        }
+        const float scale = RowScale(combiners_[t], w, lo, hi);
+        if (scale != 1.0f) {
+          for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
+        }
+      }
+    };
+    const int64_t avg = total_nnz / (k * batch) + 1;
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, k * batch,
+                      avg * dim * 4 + 20, work);
+  }
+
+ private:
+  std::vector<Combiner> combiners_;
+  std::vector<std::string> table_names_;
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookup")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingVariableLookupOp);
+
+// ---------------------------------------------------------------------------
+// Open-addressing id -> slot map used to deduplicate ids in O(nnz).
+// ---------------------------------------------------------------------------
+class IdSlotMap {
+ public:
+  explicit IdSlotMap(int64_t expected) {
+    int64_t cap = 16;
+    while (cap < 2 * expected) cap <<= 1;
+    mask_ = cap - 1;
+    keys_.resize(cap);
+    slots_.assign(cap, -1);
+  }
+  // Returns the slot of `id`, assigning the next free slot if new.
+  int64_t Insert(int64_t id) {
+    uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
+    while (true) {
+      if (slots_[h] < 0) {
+        keys_[h] = id;
+        slots_[h] = size_;
+        return size_++;
+      }
+      if (keys_[h] == id) return slots_[h];
+      h = (h + 1) & mask_;
+    }
+  }
+  int64_t size() const { return size_; }
+
+ private:
+  static uint64_t Mix(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return x;
+  }
+  uint64_t mask_;
+  std::vector<int64_t> keys_;
+  std::vector<int64_t> slots_;
+  int64_t size_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Backward: per table, unique ids (first-occurrence order) and the summed
+// gradient of each, ready to be returned as IndexedSlices.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingVariableLookupGrad")
+    .Input("grads: num_tables * float")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("unique_ids: num_tables * int64")
+    .Output("id_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("embedding_dim: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      for (int i = 0; i < n; ++i) {
+        c->set_output(i, c->Vector(c->UnknownDim()));
+        c->set_output(n + i,
+                      c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
+class GroupEmbeddingVariableLookupGradOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingVariableLookupGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList grads, ids, splits, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    const int k = ids.size();
+    OpOutputList uniq_out, grad_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
+    int64_t total = 0;
+    for (int t = 0; t < k; ++t) total += ids[t].NumElements();
+
+    std::vector<Status> status(k);
+    const int64_t dim = dim_;
+    // Tables are independent, so shard over tables: no write conflicts.
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t nnz = ids[t].NumElements();
+        const int64_t batch = splits[t].NumElements() - 1;
+        const int64_t* v = ids[t].flat<int64_t>().data();
+        const int64_t* s = splits[t].flat<int64_t>().data();
+        const float* w = weights[t].NumElements()
+                             ? weights[t].flat<float>().data()
+                             : nullptr;
+        const float* g = grads[t].flat<float>().data();
+        IdSlotMap map(nnz);
+        std::vector<int64_t> slot(nnz);
+        for (int64_t j = 0; j < nnz; ++j) slot[j] = map.Insert(v[j]);
+        const int64_t u = map.size();
+        Tensor* uo = nullptr;
+        Tensor* go = nullptr;
+        status[t] = uniq_out.allocate(t, TensorShape({u}), &uo);
+        if (!status[t].ok()) return;
+        status[t] = grad_out.allocate(t, TensorShape({u, dim}), &go);
+        if (!status[t].ok()) return;
+        int64_t* uids = uo->flat<int64_t>().data();
+        float* gsum = go->flat<float>().data();
+        std::fill(gsum, gsum + u * dim, 0.0f);
+        for (int64_t j = 0; j < nnz; ++j) uids[slot[j]] = v[j];
+        for (int64_t b = 0; b < batch; ++b) {
+          const int64_t lo = s[b], hi = s[b + 1];
+          if (lo == hi) continue;
+          const float scale = RowScale(combiners_[t], w, lo, hi);
+          const float* gb = g + b * dim;
+          for (int64_t j = lo; j < hi; ++j) {
+            const float f = scale * (w ? w[j] : 1.0f);
+            float* dst = gsum + slot[j] * dim;
+            for (int64_t d = 0; d < dim; ++d) dst[d] += f * gb[d];
+          }
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, k,
+                      (total / k + 1) * dim * 8, work);
+    for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
+  }
+
+ private:
+  std::vector<Combiner> combiners_;
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookupGrad")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingVariableLookupGradOp);
+
+// ---------------------------------------------------------------------------
+// SparseTensor ids -> ragged (values grouped by row, row_splits) with a
+// stable counting sort on the row index: O(nnz), any index order.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupSparseToRagged")
+    .Input("indices: num_features * int64")
+    .Input("ids: num_features * int64")
+    .Input("dense_shapes: num_features * int64")
+    .Input("weights: num_features * float")
+    .Output("values: num_features * int64")
+    .Output("row_splits: num_features * int64")
+    .Output("row_weights: num_features * float")
+    .Attr("num_features: int >= 1")
+    .Attr("feature_names: list(string)")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_features", &n));
+      for (int i = 0; i < n; ++i) {
+        c->set_output(i, c->input(n + i));
+        c->set_output(n + i, c->Vector(c->UnknownDim()));
+        c->set_output(2 * n + i, c->input(3 * n + i));
+      }
+      return Status();
+    });
+
+class GroupSparseToRaggedOp : public OpKernel {
+ public:
+  explicit GroupSparseToRaggedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("feature_names", &names_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList indices, ids, shapes, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("dense_shapes", &shapes));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    OpOutputList vals_out, splits_out, w_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("values", &vals_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("row_splits", &splits_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("row_weights", &w_out));
+    for (int f = 0; f < ids.size(); ++f) {
+      const std::string& name = names_[f];
+      const Tensor& ind = indices[f];
+      OP_REQUIRES(ctx, shapes[f].NumElements() == 2,
+                  InvalidArgument(name, ": SparseTensor ids must have rank "
+                                  "2 ([batch, ids per row]), got rank ",
+                                  shapes[f].NumElements(), "."));
+      const int64_t nnz = ids[f].NumElements();
+      OP_REQUIRES(ctx, ind.dims() == 2 && ind.dim_size(0) == nnz,
+                  InvalidArgument(name, ": indices/values size mismatch."));
+      const bool weighted = weights[f].NumElements() != 0;
+      OP_REQUIRES(ctx, !weighted || weights[f].NumElements() == nnz,
+                  InvalidArgument(name, ": weights have ",
+                                  weights[f].NumElements(),
+                                  " values but ids have ", nnz, "."));
+      const int64_t batch = shapes[f].flat<int64_t>()(0);
+      const auto in = ind.matrix<int64_t>();
+      Tensor* splits_t = nullptr;
+      OP_REQUIRES_OK(ctx, splits_out.allocate(f, TensorShape({batch + 1}),
+                                              &splits_t));
+      auto sp = splits_t->flat<int64_t>();
+      std::fill(sp.data(), sp.data() + batch + 1, 0);
+      bool sorted = true;
+      for (int64_t j = 0; j < nnz; ++j) {
+        const int64_t r = in(j, 0);
+        OP_REQUIRES(ctx, r >= 0 && r < batch,
+                    InvalidArgument(name, ": row index ", r,
+                                    " is outside the batch [0, ", batch,
+                                    ")."));
+        if (j > 0 && r < in(j - 1, 0)) sorted = false;
+        ++sp(r + 1);
+      }
+      for (int64_t b = 0; b < batch; ++b) sp(b + 1) += sp(b);
+      if (sorted) {
+        // Already row-major: forward the buffers, no copy.
+        vals_out.set(f, ids[f]);
+        w_out.set(f, weights[f]);
+        continue;
+      }
+      Tensor* vt = nullptr;
+      Tensor* wt = nullptr;
+      OP_REQUIRES_OK(ctx, vals_out.allocate(f, TensorShape({nnz}), &vt));
+      OP_REQUIRES_OK(ctx, w_out.allocate(f, weights[f].shape(), &wt));
+      std::vector<int64_t> next(sp.data(), sp.data() + batch);
+      const auto iv = ids[f].flat<int64_t>();
+      auto ov = vt->flat<int64_t>();
+      for (int64_t j = 0; j < nnz; ++j) {
+        const int64_t dst = next[in(j, 0)]++;
+        ov(dst) = iv(j);
+        if (weighted) wt->flat<float>()(dst) = weights[f].flat<float>()(j);
+      }
+    }
+  }
+
+ private:
+  std::vector<std::string> names_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupSparseToRagged").Device(DEVICE_CPU),
+                        GroupSparseToRaggedOp);
+
+// ---------------------------------------------------------------------------
+// Sparse Adagrad on a resource variable and its accumulator, with duplicate
+// indices summed first (so the result equals the dense update) and rows
+// updated in parallel:
+//   accum += g^2;  var -= lr * g / (sqrt(accum) + epsilon)
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupSparseApplyAdagrad")
+    .Input("var: resource")
+    .Input("accum: resource")
+    .Input("lr: float")
+    .Input("epsilon: float")
+    .Input("indices: int64")
+    .Input("grad: float")
+    .SetShapeFn([](InferenceContext*) { return Status(); });
+
+// Gives `var` a buffer of its own before an in-place write, so that
+// tensors handed out by earlier reads keep their values (copy on write).
+Status PrepareInPlaceWrite(OpKernelContext* ctx, Var* var) {
+  Tensor* t = var->tensor();
+  if (t->RefCountIsOne()) return Status();
+  Tensor copy;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &copy));
+  std::memcpy(copy.data(), t->data(), t->TotalBytes());
+  *t = copy;
+  return Status();
+}
+
+class GroupSparseApplyAdagradOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    RefCountPtr<Var> var, accum;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
+    OP_REQUIRES_OK(ctx,
+                   LookupResource(ctx, HandleFromInput(ctx, 1), &accum));
+    const float lr = ctx->input(2).scalar<float>()();
+    const float eps = ctx->input(3).scalar<float>()();
+    const Tensor& indices = ctx->input(4);
+    const Tensor& grad = ctx->input(5);
+    // Exclusive locks in address order (TF's own convention).
+    tensorflow::mutex* m1 = var->mu();
+    tensorflow::mutex* m2 = accum->mu();
+    if (m2 < m1) std::swap(m1, m2);
+    tensorflow::mutex_lock l1(*m1);
+    tensorflow::mutex_lock l2(*m2);
+    OP_REQUIRES_OK(ctx, PrepareInPlaceWrite(ctx, var.get()));
+    OP_REQUIRES_OK(ctx, PrepareInPlaceWrite(ctx, accum.get()));
+    Tensor* vt = var->tensor();
+    Tensor* at = accum->tensor();
+    OP_REQUIRES(ctx, vt->dims() == 2 && at->shape() == vt->shape() &&
+                         vt->dtype() == tensorflow::DT_FLOAT,
+                InvalidArgument("var and accum must be float32 [rows, dim] "
+                                "of one shape, got ",
+                                vt->shape().DebugString(), " and ",
+                                at->shape().DebugString()));
+    const int64_t rows = vt->dim_size(0);
+    const int64_t dim = vt->dim_size(1);
+    const int64_t n = indices.NumElements();
+    OP_REQUIRES(ctx, grad.NumElements() == n * dim,
+                InvalidArgument("grad must be [", n, ", ", dim, "], got ",
+                                grad.shape().DebugString()));
+    const int64_t* idx = indices.flat<int64_t>().data();
+    const float* g = grad.flat<float>().data();
+    for (int64_t j = 0; j < n; ++j) {
+      OP_REQUIRES(ctx, idx[j] >= 0 && idx[j] < rows,
+                  InvalidArgument("index ", idx[j], " is out of range [0, ",
+                                  rows, ")."));
+    }
+    // Sum duplicates: slot -> first position, then add the others.
+    IdSlotMap map(n);
+    std::vector<int64_t> first;
+    std::vector<int64_t> slot(n);
+    first.reserve(n);
+    for (int64_t j = 0; j < n; ++j) {
+      slot[j] = map.Insert(idx[j]);
+      if (slot[j] == static_cast<int64_t>(first.size())) first.push_back(j);
+    }
+    const int64_t u = map.size();
+    const float* gs = g;
+    std::vector<float> summed;
+    if (u != n) {
+      summed.assign(u * dim, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        float* dst = summed.data() + slot[j] * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] += g[j * dim + d];
+      }
+      gs = summed.data();
+    }
+    float* vp = vt->flat<float>().data();
+    float* ap = at->flat<float>().data();
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t r = idx[first[s]];
+        const float* gr = gs + (u != n ? s : first[s]) * dim;
+        float* vr = vp + r * dim;
+        float* ar = ap + r * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          ar[d] += gr[d] * gr[d];
+          vr[d] -= lr * gr[d] / (std::sqrt(ar[d]) + eps);
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, u, dim * 20, work);
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupSparseApplyAdagrad").Device(DEVICE_CPU),
+                        GroupSparseApplyAdagradOp);
+
+}  // namespace group_embedding
