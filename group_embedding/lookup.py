@@ -106,29 +106,44 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
     params, sp_ids, combiners, sp_weights = lookup_inputs.check_lists(
         params, sp_ids, combiners, sp_weights, partition_strategy,
         params_num_per_group)
+    with tf.name_scope(name or "group_embedding_lookup_sparse"):
+        return _grouped_lookup(params, sp_ids, combiners, sp_weights,
+                               is_sequence, params_num_per_group, max_norm,
+                               same_batch=True)
+
+
+def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
+                    params_num_per_group, max_norm, same_batch):
+    """Runs one fused lookup per group on checked arguments."""
     tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
     names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
-    with tf.name_scope(name or "group_embedding_lookup_sparse"):
-        feats = lookup_inputs.to_feature_ids(sp_ids, sp_weights,
-                                             need_positions=is_sequence)
-        groups = group_tables(tables, params_num_per_group)
-
-        def lookup_group(members):
-            g_tables = [tables[i] for i in members]
-            g_feats = [feats[i] for i in members]
-            g_names = [names[i] for i in members]
-            if is_sequence:
-                return fused_lookup.sequence_lookup(g_tables, g_feats,
-                                                    g_names, max_norm)
-            return fused_lookup.pooled_lookup(
+    feats = lookup_inputs.to_feature_ids(sp_ids, sp_weights,
+                                         need_positions=is_sequence,
+                                         same_batch=same_batch)
+    outputs: List[Optional[tf.Tensor]] = [None] * len(tables)
+    for members in group_tables(tables, params_num_per_group):
+        g_tables = [tables[i] for i in members]
+        g_feats = [feats[i] for i in members]
+        g_names = [names[i] for i in members]
+        if is_sequence:
+            results = fused_lookup.sequence_lookup(g_tables, g_feats, g_names,
+                                                   max_norm)
+        else:
+            results = fused_lookup.pooled_lookup(
                 g_tables, g_feats, [combiners[i] for i in members], g_names,
                 max_norm)
+        for i, out in zip(members, results):
+            outputs[i] = out
+    return outputs
 
-        outputs: List[Optional[tf.Tensor]] = [None] * len(tables)
-        for members in groups:
-            for i, out in zip(members, lookup_group(members)):
-                outputs[i] = out
-        return outputs
+
+def _one_id_rows(ids):
+    # Each id becomes a one-id row of a ragged batch pooled with "sum":
+    # pooling is then the identity and the fused path serves dense lookups.
+    flat = tf.reshape(ids, [-1])
+    return tf.RaggedTensor.from_row_splits(
+        flat, tf.range(tf.size(flat, out_type=tf.int64) + 1),
+        validate=False)
 
 
 def group_embedding_lookup(params, ids, partition_strategy="mod", name=None):
@@ -163,14 +178,13 @@ def group_embedding_lookup(params, ids, partition_strategy="mod", name=None):
             raise TypeError(f"`ids[{i}]` must hold int32 or int64 ids, got "
                             f"{x.dtype.name}.")
         dense.append(x)
+    params, ragged, combiners, weights = lookup_inputs.check_lists(
+        params, [_one_id_rows(x) for x in dense], "sum", None,
+        partition_strategy, sys.maxsize)
     with tf.name_scope(name or "group_embedding_lookup"):
-        # Each id is a one-id row of a ragged batch with "sum": pooling is
-        # then the identity and the fused path serves dense lookups too.
-        ragged = [tf.RaggedTensor.from_row_lengths(
-                      tf.reshape(x, [-1]),
-                      tf.ones([tf.size(x, out_type=tf.int64)], tf.int64))
-                  for x in dense]
-        flat = group_embedding_lookup_sparse(
-            params, ragged, "sum", partition_strategy=partition_strategy)
+        flat = _grouped_lookup(params, ragged, combiners, weights,
+                               is_sequence=False,
+                               params_num_per_group=sys.maxsize,
+                               max_norm=None, same_batch=False)
         return [tf.reshape(f, tf.concat([tf.shape(x), tf.shape(f)[1:]], 0))
                 for f, x in zip(flat, dense)]

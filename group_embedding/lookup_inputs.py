@@ -5,6 +5,7 @@ Every id feature leaves this module in one ragged form, `FeatureIds`
 what the fused kernels consume. Errors name the argument and its index.
 """
 
+import dataclasses
 from typing import Any
 from typing import List
 from typing import Optional
@@ -118,11 +119,19 @@ def _check_weights(weights, ids, name):
 
 
 def to_feature_ids(sp_ids: List[Any], sp_weights: List[Any],
-                   need_positions: bool = False) -> List[FeatureIds]:
+                   need_positions: bool = False,
+                   same_batch: bool = True) -> List[FeatureIds]:
     """Converts every id feature to `FeatureIds`, checking it on the way.
 
     SparseTensors (indices in any order, duplicates allowed) are converted
     together, once per feature; RaggedTensors are used as they are.
+
+    Args:
+        sp_ids: SparseTensor or RaggedTensor ids, one per feature.
+        sp_weights: None or matching float weights, one per feature.
+        need_positions: also compute each id's slot in its row.
+        same_batch: require one batch size for all features (checked
+            statically, else at run time).
 
     Raises:
         TypeError: ids not integer, weights not float, unsupported kind.
@@ -159,7 +168,8 @@ def to_feature_ids(sp_ids: List[Any], sp_weights: List[Any],
             [f"sp_ids[{i}]" for i in sparse_at], need_positions)
         for i, f in zip(sparse_at, converted):
             feats[i] = f
-    _check_batch_sizes(sp_ids)
+    if same_batch and not _check_batch_sizes(sp_ids):
+        feats = _assert_same_batch(feats)
     return feats
 
 
@@ -169,15 +179,19 @@ def _static_batch(ids):
     return tf.compat.dimension_value(ids.shape[0])
 
 
-def _check_batch_sizes(sp_ids):
+def _check_batch_sizes(sp_ids) -> bool:
     """Rejects statically known batch sizes that differ between features.
 
-    Dynamic sizes are checked again by the kernels (or the pure-TF asserts).
+    Returns:
+        True if every batch size was known statically (nothing left to
+        check at run time).
     """
     first = None
+    all_static = True
     for i, ids in enumerate(sp_ids):
         b = _static_batch(ids)
         if b is None:
+            all_static = False
             continue
         if first is None:
             first = (i, int(b))
@@ -186,4 +200,17 @@ def _check_batch_sizes(sp_ids):
                 f"`sp_ids[{i}]` has batch size {int(b)} but "
                 f"`sp_ids[{first[0]}]` has {first[1]}; all features of one "
                 "lookup must share the batch.")
+    return all_static
+
+
+def _assert_same_batch(feats: List[FeatureIds]) -> List[FeatureIds]:
+    """Makes every feature's row_splits depend on a batch-size assert."""
+    first = tf.shape(feats[0].row_splits)[0]
+    checks = [tf.debugging.assert_equal(
+        tf.shape(f.row_splits)[0], first,
+        message=f"`{f.name}` has a different batch size than "
+                f"`{feats[0].name}`.") for f in feats[1:]]
+    with tf.control_dependencies(checks):
+        return [dataclasses.replace(f, row_splits=tf.identity(f.row_splits))
+                for f in feats]
 

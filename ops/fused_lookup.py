@@ -14,7 +14,6 @@ Two interchangeable paths compute the same numbers:
 
 from typing import List
 from typing import Optional
-from typing import Sequence
 
 import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib
@@ -71,14 +70,6 @@ def _range_check(table, feat: FeatureIds, table_name: str):
                 message=f"{table_name}: id >= vocabulary size.")]
 
 
-def _batch_check(feats: Sequence[FeatureIds]):
-    first = tf.shape(feats[0].row_splits)[0]
-    return [tf.debugging.assert_equal(
-        tf.shape(f.row_splits)[0], first,
-        message=f"`{f.name}` has a different batch size than "
-                f"`{feats[0].name}`.") for f in feats[1:]]
-
-
 def _gather_rows(tables, feats, table_names, max_norm):
     rows = []
     for t, f, n in zip(tables, feats, table_names):
@@ -92,20 +83,21 @@ def _gather_rows(tables, feats, table_names, max_norm):
 
 def _pooled_tf(tables, feats, combiners, table_names, max_norm):
     k = len(tables)
-    with tf.control_dependencies(_batch_check(feats)):
-        batch = tf.shape(feats[0].row_splits, out_type=tf.int64)[0] - 1
     rows = _gather_rows(tables, feats, table_names, max_norm)
     scales = [_row_scale(f, c, rows.dtype) for f, c in zip(feats, combiners)]
     if any(s is not None for s in scales):
         scales = [tf.ones(tf.shape(f.values), rows.dtype) if s is None else s
                   for s, f in zip(scales, feats)]
         rows = rows * tf.concat(scales, 0)[:, None]
-    segments = tf.concat([_row_ids(f.row_splits) + i * batch
+    # Segment of id j of table t: its row, offset by the rows of the
+    # tables before t (batch sizes may differ for dense lookups).
+    sizes = [tf.shape(f.row_splits, out_type=tf.int64)[0] - 1 for f in feats]
+    offsets = tf.cumsum(tf.stack(sizes), exclusive=True)
+    segments = tf.concat([_row_ids(f.row_splits) + offsets[i]
                           for i, f in enumerate(feats)], 0)
-    pooled = tf.math.unsorted_segment_sum(rows, segments, k * batch)
-    dim = tables[0].shape[1]
-    pooled = tf.reshape(pooled, [k, batch, dim])
-    return tf.unstack(pooled, num=k)
+    pooled = tf.math.unsorted_segment_sum(rows, segments,
+                                          tf.reduce_sum(sizes))
+    return tf.split(pooled, tf.stack(sizes), num=k)
 
 
 def _can_use_kernel(tables, max_norm):
@@ -156,8 +148,6 @@ def sequence_lookup(tables, feats: List[FeatureIds], table_names,
     Each id lands at its position inside its row, multiplied by its weight
     when weights are given. One gather per table, one segment sum in all.
     """
-    with tf.control_dependencies(_batch_check(feats)):
-        batch = tf.shape(feats[0].row_splits, out_type=tf.int64)[0] - 1
     rows = _gather_rows(tables, feats, table_names, max_norm)
     weights = [tf.ones(tf.shape(f.values), rows.dtype) if f.weights is None
                else tf.cast(f.weights, rows.dtype) for f in feats]
@@ -165,6 +155,7 @@ def sequence_lookup(tables, feats: List[FeatureIds], table_names,
         rows = rows * tf.concat(weights, 0)[:, None]
     segments, sizes, offset = [], [], tf.constant(0, tf.int64)
     for f in feats:
+        batch = tf.shape(f.row_splits, out_type=tf.int64)[0] - 1
         t = tf.cast(f.max_len, tf.int64)
         segments.append(offset + _row_ids(f.row_splits) * t + f.positions)
         sizes.append(batch * t)
@@ -172,7 +163,7 @@ def sequence_lookup(tables, feats: List[FeatureIds], table_names,
     flat = tf.math.unsorted_segment_sum(rows, tf.concat(segments, 0), offset)
     dim = tables[0].shape[1]
     outs = tf.split(flat, tf.stack(sizes), num=len(feats))
-    return [tf.reshape(o, [batch, tf.cast(f.max_len, tf.int64), dim])
+    return [tf.reshape(o, [-1, tf.cast(f.max_len, tf.int64), dim])
             for o, f in zip(outs, feats)]
 
 

@@ -77,21 +77,25 @@ def build(verbose=False):
 
 
 def load():
-    """Returns the loaded kernel module, or None for the pure-TF path."""
-    if _state["loaded"]:
-        return _state["module"]
-    _state["loaded"] = True
+    """Returns the loaded kernel module, or None for the pure-TF path.
+
+    The mode is read on every call, so tests (and users) can switch paths
+    by setting `GROUP_EMBEDDING_KERNELS` between lookups.
+    """
     mode = kernel_mode()
     if mode == "tf":
         return None
-    try:
-        _state["module"] = tf.load_op_library(build())
-    except Exception as e:  # noqa: BLE001 - any failure means fallback
-        _state["error"] = e
-        if mode == "custom":
-            raise
-        warnings.warn(f"group-embedding C++ kernels unavailable, using the "
-                      f"pure-TF path: {e}")
+    if not _state["loaded"]:
+        _state["loaded"] = True
+        try:
+            _state["module"] = tf.load_op_library(build())
+        except Exception as e:  # noqa: BLE001 - any failure means fallback
+            _state["error"] = e
+            warnings.warn(f"group-embedding C++ kernels unavailable, using "
+                          f"the pure-TF path: {e}")
+    if _state["module"] is None and mode == "custom":
+        raise RuntimeError("GROUP_EMBEDDING_KERNELS=custom but the C++ "
+                           f"kernels could not be built: {_state['error']}")
     return _state["module"]
 
 

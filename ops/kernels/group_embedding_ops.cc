@@ -193,8 +193,10 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
     }
     SharedVarLocks locks(vars);
 
+    // Tables may have different batch sizes (dense lookups of any shape);
+    // `first_row[t]` numbers the output rows of all tables consecutively.
     std::vector<const float*> tables(k);
-    int64_t batch = -1;
+    std::vector<int64_t> first_row(k + 1, 0);
     int64_t total_nnz = 0;
     for (int t = 0; t < k; ++t) {
       const Tensor* table = vars[t]->tensor();
@@ -206,12 +208,7 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
                                   table->shape().DebugString()));
       OP_REQUIRES_OK(ctx, CheckRagged(table_names_[t], ids[t], splits[t],
                                       weights[t], table->dim_size(0)));
-      const int64_t b = splits[t].NumElements() - 1;
-      OP_REQUIRES(ctx, batch < 0 || b == batch,
-                  InvalidArgument(table_names_[t], ": batch size ", b,
-                                  " differs from the batch size ", batch,
-                                  " of ", table_names_[0], "."));
-      batch = b;
+      first_row[t + 1] = first_row[t] + splits[t].NumElements() - 1;
       total_nnz += ids[t].NumElements();
       tables[t] = table->flat<float>().data();
     }
@@ -221,16 +218,21 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
     std::vector<float*> outs(k);
     for (int t = 0; t < k; ++t) {
       Tensor* o = nullptr;
+      const int64_t batch = first_row[t + 1] - first_row[t];
       OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim_}), &o));
       outs[t] = o->flat<float>().data();
     }
-    if (batch == 0) return;
+    const int64_t total_rows = first_row[k];
+    if (total_rows == 0) return;
 
     const int64_t dim = dim_;
     auto work = [&](int64_t begin, int64_t end) {
+      int t = static_cast<int>(
+          std::upper_bound(first_row.begin(), first_row.end(), begin) -
+          first_row.begin() - 1);
       for (int64_t unit = begin; unit < end; ++unit) {
-        const int t = static_cast<int>(unit / batch);
-        const int64_t b = unit % batch;
+        while (unit >= first_row[t + 1]) ++t;
+        const int64_t b = unit - first_row[t];
         const int64_t* v = ids[t].flat<int64_t>().data();
         const int64_t* s = splits[t].flat<int64_t>().data();
         const float* w = weights[t].NumElements()
@@ -253,9 +255,9 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
         }
       }
     };
-    const int64_t avg = total_nnz / (k * batch) + 1;
+    const int64_t avg = total_nnz / total_rows + 1;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, k * batch,
+    tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
                       avg * dim * 4 + 20, work);
   }
 
