@@ -73,7 +73,21 @@ def build(verbose=False):
             raise RuntimeError("Building the group-embedding kernels failed:\n"
                                + result.stderr[-4000:])
         os.replace(path + ".tmp", path)
+        _remove_stale(path)
     return path
+
+
+def _remove_stale(current):
+    # Builds of older sources are never loaded again.
+    folder = os.path.dirname(current)
+    for name in os.listdir(folder):
+        full = os.path.join(folder, name)
+        if (name.startswith("_group_embedding_ops_") and full != current
+                and not full.startswith(current)):
+            try:
+                os.remove(full)
+            except OSError:
+                pass
 
 
 def load():

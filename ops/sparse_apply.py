@@ -4,6 +4,7 @@ Duplicate indices are summed first, so every update equals the dense update
 with the densified gradient.
 """
 
+import keras
 import tensorflow as tf
 
 from group_embedding.ops import kernel_library
@@ -11,7 +12,9 @@ from group_embedding.ops import kernel_library
 
 def _resource(variable):
     # keras.Variable wraps a tf.Variable; the kernels want its handle.
-    return getattr(variable, "value", variable)
+    if isinstance(variable, keras.Variable):
+        return variable.value
+    return variable
 
 
 def dedup(indices, values):

@@ -61,8 +61,11 @@ export MAKEFLAGS="-j${HVD_JOBS:-$(nproc 2>/dev/null || echo 2)}"  # setup.py def
 echo "build_horovod: building horovod $HVD_VERSION (several minutes); log: $LOG"
 start=$SECONDS
 if ! "$PY" -m pip install -v --no-build-isolation --no-cache-dir "$SRC" >"$LOG" 2>&1; then
-    echo "build_horovod: ERROR: horovod build/install failed; last lines of $LOG:" >&2
-    tail -n 40 "$LOG" >&2
+    # pip's trailer hides the real cause, so show the first compiler/cmake errors as well.
+    echo "build_horovod: ERROR: horovod build/install failed. First errors in $LOG:" >&2
+    grep -n -m 10 -E 'error:|CMake Error|fatal' "$LOG" >&2 || true
+    echo "build_horovod: last lines of $LOG:" >&2
+    tail -n 30 "$LOG" >&2
     exit 1
 fi
 echo "build_horovod: built in $((SECONDS - start))s"
