@@ -77,6 +77,14 @@ inline float RowScale(Combiner c, const float* w, int64_t begin,
   return s == 0.0 ? 0.0f : static_cast<float>(1.0 / s);
 }
 
+// Issues prefetches for every cache line of a `dim`-float row. Lookups
+// and updates touch rows at random in tables far larger than the caches;
+// fetching a few ids ahead overlaps those DRAM misses.
+inline void PrefetchRow(const float* row, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
+}
+constexpr int64_t kPrefetchDistance = 8;
+
 // Shared locks on several variables, taken once each in address order so
 // that they cannot deadlock with writers that lock in the same order.
 class SharedVarLocks {
@@ -242,9 +250,12 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
         float* o = outs[t] + b * dim;
         std::fill(o, o + dim, 0.0f);
         const int64_t lo = s[b], hi = s[b + 1];
+        const int64_t nnz = s[first_row[t + 1] - first_row[t]];
         for (int64_t j = lo; j < hi; ++j) {
-          // Rows are random accesses into large tables: fetch ahead.
-          if (j + 4 < hi) __builtin_prefetch(table + v[j + 4] * dim);
+          // Ahead across row boundaries: rows are often one id long.
+          if (j + kPrefetchDistance < nnz) {
+            PrefetchRow(table + v[j + kPrefetchDistance] * dim, dim);
+          }
           const float* row = table + v[j] * dim;
           const float wj = w ? w[j] : 1.0f;
           for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
@@ -611,6 +622,11 @@ class GroupSparseApplyAdagradOp : public OpKernel {
     float* ap = at->flat<float>().data();
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s) {
+        if (s + kPrefetchDistance < end) {
+          const int64_t ahead = idx[first[s + kPrefetchDistance]];
+          PrefetchRow(vp + ahead * dim, dim);
+          PrefetchRow(ap + ahead * dim, dim);
+        }
         const int64_t r = idx[first[s]];
         const float* gr = gs + (u != n ? s : first[s]) * dim;
         float* vr = vp + r * dim;
