@@ -20,12 +20,14 @@ setuptools.setup(
     packages=[
         "group_embedding",
         "group_embedding.optimizers",
+        "group_embedding.train",
         "group_embedding.feature_column",
         "group_embedding.ops",
     ],
     package_dir={
         "group_embedding": "group_embedding",
         "group_embedding.optimizers": "group_embedding/optimizers",
+        "group_embedding.train": "group_embedding/train",
         "group_embedding.feature_column": "feature_column",
         "group_embedding.ops": "ops",
     },

@@ -4,14 +4,46 @@ Users write `import group_embedding as ge`; everything public is listed in
 `__all__`.
 """
 
+from group_embedding import feature_column
 from group_embedding import optimizers
+from group_embedding import train
+from group_embedding.embedding_variable import EmbeddingVariable
+from group_embedding.embedding_variable import get_embedding_variable
+from group_embedding.embedding_variable_option import CounterFilter
+from group_embedding.embedding_variable_option import EmbeddingVariableOption
+from group_embedding.embedding_variable_option import GlobalStepEvict
+from group_embedding.embedding_variable_option import InitializerOption
+from group_embedding.embedding_variable_option import L2WeightEvict
+from group_embedding.distributed_strategy import enable_distributed_strategy
+from group_embedding.distributed_training import DistributedGradientTape
+from group_embedding.distributed_training import DistributedOptimizer
+from group_embedding.distributed_training import allreduce_gradients
+from group_embedding.distributed_training import broadcast_variables
 from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
+from group_embedding.sharded_variable import ShardedVariable
+from group_embedding.sharded_variable import get_embedding_table
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "ShardedVariable",
+    "allreduce_gradients",
+    "broadcast_variables",
+    "enable_distributed_strategy",
+    "get_embedding_table",
+    "CounterFilter",
+    "EmbeddingVariable",
+    "EmbeddingVariableOption",
+    "GlobalStepEvict",
+    "InitializerOption",
+    "L2WeightEvict",
+    "feature_column",
+    "get_embedding_variable",
     "group_embedding_lookup",
     "group_embedding_lookup_sparse",
     "optimizers",
+    "train",
 ]

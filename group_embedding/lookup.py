@@ -15,12 +15,19 @@ from typing import Tuple
 
 import tensorflow as tf
 
+from group_embedding import collective_lookup
 from group_embedding import lookup_inputs
+from group_embedding.sharded_variable import ShardedVariable
 from group_embedding.ops import fused_lookup
 
 
 def _group_key(table) -> Tuple:
-    kind = "ev" if hasattr(table, "lookup_rows") else "variable"
+    if isinstance(table, ShardedVariable):
+        kind = "sharded"
+    elif hasattr(table, "lookup_rows"):
+        kind = "ev"
+    else:
+        kind = "variable"
     return (int(table.shape[-1]), table.dtype, kind)
 
 
@@ -45,7 +52,7 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
                                   partition_strategy="mod",
                                   is_sequence=False,
                                   params_num_per_group=sys.maxsize,
-                                  name=None, *, max_norm=None):
+                                  name=None, *, max_norm=None, training=True):
     """Looks up and pools many embedding tables with one fused op per group.
 
     Row b of output i equals stock
@@ -90,6 +97,11 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
         name: optional name scope.
         max_norm: (keyword only) if set, each looked-up row whose L2 norm
             exceeds it is rescaled to `max_norm` before pooling.
+        training: (keyword only) Python or tensor bool, default True. For
+            `EmbeddingVariable` params, True inserts keys seen for the
+            first time and counts occurrences; False (inference) inserts
+            nothing and reads default rows for unknown keys. Ignored by
+            `tf.Variable` params.
 
     Returns:
         A list of K dense tensors, `[B, D_i]` (or `[B, T_i, D_i]`), in the
@@ -106,14 +118,25 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
     params, sp_ids, combiners, sp_weights = lookup_inputs.check_lists(
         params, sp_ids, combiners, sp_weights, partition_strategy,
         params_num_per_group)
+    _check_ev_keys(params, sp_ids, "sp_ids")
     with tf.name_scope(name or "group_embedding_lookup_sparse"):
         return _grouped_lookup(params, sp_ids, combiners, sp_weights,
                                is_sequence, params_num_per_group, max_norm,
-                               same_batch=True)
+                               same_batch=True, training=training,
+                               partition_strategy=partition_strategy)
+
+
+def _check_ev_keys(params, ids, argument):
+    # EmbeddingVariables check their own key dtype, so that the error
+    # names the variable (int64 keys into an int32 EV, float keys).
+    for i, (p, x) in enumerate(zip(params, ids)):
+        if hasattr(p, "check_keys"):
+            p.check_keys(x, f"{argument}[{i}]")
 
 
 def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
-                    params_num_per_group, max_norm, same_batch):
+                    params_num_per_group, max_norm, same_batch,
+                    training=True, partition_strategy="mod"):
     """Runs one fused lookup per group on checked arguments."""
     tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
     names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
@@ -125,16 +148,31 @@ def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
         g_tables = [tables[i] for i in members]
         g_feats = [feats[i] for i in members]
         g_names = [names[i] for i in members]
-        if is_sequence:
+        if isinstance(g_tables[0], ShardedVariable):
+            results = _sharded_group(g_tables, g_feats, g_names, members,
+                                     combiners, is_sequence, max_norm,
+                                     partition_strategy)
+        elif is_sequence:
             results = fused_lookup.sequence_lookup(g_tables, g_feats, g_names,
-                                                   max_norm)
+                                                   max_norm, training=training)
         else:
             results = fused_lookup.pooled_lookup(
                 g_tables, g_feats, [combiners[i] for i in members], g_names,
-                max_norm)
+                max_norm, training=training)
         for i, out in zip(members, results):
             outputs[i] = out
     return outputs
+
+
+def _sharded_group(tables, feats, names, members, combiners, is_sequence,
+                   max_norm, partition_strategy):
+    """One model-parallel group (collective mode)."""
+    if is_sequence:
+        return collective_lookup.sequence_lookup(
+            tables, feats, names, partition_strategy, max_norm)
+    return collective_lookup.pooled_lookup(
+        tables, feats, [combiners[i] for i in members], names,
+        partition_strategy, max_norm)
 
 
 def _one_id_rows(ids):
@@ -146,7 +184,8 @@ def _one_id_rows(ids):
         validate=False)
 
 
-def group_embedding_lookup(params, ids, partition_strategy="mod", name=None):
+def group_embedding_lookup(params, ids, partition_strategy="mod", name=None,
+                           *, training=True):
     """Looks up dense id tensors in many tables, one fused op per group.
 
     Output i equals `tf.nn.embedding_lookup(params[i], ids[i])`.
@@ -157,6 +196,8 @@ def group_embedding_lookup(params, ids, partition_strategy="mod", name=None):
         partition_strategy: "mod" or "div", as in
             `group_embedding_lookup_sparse`.
         name: optional name scope.
+        training: (keyword only) as in `group_embedding_lookup_sparse`:
+            False stops `EmbeddingVariable` params from inserting keys.
 
     Returns:
         A list of K tensors of shape `S_i + [D_i]`.
@@ -174,17 +215,22 @@ def group_embedding_lookup(params, ids, partition_strategy="mod", name=None):
                             "group_embedding_lookup_sparse for "
                             f"{type(x).__name__} ids.")
         x = tf.convert_to_tensor(x)
+        if isinstance(params, (list, tuple)) and i < len(params) \
+                and hasattr(params[i], "check_keys"):
+            params[i].check_keys(x, f"ids[{i}]")
         if not x.dtype.is_integer:
             raise TypeError(f"`ids[{i}]` must hold int32 or int64 ids, got "
                             f"{x.dtype.name}.")
         dense.append(x)
     params, ragged, combiners, weights = lookup_inputs.check_lists(
         params, [_one_id_rows(x) for x in dense], "sum", None,
-        partition_strategy, sys.maxsize)
+        partition_strategy, sys.maxsize, ids_argument="ids")
     with tf.name_scope(name or "group_embedding_lookup"):
         flat = _grouped_lookup(params, ragged, combiners, weights,
                                is_sequence=False,
                                params_num_per_group=sys.maxsize,
-                               max_norm=None, same_batch=False)
+                               max_norm=None, same_batch=False,
+                               training=training,
+                               partition_strategy=partition_strategy)
         return [tf.reshape(f, tf.concat([tf.shape(x), tf.shape(f)[1:]], 0))
                 for f, x in zip(flat, dense)]

@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from group_embedding.ops import ragged_ids
+from group_embedding.sharded_variable import ShardedVariable
 from group_embedding.ops.ragged_ids import FeatureIds
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
@@ -29,6 +30,8 @@ def unwrap_table(param: Any, index: int) -> Any:
     if isinstance(param, keras.Variable):
         param = param.value
     if hasattr(param, "lookup_rows"):  # EmbeddingVariable
+        return param
+    if isinstance(param, ShardedVariable):
         return param
     if not isinstance(param, tf.Variable):
         raise TypeError(
@@ -48,7 +51,7 @@ def table_name(param: Any, index: int) -> str:
 
 
 def check_lists(params, sp_ids, combiners, sp_weights, partition_strategy,
-                params_num_per_group):
+                params_num_per_group, ids_argument="sp_ids"):
     """Checks the list arguments' lengths and the closed choices.
 
     Returns:
@@ -63,14 +66,14 @@ def check_lists(params, sp_ids, combiners, sp_weights, partition_strategy,
         raise TypeError("`params` must be a list of tables, got "
                         f"{type(params).__name__}.")
     if not isinstance(sp_ids, (list, tuple)):
-        raise TypeError("`sp_ids` must be a list (one entry per table), got "
-                        f"{type(sp_ids).__name__}.")
+        raise TypeError(f"`{ids_argument}` must be a list (one entry per "
+                        f"table), got {type(sp_ids).__name__}.")
     n = len(params)
     if n == 0:
         raise ValueError("`params` is empty: give at least one table.")
     if len(sp_ids) != n:
-        raise ValueError(f"`sp_ids` has {len(sp_ids)} entries but `params` "
-                         f"has {n}; give one id tensor per table.")
+        raise ValueError(f"`{ids_argument}` has {len(sp_ids)} entries but "
+                         f"`params` has {n}; give one id tensor per table.")
     if isinstance(combiners, str):
         combiners = [combiners] * n
     if combiners is None or len(combiners) != n:
@@ -83,11 +86,14 @@ def check_lists(params, sp_ids, combiners, sp_weights, partition_strategy,
                              f"{', '.join(SUPPORTED_COMBINERS)}.")
     if sp_weights is None:
         sp_weights = [None] * n
-    if not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != n:
-        got = (len(sp_weights) if isinstance(sp_weights, (list, tuple))
-               else type(sp_weights).__name__)
+    if not isinstance(sp_weights, (list, tuple)):
+        raise TypeError(f"`sp_weights` must be None or a list of {n} "
+                        "entries (None allowed per entry), got "
+                        f"{type(sp_weights).__name__}.")
+    if len(sp_weights) != n:
         raise ValueError(f"`sp_weights` must be None or a list of {n} "
-                         f"entries (None allowed per entry), got {got}.")
+                         "entries (None allowed per entry), got "
+                         f"{len(sp_weights)}.")
     if partition_strategy not in PARTITION_STRATEGIES:
         raise ValueError(f"Invalid `partition_strategy`: "
                          f"{partition_strategy!r}, use one of "

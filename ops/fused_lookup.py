@@ -18,6 +18,7 @@ from typing import Optional
 import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib
 
+from group_embedding.ops import ev_storage
 from group_embedding.ops import kernel_library
 from group_embedding.ops.ragged_ids import FeatureIds
 
@@ -54,36 +55,70 @@ def _row_scale(feat: FeatureIds, combiner: str, dtype) -> Optional[tf.Tensor]:
     return tf.cast(scale, dtype)
 
 
-def _clip_rows(rows, max_norm):
+def clip_rows(rows, max_norm):
+    """Rescales rows whose L2 norm exceeds `max_norm` down to it."""
     # Same rule as stock embedding_lookup(max_norm=...): rescale each
     # looked-up row whose L2 norm exceeds max_norm, before pooling.
     return tf.clip_by_norm(rows, max_norm, axes=[1])
 
 
-def _range_check(table, feat: FeatureIds, table_name: str):
-    """Asserts 0 <= id < vocab; GPU gathers would silently give zeros."""
-    vocab = tf.shape(table, out_type=tf.int64)[0]
-    return [tf.debugging.assert_non_negative(
-                feat.values, message=f"{table_name}: negative id."),
-            tf.debugging.assert_less(
-                feat.values, vocab,
-                message=f"{table_name}: id >= vocabulary size.")]
+def checked_ids(ids_list: List[tf.Tensor], vocabs, table_names
+                ) -> List[tf.Tensor]:
+    """The int64 ids of several tables, behind asserts 0 <= id < vocab.
+
+    GPU gathers silently return zeros for bad ids, so the check cannot be
+    left to the kernel. Every returned id tensor waits for ALL the checks,
+    so one bad table stops the gradients (and so the optimizer updates) of
+    every table of the group, not only its own forward gather.
+    """
+    checks = []
+    for ids, vocab, name in zip(ids_list, vocabs, table_names):
+        vocab = tf.cast(vocab, tf.int64)
+        checks.append(tf.debugging.Assert(
+            tf.reduce_all((ids >= 0) & (ids < vocab)),
+            [f"{name}: ids must lie in [0, vocabulary size); min id, max "
+             "id, vocabulary size:",
+             tf.reduce_min(ids), tf.reduce_max(ids), vocab]))
+    with tf.control_dependencies(checks):
+        return [tf.identity(ids) for ids in ids_list]
 
 
-def _gather_rows(tables, feats, table_names, max_norm):
+def _gather_rows(tables, feats, table_names, max_norm, training=True):
+    if hasattr(tables[0], "lookup_rows"):
+        # EmbeddingVariable group: ONE storage gather for all its tables.
+        rows = ev_storage.group_gather(tables, [f.values for f in feats],
+                                       training)
+        return rows if max_norm is None else clip_rows(rows, max_norm)
     rows = []
-    for t, f, n in zip(tables, feats, table_names):
-        with tf.control_dependencies(_range_check(t, f, n)):
-            rows.append(tf.gather(t, f.values))
+    checked = checked_ids([f.values for f in feats],
+                          [tf.shape(t, out_type=tf.int64)[0] for t in tables],
+                          table_names)
+    for t, ids in zip(tables, checked):
+        # Gather each distinct id once (as stock does): the table gradient
+        # then has unique indices, which Keras optimizers need to match
+        # the dense update.
+        unique, slot = tf.unique(ids, out_idx=tf.int64)
+        rows.append(tf.gather(tf.gather(t, unique), slot))
     rows = rows[0] if len(rows) == 1 else tf.concat(rows, 0)
     if max_norm is not None:
-        rows = _clip_rows(rows, max_norm)
+        rows = clip_rows(rows, max_norm)
     return rows
 
 
-def _pooled_tf(tables, feats, combiners, table_names, max_norm):
-    k = len(tables)
-    rows = _gather_rows(tables, feats, table_names, max_norm)
+def _pooled_tf(tables, feats, combiners, table_names, max_norm,
+               training=True):
+    rows = _gather_rows(tables, feats, table_names, max_norm, training)
+    return pool_rows(rows, feats, combiners)
+
+
+def pool_rows(rows: tf.Tensor, feats: List[FeatureIds],
+              combiners: List[str]) -> List[tf.Tensor]:
+    """Pools gathered rows `[sum nnz, D]` (features in order) to `[B, D]`s.
+
+    ONE `unsorted_segment_sum` for all features; combiners and weights
+    are folded into a per-id scale first.
+    """
+    k = len(feats)
     scales = [_row_scale(f, c, rows.dtype) for f, c in zip(feats, combiners)]
     if any(s is not None for s in scales):
         scales = [tf.ones(tf.shape(f.values), rows.dtype) if s is None else s
@@ -111,7 +146,8 @@ def _can_use_kernel(tables, max_norm):
 
 def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
                   combiners: List[str], table_names: List[str],
-                  max_norm: Optional[float] = None) -> List[tf.Tensor]:
+                  max_norm: Optional[float] = None,
+                  training=True) -> List[tf.Tensor]:
     """Pooled `[B, D]` lookups of one group of same-dim tables.
 
     Args:
@@ -121,13 +157,16 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
         table_names: names used in error messages.
         max_norm: if set, rows with a larger L2 norm are rescaled to it
             before pooling.
+        training: for EmbeddingVariable tables, whether new keys are
+            inserted (see `group_embedding_lookup_sparse`).
 
     Returns:
         One `[B, D]` tensor per table.
     """
     lib = kernel_library.load()
     if lib is None or not _can_use_kernel(tables, max_norm):
-        return _pooled_tf(tables, feats, combiners, table_names, max_norm)
+        return _pooled_tf(tables, feats, combiners, table_names, max_norm,
+                          training)
     for t in tables:
         if t.trainable:
             tape_lib.variable_accessed(t)
@@ -142,13 +181,19 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
 
 
 def sequence_lookup(tables, feats: List[FeatureIds], table_names,
-                    max_norm=None) -> List[tf.Tensor]:
+                    max_norm=None, training=True) -> List[tf.Tensor]:
     """Unpooled `[B, T, D]` lookups (zeros at padding) of one group.
 
     Each id lands at its position inside its row, multiplied by its weight
     when weights are given. One gather per table, one segment sum in all.
     """
-    rows = _gather_rows(tables, feats, table_names, max_norm)
+    rows = _gather_rows(tables, feats, table_names, max_norm, training)
+    return sequence_rows(rows, feats)
+
+
+def sequence_rows(rows: tf.Tensor,
+                  feats: List[FeatureIds]) -> List[tf.Tensor]:
+    """Places gathered rows `[sum nnz, D]` into `[B, T, D]` per feature."""
     weights = [tf.ones(tf.shape(f.values), rows.dtype) if f.weights is None
                else tf.cast(f.weights, rows.dtype) for f in feats]
     if any(f.weights is not None for f in feats):
@@ -161,9 +206,10 @@ def sequence_lookup(tables, feats: List[FeatureIds], table_names,
         sizes.append(batch * t)
         offset += batch * t
     flat = tf.math.unsorted_segment_sum(rows, tf.concat(segments, 0), offset)
-    dim = tables[0].shape[1]
+    dim = rows.shape[1]
     outs = tf.split(flat, tf.stack(sizes), num=len(feats))
-    return [tf.reshape(o, [-1, tf.cast(f.max_len, tf.int64), dim])
+    return [tf.reshape(o, tf.stack([tf.size(f.row_splits, tf.int64) - 1,
+                                    tf.cast(f.max_len, tf.int64), dim]))
             for o, f in zip(outs, feats)]
 
 
@@ -177,7 +223,7 @@ def _register_gradient():
         ids = op.inputs[k:2 * k]
         splits = op.inputs[2 * k:3 * k]
         weights = op.inputs[3 * k:]
-        lib = kernel_library.load()
+        lib = kernel_library.library()
         uniq, sums = lib.group_embedding_variable_lookup_grad(
             grads=list(grads), ids=list(ids), row_splits=list(splits),
             weights=list(weights), combiners=combiners,
@@ -186,39 +232,11 @@ def _register_gradient():
             tf.IndexedSlices(s, u, tf.raw_ops.VariableShape(
                 input=h, out_type=tf.int64))
             for s, u, h in zip(sums, uniq, handles)]
-        weight_grads = [
-            _weight_grad(h, i, sp, w, g, out, c)
-            for h, i, sp, w, g, out, c in zip(handles, ids, splits, weights,
-                                              grads, op.outputs, combiners)]
-        return (table_grads + [None] * (2 * k) + weight_grads)
-
-
-def _weight_grad(handle, ids, splits, weights, grad, pooled, combiner):
-    """d loss / d w_j, for users who train the weights themselves.
-
-    pooled_b = sum_j w_j e_j / n_b with n_b = 1, sum_j w_j or
-    sqrt(sum_j w_j^2); differentiate both the numerator and n_b.
-    """
-    if weights.shape.rank == 1 and weights.shape[0] == 0:
-        return None
-    rows = tf.raw_ops.ResourceGather(resource=handle, indices=ids,
-                                     dtype=tf.float32)
-    row_ids = _row_ids(splits)
-    g = tf.gather(grad, row_ids)
-    eg = tf.reduce_sum(rows * g, 1)
-    if combiner == "sum":
-        return eg
-    pg = tf.gather(tf.reduce_sum(pooled * grad, 1), row_ids)
-    w = weights
-    if combiner == "mean":
-        cum = tf.concat([[0.0], tf.cumsum(w)], 0)
-        n = tf.gather(cum, splits[1:]) - tf.gather(cum, splits[:-1])
-        n = tf.gather(n, row_ids)
-        return tf.math.divide_no_nan(eg - pg, n)
-    cum = tf.concat([[0.0], tf.cumsum(w * w)], 0)
-    n = tf.sqrt(tf.gather(cum, splits[1:]) - tf.gather(cum, splits[:-1]))
-    n = tf.gather(n, row_ids)
-    return tf.math.divide_no_nan(eg - pg * w / n, n)
+        weight_grads = lib.group_embedding_weight_grad(
+            tables=list(handles), ids=list(ids), row_splits=list(splits),
+            weights=list(weights), grads=list(grads),
+            pooled=list(op.outputs), combiners=combiners)
+        return table_grads + [None] * (2 * k) + list(weight_grads)
 
 
 _register_gradient()

@@ -21,7 +21,7 @@ import warnings
 import tensorflow as tf
 
 KERNEL_MODES = ("auto", "custom", "tf")
-_SOURCES = ("group_embedding_ops.cc",)
+_SOURCES = ("group_embedding_ops.cc", "embedding_variable_ops.cc")
 _KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "kernels")
 _state = {"loaded": False, "module": None, "error": None}
@@ -53,6 +53,7 @@ def _library_path():
     return os.path.join(cache, name)
 
 
+@tf.autograph.experimental.do_not_convert
 def build(verbose=False):
     """Compiles the kernels if needed and returns the library path."""
     path = _library_path()
@@ -90,6 +91,25 @@ def _remove_stale(current):
                 pass
 
 
+@tf.autograph.experimental.do_not_convert
+def library():
+    """The kernel module whatever the mode, or None if it cannot be built.
+
+    Gradients of ops that already ran with the kernels use this, so that
+    switching the mode between forward and backward cannot break them.
+    """
+    if not _state["loaded"]:
+        _state["loaded"] = True
+        try:
+            _state["module"] = tf.load_op_library(build())
+        except Exception as e:  # noqa: BLE001 - any failure means fallback
+            _state["error"] = e
+            warnings.warn(f"group-embedding C++ kernels unavailable, using "
+                          f"the pure-TF path: {e}")
+    return _state["module"]
+
+
+@tf.autograph.experimental.do_not_convert
 def load():
     """Returns the loaded kernel module, or None for the pure-TF path.
 
@@ -99,18 +119,11 @@ def load():
     mode = kernel_mode()
     if mode == "tf":
         return None
-    if not _state["loaded"]:
-        _state["loaded"] = True
-        try:
-            _state["module"] = tf.load_op_library(build())
-        except Exception as e:  # noqa: BLE001 - any failure means fallback
-            _state["error"] = e
-            warnings.warn(f"group-embedding C++ kernels unavailable, using "
-                          f"the pure-TF path: {e}")
-    if _state["module"] is None and mode == "custom":
+    module = library()
+    if module is None and mode == "custom":
         raise RuntimeError("GROUP_EMBEDDING_KERNELS=custom but the C++ "
                            f"kernels could not be built: {_state['error']}")
-    return _state["module"]
+    return module
 
 
 if __name__ == "__main__":

@@ -49,11 +49,13 @@ def from_ragged(ids: tf.RaggedTensor, weights: Optional[tf.RaggedTensor],
     splits = tf.cast(ids.row_splits, tf.int64)
     w = None
     if weights is not None:
-        tf.debugging.assert_equal(
+        same = tf.debugging.assert_equal(
             tf.cast(weights.row_splits, tf.int64), splits,
             message=f"`{name}`: weights must have the same row lengths "
                     "as the ids.")
-        w = _float_weights(weights.values)
+        # The lookup consumes the weights, so it waits for the check.
+        with tf.control_dependencies([same]):
+            w = tf.identity(_float_weights(weights.values))
     positions = max_len = None
     if need_positions:
         row_ids = tf.ragged.row_splits_to_segment_ids(splits)
@@ -74,7 +76,7 @@ def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
                 for s, w, n in zip(sp_ids, sp_weights, names)]
     weights = [tf.zeros([0], tf.float32) if w is None
                else _float_weights(w.values) for w in sp_weights]
-    values, splits, row_w = lib.group_sparse_to_ragged(
+    values, splits, row_w, _ = lib.group_sparse_to_ragged(
         indices=[s.indices for s in sp_ids],
         ids=[tf.cast(s.values, tf.int64) for s in sp_ids],
         dense_shapes=[s.dense_shape for s in sp_ids],
@@ -84,15 +86,46 @@ def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
                                       names)]
 
 
+def _register_gradient():
+    @tf.RegisterGradient("GroupSparseToRagged")
+    def _to_ragged_grad(op, *grads):
+        # Only the weights are differentiable: route each weight's
+        # gradient back from where the sort put it.
+        n = op.get_attr("num_features")
+        w_grads = grads[2 * n:3 * n]
+        positions = op.outputs[3 * n:]
+        out = []
+        for g, pos, w in zip(w_grads, positions, op.inputs[3 * n:]):
+            if g is None:
+                out.append(None)
+                continue
+            g = tf.convert_to_tensor(g)
+            out.append(tf.cond(tf.size(pos) > 0,
+                               lambda g=g, pos=pos: tf.gather(g, pos),
+                               lambda g=g: g))
+        return [None] * (3 * n) + out
+
+
+_register_gradient()
+
+
 def _from_sparse_tf(ids, weights, name, need_positions):
     rows = ids.indices[:, 0]
     batch = ids.dense_shape[0]
-    checks = [tf.debugging.assert_non_negative(
-                  rows, message=f"`{name}`: negative row index."),
-              tf.debugging.assert_less(
-                  rows, batch,
-                  message=f"`{name}`: row index outside the batch.")]
+    checks = [tf.debugging.Assert(
+                  tf.equal(tf.size(ids.dense_shape), 2),
+                  [f"`{name}` must be a SparseTensor of rank 2 ([batch, ids "
+                   "per row]); rank:", tf.size(ids.dense_shape)]),
+              tf.debugging.Assert(
+                  tf.reduce_all((rows >= 0) & (rows < batch)),
+                  [f"`{name}`: row index outside the batch [0, batch)."])]
+    if weights is not None:
+        checks.append(tf.debugging.Assert(
+            tf.equal(tf.size(weights.values), tf.size(ids.values)),
+            [f"`{name}`: weights and ids differ in count:",
+             tf.size(weights.values), tf.size(ids.values)]))
     with tf.control_dependencies(checks):
+        rows = tf.identity(rows)
         order = tf.argsort(rows, stable=True)
     sorted_rows = tf.gather(rows, order)
     splits = tf.searchsorted(sorted_rows,

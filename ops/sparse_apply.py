@@ -24,14 +24,32 @@ def dedup(indices, values):
     return unique, summed
 
 
+def checked_indices(indices, variable):
+    """`indices` (int64) behind an assert that they address rows.
+
+    Every scatter of an update consumes them, so a bad index fails the
+    update before any row (of the variable or its slots) changes.
+    """
+    indices = tf.cast(indices, tf.int64)
+    rows = tf.shape(variable, out_type=tf.int64)[0]
+    check = tf.debugging.Assert(
+        tf.reduce_all((indices >= 0) & (indices < rows)),
+        ["sparse update: index out of range [0, rows); min, max, rows:",
+         tf.reduce_min(indices), tf.reduce_max(indices), rows])
+    with tf.control_dependencies([check]):
+        return tf.identity(indices)
+
+
 def adagrad(variable, accum, lr, epsilon, indices, values):
-    """`accum[i] += g^2; variable[i] -= lr * g / (sqrt(accum[i]) + eps)`.
+    """`accum[i] += g^2; variable[i] -= lr * g / sqrt(accum[i] + eps)`.
+
+    Epsilon inside the root, as `keras.optimizers.Adagrad` does.
 
     Args:
         variable: `[rows, D]` variable (tf.Variable or keras.Variable).
         accum: its accumulator, same shape.
         lr: scalar learning rate.
-        epsilon: float added to the square root.
+        epsilon: float added under the square root.
         indices: `[n]` row indices, duplicates allowed.
         values: `[n, D]` gradient rows.
     """
@@ -44,8 +62,55 @@ def adagrad(variable, accum, lr, epsilon, indices, values):
             epsilon=tf.constant(epsilon, tf.float32),
             indices=tf.cast(indices, tf.int64),
             grad=tf.cast(values, tf.float32))
-    unique, g = dedup(indices, tf.cast(values, var.dtype))
+    unique, g = dedup(checked_indices(indices, var), tf.cast(values,
+                                                             var.dtype))
     acc.scatter_add(tf.IndexedSlices(g * g, unique))
     rows = tf.gather(acc, unique)
     return var.scatter_sub(tf.IndexedSlices(
-        lr * g / (tf.sqrt(rows) + epsilon), unique))
+        lr * g / tf.sqrt(rows + epsilon), unique))
+
+
+def sgd(variable, lr, indices, values):
+    """`variable[i] -= lr * g` (scatter_sub adds duplicates)."""
+    var = _resource(variable)
+    return var.scatter_sub(tf.IndexedSlices(
+        lr * tf.cast(values, var.dtype), indices))
+
+
+def lazy_adam(variable, m, v, alpha, beta_1, beta_2, epsilon, indices,
+              values):
+    """Adam on the touched rows only (m, v of other rows do not decay).
+
+    `alpha` is the bias-corrected rate `lr * sqrt(1 - b2^t) / (1 - b1^t)`.
+    """
+    var, m, v = _resource(variable), _resource(m), _resource(v)
+    unique, g = dedup(checked_indices(indices, var),
+                      tf.cast(values, var.dtype))
+    m_rows = tf.gather(m, unique)
+    v_rows = tf.gather(v, unique)
+    m_rows = m_rows + (g - m_rows) * (1 - beta_1)
+    v_rows = v_rows + (g * g - v_rows) * (1 - beta_2)
+    m.scatter_update(tf.IndexedSlices(m_rows, unique))
+    v.scatter_update(tf.IndexedSlices(v_rows, unique))
+    return var.scatter_sub(tf.IndexedSlices(
+        alpha * m_rows / (tf.sqrt(v_rows) + epsilon), unique))
+
+
+def ftrl(variable, accum, linear, lr, l1, l2, l2_shrinkage, lr_power,
+         indices, values):
+    """TF's FTRL-proximal (ApplyFtrlV2) on the touched rows only."""
+    var, accum, linear = (_resource(variable), _resource(accum),
+                          _resource(linear))
+    unique, g = dedup(checked_indices(indices, var),
+                      tf.cast(values, var.dtype))
+    w = tf.gather(var, unique)
+    a = tf.gather(accum, unique)
+    lin = tf.gather(linear, unique)
+    new_a = a + g * g
+    lin = lin + (g + 2 * l2_shrinkage * w) - (
+        tf.pow(new_a, -lr_power) - tf.pow(a, -lr_power)) / lr * w
+    quadratic = tf.pow(new_a, -lr_power) / lr + 2 * l2
+    w = (tf.clip_by_value(lin, -l1, l1) - lin) / quadratic
+    accum.scatter_update(tf.IndexedSlices(new_a, unique))
+    linear.scatter_update(tf.IndexedSlices(lin, unique))
+    return var.scatter_update(tf.IndexedSlices(w, unique))

@@ -109,7 +109,10 @@ def to_dataset(frame, batch_size, shuffle=False, seed=0):
         for col in SPARSE_COLUMNS:
             # "" splits to [""], which is dropped: a missing value.
             tokens = tf.strings.split(features[col], sep="|")
-            out[col] = tf.ragged.boolean_mask(tokens, tokens != "")
+            # tf.not_equal, not `!=`: in a TF1 graph `!=` on a
+            # RaggedTensor compares Python objects.
+            out[col] = tf.ragged.boolean_mask(tokens,
+                                              tf.not_equal(tokens, ""))
         return out, y
 
     return ds.batch(batch_size).map(split_tokens,

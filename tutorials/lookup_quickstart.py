@@ -7,7 +7,7 @@ small MLP predicts the click. Trains with Keras `model.fit` and
 for the MLP) and prints the validation AUC next to the AUC of the hidden
 truth.
 
-    python tutorials/lookup_quickstart.py --rows 200000 --epochs 2
+    python tutorials/lookup_quickstart.py --rows 200000 --epochs 3
 """
 
 import argparse
@@ -58,9 +58,10 @@ class CtrModel(keras.Model):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--min-auc", type=float, default=0.0,
                         help="exit non-zero if validation AUC is lower")
     args = parser.parse_args()
@@ -74,10 +75,12 @@ def main():
           f"(AUC of the hidden truth: {bayes_auc:.3f})")
 
     model = CtrModel(dim=args.dim)
-    model.compile(optimizer=ge.optimizers.Adagrad(0.05),
+    model.compile(optimizer=ge.optimizers.Adagrad(
+                      args.lr, initial_accumulator_value=1e-3),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True),
                   metrics=[keras.metrics.AUC(from_logits=True, name="auc")])
-    model.fit(train, validation_data=valid, epochs=args.epochs, verbose=2)
+    model.fit(train, validation_data=valid, epochs=args.epochs, verbose=2,
+              shuffle=False)
     auc = model.evaluate(valid, verbose=0, return_dict=True)["auc"]
     print(f"validation AUC {auc:.4f} (hidden truth {bayes_auc:.4f}); "
           f"total {time.time() - start:.0f}s")

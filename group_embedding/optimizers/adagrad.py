@@ -3,15 +3,23 @@
 import keras
 import tensorflow as tf
 
+from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
+from group_embedding.optimizers.base_optimizer import BaseOptimizer
+
+EV_ACCUMULATOR = "adagrad/accumulator"
 
 
-class Adagrad(keras.optimizers.Optimizer):
+class Adagrad(BaseOptimizer, keras.optimizers.Optimizer):
     """Adagrad that touches only the rows present in sparse gradients.
 
-    Update, per element: `accum += g^2; var -= lr * g / (sqrt(accum) +
-    epsilon)`, identical to `keras.optimizers.Adagrad` (which densifies
-    IndexedSlices and so rewrites whole tables every step).
+    Update, per element: `accum += g^2; var -= lr * g / sqrt(accum +
+    epsilon)`, identical to `keras.optimizers.Adagrad`. Sparse gradients of
+    plain variables go to one multithreaded C++ op per variable that sums
+    duplicate rows and updates each touched row of the variable and its
+    accumulator in one pass (Keras runs several scatter ops instead).
+    `EmbeddingVariable`s keep their accumulator with each key (slot
+    "adagrad/accumulator").
 
     Args:
         learning_rate: float or schedule, default 0.001.
@@ -41,6 +49,14 @@ class Adagrad(keras.optimizers.Optimizer):
                                              initializer=init)
             for v in var_list]
 
+    def _ev_slots(self):
+        return [(EV_ACCUMULATOR, self.initial_accumulator_value)]
+
+    def _ev_update_step(self, gradient, variable, learning_rate):
+        ev_storage.apply_adagrad(variable.handle, gradient.indices,
+                                 gradient.values, self._ev_step(),
+                                 learning_rate, self.epsilon, EV_ACCUMULATOR)
+
     def update_step(self, gradient, variable, learning_rate):
         accum = self._accumulators[self._get_variable_index(variable)]
         lr = tf.cast(learning_rate, variable.dtype)
@@ -51,7 +67,7 @@ class Adagrad(keras.optimizers.Optimizer):
         gradient = tf.cast(gradient, variable.dtype)
         accum.assign_add(tf.square(gradient))
         variable.assign_sub(lr * gradient /
-                            (tf.sqrt(accum.value) + self.epsilon))
+                            tf.sqrt(accum.value + self.epsilon))
 
     def get_config(self):
         config = super().get_config()

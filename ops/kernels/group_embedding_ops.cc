@@ -428,6 +428,98 @@ REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookupGrad")
                         GroupEmbeddingVariableLookupGradOp);
 
 // ---------------------------------------------------------------------------
+// Gradient w.r.t. the per-id weights (only for weighted tables):
+//   pooled_b = sum_j w_j e_j / n_b,  n_b = 1 | sum_j w_j | sqrt(sum_j w_j^2)
+//   d/dw_j = (e_j.g_b - pooled_b.g_b * dn_b/dw_j) / n_b
+// Not marked stateful on purpose: when nothing differentiates the weights,
+// graph pruning drops it instead of running a gather every step.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingWeightGrad")
+    .Input("tables: num_tables * resource")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("grads: num_tables * float")
+    .Input("pooled: num_tables * float")
+    .Output("weight_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(3 * n + i));
+      return Status();
+    });
+
+class GroupEmbeddingWeightGradOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingWeightGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids, splits, weights, grads, pooled;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
+    const int k = ids.size();
+    for (int t = 0; t < k; ++t) {
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
+      if (weights[t].NumElements() == 0) continue;
+      RefCountPtr<Var> var;
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t), &var));
+      tensorflow::tf_shared_lock lock(*var->mu());
+      const Tensor* table = var->tensor();
+      const int64_t dim = table->dim_size(1);
+      const float* e = table->flat<float>().data();
+      const int64_t* v = ids[t].flat<int64_t>().data();
+      const int64_t* s = splits[t].flat<int64_t>().data();
+      const float* w = weights[t].flat<float>().data();
+      const float* g = grads[t].flat<float>().data();
+      const float* p = pooled[t].flat<float>().data();
+      float* dw = o->flat<float>().data();
+      const int64_t batch = splits[t].NumElements() - 1;
+      for (int64_t b = 0; b < batch; ++b) {
+        const float* gb = g + b * dim;
+        const float scale = RowScale(combiners_[t], w, s[b], s[b + 1]);
+        float pg = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) pg += p[b * dim + d] * gb[d];
+        for (int64_t j = s[b]; j < s[b + 1]; ++j) {
+          float eg = 0.0f;
+          const float* row = e + v[j] * dim;
+          for (int64_t d = 0; d < dim; ++d) eg += row[d] * gb[d];
+          switch (combiners_[t]) {
+            case kSum:
+              dw[j] = eg;
+              break;
+            case kMean:
+              dw[j] = (eg - pg) * scale;
+              break;
+            case kSqrtn:
+              dw[j] = (eg - pg * w[j] * scale) * scale;
+              break;
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  std::vector<Combiner> combiners_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingWeightGrad").Device(DEVICE_CPU),
+                        GroupEmbeddingWeightGradOp);
+
+// ---------------------------------------------------------------------------
 // SparseTensor ids -> ragged (values grouped by row, row_splits) with a
 // stable counting sort on the row index: O(nnz), any index order.
 // ---------------------------------------------------------------------------
@@ -439,6 +531,7 @@ REGISTER_OP("GroupSparseToRagged")
     .Output("values: num_features * int64")
     .Output("row_splits: num_features * int64")
     .Output("row_weights: num_features * float")
+    .Output("weight_positions: num_features * int64")
     .Attr("num_features: int >= 1")
     .Attr("feature_names: list(string)")
     .SetShapeFn([](InferenceContext* c) {
@@ -448,6 +541,7 @@ REGISTER_OP("GroupSparseToRagged")
         c->set_output(i, c->input(n + i));
         c->set_output(n + i, c->Vector(c->UnknownDim()));
         c->set_output(2 * n + i, c->input(3 * n + i));
+        c->set_output(3 * n + i, c->Vector(c->UnknownDim()));
       }
       return Status();
     });
@@ -464,10 +558,13 @@ class GroupSparseToRaggedOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
     OP_REQUIRES_OK(ctx, ctx->input_list("dense_shapes", &shapes));
     OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    OpOutputList vals_out, splits_out, w_out;
+    // weight_positions[f][j] = where input weight j went (for the
+    // gradient); empty when nothing moved or there are no weights.
+    OpOutputList vals_out, splits_out, w_out, pos_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("values", &vals_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("row_splits", &splits_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("row_weights", &w_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("weight_positions", &pos_out));
     for (int f = 0; f < ids.size(); ++f) {
       const std::string& name = names_[f];
       const Tensor& ind = indices[f];
@@ -501,6 +598,9 @@ class GroupSparseToRaggedOp : public OpKernel {
         ++sp(r + 1);
       }
       for (int64_t b = 0; b < batch; ++b) sp(b + 1) += sp(b);
+      Tensor* pt = nullptr;
+      const int64_t npos = (sorted || !weighted) ? 0 : nnz;
+      OP_REQUIRES_OK(ctx, pos_out.allocate(f, TensorShape({npos}), &pt));
       if (sorted) {
         // Already row-major: forward the buffers, no copy.
         vals_out.set(f, ids[f]);
@@ -517,7 +617,10 @@ class GroupSparseToRaggedOp : public OpKernel {
       for (int64_t j = 0; j < nnz; ++j) {
         const int64_t dst = next[in(j, 0)]++;
         ov(dst) = iv(j);
-        if (weighted) wt->flat<float>()(dst) = weights[f].flat<float>()(j);
+        if (weighted) {
+          wt->flat<float>()(dst) = weights[f].flat<float>()(j);
+          pt->flat<int64_t>()(j) = dst;
+        }
       }
     }
   }
@@ -533,7 +636,7 @@ REGISTER_KERNEL_BUILDER(Name("GroupSparseToRagged").Device(DEVICE_CPU),
 // Sparse Adagrad on a resource variable and its accumulator, with duplicate
 // indices summed first (so the result equals the dense update) and rows
 // updated in parallel:
-//   accum += g^2;  var -= lr * g / (sqrt(accum) + epsilon)
+//   accum += g^2;  var -= lr * g / sqrt(accum + epsilon)   (Keras' rule)
 // ---------------------------------------------------------------------------
 REGISTER_OP("GroupSparseApplyAdagrad")
     .Input("var: resource")
@@ -633,7 +736,7 @@ class GroupSparseApplyAdagradOp : public OpKernel {
         float* ar = ap + r * dim;
         for (int64_t d = 0; d < dim; ++d) {
           ar[d] += gr[d] * gr[d];
-          vr[d] -= lr * gr[d] / (std::sqrt(ar[d]) + eps);
+          vr[d] -= lr * gr[d] / std::sqrt(ar[d] + eps);
         }
       }
     };

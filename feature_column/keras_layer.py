@@ -1,0 +1,150 @@
+"""`GroupEmbeddingFeatures`: the Keras 3 layer that owns the tables of a
+list of feature columns (the role of the removed `DenseFeatures`)."""
+
+from typing import Any
+from typing import Dict
+from typing import List
+
+import keras
+import tensorflow as tf
+from tensorflow.python.feature_column import feature_column_v2 as fc_v2
+from tensorflow.python.feature_column import serialization
+
+from group_embedding.embedding_variable import get_embedding_variable
+from group_embedding.feature_column import column_lookup
+from group_embedding.feature_column import columns as columns_lib
+from group_embedding.feature_column import sparse_ids
+
+
+def _column_to_config(column) -> Dict[str, Any]:
+    if isinstance(column, columns_lib.EmbeddingColumn):
+        return {"class_name": "EmbeddingColumn",
+                "config": column.get_config()}
+    return serialization.serialize_feature_column(column)
+
+
+def _column_from_config(config: Dict[str, Any]):
+    if config["class_name"] == "EmbeddingColumn":
+        return columns_lib.EmbeddingColumn.from_config(config["config"])
+    return serialization.deserialize_feature_column(config)
+
+
+@keras.saving.register_keras_serializable(package="group_embedding")
+class GroupEmbeddingFeatures(keras.layers.Layer):
+    """Turns a features dict into one dense tensor, like `input_layer`.
+
+    Output `[B, sum of column dims]`, columns sorted by name; it equals
+    stock `tf.compat.v1.feature_column.input_layer` on the same weights.
+    Columns of one `group_embedding_column_scope` share ONE grouped lookup
+    per call; columns outside scopes are looked up alone.
+
+    Model creation:
+        `build()` creates one table per table name with `add_weight`
+        (`[num_buckets, D]`, named after the column, or after the shared
+        name for `shared_embedding_columns`, so a shared table is one
+        variable), or one `EmbeddingVariable` for EV columns. `call()`
+        creates no state. Train EV tables with `ge.optimizers`.
+
+    Example::
+
+        layer = ge.feature_column.GroupEmbeddingFeatures(columns)
+        x = layer({"uid": uid_sparse, "city": city_strings})  # [B, sum D]
+
+    Args:
+        feature_columns: `EmbeddingColumn`s of this package and stateless
+            stock dense columns (numeric, bucketized, indicator).
+        trainable: default True; False freezes every table.
+        name: layer name.
+        **kwargs: other `keras.layers.Layer` arguments.
+
+    Raises:
+        TypeError: unsupported column (see `input_layer`).
+        ValueError: empty list or duplicate column names.
+    """
+
+    def __init__(self, feature_columns, trainable: bool = True,
+                 name=None, **kwargs):
+        super().__init__(trainable=trainable, name=name, **kwargs)
+        self._feature_columns = column_lookup.check_feature_columns(
+            feature_columns)
+        self._embedding_columns = column_lookup.embedding_columns(
+            self._feature_columns)
+        self._specs = column_lookup.table_specs(self._embedding_columns)
+        self._state_manager = sparse_ids.TableStateManager()
+        self._tables: Dict[str, Any] = {}
+        self._evs: List[Any] = []
+
+    @property
+    def feature_columns(self) -> List[Any]:
+        """The columns, sorted by name (the output order)."""
+        return list(self._feature_columns)
+
+    @property
+    def tables(self) -> Dict[str, Any]:
+        """Table name -> variable (or EmbeddingVariable).
+
+        Raises:
+            RuntimeError: the layer is not built yet.
+        """
+        if not self.built:
+            raise RuntimeError(f"Layer '{self.name}' has no tables yet: "
+                               "build it first (call it on features).")
+        return dict(self._tables)
+
+    @property
+    def embedding_variables(self) -> List[Any]:
+        """The `EmbeddingVariable` tables (Keras does not track them)."""
+        return list(self._evs)
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        for name, c in self._specs.items():
+            if c.is_ev:
+                ev = get_embedding_variable(
+                    f"{self.name}/{name}", c.dimension, key_dtype=tf.int64,
+                    initializer=c.initializer,
+                    trainable=c.trainable and self.trainable,
+                    ev_option=c.categorical_column.ev_option)
+                self._evs.append(ev)
+                self._tables[name] = ev
+            else:
+                self._tables[name] = self.add_weight(
+                    name=name, shape=(c.num_buckets, c.dimension),
+                    initializer=c.table_initializer(), dtype="float32",
+                    trainable=c.trainable)
+        self.built = True
+
+    def build_from_config(self, config):
+        # Tables depend on the columns only, not on input shapes.
+        self.build()
+
+    def call(self, features, training=None):
+        prepared = sparse_ids.prepare_features(features,
+                                               self._feature_columns)
+        cache = fc_v2.FeatureTransformationCache(prepared)
+        embedded = column_lookup.lookup_columns(
+            self._embedding_columns, cache, self._state_manager,
+            self._tables, training=True if training is None else training)
+        return column_lookup.concat(column_lookup.dense_outputs(
+            self._feature_columns, embedded, cache, self._state_manager))
+
+    def compute_output_shape(self, input_shape):
+        dims = 0
+        for c in self._feature_columns:
+            dims += c.dimension if c in self._embedding_columns else \
+                c.variable_shape.num_elements()
+        return (None, dims)
+
+    def get_config(self) -> Dict[str, Any]:
+        config = super().get_config()
+        config["feature_columns"] = [_column_to_config(c)
+                                     for c in self._feature_columns]
+        return config
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "GroupEmbeddingFeatures":
+        config = dict(config)
+        config["feature_columns"] = [_column_from_config(c)
+                                     for c in config["feature_columns"]]
+        return cls(**config)

@@ -1,0 +1,295 @@
+"""EmbeddingVariable: an embedding table keyed by arbitrary int64 keys,
+growing as new keys arrive (DeepRec's `get_embedding_variable`)."""
+
+import itertools
+import math
+from typing import Optional
+
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+from group_embedding.embedding_variable_option import EmbeddingVariableOption
+from group_embedding.embedding_variable_option import GlobalStepEvict
+from group_embedding.embedding_variable_option import L2WeightEvict
+from group_embedding.ops import ev_storage
+
+SUPPORTED_KEY_DTYPES = (tf.int64, tf.int32)
+_uid = itertools.count()
+
+
+class EmbeddingVariable(tf.Module):
+    """A `[unbounded, D]` embedding table keyed by int64 (or int32) keys.
+
+    Create it with `ge.get_embedding_variable`. Keys may be any value of
+    the key dtype (negative, 0, 2**63-1). Storage is a C++ resource that
+    holds, per key, the value row, an occurrence count (`freq`), the step
+    of the last update (`version`) and every optimizer slot; it grows
+    without a fixed capacity and reuses the rows of evicted keys.
+
+    Training vs inference:
+        `ge.group_embedding_lookup_sparse(..., training=True)` (the
+        default) inserts keys seen for the first time, initialised from
+        row `key mod default_value_dim` of the default matrix, and counts
+        occurrences. With `training=False` nothing is inserted or counted:
+        unknown keys read their default row (or
+        `default_value_no_permission` under a `CounterFilter`).
+
+    Gradients: `tape.gradient(loss, ev)` is a `tf.IndexedSlices` whose
+    `indices` are keys (not row numbers) and whose `dense_shape` is None.
+    Apply it with `ge.optimizers` / `ge.train` optimizers, which update only
+    the touched keys and their slots.
+
+    Checkpoints: `tf.train.Checkpoint` and `tf.compat.v1.train.Saver` save
+    keys, values, freqs, versions and all slots as one snapshot (and the
+    default matrix as a variable); restoring replaces the whole content.
+    The eviction policy runs just before each save.
+
+    Note: DeepRec saves values and slots at different moments; here one
+    lock covers the whole snapshot, so slots always belong to the saved
+    keys.
+
+    Attributes:
+        embedding_dim: D.
+        key_dtype: tf.int64 or tf.int32.
+        ev_option: the `EmbeddingVariableOption`.
+        default_values: `[default_value_dim, D]` non-trainable variable.
+    """
+
+    _should_act_as_resource_variable = True  # tape/gradients use `.handle`
+
+    def __init__(self, name: str, embedding_dim: int, key_dtype, value_dtype,
+                 initializer, trainable: bool,
+                 ev_option: EmbeddingVariableOption):
+        # tf.Module wants a Python identifier; ours may hold '/'.
+        super().__init__()
+        self._ev_name = name
+        # Checkpoint code names resource-variable-like objects by this.
+        self._shared_name = name
+        self.embedding_dim = embedding_dim
+        self.key_dtype = key_dtype
+        self._dtype = value_dtype
+        self._trainable = trainable
+        self.ev_option = ev_option
+        init_opt = ev_option.init_option
+        init = initializer or init_opt.initializer or \
+            tf.keras.initializers.TruncatedNormal(
+                stddev=1.0 / math.sqrt(embedding_dim))
+        shape = [init_opt.default_value_dim, embedding_dim]
+        with tf.init_scope():
+            self.default_values = tf.Variable(
+                lambda: tf.cast(init(shape, dtype=tf.float32), tf.float32),
+                trainable=False, name=f"{name}/default_values")
+            self._handle = self._create_handle()
+            if tf.executing_eagerly():
+                self._deleter = resource_variable_ops.EagerResourceDeleter(
+                    self._handle, self._handle.device)
+            else:
+                tf.compat.v1.add_to_collection(
+                    tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS, self)
+
+    def _create_handle(self):
+        opt = self.ev_option
+        evict = opt.evict_option
+        steps = (evict.steps_to_live or 0
+                 if isinstance(evict, GlobalStepEvict) else 0)
+        l2 = (float(evict.l2_weight_threshold)
+              if isinstance(evict, L2WeightEvict) else -1.0)
+        freq = 0 if opt.filter_option is None else \
+            opt.filter_option.filter_freq
+        if tf.executing_eagerly():
+            shared = f"{self._ev_name}_{next(_uid)}"
+        else:
+            shared = tf.compat.v1.get_default_graph().unique_name(
+                self._ev_name + "/storage", mark_as_used=True)
+        return ev_storage.create_handle(
+            self._ev_name, shared, self.embedding_dim, freq,
+            float(opt.init_option.default_value_no_permission), steps, l2)
+
+    # --- variable-like surface used by the grouped lookup and the tape ---
+    @property
+    def name(self) -> str:
+        return self._ev_name
+
+    @property
+    def handle(self) -> tf.Tensor:
+        return self._handle
+
+    @property
+    def dtype(self):
+        return self._dtype
+
+    @property
+    def shape(self) -> tf.TensorShape:
+        return tf.TensorShape([None, self.embedding_dim])
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    def __repr__(self):
+        return (f"<EmbeddingVariable '{self._ev_name}' dim="
+                f"{self.embedding_dim} key_dtype={self.key_dtype.name}>")
+
+    def check_keys(self, keys, argument: str):
+        """Checks that `keys` can address this variable.
+
+        Args:
+            keys: a Tensor, SparseTensor or RaggedTensor of keys.
+            argument: how the caller names `keys` in messages.
+
+        Raises:
+            TypeError: float/string keys, or int64 keys for an int32
+                variable.
+        """
+        dtype = tf.as_dtype(keys.dtype)
+        if not dtype.is_integer:
+            raise TypeError(f"EmbeddingVariable '{self._ev_name}': "
+                            f"`{argument}` must hold integer keys, got "
+                            f"{dtype.name}.")
+        if dtype not in SUPPORTED_KEY_DTYPES or (
+                self.key_dtype == tf.int32 and dtype != tf.int32):
+            raise TypeError(f"EmbeddingVariable '{self._ev_name}': "
+                            f"`{argument}` has dtype {dtype.name} but the "
+                            f"variable's key_dtype is {self.key_dtype.name}.")
+
+    def lookup_rows(self, keys, training=True) -> tf.Tensor:
+        """Rows for `keys` of any shape S: returns `S + [D]`.
+
+        Args:
+            keys: integer tensor of keys.
+            training: True (default) inserts new keys and counts them;
+                False reads only (Python bool or bool tensor).
+        """
+        keys = tf.convert_to_tensor(keys)
+        self.check_keys(keys, "keys")
+        rows = ev_storage.group_gather([self], [tf.reshape(keys, [-1])],
+                                       training)
+        return tf.reshape(rows, tf.concat(
+            [tf.shape(keys), [self.embedding_dim]], 0))
+
+    def ensure_slot(self, slot_name: str, initial_value: float):
+        """Creates optimizer slot `slot_name` if missing (keys present get
+        `initial_value`); returns the op (None when run eagerly)."""
+        return ev_storage.ensure_slot(self._handle, slot_name, initial_value)
+
+    def size(self) -> tf.Tensor:
+        """Number of live keys (int64 scalar)."""
+        return ev_storage.size(self._handle)[0]
+
+    def bytes_per_key(self) -> tf.Tensor:
+        """Bytes held by the storage per live key (float64 scalar).
+
+        Counts the hash map, every allocated row (values, key, freq,
+        version, all slots) and the free list; rows are allocated in
+        chunks of 1024, so small tables read higher.
+        """
+        n, b = ev_storage.size(self._handle)
+        return tf.cast(b, tf.float64) / tf.cast(tf.maximum(n, 1), tf.float64)
+
+    def export(self):
+        """Returns (keys [n], values [n, D], freqs [n], versions [n])."""
+        keys, values, freqs, versions, _, _, _, _ = ev_storage.export(
+            self._handle, self.embedding_dim)
+        return keys, values, freqs, versions
+
+    def evict(self) -> tf.Tensor:
+        """Runs the eviction policy now; returns how many keys it removed
+        (always 0 without an `evict_option`)."""
+        return ev_storage.evict(self._handle)
+
+    # --- checkpointing -------------------------------------------------
+    def _serialize_to_tensors(self):
+        deps = []
+        if self.ev_option.evict_option is not None:
+            deps.append(self.evict())
+        with tf.control_dependencies(deps if not tf.executing_eagerly()
+                                     else []):
+            out = ev_storage.export(self._handle, self.embedding_dim)
+        names = ("keys", "values", "freqs", "versions", "slot_names",
+                 "slot_inits", "slots", "step")
+        return dict(zip(names, out))
+
+    def _restore_from_tensors(self, restored_tensors):
+        t = restored_tensors
+        values = t["values"]
+        dim = values.shape[-1] if values.shape.rank == 2 else None
+        if dim is not None and dim != self.embedding_dim:
+            raise ValueError(
+                f"EmbeddingVariable '{self._ev_name}': checkpoint has "
+                f"embedding_dim {dim} but the variable has "
+                f"{self.embedding_dim}.")
+        return ev_storage.import_(self._handle, t["keys"], values, t["freqs"],
+                                  t["versions"], t["slot_names"],
+                                  t["slot_inits"], t["slots"], t["step"])
+
+
+def is_embedding_variable(x) -> bool:
+    """True if `x` is an `EmbeddingVariable`."""
+    return isinstance(x, EmbeddingVariable)
+
+
+def get_embedding_variable(name: str, embedding_dim: int,
+                           key_dtype=tf.int64, value_dtype=tf.float32,
+                           initializer=None, trainable: bool = True,
+                           ev_option: Optional[EmbeddingVariableOption] = None
+                           ) -> EmbeddingVariable:
+    """Creates an `EmbeddingVariable` (DeepRec's signature).
+
+    Example::
+
+        ev = ge.get_embedding_variable("user", 16)
+        ids = tf.ragged.constant([[7, -3], [2**63 - 1]], tf.int64)
+        (emb,) = ge.group_embedding_lookup_sparse([ev], [ids], "mean")
+        # emb: [2, 16]; keys 7, -3 and 2**63-1 are now stored.
+
+    Args:
+        name: variable name, used in checkpoints and error messages.
+        embedding_dim: D, int >= 1.
+        key_dtype: tf.int64 (default) or tf.int32; int32 keys may address
+            an int64 variable, not the reverse.
+        value_dtype: tf.float32 (the only supported dtype).
+        initializer: draws the default matrix; overrides
+            `ev_option.init_option.initializer` (setting both differently
+            is an error). Default: truncated normal, stddev `1/sqrt(D)`.
+        trainable: whether gradients flow to the variable (default True).
+        ev_option: `EmbeddingVariableOption` (default: no filter, no
+            eviction, 4096 default rows).
+
+    Returns:
+        The `EmbeddingVariable`.
+
+    Raises:
+        ValueError: bad name or embedding_dim, or two different
+            initializers.
+        TypeError: unsupported key dtype or a wrong option type.
+        NotImplementedError: `value_dtype` other than float32.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
+    if (isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int)
+            or embedding_dim < 1):
+        raise ValueError(f"EmbeddingVariable '{name}': `embedding_dim` must "
+                         f"be an int >= 1, got {embedding_dim!r}.")
+    key_dtype = tf.as_dtype(key_dtype)
+    if key_dtype not in SUPPORTED_KEY_DTYPES:
+        raise TypeError(f"EmbeddingVariable '{name}': `key_dtype` must be "
+                        f"int64 or int32, got {key_dtype.name}.")
+    value_dtype = tf.as_dtype(value_dtype)
+    if value_dtype != tf.float32:
+        raise NotImplementedError(
+            f"EmbeddingVariable '{name}': `value_dtype` {value_dtype.name} "
+            "is not supported, use float32.")
+    if ev_option is None:
+        ev_option = EmbeddingVariableOption()
+    if not isinstance(ev_option, EmbeddingVariableOption):
+        raise TypeError(f"EmbeddingVariable '{name}': `ev_option` must be an "
+                        "EmbeddingVariableOption, got "
+                        f"{type(ev_option).__name__}.")
+    other = ev_option.init_option.initializer
+    if initializer is not None and other is not None \
+            and other is not initializer:
+        raise ValueError(f"EmbeddingVariable '{name}': both `initializer` and "
+                         "`ev_option.init_option.initializer` are set; give "
+                         "only one.")
+    return EmbeddingVariable(name, embedding_dim, key_dtype, value_dtype,
+                             initializer, trainable, ev_option)

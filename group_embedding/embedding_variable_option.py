@@ -1,0 +1,240 @@
+"""Options of `EmbeddingVariable`: initialisation, admission filter and
+eviction policy (DeepRec names and argument order).
+
+All are frozen dataclasses validated in `__post_init__`; each round-trips
+through `get_config()` / `from_config()`.
+"""
+
+import dataclasses
+import numbers
+from typing import Any
+from typing import Dict
+from typing import Optional
+from typing import Union
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+class _Config:
+    """get_config()/from_config() for flat dataclasses."""
+
+    def get_config(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]):
+        return cls(**config)
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseEvictOption(_Config):
+    """Base of the eviction policies; at most one applies to a variable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalStepEvict(BaseEvictOption):
+    """Removes keys not updated in the last `steps_to_live` global steps.
+
+    A key is removed when `current_step - last_update_step >
+    steps_to_live`, where steps are the optimizer's step counter
+    (`iterations` for `ge.optimizers`, `global_step` for `ge.train`).
+
+    Args:
+        steps_to_live: positive int, or None (default) for no eviction.
+
+    Raises:
+        ValueError: `steps_to_live` is not a positive int or None.
+    """
+
+    steps_to_live: Optional[int] = None
+
+    def __post_init__(self):
+        s = self.steps_to_live
+        if s is not None and (not _is_int(s) or s <= 0):
+            raise ValueError("`steps_to_live` must be a positive int or "
+                             f"None, got {s!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class L2WeightEvict(BaseEvictOption):
+    """Removes keys whose embedding L2 norm is below `l2_weight_threshold`.
+
+    Note: the spec's rule (L2 norm), not DeepRec's `0.5 * sum(v^2)`.
+
+    Args:
+        l2_weight_threshold: float; negative (default -1.0) disables it.
+
+    Raises:
+        ValueError: `l2_weight_threshold` is not a number.
+    """
+
+    l2_weight_threshold: float = -1.0
+
+    def __post_init__(self):
+        if not _is_float(self.l2_weight_threshold):
+            raise ValueError("`l2_weight_threshold` must be a float, got "
+                             f"{self.l2_weight_threshold!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterFilter(_Config):
+    """Admits a key only after `filter_freq` occurrences in training.
+
+    Occurrences are counted per training lookup, duplicates in a batch
+    included; the lookup in which the count reaches `filter_freq` already
+    reads the key's real value. Until then the key reads
+    `InitializerOption.default_value_no_permission` and gets no update.
+
+    Args:
+        filter_freq: int >= 0, default 0 (every key admitted).
+
+    Raises:
+        ValueError: `filter_freq` is not an int >= 0.
+    """
+
+    filter_freq: int = 0
+
+    def __post_init__(self):
+        if not _is_int(self.filter_freq) or self.filter_freq < 0:
+            raise ValueError("`filter_freq` must be an int >= 0, got "
+                             f"{self.filter_freq!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class InitializerOption(_Config):
+    """How new keys are initialised.
+
+    A `[default_value_dim, D]` matrix is drawn once from `initializer`; a
+    new key starts from row `key mod default_value_dim` (floor modulo, so
+    negative keys work too).
+
+    Args:
+        initializer: a Keras/TF initializer or callable `(shape, dtype)`;
+            None (default) for truncated normal with stddev `1/sqrt(D)`.
+        default_value_dim: rows of the default matrix, int >= 1
+            (default 4096).
+        default_value_no_permission: value read by keys a `CounterFilter`
+            has not admitted yet (default 0.0).
+
+    Raises:
+        ValueError: bad `default_value_dim` or
+            `default_value_no_permission`.
+        TypeError: `initializer` is not callable.
+    """
+
+    initializer: Any = None
+    default_value_dim: int = 4096
+    default_value_no_permission: float = 0.0
+
+    def __post_init__(self):
+        if self.initializer is not None and not callable(self.initializer):
+            raise TypeError("`initializer` must be callable or None, got "
+                            f"{type(self.initializer).__name__}.")
+        if not _is_int(self.default_value_dim) or self.default_value_dim < 1:
+            raise ValueError("`default_value_dim` must be an int >= 1, got "
+                             f"{self.default_value_dim!r}.")
+        if not _is_float(self.default_value_no_permission):
+            raise ValueError("`default_value_no_permission` must be a float, "
+                             f"got {self.default_value_no_permission!r}.")
+
+    def get_config(self) -> Dict[str, Any]:
+        import keras  # local: keras is heavy and only needed here
+
+        init = self.initializer
+        if init is not None:
+            init = keras.initializers.serialize(keras.initializers.get(init))
+        return {"initializer": init,
+                "default_value_dim": self.default_value_dim,
+                "default_value_no_permission":
+                    self.default_value_no_permission}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]):
+        import keras
+
+        config = dict(config)
+        if config.get("initializer") is not None:
+            config["initializer"] = keras.initializers.deserialize(
+                config["initializer"])
+        return cls(**config)
+
+
+_EVICT_CLASSES = {"GlobalStepEvict": GlobalStepEvict,
+                  "L2WeightEvict": L2WeightEvict}
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingVariableOption(_Config):
+    """All options of one `EmbeddingVariable`.
+
+    Args:
+        evict_option: None (default), a `GlobalStepEvict` or an
+            `L2WeightEvict`. Eviction runs at checkpoint save and on
+            `EmbeddingVariable.evict()`.
+        filter_option: None (default) or a `CounterFilter`.
+        init_option: an `InitializerOption` (default `InitializerOption()`).
+
+    Raises:
+        ValueError: several eviction policies (a list or tuple of them);
+            they cannot be combined.
+        TypeError: an option of the wrong class.
+    """
+
+    evict_option: Optional[Union[GlobalStepEvict, L2WeightEvict]] = None
+    filter_option: Optional[CounterFilter] = None
+    init_option: InitializerOption = dataclasses.field(
+        default_factory=InitializerOption)
+
+    def __post_init__(self):
+        evict = self.evict_option
+        if isinstance(evict, (list, tuple)):
+            if len(evict) > 1:
+                raise ValueError(
+                    "`evict_option` cannot combine eviction policies, got "
+                    f"{[type(e).__name__ for e in evict]}; use one of "
+                    "GlobalStepEvict or L2WeightEvict.")
+            evict = evict[0] if evict else None
+            object.__setattr__(self, "evict_option", evict)
+        if evict is not None and not isinstance(evict, BaseEvictOption):
+            raise TypeError("`evict_option` must be GlobalStepEvict, "
+                            "L2WeightEvict or None, got "
+                            f"{type(evict).__name__}.")
+        if (self.filter_option is not None
+                and not isinstance(self.filter_option, CounterFilter)):
+            raise TypeError("`filter_option` must be a CounterFilter or "
+                            "None, got "
+                            f"{type(self.filter_option).__name__}.")
+        if not isinstance(self.init_option, InitializerOption):
+            raise TypeError("`init_option` must be an InitializerOption, got "
+                            f"{type(self.init_option).__name__}.")
+
+    def get_config(self) -> Dict[str, Any]:
+        evict = self.evict_option
+        return {
+            "evict_option": None if evict is None else {
+                "class_name": type(evict).__name__,
+                "config": evict.get_config()},
+            "filter_option": (None if self.filter_option is None
+                              else self.filter_option.get_config()),
+            "init_option": self.init_option.get_config(),
+        }
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]):
+        evict = config.get("evict_option")
+        if evict is not None:
+            evict = _EVICT_CLASSES[evict["class_name"]].from_config(
+                evict["config"])
+        filt = config.get("filter_option")
+        return cls(
+            evict_option=evict,
+            filter_option=None if filt is None
+            else CounterFilter.from_config(filt),
+            init_option=InitializerOption.from_config(
+                config.get("init_option", {})))

@@ -1,0 +1,88 @@
+"""Routing of EmbeddingVariable gradients inside Keras 3 optimizers.
+
+`BaseOptimizer` is mixed in front of a stock Keras optimizer class: plain
+variables go through the stock `apply` (so one optimizer trains a whole
+model, dense layers included), while every `EmbeddingVariable` is updated
+by one C++ op that touches only its gradient's keys and the slots stored
+with them.
+"""
+
+from typing import Dict
+from typing import List
+from typing import Tuple
+
+import tensorflow as tf
+
+from group_embedding.embedding_variable import EmbeddingVariable
+
+# Keras options that the EV update path cannot honour.
+_UNSUPPORTED_WITH_EV = ("clipnorm", "clipvalue", "global_clipnorm",
+                        "weight_decay", "use_ema", "loss_scale_factor",
+                        "gradient_accumulation_steps")
+
+
+class BaseOptimizer:
+    """Mixin: EmbeddingVariable updates + the stock Keras optimizer.
+
+    Subclasses list their per-key slots in `_ev_slots()` and implement
+    `_ev_update_step(gradient, variable, learning_rate)`. The step passed
+    to the storage (and recorded as each key's version) is
+    `self.iterations` before this step's increment.
+    """
+
+    def _ev_slots(self) -> List[Tuple[str, float]]:
+        """(slot name, initial value) pairs stored with every key."""
+        return []
+
+    def _ev_update_step(self, gradient, variable, learning_rate):
+        raise NotImplementedError
+
+    def _check_ev_options(self, variable: EmbeddingVariable):
+        for option in _UNSUPPORTED_WITH_EV:
+            value = getattr(self, option, None)
+            if value not in (None, False, 0):
+                raise NotImplementedError(
+                    f"{type(self).__name__}: `{option}`={value!r} is not "
+                    f"supported for EmbeddingVariable '{variable.name}'.")
+
+    def _ensure_ev_slots(self, variable: EmbeddingVariable):
+        ensured: Dict[int, EmbeddingVariable] = self.__dict__.setdefault(
+            "_ev_ensured", {})
+        if id(variable) in ensured:
+            return
+        # Slots are created once, eagerly (like Keras slot variables),
+        # even when the first step is being traced by tf.function.
+        with tf.init_scope():
+            for name, init in self._ev_slots():
+                variable.ensure_slot(name, init)
+        ensured[id(variable)] = variable
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None:
+            return super().apply(grads)
+        grads = list(grads)
+        variables = list(trainable_variables)
+        is_ev = [isinstance(v, EmbeddingVariable) for v in variables]
+        if not any(is_ev):
+            return super().apply(grads, variables)
+        lr = self._get_current_learning_rate()
+        for g, v, ev in zip(grads, variables, is_ev):
+            if not ev or g is None:
+                continue
+            self._check_ev_options(v)
+            if not isinstance(g, tf.IndexedSlices):
+                raise TypeError(
+                    f"{type(self).__name__}: the gradient of "
+                    f"EmbeddingVariable '{v.name}' must be IndexedSlices "
+                    f"keyed by key, got {type(g).__name__}.")
+            self._ensure_ev_slots(v)
+            self._ev_update_step(g, v, lr)
+        rest = [(g, v) for g, v, ev in zip(grads, variables, is_ev)
+                if not ev]
+        if rest:
+            return super().apply([g for g, _ in rest], [v for _, v in rest])
+        self.iterations.assign_add(1)
+        return None
+
+    def _ev_step(self) -> tf.Tensor:
+        return tf.cast(self.iterations, tf.int64)

@@ -1,0 +1,152 @@
+"""Python wrappers of the EmbeddingVariable storage ops
+(`ops/kernels/embedding_variable_ops.cc`).
+
+The storage is one C++ resource per variable holding keys, values,
+frequencies, versions and optimizer slots. Unlike the fused lookup, it has
+no pure-TF fallback (stock TF has no growable keyed table that can also
+hold optimizer slots), so it needs the C++ kernels whatever
+`GROUP_EMBEDDING_KERNELS` says.
+
+Gradient of `EVGroupGather`: per variable, `tf.IndexedSlices(values=row
+gradients, indices=keys)` with `dense_shape=None`: keys are arbitrary
+int64 values, not row numbers, so there is no dense shape to give;
+densifying such a gradient raises instead of allocating 2**63 rows.
+"""
+
+from typing import List
+from typing import Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import tape as tape_lib
+
+from group_embedding.ops import kernel_library
+
+
+def library():
+    """Returns the loaded kernel module (built on first use).
+
+    Raises:
+        RuntimeError: if the kernels cannot be built or loaded.
+    """
+    module = kernel_library.library()
+    if module is None:
+        raise RuntimeError(
+            "EmbeddingVariable needs the group-embedding C++ kernels, which "
+            "could not be built; run `python -m "
+            "group_embedding.ops.kernel_library -v` to see why.")
+    return module
+
+
+def create_handle(variable_name: str, shared_name: str, embedding_dim: int,
+                  filter_freq: int, no_permission: float, steps_to_live: int,
+                  l2_weight_threshold: float) -> tf.Tensor:
+    """Creates (or finds) the storage resource and returns its handle."""
+    return library().ev_handle_op(
+        shared_name=shared_name, variable_name=variable_name,
+        embedding_dim=embedding_dim, filter_freq=filter_freq,
+        default_value_no_permission=no_permission,
+        steps_to_live=steps_to_live,
+        l2_weight_threshold=l2_weight_threshold)
+
+
+def group_gather(variables: Sequence, keys: List[tf.Tensor],
+                 training) -> tf.Tensor:
+    """Rows of several same-dim EVs for their keys, concatenated.
+
+    Args:
+        variables: K `EmbeddingVariable`s of one embedding dim D.
+        keys: K int64 key vectors `[n_i]`.
+        training: Python or tensor bool; True inserts new keys and counts
+            frequencies, False only reads (unknown keys read defaults).
+
+    Returns:
+        float32 `[sum n_i, D]`.
+    """
+    for v in variables:
+        if v.trainable:
+            # Lets GradientTape see the storage handle as a watched source.
+            tape_lib.variable_accessed(v)
+    return library().ev_group_gather(
+        handles=[v.handle for v in variables],
+        keys=[tf.cast(k, tf.int64) for k in keys],
+        default_values=[v.default_values for v in variables],
+        training=tf.convert_to_tensor(training, tf.bool),
+        embedding_dim=int(variables[0].embedding_dim))
+
+
+@tf.RegisterGradient("EVGroupGather")
+def _group_gather_grad(op, grad):
+    k = op.get_attr("num_tables")
+    keys = op.inputs[k:2 * k]
+    if k == 1:
+        parts = [grad]
+    else:
+        parts = tf.split(grad, tf.stack([tf.size(x) for x in keys]), num=k)
+    slices = [tf.IndexedSlices(p, key) for p, key in zip(parts, keys)]
+    return slices + [None] * (2 * k) + [None]
+
+
+def ensure_slot(handle, slot_name: str, initial_value: float):
+    """Creates slot `slot_name` (existing keys set to its initial value)."""
+    return library().ev_ensure_slot(handle, slot_name=slot_name,
+                                    initial_value=float(initial_value))
+
+
+def size(handle):
+    """Returns (number of live keys, bytes held), int64 scalars."""
+    return library().ev_size(handle)
+
+
+def export(handle, embedding_dim: int):
+    """Consistent snapshot: (keys, values, freqs, versions, slot_names,
+    slot_inits, slots [n, S * D], step)."""
+    return library().ev_export(handle, embedding_dim=embedding_dim)
+
+
+def import_(handle, keys, values, freqs, versions, slot_names, slot_inits,
+            slots, step):
+    """Replaces the whole content with an `export` snapshot."""
+    return library().ev_import(handle, keys, values, freqs, versions,
+                               slot_names, slot_inits, slots, step)
+
+
+def evict(handle):
+    """Runs the variable's eviction policy; returns the number removed."""
+    return library().ev_evict(handle)
+
+
+def _args(keys, grad, step):
+    return (tf.cast(keys, tf.int64), tf.cast(grad, tf.float32),
+            tf.cast(step, tf.int64))
+
+
+def apply_sgd(handle, keys, grad, step, lr):
+    """`var -= lr * g` on the admitted keys (duplicates summed)."""
+    return library().ev_apply_sgd(handle, *_args(keys, grad, step),
+                                  tf.cast(lr, tf.float32))
+
+
+def apply_adagrad(handle, keys, grad, step, lr, epsilon, slot_name):
+    """`accum += g^2; var -= lr * g / (sqrt(accum) + epsilon)`."""
+    return library().ev_apply_adagrad(
+        handle, *_args(keys, grad, step), tf.cast(lr, tf.float32),
+        tf.cast(epsilon, tf.float32), slot_name=slot_name)
+
+
+def apply_adam(handle, keys, grad, step, alpha, beta1, beta2, epsilon,
+               slot_names):
+    """Lazy Adam: only the touched keys' m, v and values change."""
+    return library().ev_apply_adam(
+        handle, *_args(keys, grad, step), tf.cast(alpha, tf.float32),
+        tf.cast(beta1, tf.float32), tf.cast(beta2, tf.float32),
+        tf.cast(epsilon, tf.float32), slot_names=slot_names)
+
+
+def apply_ftrl(handle, keys, grad, step, lr, l1, l2, l2_shrinkage,
+               lr_power, slot_names):
+    """TF's FTRL-proximal (ApplyFtrlV2) on the touched keys."""
+    return library().ev_apply_ftrl(
+        handle, *_args(keys, grad, step), tf.cast(lr, tf.float32),
+        tf.cast(l1, tf.float32), tf.cast(l2, tf.float32),
+        tf.cast(l2_shrinkage, tf.float32), tf.cast(lr_power, tf.float32),
+        slot_names=slot_names)

@@ -1,0 +1,20 @@
+"""Fixtures shared by the tests: the kernel path a test runs on."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+from testing import KERNEL_MODES  # noqa: E402
+
+
+@pytest.fixture(params=KERNEL_MODES)
+def kernel_mode(request, monkeypatch):
+    """Runs the test on the C++ kernels ("custom") and on pure TF ("tf").
+
+    `GROUP_EMBEDDING_KERNELS` is read on every lookup, so setting it here
+    switches the path for everything the test traces or runs.
+    """
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", request.param)
+    return request.param

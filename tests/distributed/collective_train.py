@@ -1,0 +1,177 @@
+"""Collective training equals the single-process run (run under horovodrun).
+
+Every worker trains the model-parallel model on its slice of each global
+batch and, in the same process, a single-process reference (plain
+tf.Variables built from the same initial values) on the whole batch. After
+the steps, the global loss of every step, every row of this worker's
+shards, every replicated table and every dense weight must equal the
+reference. Any mismatch raises, so horovodrun exits non-zero.
+
+    horovodrun -np 2 python collective_train.py --partition mod --optimizer adagrad
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import group_embedding as ge  # noqa: E402
+from group_embedding import sharded_variable  # noqa: E402
+
+VOCABS = [97, 300, 41, 5]  # 5 rows x dim 4 -> replicated (tiny)
+DIMS = [8, 8, 4, 4]
+COMBINERS = ["sum", "mean", "sqrtn", "mean"]
+GLOBAL_BATCH = 12
+STEPS = 20
+
+
+def make_batches(seed, steps, workers):
+    """Global batches: multi-hot rows, weights, empty rows; per-worker
+    slices of uneven size (and an empty slice when workers > rows)."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(steps):
+        feats = []
+        for vocab in VOCABS:
+            lengths = rng.integers(0, 4, GLOBAL_BATCH)
+            values = rng.integers(0, vocab, lengths.sum())
+            weights = rng.uniform(0.5, 2.0, lengths.sum()).astype(np.float32)
+            feats.append((lengths, values, weights))
+        dense = rng.normal(size=(GLOBAL_BATCH, 3)).astype(np.float32)
+        label = rng.normal(size=(GLOBAL_BATCH, 1)).astype(np.float32)
+        batches.append((feats, dense, label))
+    return batches
+
+
+def rows_of(batch, lo, hi):
+    """Ragged ids/weights, dense and labels of global rows [lo, hi)."""
+    feats, dense, label = batch
+    ids, weights = [], []
+    for lengths, values, w in feats:
+        splits = np.concatenate([[0], np.cumsum(lengths)])
+        part = slice(splits[lo], splits[hi])
+        row_splits = splits[lo:hi + 1] - splits[lo]
+        ids.append(tf.RaggedTensor.from_row_splits(values[part], row_splits))
+        weights.append(tf.RaggedTensor.from_row_splits(w[part], row_splits))
+    return ids, weights, dense[lo:hi], label[lo:hi]
+
+
+def make_optimizer(name):
+    if name == "adagrad":
+        return ge.optimizers.Adagrad(0.1, initial_accumulator_value=0.1)
+    return keras.optimizers.Adam(0.01)
+
+
+class Model:
+    """Grouped lookup -> concat with dense input -> linear layer."""
+
+    def __init__(self, tables, dense_w):
+        self.tables = tables
+        self.dense_w = dense_w
+
+    def loss(self, ids, weights, dense, label, partition):
+        embedded = ge.group_embedding_lookup_sparse(
+            self.tables, ids, COMBINERS, sp_weights=weights,
+            partition_strategy=partition)
+        x = tf.concat(embedded + [dense], 1)
+        pred = tf.matmul(x, self.dense_w)
+        return tf.reduce_mean(tf.square(pred - label))
+
+    def variables(self):
+        out = []
+        for t in self.tables:
+            out.append(t.shard if isinstance(t, ge.ShardedVariable) else t)
+        return out + [self.dense_w]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--partition", default="mod")
+    parser.add_argument("--optimizer", default="adagrad")
+    parser.add_argument("--uneven", action="store_true")
+    args = parser.parse_args()
+
+    hvd = ge.enable_distributed_strategy("collective")
+    rank, size = hvd.rank(), hvd.size()
+    width = sum(DIMS) + 3
+    dense_init = np.random.default_rng(7).normal(
+        size=(width, 1)).astype(np.float32) * 0.1
+
+    # Tables 0-2 sharded although small; table 3 left to the size rule.
+    tables = [ge.get_embedding_table(f"t{i}", v, d,
+                                     partition_strategy=args.partition,
+                                     replicate=False if i < 3 else None)
+              for i, (v, d) in enumerate(zip(VOCABS, DIMS))]
+    assert isinstance(tables[0], ge.ShardedVariable) or size == 1
+    assert not isinstance(tables[3], ge.ShardedVariable)  # replicated
+    # Rank 0's dense init must win: give the others garbage first.
+    dense = tf.Variable(dense_init if rank == 0 else dense_init + 1.0)
+    ge.broadcast_variables([dense])
+    model = Model(tables, dense)
+
+    ref_tables = [tf.Variable(sharded_variable._chunked_initial_rows(
+        keras.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(d)), v, d,
+        tf.float32, sharded_variable.zlib.crc32(f"t{i}".encode()) % 2 ** 30,
+        np.arange(v))) for i, (v, d) in enumerate(zip(VOCABS, DIMS))]
+    ref = Model(ref_tables, tf.Variable(dense_init))
+
+    opt = make_optimizer(args.optimizer)
+    ref_opt = make_optimizer(args.optimizer)
+    # Uneven slices: worker w gets rows [cut[w], cut[w+1]).
+    cuts = np.linspace(0, GLOBAL_BATCH, size + 1).astype(int)
+    if args.uneven and size > 1:
+        cuts[1:-1] += 1
+        cuts[1] = 0  # worker 0 gets an empty slice
+    
+
+    @tf.function(reduce_retracing=True)
+    def step(ids, weights, d, y, share):
+        with tf.GradientTape() as tape:
+            loss = model.loss(ids, weights, d, y, args.partition)
+            # Gradients are averaged over workers (Horovod's convention):
+            # weigh this slice's mean loss by its share of the global batch
+            # so that uneven slices still give the global-batch gradient.
+            scaled = loss * share
+        variables = model.variables()
+        grads = ge.DistributedGradientTape(tape).gradient(scaled, variables)
+        opt.apply_gradients(zip(grads, variables))
+        return loss
+
+    @tf.function(reduce_retracing=True)
+    def ref_step(ids, weights, d, y):
+        with tf.GradientTape() as tape:
+            loss = ref.loss(ids, weights, d, y, args.partition)
+        variables = ref.variables()
+        ref_opt.apply_gradients(zip(tape.gradient(loss, variables),
+                                    variables))
+        return loss
+
+    for batch in make_batches(3, STEPS, size):
+        local = rows_of(batch, cuts[rank], cuts[rank + 1])
+        n = cuts[rank + 1] - cuts[rank]
+        loss = step(*local, tf.constant(n * size / GLOBAL_BATCH, tf.float32))
+        loss = tf.where(n > 0, loss, 0.0)  # an empty slice's mean is NaN
+        global_loss = hvd.allreduce(loss * n, op=hvd.Sum) / GLOBAL_BATCH
+        ref_loss = ref_step(*rows_of(batch, 0, GLOBAL_BATCH))
+        np.testing.assert_allclose(global_loss.numpy(), ref_loss.numpy(),
+                                   rtol=2e-5)
+
+    for t, r in zip(tables, ref_tables):
+        if isinstance(t, ge.ShardedVariable):
+            want = r.numpy()[t.global_rows()]
+            got = t.shard.numpy()
+        else:
+            want, got = r.numpy(), t.numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(dense.numpy(), ref.dense_w.numpy(),
+                               rtol=2e-5, atol=2e-6)
+    print(f"worker {rank}/{size}: {STEPS} steps equal the single-process "
+          f"run ({args.partition}, {args.optimizer})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""TF1 style: a `model_fn` using `input_layer` trains under
+`MonitoredTrainingSession`, checkpoints, and restores into a new graph."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import tensorflow as tf
+
+import fc_cases
+import group_embedding as ge
+from group_embedding import feature_column as ge_fc
+
+FC = tf.feature_column
+V1 = tf.compat.v1
+
+
+def _frame(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    uid = rng.integers(-1, 10, n)
+    city = rng.choice(["sf", "ny", "la", "", "mars"], n)
+    y = ((uid % 3 == 0) ^ (city == "sf")).astype("float32")
+    return pd.DataFrame({"uid": uid, "city": city, "y": y})
+
+
+def _columns(kind: str, scope_name: str):
+    with ge_fc.group_embedding_column_scope(scope_name):
+        if kind == "ev":
+            # One EV table (string keys) next to a stock table.
+            cats = [FC.categorical_column_with_identity("uid", 10),
+                    ge_fc.categorical_column_with_embedding("city")]
+        else:
+            cats = [FC.categorical_column_with_identity("uid", 10),
+                    FC.categorical_column_with_vocabulary_list(
+                        "city", ["sf", "ny", "la"])]
+        return [ge_fc.embedding_column(c, 4, "sum") for c in cats]
+
+
+def _dense(x, units, name):
+    # tf.compat.v1.layers.dense is gone with Keras 3: plain variables.
+    with V1.variable_scope(name):
+        w = V1.get_variable("kernel", [x.shape[1], units],
+                            initializer=V1.glorot_uniform_initializer())
+        b = V1.get_variable("bias", [units],
+                            initializer=V1.zeros_initializer())
+    return tf.matmul(x, w) + b
+
+
+def _model_fn(features, labels, mode, columns, make_optimizer):
+    x = ge_fc.input_layer(features, columns, training=mode == "train")
+    logits = _dense(tf.nn.relu(_dense(x, 8, "hidden")), 1, "logits")
+    loss = tf.reduce_mean(tf.square(logits[:, 0] - labels))
+    step = V1.train.get_or_create_global_step()
+    train_op = make_optimizer().minimize(loss, global_step=step)
+    return loss, train_op
+
+
+def _input_fn(frame, batch=16):
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({"uid": frame["uid"].values, "city": frame["city"].values},
+         frame["y"].values)).repeat().batch(batch)
+    return V1.data.make_one_shot_iterator(ds).get_next()
+
+
+OPTIMIZERS = {
+    "stock": lambda: V1.train.AdagradOptimizer(0.3),
+    "ev": lambda: ge.train.AdagradOptimizer(0.3),
+}
+
+
+def _train(kind, ckpt_dir, scope_name, steps):
+    graph = tf.Graph()
+    with graph.as_default():
+        V1.set_random_seed(0)
+        features, labels = _input_fn(_frame())
+        loss, train_op = _model_fn(features, labels, "train",
+                                   _columns(kind, scope_name),
+                                   OPTIMIZERS[kind])
+        hooks = [V1.train.StopAtStepHook(last_step=steps)]
+        losses = []
+        with V1.train.MonitoredTrainingSession(
+                checkpoint_dir=ckpt_dir, hooks=hooks,
+                save_checkpoint_steps=steps, save_summaries_steps=None,
+                log_step_count_steps=None) as sess:
+            while not sess.should_stop():
+                losses.append(sess.run([loss, train_op])[0])
+        return losses
+
+
+def _state(sess):
+    """Table, dense and EV values of the current graph (EVs by key)."""
+    out = {v.op.name: v for v in V1.global_variables()
+           if "Adagrad" not in v.op.name}
+    evs = [v for v in V1.get_collection(V1.GraphKeys.SAVEABLE_OBJECTS)
+           if isinstance(v, ge.EmbeddingVariable)]
+    for ev in evs:
+        out[ev.name] = ev.export()[:2]
+    values = sess.run(out)
+    for ev in evs:
+        keys, rows = values[ev.name]
+        order = np.argsort(keys)
+        values[ev.name] = (keys[order], rows[order])
+    return values
+
+
+@pytest.mark.parametrize("kind", ["stock", "ev"])
+def test_monitored_training_session_trains_saves_and_restores(kind,
+                                                              tmp_path):
+    ckpt_dir = str(tmp_path / "ckpt")
+    name = fc_cases.unique_name("tf1_" + kind)
+    losses = _train(kind, ckpt_dir, name, steps=30)
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    # Restore the final checkpoint into a fresh graph built by the same
+    # model_fn; then train on: the global step resumes.
+    graph = tf.Graph()
+    with graph.as_default():
+        features, labels = _input_fn(_frame())
+        _model_fn(features, labels, "train", _columns(kind, name),
+                  OPTIMIZERS[kind])
+        saver = V1.train.Saver()
+        with V1.Session() as sess:
+            sess.run(V1.tables_initializer())
+            saver.restore(sess, tf.train.latest_checkpoint(ckpt_dir))
+            restored = _state(sess)
+            step = sess.run(V1.train.get_global_step())
+    assert step == 30
+    more = _train(kind, ckpt_dir, name, steps=35)
+    assert len(more) == 5
+    names = [n for n in restored if "embedding" in n]
+    assert names, restored.keys()
+    for n in names:
+        if isinstance(restored[n], tuple):  # EV: (keys, rows)
+            # sf, ny, la, mars; "" means missing and is never a key.
+            assert len(restored[n][0]) == 4
+        else:
+            assert np.isfinite(restored[n]).all()
+
+
+def test_restored_values_equal_trained_values(tmp_path):
+    ckpt_dir = str(tmp_path / "ckpt")
+    name = fc_cases.unique_name("tf1_eq")
+    graph = tf.Graph()
+    with graph.as_default():
+        features, labels = _input_fn(_frame())
+        loss, train_op = _model_fn(features, labels, "train",
+                                   _columns("ev", name), OPTIMIZERS["ev"])
+        saver = V1.train.Saver()
+        with V1.Session() as sess:
+            sess.run([V1.global_variables_initializer(),
+                      V1.tables_initializer()])
+            for _ in range(5):
+                sess.run(train_op)
+            trained = _state(sess)
+            path = saver.save(sess, str(tmp_path / "model"))
+    graph = tf.Graph()
+    with graph.as_default():
+        features, labels = _input_fn(_frame())
+        _model_fn(features, labels, "train", _columns("ev", name),
+                  OPTIMIZERS["ev"])
+        with V1.Session() as sess:
+            V1.train.Saver().restore(sess, path)
+            restored = _state(sess)
+    assert trained.keys() == restored.keys()
+    for n in trained:
+        want, got = trained[n], restored[n]
+        pairs = zip(want, got) if isinstance(want, tuple) else [(want, got)]
+        for a, b in pairs:
+            np.testing.assert_array_equal(a, b)
+

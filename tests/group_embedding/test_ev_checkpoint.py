@@ -1,0 +1,196 @@
+"""EmbeddingVariable checkpoints: tf.train.Checkpoint and v1 Saver save
+keys, values, freqs, versions and every slot; training resumes
+bit-for-bit; an interrupted save leaves the previous checkpoint readable.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import ev_cases
+import group_embedding as ge
+from group_embedding.ops import ev_storage
+
+DIM = 4
+
+
+def _model(seed=0):
+    """An EV with a CounterFilter, a plain table, a kernel, ge Adam."""
+    option = ge.EmbeddingVariableOption(
+        filter_option=ge.CounterFilter(filter_freq=2),
+        init_option=ge.InitializerOption(default_value_dim=5))
+    ev = ev_cases.make_ev("ckpt_ev", DIM, seed=seed, ev_option=option)
+    rng = np.random.default_rng(seed)
+    table = tf.Variable(rng.normal(size=(6, DIM)).astype("f"))
+    kernel = tf.Variable(rng.normal(size=(2 * DIM, 1)).astype("f"))
+    return ev, table, kernel, ge.optimizers.Adam(0.05)
+
+
+def _train(model, batches):
+    ev, table, kernel, opt = model
+    losses = []
+    for batch, plain in batches:
+        with tf.GradientTape() as tape:
+            embs = ge.group_embedding_lookup_sparse([ev, table],
+                                                    [batch, plain], "mean")
+            loss = tf.reduce_mean(tf.square(
+                tf.matmul(tf.concat(embs, 1), kernel) - 1.0))
+        variables = [ev, table, kernel]
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        losses.append(loss.numpy())
+    return losses
+
+
+def _batches(seed, n):
+    rng = np.random.default_rng(seed)
+    keys = np.arange(-20, 20) * 7919
+    return [(ev_cases.random_batch(rng, keys=keys, cover_all=False),
+             ev_cases.random_batch(rng, keys=np.arange(6), cover_all=False))
+            for _ in range(n)]
+
+
+def _state(model):
+    ev, table, kernel, opt = model
+    out = [x.numpy() for x in ev_storage.export(ev.handle, DIM)]
+    order = np.argsort(out[0])
+    snapshot = [out[0][order], out[1][order], out[2][order], out[3][order],
+                out[6][order], out[4], out[5], out[7]]
+    return snapshot + [table.numpy(), kernel.numpy(),
+                       opt.iterations.numpy()]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    model = _model()
+    _train(model, _batches(0, 10))
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(ev=model[0], table=model[1], kernel=model[2],
+                            opt=model[3]), str(tmp_path), max_to_keep=2)
+    manager.save()
+    saved = _state(model)
+    more = _batches(1, 10)
+    losses = _train(model, more)
+    final = _state(model)
+
+    fresh = _model(seed=7)  # other initial values: all must be restored
+    ckpt = tf.train.Checkpoint(ev=fresh[0], table=fresh[1], kernel=fresh[2],
+                               opt=fresh[3])
+    ckpt.restore(manager.latest_checkpoint)
+    restored = _state(fresh)
+    _assert_same(restored[:8], saved[:8])
+    assert len(saved[5]) == 2  # Adam's m and v stored with the keys
+    assert fresh[0].size().numpy() == len(saved[0])
+    np.testing.assert_array_equal(_train(fresh, more), losses)
+    _assert_same(_state(fresh), final)
+
+
+def test_restore_into_other_dim_fails(tmp_path):
+    ev = ev_cases.make_ev("dims", DIM)
+    ev.lookup_rows(tf.constant([1, 2], tf.int64))
+    path = tf.train.Checkpoint(ev=ev).write(str(tmp_path / "c"))
+    other = ev_cases.make_ev("dims", 2 * DIM)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError),
+                       match="dims"):
+        tf.train.Checkpoint(ev=other).read(path).assert_consumed()
+
+
+def test_eviction_runs_at_save(tmp_path):
+    option = ge.EmbeddingVariableOption(
+        evict_option=ge.L2WeightEvict(l2_weight_threshold=1e9))
+    ev = ev_cases.make_ev("evict_save", DIM, ev_option=option)
+    ev.lookup_rows(tf.constant([1, 2, 3], tf.int64))
+    path = tf.train.Checkpoint(ev=ev).write(str(tmp_path / "c"))
+    reader = tf.train.load_checkpoint(path)
+    assert reader.get_tensor("ev/.ATTRIBUTES/keys").size == 0
+    assert int(ev.size()) == 0
+
+
+_KILLED_SAVE = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    import group_embedding as ge
+    ev = ge.get_embedding_variable("killed", 64)
+    ev.lookup_rows(tf.range(400000, dtype=tf.int64))
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(ev=ev),
+                                         sys.argv[1], max_to_keep=100)
+    manager.save()
+    print("saved", flush=True)
+    while True:
+        manager.save()
+""")
+
+
+def test_killed_save_keeps_previous_checkpoint(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE,
+                             str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ,
+                                                TF_CPP_MIN_LOG_LEVEL="3"))
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        proc.send_signal(signal.SIGKILL)  # in the middle of a later save
+    finally:
+        proc.wait()
+    ev = ge.get_embedding_variable("killed", 64)
+    latest = tf.train.latest_checkpoint(str(tmp_path))
+    tf.train.Checkpoint(ev=ev).restore(latest).assert_consumed()
+    assert int(ev.size()) == 400000
+
+
+def _run_steps(sess, train, loss, ids, batches):
+    return [sess.run([train, loss], {ids: b})[1] for b in batches]
+
+
+def _sorted(export):
+    keys, values, freqs, versions, names, inits, slots, step = export
+    order = np.argsort(keys)
+    return [keys[order], values[order], freqs[order], versions[order],
+            names, inits, slots[order], step]
+
+
+def test_saver_round_trip_in_graph_mode(tmp_path):
+    v1 = tf.compat.v1
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(-50, 50, size=(8, 3)) for _ in range(6)]
+
+    def build():
+        ev = ev_cases.make_ev("saver_ev", DIM)
+        ids = v1.placeholder(tf.int64, [None, 3])
+        (emb,) = ge.group_embedding_lookup([ev], [ids])
+        loss = tf.reduce_sum(tf.square(emb - 0.5))
+        step = v1.train.create_global_step()
+        train = ge.train.AdagradOptimizer(0.1).minimize(loss,
+                                                        global_step=step)
+        return ev, ids, loss, train
+
+    with tf.Graph().as_default():
+        ev, ids, loss, train = build()
+        saver = v1.train.Saver()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for b in batches[:3]:
+                sess.run(train, {ids: b})
+            path = saver.save(sess, str(tmp_path / "model"))
+            want = _run_steps(sess, train, loss, ids, batches[3:])
+            final = _sorted(sess.run(ev_storage.export(ev.handle, DIM)))
+    with tf.Graph().as_default():
+        ev, ids, loss, train = build()
+        saver = v1.train.Saver()
+        with v1.Session() as sess:
+            saver.restore(sess, path)
+            got = _run_steps(sess, train, loss, ids, batches[3:])
+            again = _sorted(sess.run(ev_storage.export(ev.handle, DIM)))
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(final, again):
+        np.testing.assert_array_equal(a, b)
