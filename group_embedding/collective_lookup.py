@@ -1,6 +1,7 @@
 """The grouped lookup of `lookup.py`, model parallel over Horovod workers.
 
-For one group of same-dim sharded tables, every worker:
+For one group of same-dim sharded tables (or EmbeddingVariables, whose
+keys are owned by worker `key mod N`), every worker:
 1. deduplicates its ids per table and groups them by owner worker;
 2. sends them with ONE `alltoall` (rows of (table slot, local row));
 3. looks up what it received in its own shards (one fused op);
@@ -16,8 +17,10 @@ from typing import List
 import tensorflow as tf
 
 from group_embedding import distributed_strategy
+from group_embedding.ops import ev_storage
 from group_embedding.ops import fused_lookup
 from group_embedding.ops.ragged_ids import FeatureIds
+from group_embedding.sharded_variable import ShardedVariable
 
 
 def _one_id_rows(ids: tf.Tensor, name: str) -> FeatureIds:
@@ -28,6 +31,8 @@ def _one_id_rows(ids: tf.Tensor, name: str) -> FeatureIds:
 
 def _check_partition(tables, partition_strategy, names):
     for t, n in zip(tables, names):
+        if not isinstance(t, ShardedVariable):
+            continue  # EV keys are always owned by key mod N
         if t.partition_strategy != partition_strategy:
             raise ValueError(
                 f"{n} was sharded with partition_strategy "
@@ -35,13 +40,62 @@ def _check_partition(tables, partition_strategy, names):
                 f"{partition_strategy!r}; use the table's strategy.")
 
 
-def exchange_rows(tables, feats: List[FeatureIds], names) -> tf.Tensor:
+def _route_sharded(tables, feats, names):
+    """Per table: (unique ids, slot of each id, owner, local row, count)."""
+    checked = fused_lookup.checked_ids([f.values for f in feats],
+                                       [t.vocab_size for t in tables], names)
+    routes = []
+    for t, ids in zip(tables, checked):
+        u, slot = tf.unique(ids, out_idx=tf.int64)
+        routes.append((u, slot, t.owner(u), t.local_row(u),
+                       tf.ones_like(u)))
+    return routes
+
+
+def _route_ev(tables, feats, size):
+    """EV keys: owner = key mod N; counts travel along so the owner's
+    frequency counting (CounterFilter) sees every occurrence, exactly as
+    a single process would."""
+    routes = []
+    for f in feats:
+        u, slot, count = tf.unique_with_counts(f.values, out_idx=tf.int64)
+        routes.append((u, slot, tf.math.floormod(u, size), u, count))
+    return routes
+
+
+def _owner_rows_sharded(tables, parts, counts, names, training):
+    del counts, training  # one id, one row; nothing is counted
+    return fused_lookup.pooled_lookup(
+        [t.shard for t in tables],
+        [_one_id_rows(p, n) for p, n in zip(parts, names)],
+        ["sum"] * len(tables), [f"{n} (local shard)" for n in names])
+
+
+def _owner_rows_ev(tables, parts, counts, names, training):
+    del names
+    # Expand keys by their counts (frequencies), gather, keep one row per
+    # received key: the first of its run.
+    expanded = [tf.repeat(p, c) for p, c in zip(parts, counts)]
+    rows = ev_storage.group_gather(tables, expanded, training)
+    sizes = [tf.size(x) for x in expanded]
+    firsts = [tf.cumsum(c, exclusive=True) for c in counts]
+    offsets = tf.cumsum(tf.stack(sizes), exclusive=True)
+    first_rows = tf.concat([f + tf.cast(offsets[i], tf.int64)
+                            for i, f in enumerate(firsts)], 0)
+    return tf.split(tf.gather(rows, first_rows),
+                    tf.stack([tf.size(p) for p in parts]), num=len(parts))
+
+
+def exchange_rows(tables, feats: List[FeatureIds], names,
+                  training=True) -> tf.Tensor:
     """Rows `[sum nnz, D]` for the ids of `feats`, fetched from their owners.
 
     Args:
-        tables: `ShardedVariable`s of one group (same dim and dtype).
+        tables: one group: `ShardedVariable`s, or `EmbeddingVariable`s
+            (whose keys are owned by worker `key mod N`).
         feats: this worker's ids, one `FeatureIds` per table.
         names: table names for error messages.
+        training: EVs: whether owners insert new keys.
 
     Returns:
         The row of every id of every feature, in feature order.
@@ -49,39 +103,35 @@ def exchange_rows(tables, feats: List[FeatureIds], names) -> tf.Tensor:
     hvd = distributed_strategy.horovod()
     size = hvd.size()
     k = len(tables)
-    slots, owners, local, table_of = [], [], [], []
-    offset = tf.constant(0, tf.int64)
-    # A bad id must fail here, naming the table, not as a wrong row or
-    # an anonymous error on the owner.
-    checked = fused_lookup.checked_ids([f.values for f in feats],
-                                       [t.vocab_size for t in tables], names)
-    for i, (t, ids) in enumerate(zip(tables, checked)):
-        u, idx = tf.unique(ids, out_idx=tf.int64)
-        slots.append(idx + offset)
+    is_ev = not isinstance(tables[0], ShardedVariable)
+    routes = (_route_ev(tables, feats, size) if is_ev
+              else _route_sharded(tables, feats, names))
+    slots, offset = [], tf.constant(0, tf.int64)
+    for u, slot, _, _, _ in routes:
+        slots.append(slot + offset)
         offset += tf.size(u, out_type=tf.int64)
-        owners.append(t.owner(u))
-        local.append(t.local_row(u))
-        table_of.append(tf.fill(tf.shape(u), tf.constant(i, tf.int64)))
-    owner = tf.concat(owners, 0)
-    # Stable sort by owner: the send buffer is grouped by destination.
+    owner = tf.concat([r[2] for r in routes], 0)
+    # Stable sort by owner: the send buffer is grouped by destination;
+    # each row is (table slot in the group, local row or key, count).
     order = tf.argsort(owner, stable=True)
+    table_of = [tf.fill(tf.shape(r[0]), tf.constant(i, tf.int64))
+                for i, r in enumerate(routes)]
     send = tf.gather(tf.stack([tf.concat(table_of, 0),
-                               tf.concat(local, 0)], 1), order)
+                               tf.concat([r[3] for r in routes], 0),
+                               tf.concat([r[4] for r in routes], 0)], 1),
+                     order)
     splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=size,
                               maxlength=size)
     received, received_splits = hvd.alltoall(send, splits=splits)
-    # Owner side: look the received rows up in the local shards, fused.
-    parts = tf.dynamic_partition(received[:, 1],
-                                 tf.cast(received[:, 0], tf.int32), k)
+    # Owner side: one fused lookup of what was received, per table.
+    which = tf.cast(received[:, 0], tf.int32)
+    parts = tf.dynamic_partition(received[:, 1], which, k)
+    counts = tf.dynamic_partition(received[:, 2], which, k)
     positions = tf.dynamic_partition(
-        tf.range(tf.shape(received, out_type=tf.int64)[0]),
-        tf.cast(received[:, 0], tf.int32), k)
-    shard_rows = fused_lookup.pooled_lookup(
-        [t.shard for t in tables],
-        [_one_id_rows(p, n) for p, n in zip(parts, names)],
-        ["sum"] * k, [f"{n} (local shard)" for n in names])
-    owned = tf.dynamic_stitch([tf.cast(p, tf.int32) for p in positions],
-                              shard_rows)
+        tf.range(tf.shape(received)[0]), which, k)
+    lookup = _owner_rows_ev if is_ev else _owner_rows_sharded
+    owned = tf.dynamic_stitch(positions,
+                              lookup(tables, parts, counts, names, training))
     returned, _ = hvd.alltoall(owned, splits=received_splits)
     # Undo the sort by owner, then expand unique ids to every occurrence.
     unique_rows = tf.gather(returned, tf.math.invert_permutation(order))
@@ -89,19 +139,20 @@ def exchange_rows(tables, feats: List[FeatureIds], names) -> tf.Tensor:
 
 
 def pooled_lookup(tables, feats, combiners, names, partition_strategy,
-                  max_norm=None):
+                  max_norm=None, training=True):
     """Model-parallel `[B, D]` pooled lookups of one group of shards."""
     _check_partition(tables, partition_strategy, names)
-    rows = exchange_rows(tables, feats, names)
+    rows = exchange_rows(tables, feats, names, training)
     if max_norm is not None:
         rows = fused_lookup.clip_rows(rows, max_norm)
     return fused_lookup.pool_rows(rows, feats, combiners)
 
 
-def sequence_lookup(tables, feats, names, partition_strategy, max_norm=None):
+def sequence_lookup(tables, feats, names, partition_strategy, max_norm=None,
+                    training=True):
     """Model-parallel `[B, T, D]` unpooled lookups of one group."""
     _check_partition(tables, partition_strategy, names)
-    rows = exchange_rows(tables, feats, names)
+    rows = exchange_rows(tables, feats, names, training)
     if max_norm is not None:
         rows = fused_lookup.clip_rows(rows, max_norm)
     return fused_lookup.sequence_rows(rows, feats)

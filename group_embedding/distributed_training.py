@@ -19,6 +19,7 @@ from group_embedding import distributed_strategy
 from group_embedding.ops import sparse_apply
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce_gradients(gradients, variables):
     """Turns per-worker gradients into those of the global batch.
 
@@ -37,10 +38,13 @@ def allreduce_gradients(gradients, variables):
     for g, v in zip(gradients, variables):
         if g is None:
             reduced.append(None)
-        elif distributed_strategy.is_shard(v):
-            reduced.append(_unique_rows(g / size if not isinstance(
-                g, tf.IndexedSlices) else tf.IndexedSlices(
-                    g.values / size, g.indices, g.dense_shape)))
+        elif distributed_strategy.is_shard(v) or hasattr(v, "lookup_rows"):
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.IndexedSlices(g.values / size, g.indices,
+                                     g.dense_shape)
+            else:
+                g = g / size
+            reduced.append(_unique_rows(g))
         else:
             reduced.append(_unique_rows(hvd.allreduce(g, op=hvd.Average)))
     return reduced
@@ -78,13 +82,23 @@ class DistributedGradientTape:
 
 
 def broadcast_variables(variables, root_rank=0):
-    """Copies root's values of the non-shard variables to every worker."""
+    """Copies root's values of the non-shard variables to every worker.
+
+    For an EmbeddingVariable, its default-value matrix is broadcast (new
+    keys must start from the same rows whichever worker owns them); its
+    keys stay where they are.
+    """
     if not distributed_strategy.is_collective():
         return
     hvd = distributed_strategy.horovod()
-    dense = [getattr(v, "value", v) if isinstance(v, keras.Variable) else v
-             for v in variables]
-    dense = [v for v in dense if not distributed_strategy.is_shard(v)]
+    dense = []
+    for v in variables:
+        if isinstance(v, keras.Variable):
+            v = v.value
+        if hasattr(v, "default_values"):
+            v = v.default_values
+        if not distributed_strategy.is_shard(v):
+            dense.append(v)
     if dense:
         hvd.broadcast_variables(dense, root_rank=root_rank)
 

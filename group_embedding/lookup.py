@@ -16,6 +16,7 @@ from typing import Tuple
 import tensorflow as tf
 
 from group_embedding import collective_lookup
+from group_embedding import distributed_strategy
 from group_embedding import lookup_inputs
 from group_embedding.sharded_variable import ShardedVariable
 from group_embedding.ops import fused_lookup
@@ -148,10 +149,10 @@ def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
         g_tables = [tables[i] for i in members]
         g_feats = [feats[i] for i in members]
         g_names = [names[i] for i in members]
-        if isinstance(g_tables[0], ShardedVariable):
+        if _is_model_parallel(g_tables[0]):
             results = _sharded_group(g_tables, g_feats, g_names, members,
                                      combiners, is_sequence, max_norm,
-                                     partition_strategy)
+                                     partition_strategy, training)
         elif is_sequence:
             results = fused_lookup.sequence_lookup(g_tables, g_feats, g_names,
                                                    max_norm, training=training)
@@ -164,15 +165,23 @@ def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
     return outputs
 
 
+def _is_model_parallel(table) -> bool:
+    # Sharded tables, and in collective mode every EmbeddingVariable: its
+    # keys are owned by worker `key mod N`.
+    return isinstance(table, ShardedVariable) or (
+        hasattr(table, "lookup_rows")
+        and distributed_strategy.is_collective())
+
+
 def _sharded_group(tables, feats, names, members, combiners, is_sequence,
-                   max_norm, partition_strategy):
+                   max_norm, partition_strategy, training):
     """One model-parallel group (collective mode)."""
     if is_sequence:
         return collective_lookup.sequence_lookup(
-            tables, feats, names, partition_strategy, max_norm)
+            tables, feats, names, partition_strategy, max_norm, training)
     return collective_lookup.pooled_lookup(
         tables, feats, [combiners[i] for i in members], names,
-        partition_strategy, max_norm)
+        partition_strategy, max_norm, training)
 
 
 def _one_id_rows(ids):

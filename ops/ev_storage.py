@@ -76,6 +76,9 @@ def group_gather(variables: Sequence, keys: List[tf.Tensor],
 
 @tf.RegisterGradient("EVGroupGather")
 def _group_gather_grad(op, grad):
+    # A consumer that gathers from the rows sends IndexedSlices; the
+    # per-EV slices below need dense row gradients.
+    grad = tf.convert_to_tensor(grad)
     k = op.get_attr("num_tables")
     keys = op.inputs[k:2 * k]
     if k == 1:

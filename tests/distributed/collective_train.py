@@ -22,9 +22,17 @@ import tensorflow as tf  # noqa: E402
 import group_embedding as ge  # noqa: E402
 from group_embedding import sharded_variable  # noqa: E402
 
-VOCABS = [97, 300, 41, 5]  # 5 rows x dim 4 -> replicated (tiny)
-DIMS = [8, 8, 4, 4]
-COMBINERS = ["sum", "mean", "sqrtn", "mean"]
+# Tables 0-2: sharded tf.Variables; 3: replicated (tiny); 4: an
+# EmbeddingVariable whose ids are mapped to arbitrary int64 keys.
+VOCABS = [97, 300, 41, 5, 60]
+DIMS = [8, 8, 4, 4, 8]
+COMBINERS = ["sum", "mean", "sqrtn", "mean", "mean"]
+EV_TABLE = 4
+
+
+def ev_keys(ids):
+    """Row id -> EV key: negative and huge keys, spread over workers."""
+    return ids * 7_919_000_003 - 3_000_000_000
 GLOBAL_BATCH = 12
 STEPS = 20
 
@@ -63,7 +71,9 @@ def rows_of(batch, lo, hi):
 def make_optimizer(name):
     if name == "adagrad":
         return ge.optimizers.Adagrad(0.1, initial_accumulator_value=0.1)
-    return keras.optimizers.Adam(0.01)
+    # Lazy (row-wise) Adam, the one EVs use; also on the reference's plain
+    # variables, so both runs apply the same rule.
+    return ge.optimizers.Adam(0.01)
 
 
 class Model:
@@ -74,6 +84,9 @@ class Model:
         self.dense_w = dense_w
 
     def loss(self, ids, weights, dense, label, partition):
+        if not isinstance(self.tables[EV_TABLE], tf.Variable):
+            ids = list(ids)
+            ids[EV_TABLE] = tf.ragged.map_flat_values(ev_keys, ids[EV_TABLE])
         embedded = ge.group_embedding_lookup_sparse(
             self.tables, ids, COMBINERS, sp_weights=weights,
             partition_strategy=partition)
@@ -105,7 +118,12 @@ def main():
     tables = [ge.get_embedding_table(f"t{i}", v, d,
                                      partition_strategy=args.partition,
                                      replicate=False if i < 3 else None)
-              for i, (v, d) in enumerate(zip(VOCABS, DIMS))]
+              for i, (v, d) in enumerate(zip(VOCABS[:EV_TABLE],
+                                             DIMS[:EV_TABLE]))]
+    ev = ge.get_embedding_variable("ev4", DIMS[EV_TABLE])
+    # New keys start from the default rows: make every worker's equal.
+    ge.broadcast_variables([ev])
+    tables.append(ev)
     assert isinstance(tables[0], ge.ShardedVariable) or size == 1
     assert not isinstance(tables[3], ge.ShardedVariable)  # replicated
     # Rank 0's dense init must win: give the others garbage first.
@@ -116,7 +134,11 @@ def main():
     ref_tables = [tf.Variable(sharded_variable._chunked_initial_rows(
         keras.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(d)), v, d,
         tf.float32, sharded_variable.zlib.crc32(f"t{i}".encode()) % 2 ** 30,
-        np.arange(v))) for i, (v, d) in enumerate(zip(VOCABS, DIMS))]
+        np.arange(v))) for i, (v, d) in enumerate(zip(VOCABS[:EV_TABLE],
+                                                      DIMS[:EV_TABLE]))]
+    defaults = ev.default_values.numpy()
+    ev_rows = ev_keys(np.arange(VOCABS[EV_TABLE])) % len(defaults)
+    ref_tables.append(tf.Variable(defaults[ev_rows]))
     ref = Model(ref_tables, tf.Variable(dense_init))
 
     opt = make_optimizer(args.optimizer)
@@ -161,7 +183,13 @@ def main():
                                    rtol=2e-5)
 
     for t, r in zip(tables, ref_tables):
-        if isinstance(t, ge.ShardedVariable):
+        if t is ev:
+            keys, values, _, _ = (x.numpy() for x in ev.export())
+            assert np.all(keys % size == rank), "EV holds keys it does not own"
+            ids = (keys + 3_000_000_000) // 7_919_000_003
+            np.testing.assert_array_equal(ev_keys(ids), keys)
+            want, got = r.numpy()[ids], values
+        elif isinstance(t, ge.ShardedVariable):
             want = r.numpy()[t.global_rows()]
             got = t.shard.numpy()
         else:
