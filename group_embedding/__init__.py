@@ -21,6 +21,9 @@ from group_embedding.distributed_training import allreduce_gradients
 from group_embedding.distributed_training import broadcast_variables
 from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
+from group_embedding.sharded_checkpoint import latest_checkpoint
+from group_embedding.sharded_checkpoint import restore_tables
+from group_embedding.sharded_checkpoint import save_tables
 from group_embedding.sharded_variable import ShardedVariable
 from group_embedding.sharded_variable import get_embedding_table
 
@@ -34,6 +37,9 @@ __all__ = [
     "broadcast_variables",
     "enable_distributed_strategy",
     "get_embedding_table",
+    "latest_checkpoint",
+    "restore_tables",
+    "save_tables",
     "CounterFilter",
     "EmbeddingVariable",
     "EmbeddingVariableOption",
