@@ -21,6 +21,8 @@ from typing import Tuple
 import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
+from group_embedding import distributed_strategy
+from group_embedding import sharded_variable
 from group_embedding.embedding_variable import get_embedding_variable
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import sparse_ids
@@ -34,6 +36,8 @@ class _GraphState:
     def __init__(self):
         self.state_manager = sparse_ids.TableStateManager()
         self.evs: Dict[str, Any] = {}
+        # Table name -> table (tf.Variable, ShardedVariable or EV).
+        self.tables: Dict[str, Any] = {}
         # key -> (tensor, objects the key's ids refer to, kept alive so
         # that an id is never reused by another object).
         self.outputs: Dict[Tuple, Tuple[tf.Tensor, Tuple]] = {}
@@ -50,6 +54,11 @@ def _graph_state(graph: tf.Graph) -> _GraphState:
         state = _GraphState()
         setattr(graph, _STATE_ATTRIBUTE, state)
     return state
+
+
+def graph_tables(graph: tf.Graph) -> Dict[str, Any]:
+    """Table name -> table created by `input_layer` in `graph`."""
+    return dict(_graph_state(graph).tables)
 
 
 def _check_context() -> None:
@@ -86,6 +95,9 @@ def _create_tables(columns, state: _GraphState, trainable: bool,
                         trainable=c.trainable and trainable,
                         ev_option=c.categorical_column.ev_option)
                 tables[name] = ev
+            elif c.scope is not None and distributed_strategy.is_collective():
+                tables[name] = _collective_tf1_table(c, trainable,
+                                                     collections)
             else:
                 tables[name] = tf.compat.v1.get_variable(
                     "embedding_weights", [c.num_buckets, c.dimension],
@@ -93,6 +105,25 @@ def _create_tables(columns, state: _GraphState, trainable: bool,
                     trainable=c.trainable and trainable,
                     collections=collections, use_resource=True)
     return tables
+
+
+def _collective_tf1_table(column, trainable, collections):
+    """Collective mode: the (sharded) table of a scoped column.
+
+    The initial rows are computed now (numpy), so that any worker count
+    starts from the same values; they enter the graph as the initializer's
+    constant, which suits tables of up to a few hundred MB per worker.
+    """
+    def create(value):
+        return tf.compat.v1.get_variable(
+            "embedding_weights", value.shape, tf.float32,
+            initializer=tf.compat.v1.constant_initializer(value),
+            trainable=column.trainable and trainable,
+            collections=collections, use_resource=True)
+
+    return sharded_variable.collective_table(
+        tf.compat.v1.get_variable_scope().name, column.num_buckets,
+        column.dimension, column.table_initializer(), create)
 
 
 def _cache_key(column, features, vs_name: str, training
@@ -165,6 +196,7 @@ def input_layer(features, feature_columns, weight_collections=None,
                                      reuse=tf.compat.v1.AUTO_REUSE) as vs:
         tables = _create_tables(embedded_columns, state, trainable,
                                 collections)
+        state.tables.update(tables)
         keys = {c: _cache_key(c, features, vs.name, training)
                 for c in embedded_columns}
         embedded = {c: state.outputs[keys[c][0]][0]

@@ -10,7 +10,10 @@ import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 from tensorflow.python.feature_column import serialization
 
+from group_embedding import distributed_strategy
+from group_embedding import sharded_variable
 from group_embedding.embedding_variable import get_embedding_variable
+from group_embedding.keras_embedding_variable import KerasEmbeddingVariable
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column import sparse_ids
@@ -42,8 +45,10 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
         `build()` creates one table per table name with `add_weight`
         (`[num_buckets, D]`, named after the column, or after the shared
         name for `shared_embedding_columns`, so a shared table is one
-        variable), or one `EmbeddingVariable` for EV columns. `call()`
-        creates no state. Train EV tables with `ge.optimizers`.
+        variable), or one `EmbeddingVariable` for EV columns, which Keras
+        sees as a `KerasEmbeddingVariable` in `trainable_weights`.
+        `call()` creates no state. Train EV tables with `ge.optimizers`,
+        in `model.fit` or in a custom loop (pass `embedding_variables`).
 
     Example::
 
@@ -73,6 +78,7 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
         self._state_manager = sparse_ids.TableStateManager()
         self._tables: Dict[str, Any] = {}
         self._evs: List[Any] = []
+        self._ev_weights: List[KerasEmbeddingVariable] = []
 
     @property
     def feature_columns(self) -> List[Any]:
@@ -93,7 +99,8 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
 
     @property
     def embedding_variables(self) -> List[Any]:
-        """The `EmbeddingVariable` tables (Keras does not track them)."""
+        """The `EmbeddingVariable` tables (Keras tracks them through their
+        `KerasEmbeddingVariable`s)."""
         return list(self._evs)
 
     def build(self, input_shape=None):
@@ -107,7 +114,18 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
                     trainable=c.trainable and self.trainable,
                     ev_option=c.categorical_column.ev_option)
                 self._evs.append(ev)
+                # Keras sees (and model.fit trains) the EV through it.
+                self._ev_weights.append(KerasEmbeddingVariable(
+                    ev, name=name.replace("/", "_")))
                 self._tables[name] = ev
+            elif c.scope is not None and distributed_strategy.is_collective():
+                self._tables[name] = sharded_variable.collective_table(
+                    f"{self.name}/{name}", c.num_buckets, c.dimension,
+                    c.table_initializer(),
+                    lambda value, name=name, c=c: self.add_weight(
+                        name=name, shape=value.shape, dtype="float32",
+                        initializer=keras.initializers.Constant(value),
+                        trainable=c.trainable))
             else:
                 self._tables[name] = self.add_weight(
                     name=name, shape=(c.num_buckets, c.dimension),

@@ -15,6 +15,7 @@ from group_embedding.embedding_variable_option import GlobalStepEvict
 from group_embedding.embedding_variable_option import InitializerOption
 from group_embedding.embedding_variable_option import L2WeightEvict
 from group_embedding.distributed_strategy import enable_distributed_strategy
+from group_embedding.distributed_training import BroadcastVariablesHook
 from group_embedding.distributed_training import DistributedGradientTape
 from group_embedding.distributed_training import DistributedOptimizer
 from group_embedding.distributed_training import allreduce_gradients
@@ -30,6 +31,7 @@ from group_embedding.sharded_variable import get_embedding_table
 __version__ = "0.1.0"
 
 __all__ = [
+    "BroadcastVariablesHook",
     "DistributedGradientTape",
     "DistributedOptimizer",
     "ShardedVariable",

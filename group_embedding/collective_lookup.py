@@ -66,7 +66,7 @@ def _route_ev(tables, feats, size):
 def _owner_rows_sharded(tables, parts, counts, names, training):
     del counts, training  # one id, one row; nothing is counted
     return fused_lookup.pooled_lookup(
-        [t.shard for t in tables],
+        [t.shard_variable for t in tables],
         [_one_id_rows(p, n) for p, n in zip(parts, names)],
         ["sum"] * len(tables), [f"{n} (local shard)" for n in names])
 

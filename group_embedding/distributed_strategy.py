@@ -92,14 +92,26 @@ def world():
     return hvd.rank(), hvd.size()
 
 
+# Keras variables by id: Keras may swap the tf.Variable behind one after
+# it was registered (deferred creation during a model's first call).
+_keras_shards: "weakref.WeakValueDictionary[int, Any]" = (
+    weakref.WeakValueDictionary())
+
+
 def register_shard(variable):
-    """Marks `variable` as a model-parallel shard (see `is_shard`)."""
+    """Marks `variable` (tf.Variable or keras.Variable) as a model-parallel
+    shard (see `is_shard`)."""
+    if isinstance(variable, keras.Variable):
+        _keras_shards[id(variable)] = variable
+        variable = variable.value
     _shard_refs[variable.ref()] = variable
 
 
 def is_shard(variable) -> bool:
     """True for the local shard of a model-parallel table."""
     if isinstance(variable, keras.Variable):
+        if _keras_shards.get(id(variable)) is variable:
+            return True
         variable = variable.value
     ref = getattr(variable, "ref", None)
     return ref is not None and ref() in _shard_refs

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from group_embedding import distributed_strategy
+from group_embedding.keras_embedding_variable import embedding_variable_of
 from group_embedding.ops import sparse_apply
 
 
@@ -38,7 +39,10 @@ def allreduce_gradients(gradients, variables):
     for g, v in zip(gradients, variables):
         if g is None:
             reduced.append(None)
-        elif distributed_strategy.is_shard(v) or hasattr(v, "lookup_rows"):
+        elif (distributed_strategy.is_shard(v)
+              or embedding_variable_of(v) is not None):
+            # Shards and EmbeddingVariables: every worker's gradient rows
+            # already reached the owner through the all-to-all backward.
             if isinstance(g, tf.IndexedSlices):
                 g = tf.IndexedSlices(g.values / size, g.indices,
                                      g.dense_shape)
@@ -93,30 +97,82 @@ def broadcast_variables(variables, root_rank=0):
     hvd = distributed_strategy.horovod()
     dense = []
     for v in variables:
+        # Ask before unwrapping: Keras may have swapped the tf.Variable
+        # behind a keras.Variable since the shard was registered.
+        if distributed_strategy.is_shard(v):
+            continue
+        ev = embedding_variable_of(v)
+        if ev is not None:
+            dense.append(ev.default_values)
+            continue
         if isinstance(v, keras.Variable):
             v = v.value
-        if hasattr(v, "default_values"):
-            v = v.default_values
-        if not distributed_strategy.is_shard(v):
-            dense.append(v)
+        dense.append(v)
     if dense:
         hvd.broadcast_variables(dense, root_rank=root_rank)
 
 
-def DistributedOptimizer(optimizer):  # noqa: N802 - reads like a class
-    """Makes a Keras 3 optimizer reduce gradients before applying them.
+class BroadcastVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """TF1: after the session starts, copies worker `root_rank`'s values of
+    every global variable that is not a table shard to all workers (and
+    EmbeddingVariables' default rows), so dense weights start equal.
 
     Args:
-        optimizer: a `keras.optimizers.Optimizer` instance (any, including
-            `ge.optimizers.*`).
+        root_rank: the worker whose values win, default 0.
+    """
+
+    def __init__(self, root_rank=0):
+        self._root_rank = root_rank
+        self._op = None
+
+    def begin(self):
+        if not distributed_strategy.is_collective():
+            return
+        hvd = distributed_strategy.horovod()
+        dense = [v for v in tf.compat.v1.global_variables()
+                 if not distributed_strategy.is_shard(v)]
+        if dense:
+            self._op = hvd.broadcast_variables(dense, self._root_rank)
+
+    def after_create_session(self, session, coord):
+        del coord
+        if self._op is not None:
+            session.run(self._op)
+
+
+def DistributedOptimizer(optimizer):  # noqa: N802 - reads like a class
+    """Makes an optimizer reduce gradients across workers before applying.
+
+    Args:
+        optimizer: a Keras 3 optimizer (any, including `ge.optimizers.*`),
+            or a `tf.compat.v1.train.Optimizer` (including `ge.train.*`).
 
     Returns:
-        The same optimizer object, now of a subclass whose `apply` (used by
-        `model.fit` and `apply_gradients`) calls `allreduce_gradients`.
+        The same optimizer object, now of a subclass whose `apply` (Keras:
+        used by `model.fit` and `apply_gradients`) or `compute_gradients`
+        (TF1: used by `minimize`) calls `allreduce_gradients`.
+
+    Raises:
+        TypeError: `optimizer` is neither kind.
     """
     base = type(optimizer)
     if getattr(base, "_ge_distributed", False):
         return optimizer
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        def compute_gradients(self, *args, **kwargs):
+            pairs = base.compute_gradients(self, *args, **kwargs)
+            grads = allreduce_gradients([g for g, _ in pairs],
+                                        [v for _, v in pairs])
+            return list(zip(grads, [v for _, v in pairs]))
+
+        optimizer.__class__ = type(
+            f"Distributed{base.__name__}", (base,),
+            {"compute_gradients": compute_gradients,
+             "_ge_distributed": True})
+        return optimizer
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError("`optimizer` must be a Keras or tf.compat.v1.train "
+                        f"optimizer, got {base.__name__}.")
 
     def apply(self, grads, trainable_variables=None):
         variables = (trainable_variables if trainable_variables is not None

@@ -1,12 +1,15 @@
 """EmbeddingVariable: an embedding table keyed by arbitrary int64 keys,
 growing as new keys arrive (DeepRec's `get_embedding_variable`)."""
 
+import functools
 import itertools
 import math
 from typing import Optional
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import trackable_utils
+from tensorflow.python.training.saving import saveable_object_util
 
 from group_embedding.embedding_variable_option import EmbeddingVariableOption
 from group_embedding.embedding_variable_option import GlobalStepEvict
@@ -42,7 +45,13 @@ class EmbeddingVariable(tf.Module):
     Checkpoints: `tf.train.Checkpoint` and `tf.compat.v1.train.Saver` save
     keys, values, freqs, versions and all slots as one snapshot (and the
     default matrix as a variable); restoring replaces the whole content.
-    The eviction policy runs just before each save.
+    The eviction policy runs just before each save. Saver keys are
+    `<name>-keys`, `<name>-values`, ... (DeepRec's names); Checkpoint keys
+    follow the object path (`<path>/.ATTRIBUTES/keys`), so restoring does
+    not depend on the variable's name.
+
+    Keras: wrap it in a `KerasEmbeddingVariable` inside the owning layer
+    so that `model.fit` trains it with `ge.optimizers`.
 
     Note: DeepRec saves values and slots at different moments; here one
     lock covers the whole snapshot, so slots always belong to the saved
@@ -208,6 +217,18 @@ class EmbeddingVariable(tf.Module):
         names = ("keys", "values", "freqs", "versions", "slot_names",
                  "slot_inits", "slots", "step")
         return dict(zip(names, out))
+
+    def _gather_saveables_for_checkpoint(self):
+        # Only `tf.compat.v1.train.Saver` calls this (tf.train.Checkpoint
+        # uses `_serialize_to_tensors`, keyed by object path). The Saver
+        # names tensors by their local names alone, so every EV would
+        # write bare `keys`, `values`, ... and the last one would win;
+        # prefix them with the variable's name, like DeepRec (`name-keys`)
+        # and TF's MutableHashTable.
+        factory = saveable_object_util.saveable_objects_from_trackable(
+            self)[trackable_utils.SERIALIZE_TO_TENSORS_NAME]
+        return {trackable_utils.SERIALIZE_TO_TENSORS_NAME:
+                functools.partial(factory, name=f"{self._ev_name}-")}
 
     def _restore_from_tensors(self, restored_tensors):
         t = restored_tensors

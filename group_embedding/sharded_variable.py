@@ -8,12 +8,14 @@ seed derived from the table, so every row starts with the same value
 whatever the number of workers: N-worker runs equal the single-process run.
 """
 
+import re
 import zlib
 from typing import Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from group_embedding import distributed_strategy
 
@@ -39,7 +41,11 @@ def _chunked_initial_rows(initializer, vocab_size, dim, dtype, seed,
             init = type(initializer).from_config(config)
         else:
             init = initializer
-        block = np.asarray(init(shape=(INIT_CHUNK_ROWS, dim), dtype=dtype))
+        # Eagerly, even while a TF1 graph is being built: the values are
+        # needed as numbers to pick this worker's rows.
+        with context.eager_mode():
+            block = np.asarray(init(shape=(INIT_CHUNK_ROWS, dim),
+                                    dtype=dtype))
         at = chunks == c
         out[at] = block[global_rows[at] - c * INIT_CHUNK_ROWS]
     return out
@@ -57,21 +63,37 @@ class ShardedVariable(tf.Module):
         embedding_dim: D.
         partition_strategy: "mod" or "div".
         num_shards: N workers; shard_index: this worker's rank.
-        initial_value: `[rows of this shard, D]` array.
+        initial_value: `[rows of this shard, D]` array (ignored when
+            `variable` is given).
         trainable: whether the shard is trained.
+        variable: (keyword only) an existing `[rows of this shard, D]`
+            variable to use as the shard, e.g. one a Keras layer created
+            with `add_weight` so that Keras tracks and trains it.
     """
 
     def __init__(self, name, vocab_size, embedding_dim, partition_strategy,
-                 num_shards, shard_index, initial_value, trainable=True):
-        super().__init__(name=name)
+                 num_shards, shard_index, initial_value=None, trainable=True,
+                 *, variable=None):
+        # tf.Module names must be identifiers; table names may hold "/".
+        super().__init__(name=re.sub(r"\W|^(?=\d)", "_", name))
+        self.table_name = name
         self.vocab_size = int(vocab_size)
         self.embedding_dim = int(embedding_dim)
         self.partition_strategy = partition_strategy
         self.num_shards = int(num_shards)
         self.shard_index = int(shard_index)
-        self.shard = tf.Variable(initial_value, name=f"{name}_shard",
-                                 trainable=trainable)
-        distributed_strategy.register_shard(self.shard)
+        if variable is None:
+            variable = tf.Variable(initial_value, name=f"{name}_shard",
+                                   trainable=trainable)
+        self.shard = variable
+        distributed_strategy.register_shard(variable)
+
+    @property
+    def shard_variable(self) -> tf.Variable:
+        """The `tf.Variable` of the shard (unwrapping a keras.Variable)."""
+        if isinstance(self.shard, keras.Variable):
+            return self.shard.value
+        return self.shard
 
     @property
     def shape(self) -> tf.TensorShape:
@@ -118,6 +140,72 @@ def shard_rows(vocab_size, partition_strategy, num_shards, shard_index):
                      dtype=np.int64)
 
 
+def is_sharded_here(vocab_size, embedding_dim, dtype=tf.float32,
+                    replicate=None) -> bool:
+    """Whether a new table of this size is sharded (collective mode,
+    N > 1, and not replicated by `replicate` or the size rule)."""
+    _, size = distributed_strategy.world()
+    if replicate is None:
+        nbytes = vocab_size * embedding_dim * tf.as_dtype(dtype).size
+        replicate = nbytes < distributed_strategy.REPLICATE_BELOW_BYTES
+    return size > 1 and not replicate
+
+
+def initial_rows(name, vocab_size, embedding_dim, rows, initializer=None,
+                 dtype=tf.float32, seed=None) -> np.ndarray:
+    """Initial values of the global `rows` of a table, the same whatever
+    the number of workers (see `_chunked_initial_rows`).
+
+    Args:
+        name: table name; the default seed derives from it.
+        vocab_size, embedding_dim: the whole table's shape.
+        rows: sorted global row ids wanted.
+        initializer: Keras initializer; default TruncatedNormal(1/sqrt(D)).
+        dtype: value dtype.
+        seed: base seed; default from `name`.
+    """
+    dtype = tf.as_dtype(dtype)
+    if initializer is None:
+        initializer = keras.initializers.TruncatedNormal(
+            stddev=1.0 / np.sqrt(embedding_dim))
+    initializer = keras.initializers.get(initializer)
+    if seed is None:
+        seed = zlib.crc32(name.encode()) % (2 ** 30)
+    return _chunked_initial_rows(initializer, vocab_size, embedding_dim,
+                                 dtype, seed, rows)
+
+
+def collective_table(name, vocab_size, embedding_dim, initializer,
+                     create_variable):
+    """A table for collective mode built by a caller's variable factory.
+
+    Feature columns use this so that Keras (`add_weight`) or TF1
+    (`get_variable`) own the variable, while the values and the layout
+    follow `get_embedding_table`: deterministic initial rows (the same at
+    any worker count) and a `mod` shard when the size rule says so.
+
+    Args:
+        name: table name (seeds the initial values).
+        vocab_size, embedding_dim: the whole table's shape.
+        initializer: Keras initializer of the values.
+        create_variable: `f(initial_value: np.ndarray) -> variable`.
+
+    Returns:
+        A `ShardedVariable` around the created shard, or the created
+        `[V, D]` variable when the table stays replicated.
+    """
+    rank, size = distributed_strategy.world()
+    sharded = is_sharded_here(vocab_size, embedding_dim)
+    rows = (shard_rows(vocab_size, "mod", size, rank) if sharded
+            else np.arange(vocab_size, dtype=np.int64))
+    variable = create_variable(initial_rows(
+        name, vocab_size, embedding_dim, rows, initializer))
+    if not sharded:
+        return variable
+    return ShardedVariable(name, vocab_size, embedding_dim, "mod", size,
+                           rank, variable=variable)
+
+
 def get_embedding_table(name: str, vocab_size: int, embedding_dim: int,
                         initializer=None, partition_strategy: str = "mod",
                         dtype=tf.float32, trainable: bool = True, *,
@@ -154,24 +242,14 @@ def get_embedding_table(name: str, vocab_size: int, embedding_dim: int,
     if vocab_size < 1 or embedding_dim < 1:
         raise ValueError(f"Table {name!r}: `vocab_size` and `embedding_dim` "
                          f"must be >= 1, got {vocab_size}, {embedding_dim}.")
-    dtype = tf.as_dtype(dtype)
-    if initializer is None:
-        initializer = keras.initializers.TruncatedNormal(
-            stddev=1.0 / np.sqrt(embedding_dim))
-    initializer = keras.initializers.get(initializer)
-    if seed is None:
-        seed = zlib.crc32(name.encode()) % (2 ** 30)
     rank, size = distributed_strategy.world()
-    if replicate is None:
-        nbytes = vocab_size * embedding_dim * dtype.size
-        replicate = nbytes < distributed_strategy.REPLICATE_BELOW_BYTES
-    if size == 1 or replicate:
-        rows = np.arange(vocab_size, dtype=np.int64)
-        value = _chunked_initial_rows(initializer, vocab_size, embedding_dim,
-                                      dtype, seed, rows)
+    if not is_sharded_here(vocab_size, embedding_dim, dtype, replicate):
+        value = initial_rows(name, vocab_size, embedding_dim,
+                             np.arange(vocab_size, dtype=np.int64),
+                             initializer, dtype, seed)
         return tf.Variable(value, name=name, trainable=trainable)
     rows = shard_rows(vocab_size, partition_strategy, size, rank)
-    value = _chunked_initial_rows(initializer, vocab_size, embedding_dim,
-                                  dtype, seed, rows)
+    value = initial_rows(name, vocab_size, embedding_dim, rows, initializer,
+                         dtype, seed)
     return ShardedVariable(name, vocab_size, embedding_dim,
                            partition_strategy, size, rank, value, trainable)

@@ -10,6 +10,11 @@ Two interchangeable paths compute the same numbers:
   built): one gather per table, then ONE `unsorted_segment_sum` for the
   whole group. Stock TF has no op that gathers from several variables, so
   this path cannot fuse the gathers without copying the tables.
+
+EmbeddingVariable groups follow the same split: the C++ kernel
+`EVGroupLookup` resolves keys (inserting new ones in training, counting
+them, honouring the CounterFilter) and pools into `[B, D]` in one op; with `max_norm`, for sequences or with `GROUP_EMBEDDING_KERNELS=tf`
+ONE `EVGroupGather` fetches the `[nnz, D]` rows, pooled in TF as above.
 """
 
 from typing import List
@@ -151,7 +156,8 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
     """Pooled `[B, D]` lookups of one group of same-dim tables.
 
     Args:
-        tables: `[vocab_i, D]` variables of one dtype.
+        tables: `[vocab_i, D]` variables of one dtype, or
+            `EmbeddingVariable`s of one dim.
         feats: one `FeatureIds` per table, all with the same batch size B.
         combiners: "sum" | "mean" | "sqrtn" per table.
         table_names: names used in error messages.
@@ -164,6 +170,10 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
         One `[B, D]` tensor per table.
     """
     lib = kernel_library.load()
+    if (lib is not None and max_norm is None
+            and hasattr(tables[0], "lookup_rows")):
+        # EmbeddingVariable group: resolve and pool in one C++ op.
+        return _pooled_ev(lib, tables, feats, combiners, training)
     if lib is None or not _can_use_kernel(tables, max_norm):
         return _pooled_tf(tables, feats, combiners, table_names, max_norm,
                           training)
@@ -178,6 +188,32 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
         weights=[empty if f.weights is None else f.weights for f in feats],
         combiners=combiners, table_names=table_names,
         embedding_dim=int(tables[0].shape[1]))
+
+
+def _pooled_ev(lib, variables, feats: List[FeatureIds],
+               combiners: List[str], training) -> List[tf.Tensor]:
+    """`EVGroupLookup`: pooled `[B_i, D]` lookups of same-dim EVs.
+
+    Row b of output i pools (with `combiners[i]` and the weights of
+    `feats[i]`) the rows `EVGroupGather` would return for the keys of row
+    b, so both EV paths agree exactly; one variable may appear several
+    times (shared columns). Its gradient gives each variable its unique
+    keys with their summed gradients (see `_register_gradient`).
+    """
+    for v in variables:
+        if v.trainable:
+            # Lets GradientTape see the storage handle as a watched source.
+            tape_lib.variable_accessed(v)
+    empty = tf.zeros([0], tf.float32)
+    return lib.ev_group_lookup(
+        handles=[v.handle for v in variables],
+        keys=[f.values for f in feats],
+        row_splits=[f.row_splits for f in feats],
+        weights=[empty if f.weights is None else f.weights for f in feats],
+        default_values=[v.default_values for v in variables],
+        training=tf.convert_to_tensor(training, tf.bool),
+        combiners=list(combiners),
+        embedding_dim=int(variables[0].embedding_dim))
 
 
 def sequence_lookup(tables, feats: List[FeatureIds], table_names,
@@ -237,6 +273,31 @@ def _register_gradient():
             weights=list(weights), grads=list(grads),
             pooled=list(op.outputs), combiners=combiners)
         return table_grads + [None] * (2 * k) + list(weight_grads)
+
+    @tf.RegisterGradient("EVGroupLookup")
+    def _ev_lookup_grad(op, *grads):
+        k = op.get_attr("num_tables")
+        combiners = [c.decode() if isinstance(c, bytes) else c
+                     for c in op.get_attr("combiners")]
+        dim = op.get_attr("embedding_dim")
+        handles, keys, splits, weights, defaults = (
+            list(op.inputs[i * k:(i + 1) * k]) for i in range(5))
+        # An unused output has no gradient; the kernels want them all.
+        grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
+                 for g, o in zip(grads, op.outputs)]
+        lib = kernel_library.library()
+        # Keys play the role of ids: per variable, unique keys (first
+        # occurrence order) and their summed gradients. Keys are not row
+        # numbers, so the slices have no dense shape (as EVGroupGather's).
+        uniq, sums = lib.group_embedding_variable_lookup_grad(
+            grads=grads, ids=keys, row_splits=splits, weights=weights,
+            combiners=combiners, embedding_dim=dim)
+        weight_grads = lib.ev_group_weight_grad(
+            handles=handles, keys=keys, row_splits=splits, weights=weights,
+            default_values=defaults, grads=grads, pooled=list(op.outputs),
+            combiners=combiners, embedding_dim=dim)
+        return ([tf.IndexedSlices(s, u) for s, u in zip(sums, uniq)]
+                + [None] * (2 * k) + list(weight_grads) + [None] * (k + 1))
 
 
 _register_gradient()

@@ -21,7 +21,9 @@ import warnings
 import tensorflow as tf
 
 KERNEL_MODES = ("auto", "custom", "tf")
-_SOURCES = ("group_embedding_ops.cc", "embedding_variable_ops.cc")
+_SOURCES = ("group_embedding_ops.cc", "embedding_variable_ops.cc",
+            "ev_apply_ops.cc", "ev_lookup_ops.cc")
+_HEADERS = ("pooling.h", "ev_storage.h")
 _KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "kernels")
 _state = {"loaded": False, "module": None, "error": None}
@@ -41,7 +43,7 @@ def _library_path():
     # The name carries a hash of the sources and TF version, so an upgrade
     # of either triggers a rebuild instead of loading a stale binary.
     digest = hashlib.sha1(tf.__version__.encode())
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         with open(os.path.join(_KERNEL_DIR, name), "rb") as f:
             digest.update(f.read())
     name = f"_group_embedding_ops_{digest.hexdigest()[:12]}.so"

@@ -51,10 +51,13 @@ export CPATH="$TF_INC/external/farmhash_archive/src:$TF_INC/external/highwayhash
 
 export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
        HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
-# CPU-only: GPU ops are compiled only if HOROVOD_GPU_* is set, so make sure none leaks in
-# (a CUDA nvcc on PATH is still probed by cmake, which is harmless).
-unset HOROVOD_GPU HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_ALLGATHER \
-      HOROVOD_GPU_BROADCAST HOROVOD_GPU_ALLTOALL HOROVOD_GPU_REDUCESCATTER HOROVOD_CUDA_HOME
+# CPU-only by default: GPU ops are compiled only if HOROVOD_GPU_* is set,
+# so make sure none leaks in. For an NCCL/GPU build, run with HVD_GPU=1 and
+# e.g. HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME=... in the environment.
+if [ "${HVD_GPU:-0}" != 1 ]; then
+    unset HOROVOD_GPU HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_ALLGATHER \
+          HOROVOD_GPU_BROADCAST HOROVOD_GPU_ALLTOALL HOROVOD_GPU_REDUCESCATTER HOROVOD_CUDA_HOME
+fi
 export HOROVOD_CMAKE=/usr/bin/cmake                    # setup.py would otherwise pick `cmake` from PATH
 export MAKEFLAGS="-j${HVD_JOBS:-$(nproc 2>/dev/null || echo 2)}"  # setup.py defaults to -j8 unless MAKEFLAGS set (RAM)
 

@@ -75,10 +75,11 @@ def generate(rows=100_000, vocab_cap=20_000, seed=0, missing_rate=0.05):
     prob = 1.0 / (1.0 + np.exp(-logit))
     label = (rng.random(rows) < prob).astype(np.int64)
     frame = pd.DataFrame({"label": label, **data})
-    return frame, _auc(label, prob)
+    return frame, roc_auc(label, prob)
 
 
-def _auc(label, score):
+def roc_auc(label, score):
+    """Exact ROC AUC of `score` against 0/1 `label` (rank statistic)."""
     order = np.argsort(score)
     ranks = np.empty(len(score))
     ranks[order] = np.arange(1, len(score) + 1)
@@ -88,35 +89,95 @@ def _auc(label, score):
                  / max(pos * neg, 1))
 
 
-def to_dataset(frame, batch_size, shuffle=False, seed=0):
-    """Turns a frame from `generate` into a batched tf.data pipeline.
+def write_csv(frame, path):
+    """Writes a frame from `generate` as CSV (missing values as empty)."""
+    frame.to_csv(path, index=False)
 
-    Yields `(features, label)`: `features["dense"]` is `[B, 13]` float
-    (log1p of counts, missing -> 0) and `features[C*]` are `[B, None]`
-    RaggedTensors of string tokens (empty row = missing).
+
+def read_csv(path):
+    """Reads a CSV written by `write_csv` back into a frame.
+
+    Categorical columns are read as strings, so integer ids keep their
+    text ("17", not 17.0) and a missing value stays "" rather than NaN;
+    dense columns are floats with NaN for missing.
     """
-    dense = np.log1p(frame[DENSE_COLUMNS].fillna(0).to_numpy(np.float32))
-    tensors = {"dense": dense}
+    frame = pd.read_csv(path, dtype={c: str for c in SPARSE_COLUMNS},
+                        keep_default_na=False)
+    for col in DENSE_COLUMNS:
+        frame[col] = pd.to_numeric(frame[col], errors="coerce")
+    return frame
+
+
+def raw_columns(frame):
+    """The raw feature dict of a frame: what a server receives.
+
+    Returns `{I*: float32 [N] (NaN = missing), C*: string [N] ("|"-joined
+    tokens, "" = missing)}` as numpy arrays.
+    """
+    raw = {c: frame[c].to_numpy(np.float32) for c in DENSE_COLUMNS}
     for col in SPARSE_COLUMNS:
-        tensors[col] = frame[col].fillna("").astype(str).to_numpy()
+        raw[col] = frame[col].fillna("").astype(str).to_numpy()
+    return raw
+
+
+def raw_signature():
+    """`tf.TensorSpec`s of a batch of `raw_columns` (for tf.function)."""
+    spec = {c: tf.TensorSpec([None], tf.float32, c) for c in DENSE_COLUMNS}
+    spec.update({c: tf.TensorSpec([None], tf.string, c)
+                 for c in SPARSE_COLUMNS})
+    return spec
+
+
+def parse_raw(raw):
+    """Turns a batch of raw columns into model features.
+
+    Used by `to_dataset` and by the exported serving function, so training
+    and serving run the very same ops.
+
+    Args:
+        raw: dict of `[B]` tensors as in `raw_columns`.
+
+    Returns:
+        `features["dense"]`: `[B, 13]` float32, log1p of the counts with
+        missing -> 0; `features[C*]`: `[B, None]` string RaggedTensors of
+        tokens (an empty row is a missing value).
+    """
+    dense = tf.stack([raw[c] for c in DENSE_COLUMNS], axis=1)
+    dense = tf.math.log1p(tf.where(tf.math.is_nan(dense),
+                                   tf.zeros_like(dense), dense))
+    out = {"dense": dense}
+    for col in SPARSE_COLUMNS:
+        # "" splits to [""], which is dropped: a missing value.
+        tokens = tf.strings.split(raw[col], sep="|")
+        # tf.not_equal, not `!=`: in a TF1 graph `!=` on a RaggedTensor
+        # compares Python objects.
+        out[col] = tf.ragged.boolean_mask(tokens, tf.not_equal(tokens, ""))
+    return out
+
+
+def to_dataset(source, batch_size, shuffle=False, seed=0):
+    """Turns a frame from `generate` (or a CSV path) into a batched
+    tf.data pipeline.
+
+    Args:
+        source: a DataFrame from `generate`, or the path of a CSV written
+            by `write_csv` (read with `read_csv`).
+        batch_size: examples per batch (the last batch may be smaller).
+        shuffle: shuffle examples (buffer of up to 50k) before batching.
+        seed: shuffle seed.
+
+    Returns:
+        A dataset of `(features, label)`, features as in `parse_raw` and
+        label a `[B]` float32.
+    """
+    frame = read_csv(source) if isinstance(source, str) else source
     label = frame["label"].to_numpy(np.float32)
-    ds = tf.data.Dataset.from_tensor_slices((tensors, label))
+    ds = tf.data.Dataset.from_tensor_slices((raw_columns(frame), label))
     if shuffle:
         ds = ds.shuffle(min(len(frame), 50_000), seed=seed)
-
-    def split_tokens(features, y):
-        out = {"dense": features["dense"]}
-        for col in SPARSE_COLUMNS:
-            # "" splits to [""], which is dropped: a missing value.
-            tokens = tf.strings.split(features[col], sep="|")
-            # tf.not_equal, not `!=`: in a TF1 graph `!=` on a
-            # RaggedTensor compares Python objects.
-            out[col] = tf.ragged.boolean_mask(tokens,
-                                              tf.not_equal(tokens, ""))
-        return out, y
-
-    return ds.batch(batch_size).map(split_tokens,
-                                    num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.batch(batch_size).map(
+        lambda raw, y: (parse_raw(raw), y),
+        num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def main():
@@ -127,7 +188,7 @@ def main():
     parser.add_argument("--out", default="/tmp/criteo_like.csv")
     args = parser.parse_args()
     frame, auc = generate(args.rows, args.vocab_cap, args.seed)
-    frame.to_csv(args.out, index=False)
+    write_csv(frame, args.out)
     print(f"wrote {len(frame)} rows to {args.out}; "
           f"click rate {frame.label.mean():.3f}, bayes AUC {auc:.3f}")
 

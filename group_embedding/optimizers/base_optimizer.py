@@ -14,6 +14,7 @@ from typing import Tuple
 import tensorflow as tf
 
 from group_embedding.embedding_variable import EmbeddingVariable
+from group_embedding.keras_embedding_variable import embedding_variable_of
 
 # Keras options that the EV update path cannot honour.
 _UNSUPPORTED_WITH_EV = ("clipnorm", "clipvalue", "global_clipnorm",
@@ -62,23 +63,25 @@ class BaseOptimizer:
             return super().apply(grads)
         grads = list(grads)
         variables = list(trainable_variables)
-        is_ev = [isinstance(v, EmbeddingVariable) for v in variables]
-        if not any(is_ev):
+        # EVs come as themselves (custom loops) or, from `model.fit`, as
+        # the KerasEmbeddingVariable that stands for them in the layer.
+        evs = [embedding_variable_of(v) for v in variables]
+        if all(ev is None for ev in evs):
             return super().apply(grads, variables)
         lr = self._get_current_learning_rate()
-        for g, v, ev in zip(grads, variables, is_ev):
-            if not ev or g is None:
+        for g, ev in zip(grads, evs):
+            if ev is None or g is None:
                 continue
-            self._check_ev_options(v)
+            self._check_ev_options(ev)
             if not isinstance(g, tf.IndexedSlices):
                 raise TypeError(
                     f"{type(self).__name__}: the gradient of "
-                    f"EmbeddingVariable '{v.name}' must be IndexedSlices "
+                    f"EmbeddingVariable '{ev.name}' must be IndexedSlices "
                     f"keyed by key, got {type(g).__name__}.")
-            self._ensure_ev_slots(v)
-            self._ev_update_step(g, v, lr)
-        rest = [(g, v) for g, v, ev in zip(grads, variables, is_ev)
-                if not ev]
+            self._ensure_ev_slots(ev)
+            self._ev_update_step(g, ev, lr)
+        rest = [(g, v) for g, v, ev in zip(grads, variables, evs)
+                if ev is None]
         if rest:
             return super().apply([g for g, _ in rest], [v for _, v in rest])
         self.iterations.assign_add(1)

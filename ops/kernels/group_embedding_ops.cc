@@ -21,6 +21,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "pooling.h"
 
 namespace group_embedding {
 
@@ -38,52 +39,6 @@ using ::tensorflow::Var;
 using ::tensorflow::core::RefCountPtr;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
-
-enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
-
-Status ParseCombiners(const std::vector<std::string>& names,
-                      std::vector<Combiner>* out) {
-  for (const auto& n : names) {
-    if (n == "sum") {
-      out->push_back(kSum);
-    } else if (n == "mean") {
-      out->push_back(kMean);
-    } else if (n == "sqrtn") {
-      out->push_back(kSqrtn);
-    } else {
-      return InvalidArgument("Invalid combiner '", n,
-                             "', use one of sum, mean, sqrtn.");
-    }
-  }
-  return Status();
-}
-
-// Factor applied to every id of a row so that the pooled row equals
-// stock tf.nn.embedding_lookup_sparse; 0 for an empty row (stock would
-// divide 0 by 0, we return zeros).
-inline float RowScale(Combiner c, const float* w, int64_t begin,
-                      int64_t end) {
-  if (c == kSum || end == begin) return 1.0f;
-  double s = 0.0;
-  if (w == nullptr) {
-    s = static_cast<double>(end - begin);
-    if (c == kSqrtn) s = std::sqrt(s);
-  } else if (c == kMean) {
-    for (int64_t j = begin; j < end; ++j) s += w[j];
-  } else {
-    for (int64_t j = begin; j < end; ++j) s += double(w[j]) * w[j];
-    s = std::sqrt(s);
-  }
-  return s == 0.0 ? 0.0f : static_cast<float>(1.0 / s);
-}
-
-// Issues prefetches for every cache line of a `dim`-float row. Lookups
-// and updates touch rows at random in tables far larger than the caches;
-// fetching a few ids ahead overlaps those DRAM misses.
-inline void PrefetchRow(const float* row, int64_t dim) {
-  for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
-}
-constexpr int64_t kPrefetchDistance = 8;
 
 // Shared locks on several variables, taken once each in address order so
 // that they cannot deadlock with writers that lock in the same order.
@@ -104,43 +59,6 @@ class SharedVarLocks {
  private:
   std::vector<tensorflow::mutex*> mus_;
 };
-
-// Checks that ids/row_splits/weights of table `t` describe a ragged batch
-// and that every id addresses a row of a table with `vocab` rows.
-Status CheckRagged(const std::string& name, const Tensor& ids,
-                   const Tensor& splits, const Tensor& weights,
-                   int64_t vocab) {
-  if (splits.dims() != 1 || splits.NumElements() < 1) {
-    return InvalidArgument(name, ": row_splits must be a non-empty vector.");
-  }
-  const auto s = splits.flat<int64_t>();
-  const int64_t nnz = ids.NumElements();
-  if (s(0) != 0 || s(s.size() - 1) != nnz) {
-    return InvalidArgument(name, ": row_splits must start at 0 and end at ",
-                           nnz, " (number of ids), got ", s(0), "..",
-                           s(s.size() - 1), ".");
-  }
-  for (int64_t b = 1; b < s.size(); ++b) {
-    if (s(b) < s(b - 1)) {
-      return InvalidArgument(name, ": row_splits must be non-decreasing.");
-    }
-  }
-  if (weights.NumElements() != 0 && weights.NumElements() != nnz) {
-    return InvalidArgument(name, ": has ", nnz, " ids but ",
-                           weights.NumElements(), " weights.");
-  }
-  if (vocab >= 0) {
-    const auto v = ids.flat<int64_t>();
-    for (int64_t j = 0; j < nnz; ++j) {
-      if (v(j) < 0 || v(j) >= vocab) {
-        return InvalidArgument(name, ": id ", v(j),
-                               " is out of range [0, ", vocab,
-                               ") for this table.");
-      }
-    }
-  }
-  return Status();
-}
 
 // ---------------------------------------------------------------------------
 // Forward: pooled lookup of K ragged id batches from K tables.

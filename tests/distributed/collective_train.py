@@ -131,11 +131,10 @@ def main():
     ge.broadcast_variables([dense])
     model = Model(tables, dense)
 
-    ref_tables = [tf.Variable(sharded_variable._chunked_initial_rows(
-        keras.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(d)), v, d,
-        tf.float32, sharded_variable.zlib.crc32(f"t{i}".encode()) % 2 ** 30,
-        np.arange(v))) for i, (v, d) in enumerate(zip(VOCABS[:EV_TABLE],
-                                                      DIMS[:EV_TABLE]))]
+    # The single-process values of every row, as one process would draw.
+    ref_tables = [tf.Variable(sharded_variable.initial_rows(
+        f"t{i}", v, d, np.arange(v)))
+        for i, (v, d) in enumerate(zip(VOCABS[:EV_TABLE], DIMS[:EV_TABLE]))]
     defaults = ev.default_values.numpy()
     ev_rows = ev_keys(np.arange(VOCABS[EV_TABLE])) % len(defaults)
     ref_tables.append(tf.Variable(defaults[ev_rows]))

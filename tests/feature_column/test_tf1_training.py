@@ -25,8 +25,9 @@ def _frame(n=96, seed=0):
 def _columns(kind: str, scope_name: str):
     with ge_fc.group_embedding_column_scope(scope_name):
         if kind == "ev":
-            # One EV table (string keys) next to a stock table.
-            cats = [FC.categorical_column_with_identity("uid", 10),
+            # Two EV tables (int and string keys) in one Saver checkpoint.
+            cats = [ge_fc.categorical_column_with_embedding("uid",
+                                                            dtype=tf.int64),
                     ge_fc.categorical_column_with_embedding("city")]
         else:
             cats = [FC.categorical_column_with_identity("uid", 10),
@@ -129,8 +130,10 @@ def test_monitored_training_session_trains_saves_and_restores(kind,
     assert names, restored.keys()
     for n in names:
         if isinstance(restored[n], tuple):  # EV: (keys, rows)
-            # sf, ny, la, mars; "" means missing and is never a key.
-            assert len(restored[n][0]) == 4
+            # city: sf, ny, la, mars ("" means missing and is never a
+            # key); uid: 0..9 (-1 means missing).
+            want = 4 if "city" in n else len(set(_frame()["uid"]) - {-1})
+            assert len(restored[n][0]) == want, n
         else:
             assert np.isfinite(restored[n]).all()
 

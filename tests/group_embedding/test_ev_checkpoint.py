@@ -149,7 +149,7 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
 
 
 def _run_steps(sess, train, loss, ids, batches):
-    return [sess.run([train, loss], {ids: b})[1] for b in batches]
+    return [sess.run([train, loss], dict(zip(ids, b)))[1] for b in batches]
 
 
 def _sorted(export):
@@ -160,37 +160,74 @@ def _sorted(export):
 
 
 def test_saver_round_trip_in_graph_mode(tmp_path):
+    # Two EVs of different dims: each must get its own checkpoint keys
+    # (the Saver names tensors by local name only, so bare `keys` of the
+    # second EV would overwrite the first's).
     v1 = tf.compat.v1
     rng = np.random.default_rng(0)
-    batches = [rng.integers(-50, 50, size=(8, 3)) for _ in range(6)]
+    batches = [(rng.integers(-50, 50, size=(8, 3)),
+                rng.integers(1000, 1020, size=(8, 2))) for _ in range(6)]
 
     def build():
-        ev = ev_cases.make_ev("saver_ev", DIM)
-        ids = v1.placeholder(tf.int64, [None, 3])
-        (emb,) = ge.group_embedding_lookup([ev], [ids])
-        loss = tf.reduce_sum(tf.square(emb - 0.5))
+        evs = [ev_cases.make_ev("saver_user", DIM),
+               ev_cases.make_ev("saver_item", DIM + 2, seed=1)]
+        ids = [v1.placeholder(tf.int64, [None, 3]),
+               v1.placeholder(tf.int64, [None, 2])]
+        embs = ge.group_embedding_lookup(evs, ids)
+        loss = tf.add_n([tf.reduce_sum(tf.square(e - 0.5)) for e in embs])
         step = v1.train.create_global_step()
         train = ge.train.AdagradOptimizer(0.1).minimize(loss,
                                                         global_step=step)
-        return ev, ids, loss, train
+        return evs, ids, loss, train
+
+    def exports(sess, evs):
+        return [_sorted(sess.run(ev_storage.export(ev.handle,
+                                                   ev.embedding_dim)))
+                for ev in evs]
 
     with tf.Graph().as_default():
-        ev, ids, loss, train = build()
+        evs, ids, loss, train = build()
         saver = v1.train.Saver()
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
-            for b in batches[:3]:
-                sess.run(train, {ids: b})
+            _run_steps(sess, train, loss, ids, batches[:3])
             path = saver.save(sess, str(tmp_path / "model"))
             want = _run_steps(sess, train, loss, ids, batches[3:])
-            final = _sorted(sess.run(ev_storage.export(ev.handle, DIM)))
+            final = exports(sess, evs)
+    names = dict(tf.train.list_variables(path))
+    for name, dim in (("saver_user", DIM), ("saver_item", DIM + 2)):
+        for part in ("keys", "values", "freqs", "versions", "slots"):
+            assert f"{name}-{part}" in names
+        assert names[f"{name}-values"][1] == dim
+    assert "keys" not in names
     with tf.Graph().as_default():
-        ev, ids, loss, train = build()
+        evs, ids, loss, train = build()
         saver = v1.train.Saver()
         with v1.Session() as sess:
             saver.restore(sess, path)
             got = _run_steps(sess, train, loss, ids, batches[3:])
-            again = _sorted(sess.run(ev_storage.export(ev.handle, DIM)))
+            again = exports(sess, evs)
     np.testing.assert_array_equal(got, want)
-    for a, b in zip(final, again):
-        np.testing.assert_array_equal(a, b)
+    for ev_final, ev_again in zip(final, again):
+        for a, b in zip(ev_final, ev_again):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_keeps_two_evs_apart(tmp_path):
+    evs = [ev_cases.make_ev("ckpt_user", DIM),
+           ev_cases.make_ev("ckpt_item", DIM, seed=1)]
+    for ev, keys in zip(evs, ([[1, 2], [3]], [[-5], [2**62]])):
+        ge.group_embedding_lookup_sparse(
+            [ev], [tf.ragged.constant(keys, tf.int64)], "sum")
+    want = [_sorted([x.numpy() for x in ev_storage.export(ev.handle, DIM)])
+            for ev in evs]
+    path = tf.train.Checkpoint(user=evs[0], item=evs[1]).save(
+        str(tmp_path / "ckpt"))
+    fresh = [ev_cases.make_ev("ckpt_user", DIM),
+             ev_cases.make_ev("ckpt_item", DIM, seed=1)]
+    tf.train.Checkpoint(user=fresh[0], item=fresh[1]).restore(
+        path).assert_existing_objects_matched()
+    for ev, ev_want in zip(fresh, want):
+        got = _sorted([x.numpy() for x in ev_storage.export(ev.handle, DIM)])
+        for a, b in zip(got, ev_want):
+            np.testing.assert_array_equal(a, b)

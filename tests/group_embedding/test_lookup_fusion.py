@@ -5,7 +5,6 @@
 * no retrace when only the batch size changes.
 """
 
-import numpy as np
 import pytest
 import tensorflow as tf
 

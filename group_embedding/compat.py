@@ -1,0 +1,282 @@
+"""DeepRec drop-in names on stock TensorFlow (`import group_embedding.compat`).
+
+DeepRec is a TensorFlow fork: its users write
+`tf.nn.group_embedding_lookup_sparse`,
+`tf.feature_column.group_embedding_column_scope`,
+`tf.get_embedding_variable` and so on. Importing this module (or calling
+`install()`) adds those names to both `tf` and `tf.compat.v1`, so such a
+script runs on stock TF 2.21 by adding one import:
+
+    import tensorflow.compat.v1 as tf
+    import group_embedding.compat  # noqa: F401
+
+What `install()` changes, in `tf` and in `tf.compat.v1`:
+
+* added: `nn.group_embedding_lookup_sparse`, `nn.group_embedding_lookup`,
+  `feature_column.group_embedding_column_scope`,
+  `feature_column.categorical_column_with_embedding`,
+  `get_embedding_variable`, `config.experimental.enable_distributed_strategy`,
+  `EmbeddingVariableOption`, `CounterFilter`, `InitializerOption`,
+  `GlobalStepEvict`, `L2WeightEvict`;
+* routed through this library: `feature_column.embedding_column`,
+  `feature_column.shared_embedding_columns` (and TF2's `shared_embeddings`),
+  `feature_column.input_layer`, so that `group_embedding_column_scope`
+  takes effect. Stock categorical columns still work: ours embed them, and
+  `input_layer` computes stock columns (including stock embedding columns
+  built before `install()`) with stock code;
+* in `tf.compat.v1.train` only: `GradientDescentOptimizer`,
+  `AdagradOptimizer`, `AdamOptimizer`, `FtrlOptimizer` become the
+  `ge.train` subclasses, which also update EmbeddingVariables (in DeepRec
+  the stock optimizers do). On plain variables they are the stock update.
+
+`uninstall()` puts every original back (and removes the added names).
+
+Note: DeepRec's `embedding_column` builds its table itself; ours returns a
+column description whose table `input_layer` creates, with the same
+variable names stock uses (`input_layer/<column>/embedding_weights`).
+"""
+
+import threading
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Tuple
+
+import tensorflow as tf
+from tensorflow.python.feature_column import feature_column_v2 as fc_v2
+
+from group_embedding import embedding_variable
+from group_embedding import embedding_variable_option as options
+from group_embedding import lookup
+from group_embedding import train
+from group_embedding.distributed_strategy import enable_distributed_strategy
+from group_embedding.feature_column import column_lookup
+from group_embedding.feature_column import columns as columns_lib
+from group_embedding.feature_column.input_layer import \
+    input_layer as ge_input_layer
+from group_embedding.feature_column import scope as scope_lib
+
+_MISSING = object()
+_LOCK = threading.Lock()
+# (namespace, attribute) -> value before install() (_MISSING: absent).
+_ORIGINALS: Dict[Tuple[Any, str], Any] = {}
+
+
+def _original(namespace, name: str):
+    """The stock value of `namespace.name`, even while installed."""
+    value = _ORIGINALS.get((namespace, name), _MISSING)
+    if value is _MISSING:
+        value = getattr(namespace, name)
+    return value
+
+
+def _reject_ckpt_arguments(where: str, ckpt_to_load_from,
+                           tensor_name_in_ckpt) -> None:
+    # Honoured or rejected, never ignored (STYLE: Errors).
+    if ckpt_to_load_from is not None or tensor_name_in_ckpt is not None:
+        raise NotImplementedError(
+            f"{where}: `ckpt_to_load_from` / `tensor_name_in_ckpt` are not "
+            "supported by group_embedding; restore the tables with "
+            "tf.train.Saver or tf.train.init_from_checkpoint instead.")
+
+
+def _is_supported_categorical(column) -> bool:
+    inner = column
+    if isinstance(column, fc_v2.WeightedCategoricalColumn):
+        inner = column.categorical_column
+    return columns_lib.is_ev_column(column) or isinstance(
+        inner, columns_lib.SUPPORTED_STOCK_COLUMNS)
+
+
+def embedding_column(categorical_column, dimension, combiner="mean",
+                     initializer=None, ckpt_to_load_from=None,
+                     tensor_name_in_ckpt=None, max_norm=None,
+                     trainable=True, use_safe_embedding_lookup=True):
+    """`tf.feature_column.embedding_column` with the stock signature,
+    routed through `ge.feature_column.embedding_column`.
+
+    Inside a `group_embedding_column_scope` the column joins the scope's
+    grouped lookup. Outside scopes, a categorical column the library cannot
+    embed (e.g. a crossed column) gets the stock embedding column.
+
+    Args:
+        categorical_column, dimension, combiner, initializer, max_norm,
+            trainable: as in `ge.feature_column.embedding_column`.
+        ckpt_to_load_from, tensor_name_in_ckpt: must be None.
+        use_safe_embedding_lookup: accepted either way: the grouped lookup
+            always drops invalid ids and empty rows give zeros, which is
+            what the safe lookup does and, on valid input, equals the
+            unsafe one.
+
+    Returns:
+        A `ge` `EmbeddingColumn` (or a stock one, see above).
+
+    Raises:
+        NotImplementedError: checkpoint arguments given.
+        TypeError / ValueError: see `ge.feature_column.embedding_column`.
+    """
+    _reject_ckpt_arguments("embedding_column", ckpt_to_load_from,
+                           tensor_name_in_ckpt)
+    if scope_lib.current_scope() is None and not _is_supported_categorical(
+            categorical_column):
+        return _original(tf.feature_column, "embedding_column")(
+            categorical_column, dimension, combiner=combiner,
+            initializer=initializer, max_norm=max_norm, trainable=trainable,
+            use_safe_embedding_lookup=use_safe_embedding_lookup)
+    return columns_lib.embedding_column(categorical_column, dimension,
+                                        combiner, initializer, max_norm,
+                                        trainable)
+
+
+def shared_embedding_columns(categorical_columns, dimension,
+                             combiner="mean", initializer=None,
+                             shared_embedding_collection_name=None,
+                             ckpt_to_load_from=None,
+                             tensor_name_in_ckpt=None, max_norm=None,
+                             trainable=True,
+                             use_safe_embedding_lookup=True):
+    """`tf.compat.v1.feature_column.shared_embedding_columns` (stock
+    signature) routed through `ge.feature_column.shared_embedding_columns`.
+
+    Args:
+        As stock; `ckpt_to_load_from` / `tensor_name_in_ckpt` must be None,
+        `use_safe_embedding_lookup` as in `embedding_column`.
+
+    Returns:
+        One `ge` `EmbeddingColumn` per categorical column.
+
+    Raises:
+        NotImplementedError: checkpoint arguments given.
+        TypeError / ValueError: see
+            `ge.feature_column.shared_embedding_columns`.
+    """
+    del use_safe_embedding_lookup  # always safe, see embedding_column
+    _reject_ckpt_arguments("shared_embedding_columns", ckpt_to_load_from,
+                           tensor_name_in_ckpt)
+    return columns_lib.shared_embedding_columns(
+        categorical_columns, dimension, combiner, initializer,
+        shared_embedding_collection_name, max_norm, trainable)
+
+
+def _is_ours(column) -> bool:
+    return isinstance(column, columns_lib.EmbeddingColumn)
+
+
+def _handled_by_ge(column) -> bool:
+    try:
+        column_lookup.check_feature_columns([column])
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def input_layer(features, feature_columns, weight_collections=None,
+                trainable=True, cols_to_vars=None,
+                cols_to_output_tensors=None):
+    """`tf.compat.v1.feature_column.input_layer`, scopes included.
+
+    With no `ge` embedding column among `feature_columns` this is the stock
+    function, unchanged. Otherwise `ge.feature_column.input_layer` computes
+    the `ge` columns and the stateless stock ones (one grouped lookup per
+    scope); stock embedding columns, if any, are computed by the stock
+    function; the outputs are concatenated sorted by column name, as stock
+    does.
+
+    Args:
+        As stock `tf.compat.v1.feature_column.input_layer`.
+
+    Returns:
+        `[B, sum of column dims]` float32.
+    """
+    stock = _original(tf.compat.v1.feature_column, "input_layer")
+    columns = list(feature_columns) if isinstance(
+        feature_columns, (list, tuple)) else [feature_columns]
+    if not any(_is_ours(c) for c in columns):
+        return stock(features, columns, weight_collections, trainable,
+                     cols_to_vars, cols_to_output_tensors)
+    rest = [c for c in columns if not _handled_by_ge(c)]
+    if not rest:
+        return ge_input_layer(
+            features, columns, weight_collections, trainable, cols_to_vars,
+            cols_to_output_tensors)
+    ours = [c for c in columns if _handled_by_ge(c)]
+    outputs: Dict[Any, tf.Tensor] = {}
+    stock(features, rest, weight_collections, trainable, cols_to_vars,
+          outputs)
+    ge_input_layer(features, ours, weight_collections,
+                                trainable, cols_to_vars, outputs)
+    ordered = sorted(outputs.items(), key=lambda item: item[0].name)
+    if cols_to_output_tensors is not None:
+        cols_to_output_tensors.update(ordered)
+    return tf.concat([t for _, t in ordered], 1)
+
+
+def _names() -> List[Tuple[Any, str, Any]]:
+    """(namespace, attribute, value) for everything install() sets."""
+    top = {
+        "get_embedding_variable": embedding_variable.get_embedding_variable,
+        "EmbeddingVariableOption": options.EmbeddingVariableOption,
+        "CounterFilter": options.CounterFilter,
+        "InitializerOption": options.InitializerOption,
+        "GlobalStepEvict": options.GlobalStepEvict,
+        "L2WeightEvict": options.L2WeightEvict,
+    }
+    nn = {
+        "group_embedding_lookup_sparse":
+            lookup.group_embedding_lookup_sparse,
+        "group_embedding_lookup": lookup.group_embedding_lookup,
+    }
+    feature_column = {
+        "group_embedding_column_scope":
+            scope_lib.group_embedding_column_scope,
+        "categorical_column_with_embedding":
+            columns_lib.categorical_column_with_embedding,
+        "embedding_column": embedding_column,
+        "shared_embedding_columns": shared_embedding_columns,
+        "input_layer": input_layer,
+    }
+    out = []
+    for root in (tf, tf.compat.v1):
+        out += [(root, k, v) for k, v in top.items()]
+        out += [(root.nn, k, v) for k, v in nn.items()]
+        out += [(root.feature_column, k, v)
+                for k, v in feature_column.items()]
+        out.append((root.config.experimental,
+                    "enable_distributed_strategy",
+                    enable_distributed_strategy))
+    # TF2's name for shared_embedding_columns.
+    out.append((tf.feature_column, "shared_embeddings",
+                shared_embedding_columns))
+    for name in train.__all__:
+        out.append((tf.compat.v1.train, name, getattr(train, name)))
+    return out
+
+
+def install() -> None:
+    """Adds DeepRec's names to `tf` and `tf.compat.v1` (idempotent)."""
+    with _LOCK:
+        for namespace, name, value in _names():
+            key = (namespace, name)
+            if key not in _ORIGINALS:
+                _ORIGINALS[key] = getattr(namespace, name, _MISSING)
+            setattr(namespace, name, value)
+
+
+def uninstall() -> None:
+    """Restores every name `install()` changed (idempotent)."""
+    with _LOCK:
+        for (namespace, name), value in _ORIGINALS.items():
+            if value is _MISSING:
+                if hasattr(namespace, name):
+                    delattr(namespace, name)
+            else:
+                setattr(namespace, name, value)
+        _ORIGINALS.clear()
+
+
+def is_installed() -> bool:
+    """True between `install()` and `uninstall()`."""
+    return bool(_ORIGINALS)
+
+
+install()

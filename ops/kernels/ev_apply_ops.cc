@@ -1,0 +1,312 @@
+// Sparse optimizer updates of EmbeddingVariables, keyed by key: only the
+// rows of the gradient's keys (and their slots) change; keys absent or not
+// admitted by the CounterFilter are skipped.
+
+#include "ev_storage.h"
+#include "pooling.h"
+
+namespace group_embedding_ev {
+
+using ::group_embedding::kPrefetchDistance;
+using ::group_embedding::PrefetchRow;
+
+// Groups duplicate keys (or any int64 ids) and sums their gradients.
+class KeyDedup {
+ public:
+  // Fills `first` (first position of each unique key) and `summed`
+  // (`[unique, dim]` summed gradients, empty when there is no duplicate).
+  KeyDedup(const int64_t* keys, int64_t n, const float* grad, int64_t dim) {
+    int64_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    std::vector<int64_t> table(cap, -1);
+    std::vector<int64_t> slot(n);
+    for (int64_t j = 0; j < n; ++j) {
+      uint64_t h = Mix(static_cast<uint64_t>(keys[j])) & (cap - 1);
+      while (table[h] >= 0 && keys[first_[table[h]]] != keys[j]) {
+        h = (h + 1) & (cap - 1);
+      }
+      if (table[h] < 0) {
+        table[h] = first_.size();
+        first_.push_back(j);
+      }
+      slot[j] = table[h];
+    }
+    grad_ = grad;
+    if (static_cast<int64_t>(first_.size()) != n) {
+      summed_.assign(first_.size() * dim, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        float* dst = summed_.data() + slot[j] * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] += grad[j * dim + d];
+      }
+    }
+    dim_ = dim;
+  }
+  int64_t size() const { return first_.size(); }
+  int64_t first(int64_t u) const { return first_[u]; }
+  const float* grad(int64_t u) const {
+    return summed_.empty() ? grad_ + first_[u] * dim_
+                           : summed_.data() + u * dim_;
+  }
+
+ private:
+  std::vector<int64_t> first_;
+  std::vector<float> summed_;
+  const float* grad_;
+  int64_t dim_;
+};
+
+// Shared skeleton of the updates: call `update(value row, gradient row,
+// slot rows, dim)` once per distinct admitted key and stamp its version.
+// Under the variable's lock:
+//  1. every key is resolved to its row in parallel (reads only), with the
+//     hash buckets and key rows prefetched ahead;
+//  2. a bitmap over row indices (one bit per row, cheap even for big
+//     tables) detects duplicate keys; gradients of the fused lookup are
+//     already unique, so usually nothing is summed, else duplicates are
+//     summed first (KeyDedup) so that the update equals the dense one;
+//  3. the rows are updated in parallel, with the value, slot and key rows
+//     of a few keys ahead prefetched.
+template <typename Update>
+void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
+                 int keys_input, Update update) {
+  RefCountPtr<EVStorage> ev;
+  OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
+  const Tensor& keys = ctx->input(keys_input);
+  const Tensor& grad = ctx->input(keys_input + 1);
+  const int64_t step = ctx->input(keys_input + 2).scalar<int64_t>()();
+  const int64_t dim = ev->dim();
+  const int64_t n = keys.NumElements();
+  const std::string& var = ev->config().name;
+  OP_REQUIRES(ctx, grad.NumElements() == n * dim,
+              InvalidArgument(var, ": gradient must be [", n, ", ", dim,
+                              "], got ", grad.shape().DebugString()));
+  tensorflow::mutex_lock lock(*ev->mu());
+  std::vector<int> idx;
+  for (const auto& s : slots) {
+    idx.push_back(ev->SlotIndex(s));
+    OP_REQUIRES(ctx, idx.back() >= 0,
+                InvalidArgument(var, ": optimizer slot '", s,
+                                "' was not created; build the optimizer "
+                                "first."));
+  }
+  ev->AdvanceStep(step);
+  const int64_t* k = keys.flat<int64_t>().data();
+  const float* g = grad.flat<float>().data();
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+
+  // 1. Row of every key; -1 when absent or not admitted (no update).
+  std::vector<int64_t> rows(n);
+  auto resolve = [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      if (j + 2 * kPrefetchDistance < end) {
+        ev->PrefetchBucket(k[j + 2 * kPrefetchDistance]);
+      }
+      if (j + kPrefetchDistance < end) {
+        ev->PrefetchKeyRow(k[j + kPrefetchDistance]);
+      }
+      const int64_t r = ev->Find(k[j]);
+      rows[j] = (r >= 0 && ev->Admitted(r)) ? r : -1;
+    }
+  };
+  tensorflow::Shard(pool->num_threads, pool->workers, n, 200, resolve);
+
+  // 2. Distinct rows and their (summed) gradients.
+  std::vector<uint64_t> seen((ev->num_rows() + 63) / 64, 0);
+  bool duplicates = false;
+  for (int64_t j = 0; j < n && !duplicates; ++j) {
+    if (rows[j] < 0) continue;
+    uint64_t& word = seen[rows[j] >> 6];
+    const uint64_t bit = uint64_t{1} << (rows[j] & 63);
+    duplicates = (word & bit) != 0;
+    word |= bit;
+  }
+  std::vector<int64_t> urows;
+  std::vector<const float*> ugrads;
+  std::unique_ptr<KeyDedup> dedup;
+  if (duplicates) {
+    // Rows identify keys as well as keys do, and -1 collects the skipped.
+    dedup.reset(new KeyDedup(rows.data(), n, g, dim));
+    for (int64_t u = 0; u < dedup->size(); ++u) {
+      const int64_t r = rows[dedup->first(u)];
+      if (r < 0) continue;
+      urows.push_back(r);
+      ugrads.push_back(dedup->grad(u));
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      if (rows[j] < 0) continue;
+      urows.push_back(rows[j]);
+      ugrads.push_back(g + j * dim);
+    }
+  }
+
+  // 3. Updates, one distinct row per key: no write conflicts.
+  const uint32_t version = ClampStep(step);
+  const int64_t m = urows.size();
+  auto work = [&](int64_t begin, int64_t end) {
+    float* sp[4] = {nullptr, nullptr, nullptr, nullptr};
+    for (int64_t u = begin; u < end; ++u) {
+      if (u + kPrefetchDistance < end) {
+        const int64_t ahead = urows[u + kPrefetchDistance];
+        PrefetchRow(ev->Value(ahead), dim);
+        for (int s : idx) PrefetchRow(ev->Slot(s, ahead), dim);
+        __builtin_prefetch(ev->Meta(ahead));
+      }
+      const int64_t r = urows[u];
+      for (size_t s = 0; s < idx.size(); ++s) sp[s] = ev->Slot(idx[s], r);
+      update(ev->Value(r), ugrads[u], sp, dim);
+      *ev->Version(r) = version;
+    }
+  };
+  tensorflow::Shard(pool->num_threads, pool->workers, m, dim * 30, work);
+}
+
+#define EV_APPLY_INPUTS          \
+  Input("handle: resource")      \
+      .Input("keys: int64")      \
+      .Input("grad: float")      \
+      .Input("global_step: int64")
+
+REGISTER_OP("EVApplySGD")
+    .EV_APPLY_INPUTS.Input("lr: float")
+    .SetShapeFn([](InferenceContext*) { return Status(); });
+
+class EVApplySGDOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    const float lr = ctx->input(4).scalar<float>()();
+    ApplySparse(ctx, {}, 1,
+                [lr](float* v, const float* g, float**, int64_t dim) {
+                  for (int64_t d = 0; d < dim; ++d) v[d] -= lr * g[d];
+                });
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVApplySGD").Device(DEVICE_CPU), EVApplySGDOp);
+
+// accum += g^2; var -= lr * g / sqrt(accum + epsilon)  (Keras' rule)
+REGISTER_OP("EVApplyAdagrad")
+    .EV_APPLY_INPUTS.Input("lr: float")
+    .Input("epsilon: float")
+    .Attr("slot_name: string")
+    .SetShapeFn([](InferenceContext*) { return Status(); });
+
+class EVApplyAdagradOp : public OpKernel {
+ public:
+  explicit EVApplyAdagradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string s;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_name", &s));
+    slots_ = {s};
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const float lr = ctx->input(4).scalar<float>()();
+    const float eps = ctx->input(5).scalar<float>()();
+    ApplySparse(ctx, slots_, 1,
+                [lr, eps](float* v, const float* g, float** s, int64_t dim) {
+                  float* a = s[0];
+                  for (int64_t d = 0; d < dim; ++d) {
+                    a[d] += g[d] * g[d];
+                    v[d] -= lr * g[d] / std::sqrt(a[d] + eps);
+                  }
+                });
+  }
+
+ private:
+  std::vector<std::string> slots_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVApplyAdagrad").Device(DEVICE_CPU),
+                        EVApplyAdagradOp);
+
+// m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// var -= alpha * m / (sqrt(v) + epsilon), alpha bias-corrected by caller.
+REGISTER_OP("EVApplyAdam")
+    .EV_APPLY_INPUTS.Input("alpha: float")
+    .Input("beta1: float")
+    .Input("beta2: float")
+    .Input("epsilon: float")
+    .Attr("slot_names: list(string)")
+    .SetShapeFn([](InferenceContext*) { return Status(); });
+
+class EVApplyAdamOp : public OpKernel {
+ public:
+  explicit EVApplyAdamOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
+    OP_REQUIRES(ctx, slots_.size() == 2,
+                InvalidArgument("EVApplyAdam needs 2 slots (m, v)."));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const float alpha = ctx->input(4).scalar<float>()();
+    const float b1 = ctx->input(5).scalar<float>()();
+    const float b2 = ctx->input(6).scalar<float>()();
+    const float eps = ctx->input(7).scalar<float>()();
+    ApplySparse(ctx, slots_, 1,
+                [=](float* v, const float* g, float** s, int64_t dim) {
+                  float* m = s[0];
+                  float* u = s[1];
+                  for (int64_t d = 0; d < dim; ++d) {
+                    m[d] += (g[d] - m[d]) * (1.0f - b1);
+                    u[d] += (g[d] * g[d] - u[d]) * (1.0f - b2);
+                    v[d] -= alpha * m[d] / (std::sqrt(u[d]) + eps);
+                  }
+                });
+  }
+
+ private:
+  std::vector<std::string> slots_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVApplyAdam").Device(DEVICE_CPU),
+                        EVApplyAdamOp);
+
+// TF's ApplyFtrlV2 on the touched rows (slots: accumulator, linear).
+REGISTER_OP("EVApplyFtrl")
+    .EV_APPLY_INPUTS.Input("lr: float")
+    .Input("l1: float")
+    .Input("l2: float")
+    .Input("l2_shrinkage: float")
+    .Input("lr_power: float")
+    .Attr("slot_names: list(string)")
+    .SetShapeFn([](InferenceContext*) { return Status(); });
+
+class EVApplyFtrlOp : public OpKernel {
+ public:
+  explicit EVApplyFtrlOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
+    OP_REQUIRES(ctx, slots_.size() == 2,
+                InvalidArgument("EVApplyFtrl needs 2 slots."));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const float lr = ctx->input(4).scalar<float>()();
+    const float l1 = ctx->input(5).scalar<float>()();
+    const float l2 = ctx->input(6).scalar<float>()();
+    const float shrink = ctx->input(7).scalar<float>()();
+    const float power = ctx->input(8).scalar<float>()();
+    auto pw = [power](float x) {
+      return power == -0.5f ? std::sqrt(x) : std::pow(x, -power);
+    };
+    ApplySparse(ctx, slots_, 1,
+                [=](float* v, const float* g, float** s, int64_t dim) {
+                  float* acc = s[0];
+                  float* lin = s[1];
+                  for (int64_t d = 0; d < dim; ++d) {
+                    const float gs = g[d] + 2.0f * shrink * v[d];
+                    const float na = acc[d] + g[d] * g[d];
+                    lin[d] += gs - (pw(na) - pw(acc[d])) / lr * v[d];
+                    const float clipped = std::min(std::max(lin[d], -l1), l1);
+                    const float quad = pw(na) / lr + 2.0f * l2;
+                    v[d] = (clipped - lin[d]) / quad;
+                    acc[d] = na;
+                  }
+                });
+  }
+
+ private:
+  std::vector<std::string> slots_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVApplyFtrl").Device(DEVICE_CPU),
+                        EVApplyFtrlOp);
+
+}  // namespace group_embedding_ev

@@ -1,0 +1,395 @@
+// Fused pooled lookup of a group of same-dim EmbeddingVariables: the EV
+// analogue of GroupEmbeddingVariableLookup (group_embedding_ops.cc), which
+// pools straight into [B, D] outputs instead of gathering [nnz, D] rows.
+//
+// Why two phases: inserting keys mutates a variable's hash map, which
+// threads cannot share, while pooling only reads rows. So the op first
+// resolves every key to the row it reads (in parallel over variables,
+// each variable's keys in order), then pools in parallel over batch rows.
+// Rows never move (chunked storage) and the locks of all the group's
+// variables are held until pooling ends, so the resolved pointers stay
+// valid.
+//
+// Gradient (registered in fused_lookup.py): GroupEmbeddingVariableLookupGrad
+// with keys in the role of ids gives, per variable, the unique keys and
+// their summed gradients; EVGroupWeightGrad below gives the weights'.
+
+#include "ev_storage.h"
+#include "pooling.h"
+
+namespace group_embedding_ev {
+
+using ::group_embedding::CheckRagged;
+using ::group_embedding::Combiner;
+using ::group_embedding::kPrefetchDistance;
+using ::group_embedding::ParseCombiners;
+using ::group_embedding::PrefetchRow;
+using ::group_embedding::RowScale;
+using ::tensorflow::OpOutputList;
+
+// Locks of the distinct variables of a group (one variable may serve
+// several tables, e.g. shared embedding columns), taken in address order
+// so that two groups cannot deadlock; exclusive when keys are inserted.
+class EVGroupLocks {
+ public:
+  EVGroupLocks(std::vector<EVStorage*> evs, bool exclusive)
+      : evs_(std::move(evs)), exclusive_(exclusive) {
+    std::sort(evs_.begin(), evs_.end());
+    evs_.erase(std::unique(evs_.begin(), evs_.end()), evs_.end());
+    for (EVStorage* ev : evs_) {
+      if (exclusive_) {
+        ev->mu()->lock();
+      } else {
+        ev->mu()->lock_shared();
+      }
+    }
+  }
+  ~EVGroupLocks() {
+    for (auto it = evs_.rbegin(); it != evs_.rend(); ++it) {
+      if (exclusive_) {
+        (*it)->mu()->unlock();
+      } else {
+        (*it)->mu()->unlock_shared();
+      }
+    }
+  }
+  const std::vector<EVStorage*>& distinct() const { return evs_; }
+
+ private:
+  std::vector<EVStorage*> evs_;
+  bool exclusive_;
+};
+
+// The checked inputs shared by the lookup and its weight gradient.
+struct GroupInputs {
+  std::vector<RefCountPtr<EVStorage>> refs;
+  std::vector<EVStorage*> evs;
+  OpInputList keys, splits, weights, defaults;
+};
+
+Status ReadGroupInputs(OpKernelContext* ctx, int64_t dim, GroupInputs* in) {
+  TF_RETURN_IF_ERROR(ctx->input_list("keys", &in->keys));
+  TF_RETURN_IF_ERROR(ctx->input_list("row_splits", &in->splits));
+  TF_RETURN_IF_ERROR(ctx->input_list("weights", &in->weights));
+  TF_RETURN_IF_ERROR(ctx->input_list("default_values", &in->defaults));
+  const int k = in->keys.size();
+  in->refs.resize(k);
+  in->evs.resize(k);
+  for (int t = 0; t < k; ++t) {
+    TF_RETURN_IF_ERROR(GetEV(ctx, t, &in->refs[t]));
+    EVStorage* ev = in->refs[t].get();
+    in->evs[t] = ev;
+    const std::string& name = ev->config().name;
+    if (ev->dim() != dim) {
+      return InvalidArgument(name, ": has dim ", ev->dim(),
+                             " but the group has dim ", dim, ".");
+    }
+    const Tensor& d = in->defaults[t];
+    if (d.dims() != 2 || d.dim_size(1) != dim || d.dim_size(0) == 0) {
+      return InvalidArgument(name, ": default values must be [n > 0, ", dim,
+                             "], got ", d.shape().DebugString());
+    }
+    TF_RETURN_IF_ERROR(CheckRagged(name, in->keys[t], in->splits[t],
+                                   in->weights[t], -1));
+  }
+  return Status();
+}
+
+// Points `out[j]` at the row key j reads, as EVGroupGather would copy it:
+// its value if stored and admitted, else `no_permission` (a row of the
+// CounterFilter's constant) or, for unknown keys outside training, its
+// default row. With `training`, new keys are inserted and every occurrence
+// is counted before admission is checked, so all occurrences of a key in
+// the batch read the same row. Needs the variable's lock (exclusive when
+// training).
+void ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
+                 const Tensor& defaults, bool training,
+                 const float* no_permission, const float** out) {
+  const float* dflt = defaults.flat<float>().data();
+  const int64_t drows = defaults.dim_size(0);
+  const bool filtered = ev->config().filter_freq > 0;
+  auto prefetch = [&](int64_t j) {
+    if (j + 2 * kPrefetchDistance < n) {
+      ev->PrefetchBucket(key[j + 2 * kPrefetchDistance]);
+    }
+    if (j + kPrefetchDistance < n) {
+      ev->PrefetchKeyRow(key[j + kPrefetchDistance]);
+    }
+  };
+  if (training) {
+    std::vector<int64_t> rows(filtered ? n : 0);
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch(j);
+      const int64_t r = ev->FindOrInsert(key[j], dflt, drows);
+      ++*ev->Freq(r);
+      if (filtered) {
+        rows[j] = r;
+      } else {
+        out[j] = ev->Value(r);
+      }
+    }
+    for (int64_t j = 0; filtered && j < n; ++j) {
+      out[j] = ev->Admitted(rows[j]) ? ev->Value(rows[j]) : no_permission;
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch(j);
+    const int64_t r = ev->Find(key[j]);
+    if (r >= 0 && ev->Admitted(r)) {
+      out[j] = ev->Value(r);
+    } else if (filtered) {
+      out[j] = no_permission;
+    } else {
+      out[j] = DefaultRowOf(key[j], dflt, drows, ev->dim());
+    }
+  }
+}
+
+// Resolves the keys of all K tables (`offset[t]` = position of table t's
+// first key in `out`), in parallel over distinct variables and in table
+// order within each. `no_permission[t]` holds a row of table t's
+// CounterFilter constant.
+void ResolveGroup(OpKernelContext* ctx, const GroupInputs& in,
+                  const std::vector<EVStorage*>& distinct, bool training,
+                  const std::vector<int64_t>& offset,
+                  const std::vector<std::vector<float>>& no_permission,
+                  const float** out) {
+  const int k = in.evs.size();
+  auto work = [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      for (int t = 0; t < k; ++t) {
+        if (in.evs[t] != distinct[e]) continue;
+        ResolveKeys(in.evs[t], in.keys[t].flat<int64_t>().data(),
+                    in.keys[t].NumElements(), in.defaults[t], training,
+                    no_permission[t].data(), out + offset[t]);
+      }
+    }
+  };
+  const int64_t n = distinct.size();
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+  tensorflow::Shard(pool->num_threads, pool->workers, n,
+                    (offset[k] / n + 1) * 100, work);
+}
+
+Status PooledShapes(InferenceContext* c) {
+  int n;
+  int64_t dim;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+  TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+  for (int i = 0; i < n; ++i) {
+    auto rows = c->Dim(c->input(2 * n + i), 0);
+    tensorflow::shape_inference::DimensionHandle b;
+    TF_RETURN_IF_ERROR(c->Subtract(rows, 1, &b));
+    c->set_output(i, c->MakeShape({b, c->MakeDim(dim)}));
+  }
+  return Status();
+}
+
+REGISTER_OP("EVGroupLookup")
+    .Input("handles: num_tables * resource")
+    .Input("keys: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("default_values: num_tables * float")
+    .Input("training: bool")
+    .Output("pooled: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("embedding_dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn(PooledShapes);
+
+class EVGroupLookupOp : public OpKernel {
+ public:
+  explicit EVGroupLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    GroupInputs in;
+    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, &in));
+    const int k = in.keys.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
+    const bool training = ctx->input(5 * k).scalar<bool>()();
+    const int64_t dim = dim_;
+
+    std::vector<int64_t> offset(k + 1, 0), first_row(k + 1, 0);
+    std::vector<std::vector<float>> no_permission(k);
+    for (int t = 0; t < k; ++t) {
+      offset[t + 1] = offset[t] + in.keys[t].NumElements();
+      first_row[t + 1] = first_row[t] + in.splits[t].NumElements() - 1;
+      no_permission[t].assign(dim, in.evs[t]->config().no_permission);
+    }
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
+    std::vector<float*> outs(k);
+    for (int t = 0; t < k; ++t) {
+      Tensor* o = nullptr;
+      const int64_t batch = first_row[t + 1] - first_row[t];
+      OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim}), &o));
+      outs[t] = o->flat<float>().data();
+    }
+
+    EVGroupLocks locks(in.evs, training);
+    std::vector<const float*> rows(offset[k]);
+    ResolveGroup(ctx, in, locks.distinct(), training, offset, no_permission,
+                 rows.data());
+    const int64_t total_rows = first_row[k];
+    if (total_rows == 0) return;
+
+    // Pooling, as GroupEmbeddingVariableLookup but through row pointers.
+    auto work = [&](int64_t begin, int64_t end) {
+      int t = static_cast<int>(
+          std::upper_bound(first_row.begin(), first_row.end(), begin) -
+          first_row.begin() - 1);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        while (unit >= first_row[t + 1]) ++t;
+        const int64_t b = unit - first_row[t];
+        const int64_t* s = in.splits[t].flat<int64_t>().data();
+        const float* w = in.weights[t].NumElements()
+                             ? in.weights[t].flat<float>().data()
+                             : nullptr;
+        const float* const* ptr = rows.data() + offset[t];
+        const int64_t nnz = offset[t + 1] - offset[t];
+        float* o = outs[t] + b * dim;
+        std::fill(o, o + dim, 0.0f);
+        const int64_t lo = s[b], hi = s[b + 1];
+        for (int64_t j = lo; j < hi; ++j) {
+          // Ahead across row boundaries: rows are often one key long.
+          if (j + kPrefetchDistance < nnz) {
+            PrefetchRow(ptr[j + kPrefetchDistance], dim);
+          }
+          const float* row = ptr[j];
+          const float wj = w ? w[j] : 1.0f;
+          for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
+        }
+        const float scale = RowScale(combiners_[t], w, lo, hi);
+        if (scale != 1.0f) {
+          for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
+        }
+      }
+    };
+    const int64_t avg = offset[k] / total_rows + 1;
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
+                      avg * dim * 4 + 20, work);
+  }
+
+ private:
+  std::vector<Combiner> combiners_;
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVGroupLookup").Device(DEVICE_CPU),
+                        EVGroupLookupOp);
+
+// ---------------------------------------------------------------------------
+// Gradient w.r.t. the per-key weights of EVGroupLookup (weighted tables
+// only), as GroupEmbeddingWeightGrad computes it for plain variables:
+//   d/dw_j = (e_j.g_b - pooled_b.g_b * dn_b/dw_j) / n_b
+// e_j is the row key j read in the forward pass, re-resolved without
+// inserting (the forward already inserted and counted it). Not stateful,
+// so that graph pruning drops it when nothing needs weight gradients.
+// ---------------------------------------------------------------------------
+REGISTER_OP("EVGroupWeightGrad")
+    .Input("handles: num_tables * resource")
+    .Input("keys: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("default_values: num_tables * float")
+    .Input("grads: num_tables * float")
+    .Input("pooled: num_tables * float")
+    .Output("weight_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("embedding_dim: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(3 * n + i));
+      return Status();
+    });
+
+class EVGroupWeightGradOp : public OpKernel {
+ public:
+  explicit EVGroupWeightGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    GroupInputs in;
+    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, &in));
+    OpInputList grads, pooled;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
+    const int k = in.keys.size();
+    const int64_t dim = dim_;
+    for (int t = 0; t < k; ++t) {
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, in.weights[t].shape(), &o));
+      if (in.weights[t].NumElements() == 0) continue;
+      EVStorage* ev = in.evs[t];
+      const int64_t nnz = in.keys[t].NumElements();
+      std::vector<const float*> rows(nnz);
+      const std::vector<float> no_permission(dim, ev->config().no_permission);
+      {
+        tensorflow::tf_shared_lock lock(*ev->mu());
+        ResolveKeys(ev, in.keys[t].flat<int64_t>().data(), nnz,
+                    in.defaults[t], /*training=*/false, no_permission.data(),
+                    rows.data());
+        WeightGrad(t, in, grads[t], pooled[t], rows, o->flat<float>().data());
+      }
+    }
+  }
+
+ private:
+  void WeightGrad(int t, const GroupInputs& in, const Tensor& grads,
+                  const Tensor& pooled, const std::vector<const float*>& rows,
+                  float* dw) const {
+    const int64_t dim = dim_;
+    const int64_t* s = in.splits[t].flat<int64_t>().data();
+    const float* w = in.weights[t].flat<float>().data();
+    const float* g = grads.flat<float>().data();
+    const float* p = pooled.flat<float>().data();
+    const int64_t batch = in.splits[t].NumElements() - 1;
+    for (int64_t b = 0; b < batch; ++b) {
+      const float* gb = g + b * dim;
+      const float scale = RowScale(combiners_[t], w, s[b], s[b + 1]);
+      float pg = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) pg += p[b * dim + d] * gb[d];
+      for (int64_t j = s[b]; j < s[b + 1]; ++j) {
+        float eg = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) eg += rows[j][d] * gb[d];
+        switch (combiners_[t]) {
+          case ::group_embedding::kSum:
+            dw[j] = eg;
+            break;
+          case ::group_embedding::kMean:
+            dw[j] = (eg - pg) * scale;
+            break;
+          case ::group_embedding::kSqrtn:
+            dw[j] = (eg - pg * w[j] * scale) * scale;
+            break;
+        }
+      }
+    }
+  }
+
+  std::vector<Combiner> combiners_;
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVGroupWeightGrad").Device(DEVICE_CPU),
+                        EVGroupWeightGradOp);
+
+}  // namespace group_embedding_ev

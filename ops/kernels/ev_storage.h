@@ -1,0 +1,345 @@
+#ifndef GROUP_EMBEDDING_OPS_KERNELS_EV_STORAGE_H_
+#define GROUP_EMBEDDING_OPS_KERNELS_EV_STORAGE_H_
+
+// EmbeddingVariable storage (one C++ resource per variable), shared by
+// the storage ops (embedding_variable_ops.cc), the fused pooled lookup
+// (ev_lookup_ops.cc) and the sparse optimizer updates (ev_apply_ops.cc).
+//
+// Why one resource holds keys, values, frequencies, versions AND optimizer
+// slots: every op sees all of them under one lock, so an export is a
+// consistent snapshot of exactly one key set (DeepRec snapshots values and
+// slots at different moments and can restore slots of other keys).
+//
+// Layout (per live key, D = embedding dim, S = slots):
+//   hash map   uint32 row index per bucket, load factor in (0.4, 0.8]
+//   rows       key int64, freq uint32, version uint32 (steps saturate at
+//              2^32 - 1, to keep the overhead per key small), value float[D],
+//              S parallel float[D] slot arenas
+// Rows live in fixed-size chunks, so growth never moves a row; evicted
+// rows go to a free list and are reused by the next insert.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace group_embedding_ev {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::ResourceHandle;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::errors::InvalidArgument;
+using ::tensorflow::core::RefCountPtr;
+using ::tensorflow::shape_inference::InferenceContext;
+
+constexpr int kChunkShift = 10;  // 1024 rows per chunk
+constexpr int64_t kChunkRows = int64_t{1} << kChunkShift;
+constexpr uint32_t kEmpty = 0xffffffffu;
+
+inline uint64_t Mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return x;
+}
+
+// Rows of `width` Ts in chunks of kChunkRows rows: a row's address never
+// changes once allocated.
+template <typename T>
+class ChunkedArray {
+ public:
+  explicit ChunkedArray(int64_t width = 1) : width_(width) {}
+  T* Row(int64_t r) {
+    return chunks_[r >> kChunkShift].get() + (r & (kChunkRows - 1)) * width_;
+  }
+  const T* Row(int64_t r) const {
+    return chunks_[r >> kChunkShift].get() + (r & (kChunkRows - 1)) * width_;
+  }
+  void Reserve(int64_t rows) {
+    while (static_cast<int64_t>(chunks_.size()) * kChunkRows < rows) {
+      chunks_.emplace_back(new T[width_ * kChunkRows]());
+    }
+  }
+  void Clear() { chunks_.clear(); }
+  int64_t Bytes() const {
+    return static_cast<int64_t>(chunks_.size()) * kChunkRows * width_ *
+           sizeof(T);
+  }
+
+ private:
+  int64_t width_;
+  std::vector<std::unique_ptr<T[]>> chunks_;
+};
+
+inline const float* DefaultRowOf(int64_t key, const float* defaults,
+                                 int64_t default_rows, int64_t dim) {
+  int64_t m = key % default_rows;
+  if (m < 0) m += default_rows;
+  return defaults + m * dim;
+}
+
+inline uint32_t ClampStep(int64_t step) {
+  return static_cast<uint32_t>(std::min<int64_t>(
+      std::max<int64_t>(step, 0), std::numeric_limits<uint32_t>::max()));
+}
+
+// Key, occurrence count and last-update step of a row, side by side: a
+// lookup (key compare, freq count) or an update (version stamp) touches
+// one cache line for them instead of three.
+struct KeyMeta {
+  int64_t key;
+  uint32_t freq;
+  uint32_t version;
+};
+
+struct EVConfig {
+  std::string name;
+  int64_t dim = 0;
+  int64_t filter_freq = 0;      // 0: no CounterFilter
+  float no_permission = 0.0f;   // value read by keys not admitted
+  int64_t steps_to_live = 0;    // 0: no GlobalStepEvict
+  float l2_threshold = -1.0f;   // < 0: no L2WeightEvict
+};
+
+class EVStorage : public tensorflow::ResourceBase {
+ public:
+  explicit EVStorage(const EVConfig& config)
+      : config_(config), values_(config.dim) {
+    buckets_.assign(64, kEmpty);
+  }
+
+  std::string DebugString() const override {
+    return "EmbeddingVariable " + config_.name;
+  }
+  int64_t MemoryUsed() const override { return Bytes(); }
+
+  tensorflow::mutex* mu() { return &mu_; }
+  const EVConfig& config() const { return config_; }
+  int64_t dim() const { return config_.dim; }
+  int64_t size() const { return size_; }
+  // Rows ever allocated (live + free): row indices lie in [0, num_rows).
+  int64_t num_rows() const { return num_rows_; }
+  int64_t current_step() const { return current_step_; }
+  void AdvanceStep(int64_t step) {
+    current_step_ = std::max(current_step_, step);
+  }
+
+  // Row of `key`, or -1.
+  int64_t Find(int64_t key) const {
+    uint64_t h = Mix(static_cast<uint64_t>(key)) & mask();
+    while (true) {
+      const uint32_t r = buckets_[h];
+      if (r == kEmpty) return -1;
+      if (meta_.Row(r)->key == key) return r;
+      h = (h + 1) & mask();
+    }
+  }
+
+  // Prefetch hints for a batch of lookups of random keys, whose cost is
+  // two dependent DRAM misses each: the bucket (issue this some keys
+  // ahead), then the key row it points to (issue it once the bucket is
+  // cached, a few keys later).
+  void PrefetchBucket(int64_t key) const {
+    __builtin_prefetch(&buckets_[Mix(static_cast<uint64_t>(key)) & mask()]);
+  }
+  void PrefetchKeyRow(int64_t key) const {
+    const uint32_t r = buckets_[Mix(static_cast<uint64_t>(key)) & mask()];
+    if (r != kEmpty) __builtin_prefetch(meta_.Row(r));
+  }
+
+  // Row of `key`, inserted (initialised from `defaults`, a
+  // [default_rows, D] matrix, row key mod default_rows) if new.
+  int64_t FindOrInsert(int64_t key, const float* defaults,
+                       int64_t default_rows) {
+    int64_t r = Find(key);
+    if (r >= 0) return r;
+    if ((size_ + 1) * 5 > static_cast<int64_t>(buckets_.size()) * 4) {
+      Rehash(buckets_.size() * 2);
+    }
+    r = AllocateRow();
+    *meta_.Row(r) = {key, 0, ClampStep(current_step_)};
+    std::memcpy(values_.Row(r), DefaultRowOf(key, defaults, default_rows, dim()),
+                sizeof(float) * dim());
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      std::fill(slots_[s].Row(r), slots_[s].Row(r) + dim(), slot_inits_[s]);
+    }
+    uint64_t h = Mix(static_cast<uint64_t>(key)) & mask();
+    while (buckets_[h] != kEmpty) h = (h + 1) & mask();
+    buckets_[h] = static_cast<uint32_t>(r);
+    ++size_;
+    return r;
+  }
+
+  // Removes `key` (backward-shift deletion keeps probes tombstone-free).
+  void Erase(int64_t key) {
+    uint64_t h = Mix(static_cast<uint64_t>(key)) & mask();
+    while (buckets_[h] != kEmpty && meta_.Row(buckets_[h])->key != key) {
+      h = (h + 1) & mask();
+    }
+    if (buckets_[h] == kEmpty) return;
+    free_rows_.push_back(buckets_[h]);
+    buckets_[h] = kEmpty;
+    --size_;
+    uint64_t hole = h;
+    uint64_t j = (h + 1) & mask();
+    while (buckets_[j] != kEmpty) {
+      const uint64_t home =
+          Mix(static_cast<uint64_t>(meta_.Row(buckets_[j])->key)) & mask();
+      // Move j into the hole if its home is not in (hole, j] cyclically.
+      const bool stays = hole <= j ? (home > hole && home <= j)
+                                   : (home > hole || home <= j);
+      if (!stays) {
+        buckets_[hole] = buckets_[j];
+        buckets_[j] = kEmpty;
+        hole = j;
+      }
+      j = (j + 1) & mask();
+    }
+  }
+
+  bool Admitted(int64_t row) const {
+    return meta_.Row(row)->freq >=
+           static_cast<uint64_t>(config_.filter_freq);
+  }
+
+  int64_t Key(int64_t r) const { return meta_.Row(r)->key; }
+  uint32_t* Freq(int64_t r) { return &meta_.Row(r)->freq; }
+  uint32_t* Version(int64_t r) { return &meta_.Row(r)->version; }
+  const void* Meta(int64_t r) const { return meta_.Row(r); }
+  float* Value(int64_t r) { return values_.Row(r); }
+  float* Slot(int s, int64_t r) { return slots_[s].Row(r); }
+
+  // Index of slot `name`, created (existing rows set to `init`) if new;
+  // an existing slot only takes the new initial value for future rows.
+  int EnsureSlot(const std::string& name, float init) {
+    for (size_t s = 0; s < slot_names_.size(); ++s) {
+      if (slot_names_[s] == name) {
+        slot_inits_[s] = init;
+        return static_cast<int>(s);
+      }
+    }
+    slot_names_.push_back(name);
+    slot_inits_.push_back(init);
+    slots_.emplace_back(dim());
+    slots_.back().Reserve(num_rows_);
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      std::fill(slots_.back().Row(r), slots_.back().Row(r) + dim(), init);
+    }
+    return static_cast<int>(slots_.size() - 1);
+  }
+
+  int SlotIndex(const std::string& name) const {
+    for (size_t s = 0; s < slot_names_.size(); ++s) {
+      if (slot_names_[s] == name) return static_cast<int>(s);
+    }
+    return -1;
+  }
+  const std::vector<std::string>& slot_names() const { return slot_names_; }
+  const std::vector<float>& slot_inits() const { return slot_inits_; }
+
+  // Live rows in bucket order.
+  std::vector<uint32_t> LiveRows() const {
+    std::vector<uint32_t> rows;
+    rows.reserve(size_);
+    for (uint32_t r : buckets_) {
+      if (r != kEmpty) rows.push_back(r);
+    }
+    return rows;
+  }
+
+  void Clear() {
+    buckets_.assign(64, kEmpty);
+    size_ = 0;
+    num_rows_ = 0;
+    free_rows_.clear();
+    meta_.Clear();
+    values_.Clear();
+    for (auto& s : slots_) s.Clear();
+    current_step_ = 0;
+  }
+
+  void Reserve(int64_t keys) {
+    int64_t cap = static_cast<int64_t>(buckets_.size());
+    while (keys * 5 > cap * 4) cap *= 2;
+    if (cap != static_cast<int64_t>(buckets_.size())) Rehash(cap);
+  }
+
+  int64_t Bytes() const {
+    int64_t b = static_cast<int64_t>(buckets_.size()) * sizeof(uint32_t) +
+                meta_.Bytes() +
+                values_.Bytes() +
+                static_cast<int64_t>(free_rows_.capacity()) *
+                    sizeof(uint32_t);
+    for (const auto& s : slots_) b += s.Bytes();
+    return b;
+  }
+
+ private:
+  uint64_t mask() const { return buckets_.size() - 1; }
+
+  int64_t AllocateRow() {
+    if (!free_rows_.empty()) {
+      const int64_t r = free_rows_.back();
+      free_rows_.pop_back();
+      return r;
+    }
+    const int64_t r = num_rows_++;
+    meta_.Reserve(num_rows_);
+    values_.Reserve(num_rows_);
+    for (auto& s : slots_) s.Reserve(num_rows_);
+    return r;
+  }
+
+  void Rehash(uint64_t capacity) {
+    std::vector<uint32_t> old;
+    old.swap(buckets_);
+    buckets_.assign(capacity, kEmpty);
+    for (uint32_t r : old) {
+      if (r == kEmpty) continue;
+      uint64_t h = Mix(static_cast<uint64_t>(meta_.Row(r)->key)) & mask();
+      while (buckets_[h] != kEmpty) h = (h + 1) & mask();
+      buckets_[h] = r;
+    }
+  }
+
+  EVConfig config_;
+  tensorflow::mutex mu_;
+  std::vector<uint32_t> buckets_;
+  int64_t size_ = 0;
+  int64_t num_rows_ = 0;
+  std::vector<uint32_t> free_rows_;
+  ChunkedArray<KeyMeta> meta_;
+  ChunkedArray<float> values_;
+  std::vector<std::string> slot_names_;
+  std::vector<float> slot_inits_;
+  std::vector<ChunkedArray<float>> slots_;
+  int64_t current_step_ = 0;
+};
+
+
+inline Status GetEV(OpKernelContext* ctx, int input,
+                    RefCountPtr<EVStorage>* ev) {
+  return LookupResource(ctx, HandleFromInput(ctx, input), ev);
+}
+
+}  // namespace group_embedding_ev
+
+#endif  // GROUP_EMBEDDING_OPS_KERNELS_EV_STORAGE_H_

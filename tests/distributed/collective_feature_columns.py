@@ -1,0 +1,154 @@
+"""Feature columns in a scope, trained in collective mode (Keras or TF1).
+
+Each worker trains on its slice of every global batch and writes what it
+holds (shard rows with their global ids, replicated tables, dense weights)
+to `OUT.rank-R.npz`. test_collective_feature_columns.py runs this at -np 1
+(the single-process run) and -np 2 and compares the merged results.
+
+    horovodrun -np 2 python collective_feature_columns.py --api keras --out F
+"""
+
+import argparse
+import importlib
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import group_embedding as ge  # noqa: E402
+
+fc = ge.feature_column
+GLOBAL_BATCH = 16
+STEPS = 10
+# (key, buckets, dim, combiner): the first two are big enough to be
+# sharded, the last stays replicated.
+COLUMNS = [("a", 12000, 8, "sum"), ("b", 9000, 8, "mean"),
+           ("c", 50, 4, "sqrtn")]
+
+
+def make_columns():
+    with fc.group_embedding_column_scope("ctr"):
+        return [fc.embedding_column(
+                    tf.feature_column.categorical_column_with_identity(
+                        key, buckets),
+                    dim, combiner=combiner)
+                for key, buckets, dim, combiner in COLUMNS]
+
+
+def global_data():
+    rng = np.random.default_rng(0)
+    n = GLOBAL_BATCH * STEPS
+    feats = {}
+    for key, buckets, _, _ in COLUMNS:
+        ids = rng.integers(0, buckets, (n, 3))
+        ids[rng.random((n, 3)) < 0.3] = -1  # missing, as stock treats -1
+        feats[key] = ids
+    label = rng.normal(size=(n, 1)).astype(np.float32)
+    return feats, label
+
+
+def local_slices(rank, size):
+    """Rows of every global batch that this worker trains on."""
+    per = GLOBAL_BATCH // size
+    feats, label = global_data()
+    rows = np.concatenate([np.arange(s * GLOBAL_BATCH + rank * per,
+                                     s * GLOBAL_BATCH + (rank + 1) * per)
+                           for s in range(STEPS)])
+    return {k: v[rows] for k, v in feats.items()}, label[rows], per
+
+
+def dump(path, rank, tables, dense):
+    """Writes name -> (global rows, values) of what this worker holds."""
+    arrays = {}
+    for name, (rows, values) in tables.items():
+        if rows is not None or rank == 0:  # replicated: written once
+            arrays[f"{name}/rows"] = (np.arange(len(values)) if rows is None
+                                      else rows)
+            arrays[f"{name}/values"] = np.asarray(values)
+    for i, d in enumerate(dense):
+        arrays[f"dense{i}"] = np.asarray(d)
+    np.savez(f"{path}.rank-{rank}.npz", **arrays)
+
+
+def held(tables, values=None):
+    """name -> (global rows or None if replicated, values)."""
+    out = {}
+    for name, t in tables.items():
+        sharded = isinstance(t, ge.ShardedVariable)
+        value = (values[name] if values is not None
+                 else t.shard if sharded else t)
+        out[name] = (t.global_rows() if sharded else None, np.asarray(value))
+    return out
+
+
+def run_keras(rank, size, out):
+    feats, label, per = local_slices(rank, size)
+    features = fc.GroupEmbeddingFeatures(make_columns())
+
+    class Model(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.features = features
+            self.head = keras.layers.Dense(
+                1, kernel_initializer=keras.initializers.Constant(0.1))
+
+        def call(self, x):
+            return self.head(self.features(x))
+
+    model = Model()
+    model({k: v[:per] for k, v in feats.items()})  # build
+    ge.broadcast_variables(model.variables)
+    model.compile(optimizer=ge.DistributedOptimizer(
+        ge.optimizers.Adagrad(0.1)), loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((feats, label)).batch(per)
+    model.fit(data, epochs=1, shuffle=False, verbose=0)
+    dump(out, rank, held(features.tables),
+         [model.head.kernel, model.head.bias])
+
+
+def run_tf1(rank, size, out):
+    feats, label, per = local_slices(rank, size)
+    with tf.Graph().as_default():
+        data = tf.compat.v1.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensor_slices((feats, label)).batch(per))
+        x, y = data.get_next()
+        embedded = fc.input_layer(x, make_columns())
+        w = tf.compat.v1.get_variable(
+            "w", [embedded.shape[1], 1],
+            initializer=tf.compat.v1.constant_initializer(0.1),
+            use_resource=True)
+        loss = tf.reduce_mean(tf.square(tf.matmul(embedded, w) - y))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = ge.DistributedOptimizer(
+            tf.compat.v1.train.AdagradOptimizer(0.1))
+        train_op = opt.minimize(loss, global_step=step)
+        graph = tf.compat.v1.get_default_graph()
+        hooks = [ge.BroadcastVariablesHook(0)]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as s:
+            for _ in range(STEPS):
+                s.run(train_op)
+            tables = importlib.import_module(
+                "group_embedding.feature_column.input_layer").graph_tables(
+                    graph)
+            values = s.run({n: (t.shard if isinstance(t, ge.ShardedVariable)
+                                else t) for n, t in tables.items()})
+            dense = s.run([w])
+    dump(out, rank, held(tables, values), dense)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api", choices=["keras", "tf1"])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    hvd = ge.enable_distributed_strategy("collective")
+    run = run_keras if args.api == "keras" else run_tf1
+    run(hvd.rank(), hvd.size(), args.out)
+    print(f"worker {hvd.rank()}/{hvd.size()}: trained {args.api}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The fused EmbeddingVariable lookup (C++ `EVGroupLookup`) against the
+pure-TF EV path (`GROUP_EMBEDDING_KERNELS=tf`: one `EVGroupGather`, then
+TF pooling), which test_embedding_variable.py checks against stock TF.
+
+Both paths run the same training steps on twin variables (same default
+matrix); outputs, table gradients (summed per key), weight gradients and
+the stored keys, values and frequencies must agree step after step, with
+weights, empty rows, duplicate keys, a CounterFilter and a variable that
+serves two tables of one group.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import ev_cases
+import group_embedding as ge
+
+FILTER = ge.EmbeddingVariableOption(
+    filter_option=ge.CounterFilter(filter_freq=2),
+    init_option=ge.InitializerOption(default_value_dim=5,
+                                     default_value_no_permission=0.5))
+COMBINERS = ["sum", "mean", "sqrtn", "mean"]
+
+
+def _twins(tag):
+    """Two identical sets of EVs (plain, plain, filtered), dim 4."""
+    def make(path):
+        return [ev_cases.make_ev(f"{tag}_{path}_a", seed=1),
+                ev_cases.make_ev(f"{tag}_{path}_b", seed=2),
+                ev_cases.make_ev(f"{tag}_{path}_f", seed=3,
+                                 ev_option=FILTER)]
+    return make("fused"), make("tf")
+
+
+def _batch(rng, batch=7):
+    """Ragged keys with empty rows and duplicates, and float weights."""
+    rows = []
+    for b in range(batch):
+        n = 0 if b % 3 == 1 else int(rng.integers(1, 5))
+        rows.append(list(rng.choice(ev_cases.KEYS[:5], size=n)))
+    rows[0] = [3, 3, -7]  # duplicates inside a row
+    # A key seen once per batch: the CounterFilter (freq 2) holds it back
+    # at the first step only.
+    rows[2] = [int(ev_cases.KEYS[5])]
+    keys = tf.ragged.constant(rows, tf.int64, row_splits_dtype=tf.int64)
+    weights = tf.constant(rng.uniform(0.2, 2.0, keys.values.shape[0]),
+                          tf.float32)
+    return keys, weights
+
+
+def _per_key(grad):
+    """IndexedSlices keyed by key -> {key: summed gradient row}."""
+    out = {}
+    for k, g in zip(grad.indices.numpy(), grad.values.numpy()):
+        out[int(k)] = out.get(int(k), 0.0) + g
+    return out
+
+
+def _step(evs, batches, weights, proj, optimizer, mode, monkeypatch,
+          training=True):
+    """One lookup (+ SGD update when training) on the `mode` path.
+
+    Tables: evs[0] weighted, evs[1], evs[2] (filtered) and evs[0] again
+    (shared), each with its own combiner.
+    """
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", mode)
+    params = [evs[0], evs[1], evs[2], evs[0]]
+    with tf.GradientTape() as tape:
+        tape.watch(weights)
+        sp_weights = [tf.RaggedTensor.from_row_splits(
+            weights, batches[0].row_splits), None, None, None]
+        outs = ge.group_embedding_lookup_sparse(
+            params, batches, COMBINERS, sp_weights, training=training)
+        loss = tf.add_n([tf.reduce_sum(o * p) for o, p in zip(outs, proj)])
+    grads = tape.gradient(loss, evs + [weights])
+    if training:
+        optimizer.apply_gradients(zip(grads[:3], evs))
+    return outs, grads
+
+
+def test_fused_lookup_equals_tf_path(monkeypatch):
+    rng = np.random.default_rng(0)
+    fused, plain = _twins("parity")
+    opts = {"custom": ge.optimizers.SGD(0.5), "tf": ge.optimizers.SGD(0.5)}
+    for step in range(4):
+        keys = [_batch(rng) for _ in range(4)]
+        batches = [k for k, _ in keys]
+        weights = keys[0][1]
+        proj = [tf.constant(rng.normal(size=(7, 4)), tf.float32)
+                for _ in range(4)]
+        got, got_g = _step(fused, batches, weights, proj, opts["custom"],
+                           "custom", monkeypatch)
+        want, want_g = _step(plain, batches, weights, proj, opts["tf"], "tf",
+                             monkeypatch)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5,
+                                       atol=1e-6, err_msg=f"step {step}")
+        held_back = np.allclose(got[2].numpy()[2], 0.5)
+        assert held_back == (step == 0)
+        for g in got_g[1:3]:
+            # The fused gradient names each key once, already summed
+            # (evs[0] serves two tables, so gets two sets of keys).
+            assert len(set(g.indices.numpy())) == len(g.indices.numpy())
+        for g, w in zip(got_g[:3], want_g[:3]):
+            gk, wk = _per_key(g), _per_key(w)
+            assert gk.keys() == wk.keys()
+            for k in wk:
+                np.testing.assert_allclose(gk[k], wk[k], rtol=1e-5,
+                                           atol=1e-6)
+        np.testing.assert_allclose(got_g[3].numpy(), want_g[3].numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        for a, b in zip(fused, plain):
+            for x, y in zip(ev_cases.export_sorted(a)[:3],
+                            ev_cases.export_sorted(b)[:3]):
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_inference_reads_defaults_without_inserting(monkeypatch, filtered):
+    fused, plain = _twins(f"infer{int(filtered)}")
+    evs = [fused[2 if filtered else 1], plain[2 if filtered else 1]]
+    train = tf.ragged.constant([[3, 0], [3]], tf.int64)
+    query = tf.ragged.constant([[3, 11], [], [-7, 3, 3]], tf.int64)
+    outs = []
+    for ev, mode in zip(evs, ("custom", "tf")):
+        monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", mode)
+        ge.group_embedding_lookup_sparse([ev], [train], "sum")
+        (out,) = ge.group_embedding_lookup_sparse([ev], [query], "mean",
+                                                  training=False)
+        outs.append(out.numpy())
+        assert int(ev.size()) == 2  # nothing inserted by the query
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6)
+    assert not np.any(outs[0][1])  # empty row
+
+
+def test_fused_gradient_keys_are_unique(monkeypatch):
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "custom")
+    ev = ev_cases.make_ev("unique_keys")
+    keys = tf.ragged.constant([[3, 3, 0], [0], [], [3, -7]], tf.int64)
+    with tf.GradientTape() as tape:
+        (out,) = ge.group_embedding_lookup_sparse([ev], [keys], "sum")
+        loss = tf.reduce_sum(out)
+    grad = tape.gradient(loss, ev)
+    assert isinstance(grad, tf.IndexedSlices)
+    np.testing.assert_array_equal(grad.indices.numpy(), [3, 0, -7])
+    np.testing.assert_allclose(grad.values.numpy(),
+                               np.array([[3.0] * 4, [2.0] * 4, [1.0] * 4]))
