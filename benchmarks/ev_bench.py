@@ -66,7 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--num-batches", type=int, default=8)
     p.add_argument("--quick", action="store_true",
                    help="small batch and tables (smoke run)")
-    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--out", default="benchmarks/results/ev_bench.json",
+                   help="write the results as JSON here")
     args = p.parse_args(argv)
     args.batch = args.batch or (512 if args.quick else 4096)
     args.cap = args.cap or (20000 if args.quick else 200000)
@@ -116,6 +117,7 @@ def main(argv=None):
         print(f"{k:30s} {v:.4g}" if isinstance(v, float) else
               f"{k:30s} {v}")
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     return result

@@ -48,8 +48,15 @@ using ::tensorflow::errors::InvalidArgument;
 using ::tensorflow::core::RefCountPtr;
 using ::tensorflow::shape_inference::InferenceContext;
 
-constexpr int kChunkShift = 10;  // 1024 rows per chunk
+// Chunks grow 16, 32, ..., 512 rows, then stay at 1024: a variable with a
+// handful of keys (Criteo has fields of 3 or 4 values) does not pay for
+// 1024 rows, and a big one still allocates rarely.
+constexpr int kFirstChunkShift = 4;  // 16 rows
+constexpr int kSmallChunks = 6;      // 16 .. 512 rows
+constexpr int kChunkShift = 10;      // then 1024 rows per chunk
 constexpr int64_t kChunkRows = int64_t{1} << kChunkShift;
+constexpr int64_t kSmallRows =
+    ((int64_t{1} << kSmallChunks) - 1) << kFirstChunkShift;  // 1008
 constexpr uint32_t kEmpty = 0xffffffffu;
 
 inline uint64_t Mix(uint64_t x) {
@@ -61,31 +68,47 @@ inline uint64_t Mix(uint64_t x) {
   return x;
 }
 
-// Rows of `width` Ts in chunks of kChunkRows rows: a row's address never
-// changes once allocated.
+// Rows of `width` Ts in chunks (see kFirstChunkShift): a row's address
+// never changes once allocated.
 template <typename T>
 class ChunkedArray {
  public:
   explicit ChunkedArray(int64_t width = 1) : width_(width) {}
-  T* Row(int64_t r) {
-    return chunks_[r >> kChunkShift].get() + (r & (kChunkRows - 1)) * width_;
-  }
-  const T* Row(int64_t r) const {
-    return chunks_[r >> kChunkShift].get() + (r & (kChunkRows - 1)) * width_;
-  }
+  T* Row(int64_t r) { return Locate(r); }
+  const T* Row(int64_t r) const { return Locate(r); }
   void Reserve(int64_t rows) {
-    while (static_cast<int64_t>(chunks_.size()) * kChunkRows < rows) {
-      chunks_.emplace_back(new T[width_ * kChunkRows]());
+    while (capacity_ < rows) {
+      const int64_t n = ChunkRows(static_cast<int>(chunks_.size()));
+      chunks_.emplace_back(new T[width_ * n]());
+      capacity_ += n;
     }
   }
-  void Clear() { chunks_.clear(); }
-  int64_t Bytes() const {
-    return static_cast<int64_t>(chunks_.size()) * kChunkRows * width_ *
-           sizeof(T);
+  void Clear() {
+    chunks_.clear();
+    capacity_ = 0;
   }
+  int64_t Bytes() const { return capacity_ * width_ * sizeof(T); }
 
  private:
+  static int64_t ChunkRows(int c) {
+    return c < kSmallChunks ? int64_t{1} << (kFirstChunkShift + c)
+                            : kChunkRows;
+  }
+  T* Locate(int64_t r) const {
+    if (r < kSmallRows) {
+      // Chunk c starts at row 16 * (2^c - 1).
+      const uint64_t q = static_cast<uint64_t>(r >> kFirstChunkShift) + 1;
+      const int c = 63 - __builtin_clzll(q);
+      const int64_t start = ((int64_t{1} << c) - 1) << kFirstChunkShift;
+      return chunks_[c].get() + (r - start) * width_;
+    }
+    const int64_t big = r - kSmallRows;
+    return chunks_[kSmallChunks + (big >> kChunkShift)].get() +
+           (big & (kChunkRows - 1)) * width_;
+  }
+
   int64_t width_;
+  int64_t capacity_ = 0;
   std::vector<std::unique_ptr<T[]>> chunks_;
 };
 
