@@ -109,6 +109,8 @@ def main():
     args = parser.parse_args()
 
     hvd = ge.enable_distributed_strategy("collective")
+    # Idempotent: a second call returns the same initialised module.
+    assert ge.enable_distributed_strategy("collective") is hvd
     rank, size = hvd.rank(), hvd.size()
     width = sum(DIMS) + 3
     dense_init = np.random.default_rng(7).normal(
