@@ -177,17 +177,28 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
     if lib is None or not _can_use_kernel(tables, max_norm):
         return _pooled_tf(tables, feats, combiners, table_names, max_norm,
                           training)
-    for t in tables:
-        if t.trainable:
-            tape_lib.variable_accessed(t)
-    empty = tf.zeros([0], tf.float32)
+    _watch(tables)
     return lib.group_embedding_variable_lookup(
         tables=[t.handle for t in tables],
         ids=[f.values for f in feats],
         row_splits=[f.row_splits for f in feats],
-        weights=[empty if f.weights is None else f.weights for f in feats],
+        weights=_kernel_weights(feats),
         combiners=combiners, table_names=table_names,
         embedding_dim=int(tables[0].shape[1]))
+
+
+def _watch(tables):
+    # The kernels read the tables through their handles: tell the tape
+    # (GradientTape, tf.function) that the trainable ones were read.
+    for t in tables:
+        if t.trainable:
+            tape_lib.variable_accessed(t)
+
+
+def _kernel_weights(feats: List[FeatureIds]) -> List[tf.Tensor]:
+    """Per-feature weights for the kernels; an empty tensor means none."""
+    empty = tf.zeros([0], tf.float32)
+    return [empty if f.weights is None else f.weights for f in feats]
 
 
 def _pooled_ev(lib, variables, feats: List[FeatureIds],
@@ -200,16 +211,12 @@ def _pooled_ev(lib, variables, feats: List[FeatureIds],
     times (shared columns). Its gradient gives each variable its unique
     keys with their summed gradients (see `_register_gradient`).
     """
-    for v in variables:
-        if v.trainable:
-            # Lets GradientTape see the storage handle as a watched source.
-            tape_lib.variable_accessed(v)
-    empty = tf.zeros([0], tf.float32)
+    _watch(variables)
     return lib.ev_group_lookup(
         handles=[v.handle for v in variables],
         keys=[f.values for f in feats],
         row_splits=[f.row_splits for f in feats],
-        weights=[empty if f.weights is None else f.weights for f in feats],
+        weights=_kernel_weights(feats),
         default_values=[v.default_values for v in variables],
         training=tf.convert_to_tensor(training, tf.bool),
         combiners=list(combiners),
