@@ -25,6 +25,7 @@ using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::ParseCombiners;
 using ::group_embedding::PrefetchRow;
 using ::group_embedding::RowScale;
+using ::group_embedding::WeightGradRows;
 using ::tensorflow::OpOutputList;
 
 // Locks of the distinct variables of a group (one variable may serve
@@ -356,33 +357,11 @@ class EVGroupWeightGradOp : public OpKernel {
   void WeightGrad(int t, const GroupInputs& in, const Tensor& grads,
                   const Tensor& pooled, const std::vector<const float*>& rows,
                   float* dw) const {
-    const int64_t dim = dim_;
-    const int64_t* s = in.splits[t].flat<int64_t>().data();
-    const float* w = in.weights[t].flat<float>().data();
-    const float* g = grads.flat<float>().data();
-    const float* p = pooled.flat<float>().data();
-    const int64_t batch = in.splits[t].NumElements() - 1;
-    for (int64_t b = 0; b < batch; ++b) {
-      const float* gb = g + b * dim;
-      const float scale = RowScale(combiners_[t], w, s[b], s[b + 1]);
-      float pg = 0.0f;
-      for (int64_t d = 0; d < dim; ++d) pg += p[b * dim + d] * gb[d];
-      for (int64_t j = s[b]; j < s[b + 1]; ++j) {
-        float eg = 0.0f;
-        for (int64_t d = 0; d < dim; ++d) eg += rows[j][d] * gb[d];
-        switch (combiners_[t]) {
-          case ::group_embedding::kSum:
-            dw[j] = eg;
-            break;
-          case ::group_embedding::kMean:
-            dw[j] = (eg - pg) * scale;
-            break;
-          case ::group_embedding::kSqrtn:
-            dw[j] = (eg - pg * w[j] * scale) * scale;
-            break;
-        }
-      }
-    }
+    WeightGradRows(combiners_[t], dim_, in.splits[t].NumElements() - 1,
+                   in.splits[t].flat<int64_t>().data(),
+                   in.weights[t].flat<float>().data(),
+                   grads.flat<float>().data(), pooled.flat<float>().data(),
+                   [&rows](int64_t j) { return rows[j]; }, dw);
   }
 
   std::vector<Combiner> combiners_;

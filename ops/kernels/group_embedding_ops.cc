@@ -403,30 +403,9 @@ class GroupEmbeddingWeightGradOp : public OpKernel {
       const float* w = weights[t].flat<float>().data();
       const float* g = grads[t].flat<float>().data();
       const float* p = pooled[t].flat<float>().data();
-      float* dw = o->flat<float>().data();
-      const int64_t batch = splits[t].NumElements() - 1;
-      for (int64_t b = 0; b < batch; ++b) {
-        const float* gb = g + b * dim;
-        const float scale = RowScale(combiners_[t], w, s[b], s[b + 1]);
-        float pg = 0.0f;
-        for (int64_t d = 0; d < dim; ++d) pg += p[b * dim + d] * gb[d];
-        for (int64_t j = s[b]; j < s[b + 1]; ++j) {
-          float eg = 0.0f;
-          const float* row = e + v[j] * dim;
-          for (int64_t d = 0; d < dim; ++d) eg += row[d] * gb[d];
-          switch (combiners_[t]) {
-            case kSum:
-              dw[j] = eg;
-              break;
-            case kMean:
-              dw[j] = (eg - pg) * scale;
-              break;
-            case kSqrtn:
-              dw[j] = (eg - pg * w[j] * scale) * scale;
-              break;
-          }
-        }
-      }
+      WeightGradRows(combiners_[t], dim, splits[t].NumElements() - 1, s, w,
+                     g, p, [e, v, dim](int64_t j) { return e + v[j] * dim; },
+                     o->flat<float>().data());
     }
   }
 

@@ -104,6 +104,38 @@ inline Status CheckRagged(const std::string& name, const Tensor& ids,
   return Status();
 }
 
+// d loss / d w_j of one weighted table, given the gradient `g` of the
+// pooled rows `p` ([B, dim] each) and `row_of(j)`, the row id j read:
+//   pooled_b = sum_j w_j e_j / n_b,  n_b = 1 | sum_j w_j | sqrt(sum_j w_j^2)
+//   d/dw_j = (e_j.g_b - pooled_b.g_b * dn_b/dw_j) / n_b
+template <typename RowOf>
+void WeightGradRows(Combiner c, int64_t dim, int64_t batch,
+                    const int64_t* s, const float* w, const float* g,
+                    const float* p, RowOf row_of, float* dw) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* gb = g + b * dim;
+    const float scale = RowScale(c, w, s[b], s[b + 1]);
+    float pg = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) pg += p[b * dim + d] * gb[d];
+    for (int64_t j = s[b]; j < s[b + 1]; ++j) {
+      const float* row = row_of(j);
+      float eg = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) eg += row[d] * gb[d];
+      switch (c) {
+        case kSum:
+          dw[j] = eg;
+          break;
+        case kMean:
+          dw[j] = (eg - pg) * scale;
+          break;
+        case kSqrtn:
+          dw[j] = (eg - pg * w[j] * scale) * scale;
+          break;
+      }
+    }
+  }
+}
+
 }  // namespace group_embedding
 
 #endif  // GROUP_EMBEDDING_OPS_KERNELS_POOLING_H_
