@@ -19,6 +19,8 @@ setuptools.setup(
     python_requires=">=3.9",
     packages=[
         "group_embedding",
+        "group_embedding.distributed",
+        "group_embedding.embedding_variable",
         "group_embedding.optimizers",
         "group_embedding.train",
         "group_embedding.feature_column",
@@ -26,6 +28,8 @@ setuptools.setup(
     ],
     package_dir={
         "group_embedding": "group_embedding",
+        "group_embedding.distributed": "group_embedding/distributed",
+        "group_embedding.embedding_variable": "group_embedding/embedding_variable",
         "group_embedding.optimizers": "group_embedding/optimizers",
         "group_embedding.train": "group_embedding/train",
         "group_embedding.feature_column": "feature_column",

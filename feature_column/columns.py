@@ -22,7 +22,7 @@ import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 from tensorflow.python.feature_column import serialization
 
-from group_embedding.embedding_variable_option import EmbeddingVariableOption
+from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.feature_column import scope as scope_lib
 from group_embedding.lookup_inputs import SUPPORTED_COMBINERS
 

@@ -21,9 +21,9 @@ from typing import Tuple
 import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
-from group_embedding import distributed_strategy
-from group_embedding import sharded_variable
-from group_embedding.embedding_variable import get_embedding_variable
+from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.distributed import sharded_variable
+from group_embedding.embedding_variable.variable import get_embedding_variable
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import sparse_ids
 

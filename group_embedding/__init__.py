@@ -7,26 +7,26 @@ Users write `import group_embedding as ge`; everything public is listed in
 from group_embedding import feature_column
 from group_embedding import optimizers
 from group_embedding import train
-from group_embedding.embedding_variable import EmbeddingVariable
-from group_embedding.embedding_variable import get_embedding_variable
-from group_embedding.embedding_variable_option import CounterFilter
-from group_embedding.embedding_variable_option import EmbeddingVariableOption
-from group_embedding.embedding_variable_option import GlobalStepEvict
-from group_embedding.embedding_variable_option import InitializerOption
-from group_embedding.embedding_variable_option import L2WeightEvict
-from group_embedding.distributed_strategy import enable_distributed_strategy
-from group_embedding.distributed_training import BroadcastVariablesHook
-from group_embedding.distributed_training import DistributedGradientTape
-from group_embedding.distributed_training import DistributedOptimizer
-from group_embedding.distributed_training import allreduce_gradients
-from group_embedding.distributed_training import broadcast_variables
+from group_embedding.embedding_variable.variable import EmbeddingVariable
+from group_embedding.embedding_variable.variable import get_embedding_variable
+from group_embedding.embedding_variable.options import CounterFilter
+from group_embedding.embedding_variable.options import EmbeddingVariableOption
+from group_embedding.embedding_variable.options import GlobalStepEvict
+from group_embedding.embedding_variable.options import InitializerOption
+from group_embedding.embedding_variable.options import L2WeightEvict
+from group_embedding.distributed.strategy import enable_distributed_strategy
+from group_embedding.distributed.training import BroadcastVariablesHook
+from group_embedding.distributed.training import DistributedGradientTape
+from group_embedding.distributed.training import DistributedOptimizer
+from group_embedding.distributed.training import allreduce_gradients
+from group_embedding.distributed.training import broadcast_variables
 from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
-from group_embedding.sharded_checkpoint import latest_checkpoint
-from group_embedding.sharded_checkpoint import restore_tables
-from group_embedding.sharded_checkpoint import save_tables
-from group_embedding.sharded_variable import ShardedVariable
-from group_embedding.sharded_variable import get_embedding_table
+from group_embedding.distributed.checkpoint import latest_checkpoint
+from group_embedding.distributed.checkpoint import restore_tables
+from group_embedding.distributed.checkpoint import save_tables
+from group_embedding.distributed.sharded_variable import ShardedVariable
+from group_embedding.distributed.sharded_variable import get_embedding_table
 
 __version__ = "0.1.0"
 

@@ -45,11 +45,11 @@ from typing import Tuple
 import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
-from group_embedding import embedding_variable
-from group_embedding import embedding_variable_option as options
+from group_embedding.embedding_variable import variable as embedding_variable
+from group_embedding.embedding_variable import options
 from group_embedding import lookup
 from group_embedding import train
-from group_embedding.distributed_strategy import enable_distributed_strategy
+from group_embedding.distributed.strategy import enable_distributed_strategy
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column.input_layer import \

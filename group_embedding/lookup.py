@@ -15,10 +15,10 @@ from typing import Tuple
 
 import tensorflow as tf
 
-from group_embedding import collective_lookup
-from group_embedding import distributed_strategy
+from group_embedding.distributed import collective_lookup
+from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding import lookup_inputs
-from group_embedding.sharded_variable import ShardedVariable
+from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.ops import fused_lookup
 
 

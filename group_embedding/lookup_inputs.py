@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from group_embedding.ops import ragged_ids
-from group_embedding.sharded_variable import ShardedVariable
+from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.ops.ragged_ids import FeatureIds
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")

@@ -10,7 +10,7 @@ else `tf.compat.v1.train.get_global_step()`, else 0).
 
 import tensorflow as tf
 
-from group_embedding.embedding_variable import EmbeddingVariable
+from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ev_storage
 
 _v1 = tf.compat.v1

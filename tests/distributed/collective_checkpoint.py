@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
-from group_embedding import sharded_checkpoint  # noqa: E402
+from group_embedding.distributed import checkpoint as sharded_checkpoint  # noqa: E402
 
 # (vocab, dim, partition); the last, tiny one stays replicated.
 DENSE_TABLES = {"users": (97, 8, "mod"), "items": (300, 8, "div"),

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
-from group_embedding import sharded_variable  # noqa: E402
+from group_embedding.distributed import sharded_variable  # noqa: E402
 
 # Tables 0-2: sharded tf.Variables; 3: replicated (tiny); 4: an
 # EmbeddingVariable whose ids are mapped to arbitrary int64 keys.

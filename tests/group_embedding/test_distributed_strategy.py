@@ -7,7 +7,7 @@ tests/distributed/.
 import pytest
 
 import group_embedding as ge
-from group_embedding import distributed_strategy
+from group_embedding.distributed import strategy as distributed_strategy
 
 
 @pytest.mark.parametrize("strategy", ["ps", "Collective", "", None])

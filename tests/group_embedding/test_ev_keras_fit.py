@@ -15,7 +15,7 @@ import tensorflow as tf
 import ev_cases
 import group_embedding as ge
 from group_embedding import feature_column as ge_fc
-from group_embedding.keras_embedding_variable import KerasEmbeddingVariable
+from group_embedding.embedding_variable.keras_variable import KerasEmbeddingVariable
 
 KEYS = ev_cases.KEYS[:5]
 COMBINERS = {"user": "sum", "tags": "mean"}

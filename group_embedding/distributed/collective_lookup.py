@@ -16,11 +16,11 @@ from typing import List
 
 import tensorflow as tf
 
-from group_embedding import distributed_strategy
+from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.ops import ev_storage
 from group_embedding.ops import fused_lookup
 from group_embedding.ops.ragged_ids import FeatureIds
-from group_embedding.sharded_variable import ShardedVariable
+from group_embedding.distributed.sharded_variable import ShardedVariable
 
 
 def _one_id_rows(ids: tf.Tensor, name: str) -> FeatureIds:

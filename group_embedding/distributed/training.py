@@ -15,8 +15,8 @@ single-process step on the whole batch.
 import keras
 import tensorflow as tf
 
-from group_embedding import distributed_strategy
-from group_embedding.keras_embedding_variable import embedding_variable_of
+from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.embedding_variable.keras_variable import embedding_variable_of
 from group_embedding.ops import sparse_apply
 
 

@@ -24,9 +24,9 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
-from group_embedding import distributed_strategy
-from group_embedding.sharded_variable import ShardedVariable
-from group_embedding.sharded_variable import shard_rows
+from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.distributed.sharded_variable import ShardedVariable
+from group_embedding.distributed.sharded_variable import shard_rows
 
 LATEST = "latest"
 

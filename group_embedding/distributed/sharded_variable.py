@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-from group_embedding import distributed_strategy
+from group_embedding.distributed import strategy as distributed_strategy
 
 PARTITION_STRATEGIES = ("mod", "div")
 # Rows per initialisation chunk: part of the initial values' definition

@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
-from group_embedding.embedding_variable import EmbeddingVariable
+from group_embedding.embedding_variable.variable import EmbeddingVariable
 
 
 class KerasEmbeddingVariable(keras.Variable):

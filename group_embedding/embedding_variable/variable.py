@@ -11,9 +11,9 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.training.saving import saveable_object_util
 
-from group_embedding.embedding_variable_option import EmbeddingVariableOption
-from group_embedding.embedding_variable_option import GlobalStepEvict
-from group_embedding.embedding_variable_option import L2WeightEvict
+from group_embedding.embedding_variable.options import EmbeddingVariableOption
+from group_embedding.embedding_variable.options import GlobalStepEvict
+from group_embedding.embedding_variable.options import L2WeightEvict
 from group_embedding.ops import ev_storage
 
 SUPPORTED_KEY_DTYPES = (tf.int64, tf.int32)

@@ -1,0 +1,33 @@
+"""Collective (model-parallel) training over Horovod.
+
+`strategy` starts Horovod and knows the world; `sharded_variable` splits
+tables over workers; `collective_lookup` routes ids to their owners and
+rows back; `training` reduces gradients and broadcasts dense weights;
+`checkpoint` saves per-worker shards that restore at any worker count.
+"""
+
+from group_embedding.distributed.strategy import enable_distributed_strategy
+from group_embedding.distributed.training import BroadcastVariablesHook
+from group_embedding.distributed.training import DistributedGradientTape
+from group_embedding.distributed.training import DistributedOptimizer
+from group_embedding.distributed.training import allreduce_gradients
+from group_embedding.distributed.training import broadcast_variables
+from group_embedding.distributed.checkpoint import latest_checkpoint
+from group_embedding.distributed.checkpoint import restore_tables
+from group_embedding.distributed.checkpoint import save_tables
+from group_embedding.distributed.sharded_variable import ShardedVariable
+from group_embedding.distributed.sharded_variable import get_embedding_table
+
+__all__ = [
+    "BroadcastVariablesHook",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "ShardedVariable",
+    "allreduce_gradients",
+    "broadcast_variables",
+    "enable_distributed_strategy",
+    "get_embedding_table",
+    "latest_checkpoint",
+    "restore_tables",
+    "save_tables",
+]
