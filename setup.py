@@ -1,48 +1,116 @@
-"""Installs group-embedding as ONE import namespace, `group_embedding`.
+"""Build logic of group-embedding; the metadata is in pyproject.toml.
 
 `feature_column/` and `ops/` live at the top of the repository (the design
 card's layout) and are mapped to `group_embedding.feature_column` and
-`group_embedding.ops` with `package_dir`. The C++ kernels are compiled
-against the installed TensorFlow by `scripts/setup.sh` (or on first use).
+`group_embedding.ops` with `package_dir`.
 
-GPU: replace `tensorflow-cpu` by `tensorflow[and-cuda]==2.21.0`; the lookup
-then runs its pure-TF path, which has GPU kernels.
+The C++ kernels are compiled by `build_ext` against the TensorFlow of the
+build environment, the way TF custom-op projects do:
+
+* wheel / `pip install .`: into the wheel as
+  `group_embedding/ops/_group_embedding_ops*.so` plus its record
+  `_group_embedding_ops.json` (TF version, sources digest, sha256),
+  portable (`GROUP_EMBEDDING_NATIVE=1` adds `-march=native`);
+* `pip install -e .`: into the user cache (see `ops/kernel_library.py`),
+  for this CPU; a failure there only warns (the kernels are then compiled
+  on first use, e.g. after the C++ sources are fixed).
+
+The kernel sources ship too: a TensorFlow other than the one of the build
+gets its library compiled into the user cache on first use.
 """
 
+import importlib.util
+import os
+
 import setuptools
+from setuptools.command.build_ext import build_ext
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Top-level folders installed as subpackages of group_embedding.
+_MAPPED = ("feature_column", "ops")
+
+
+def _packages():
+    # Discovered, so that a new subpackage cannot be left out of the wheel.
+    found = ["group_embedding"] + [
+        "group_embedding." + p
+        for p in setuptools.find_packages(os.path.join(_HERE,
+                                                       "group_embedding"))]
+    for top in _MAPPED:
+        found += ["group_embedding." + top] + [
+            f"group_embedding.{top}.{p}"
+            for p in setuptools.find_packages(os.path.join(_HERE, top))]
+    return found
+
+
+def _kernel_library():
+    # Loaded by path: the package itself cannot be imported before it is
+    # installed, and this keeps one definition of the compiler command.
+    spec = importlib.util.spec_from_file_location(
+        "_ge_kernel_library", os.path.join(_HERE, "ops", "kernel_library.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildKernels(build_ext):
+    """Compiles the TF op library instead of a CPython extension."""
+
+    def _editable(self):
+        return bool(getattr(self, "editable_mode", False) or self.inplace)
+
+    def run(self):
+        kernels = _kernel_library()
+        if self._editable():
+            try:
+                path = kernels.build(verbose=bool(self.verbose > 1))
+                print(f"group-embedding kernels: {path}")
+            except RuntimeError as e:
+                # The repository may hold a half-edited kernel; the
+                # install still works and the build is retried on use.
+                print(f"WARNING: group-embedding kernels not built now "
+                      f"({e}); they are compiled on first use.")
+            return
+        native = os.environ.get("GROUP_EMBEDDING_NATIVE", "0") == "1"
+        for ext in self.extensions:
+            path = os.path.join(self.build_lib, self.get_ext_filename(
+                self.get_ext_fullname(ext.name)))
+            record = os.path.join(os.path.dirname(path),
+                                  "_group_embedding_ops.json")
+            print(f"compiling the group-embedding kernels into {path} "
+                  f"(TensorFlow {kernels.tf.__version__})")
+            kernels.compile_library(path, record, native=native,
+                                    verbose=bool(self.verbose > 1))
+
+    def get_outputs(self):
+        if self._editable():
+            return []
+        outputs = []
+        for ext in self.extensions:
+            path = os.path.join(self.build_lib, self.get_ext_filename(
+                self.get_ext_fullname(ext.name)))
+            outputs += [path, os.path.join(os.path.dirname(path),
+                                           "_group_embedding_ops.json")]
+        return outputs
+
+    def get_output_mapping(self):
+        return {}
+
 
 setuptools.setup(
-    name="group-embedding",
-    version="0.1.0",
-    description="Grouped embedding lookups, EmbeddingVariable, feature "
-                "columns and collective training for stock TensorFlow 2.",
-    python_requires=">=3.9",
-    packages=[
-        "group_embedding",
-        "group_embedding.distributed",
-        "group_embedding.embedding_variable",
-        "group_embedding.optimizers",
-        "group_embedding.train",
-        "group_embedding.feature_column",
-        "group_embedding.ops",
-    ],
-    package_dir={
-        "group_embedding": "group_embedding",
-        "group_embedding.distributed": "group_embedding/distributed",
-        "group_embedding.embedding_variable": "group_embedding/embedding_variable",
-        "group_embedding.optimizers": "group_embedding/optimizers",
-        "group_embedding.train": "group_embedding/train",
-        "group_embedding.feature_column": "feature_column",
-        "group_embedding.ops": "ops",
-    },
-    package_data={"group_embedding.ops": ["kernels/*.cc"]},
-    install_requires=[
-        "tensorflow-cpu==2.21.0",
-        "numpy>=1.26,<3",
-        "pandas>=2.0,<4",
-    ],
-    extras_require={
-        "test": ["pytest>=8,<10"],
-        "demo": ["matplotlib>=3.7,<4"],
-    },
+    # Listed in pyproject's `dynamic`: a plain license string works with
+    # setuptools 64-84 alike (the table / SPDX forms each break one end).
+    license="Apache-2.0",
+    packages=_packages(),
+    package_dir={"group_embedding": "group_embedding",
+                 **{"group_embedding." + top: top for top in _MAPPED}},
+    # The sources ship for the compile-on-first-use fallback.
+    package_data={"group_embedding.ops": ["kernels/*.cc", "kernels/*.h"]},
+    exclude_package_data={"group_embedding.ops": ["kernels/*.so",
+                                                   "kernels/*.lock"]},
+    # No Python sources: BuildKernels compiles ops/kernels/*.cc itself.
+    # Declaring it makes the wheel platform-specific, as the .so is.
+    ext_modules=[setuptools.Extension(
+        "group_embedding.ops._group_embedding_ops", sources=[])],
+    cmdclass={"build_ext": BuildKernels},
 )

@@ -1,11 +1,13 @@
 """`GroupEmbeddingFeatures`: the Keras 3 layer that owns the tables of a
 list of feature columns (the role of the removed `DenseFeatures`)."""
 
+import json
 from typing import Any
 from typing import Dict
 from typing import List
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 from tensorflow.python.feature_column import serialization
@@ -17,6 +19,41 @@ from group_embedding.embedding_variable.keras_variable import KerasEmbeddingVari
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column import sparse_ids
+
+
+# What `save_own_variables` writes per EV (its checkpoint tensors).
+_EV_FIELDS = ("keys", "values", "freqs", "versions", "slot_names",
+              "slot_inits", "slots", "step")
+_EV_PREFIX = "ev"
+
+
+def _strings_to_array(strings: np.ndarray) -> np.ndarray:
+    """Slot names as the uint8 bytes of a JSON list."""
+    names = [n.decode() if isinstance(n, bytes) else str(n)
+             for n in strings.ravel()]
+    return np.frombuffer(json.dumps(names).encode(), np.uint8)
+
+
+def _array_to_strings(array: np.ndarray) -> np.ndarray:
+    return np.asarray(json.loads(array.astype(np.uint8).tobytes()),
+                      dtype=object).astype(bytes)
+
+
+class _PlainEntries:
+    """A store without the EV entries: what Keras' own loader expects."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def keys(self):
+        return [k for k in self._store.keys()
+                if not k.startswith(_EV_PREFIX)]
+
+    def __len__(self):
+        return len(self.keys())
+
+    def __getitem__(self, key):
+        return self._store[key]
 
 
 def _column_to_config(column) -> Dict[str, Any]:
@@ -132,6 +169,63 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
                     initializer=c.table_initializer(), dtype="float32",
                     trainable=c.trainable)
         self.built = True
+
+    def save_own_variables(self, store):
+        """Saves the plain tables and every EV's full content.
+
+        `model.save()` / `save_weights()` call this. Besides Keras' own
+        entries ("0", "1", ...), each EV i writes `ev{i}_<field>`: keys,
+        values, freqs, versions, optimizer slots (with their names, initial
+        values and step) and its default matrix, the snapshot
+        `tf.train.Checkpoint` saves.
+        """
+        super().save_own_variables(store)
+        for i, ev in enumerate(self._evs):
+            tensors = ev._serialize_to_tensors()
+            for field in _EV_FIELDS:
+                value = np.asarray(tensors[field])
+                if field == "slot_names":  # Keras stores numbers only
+                    value = _strings_to_array(value)
+                store[f"{_EV_PREFIX}{i}_{field}"] = value
+            store[f"{_EV_PREFIX}{i}_default_values"] = \
+                ev.default_values.numpy()
+
+    def load_own_variables(self, store):
+        """Restores what `save_own_variables` saved (EV contents included).
+
+        Raises:
+            ValueError: the store lacks an EV's content (saved by an older
+                version or by another layer).
+        """
+        super().load_own_variables(_PlainEntries(store))
+        for i, ev in enumerate(self._evs):
+            prefix = f"{_EV_PREFIX}{i}_"
+            missing = [f for f in _EV_FIELDS + ("default_values",)
+                       if prefix + f not in store.keys()]
+            if missing:
+                raise ValueError(
+                    f"Layer '{self.name}': the saved state has no content "
+                    f"for EmbeddingVariable '{ev.name}' (missing "
+                    f"{', '.join(missing)}).")
+            tensors = {f: np.asarray(store[prefix + f]) for f in _EV_FIELDS}
+            tensors["slot_names"] = _array_to_strings(tensors["slot_names"])
+            ev._restore_from_tensors({f: tf.convert_to_tensor(v)
+                                      for f, v in tensors.items()})
+            ev.default_values.assign(store[prefix + "default_values"])
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # A SavedModel (`model.export()`, `tf.saved_model.save`) would hold
+        # ops and a resource of this library and no EV rows.
+        if save_type == "savedmodel" and self._evs:
+            raise NotImplementedError(
+                f"Layer '{self.name}': a SavedModel cannot hold the "
+                "EmbeddingVariables "
+                f"{', '.join(repr(ev.name) for ev in self._evs)} (their rows "
+                "live in a resource of this library). Snapshot each EV into "
+                "a `tf.lookup.StaticHashTable` and a row variable and export "
+                "those, as tutorials/serving.py does; use `model.save()` "
+                "(.keras) or `tf.train.Checkpoint` to keep training state.")
+        return super()._trackable_children(save_type, **kwargs)
 
     def build_from_config(self, config):
         # Tables depend on the columns only, not on input shapes.

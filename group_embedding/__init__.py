@@ -14,12 +14,18 @@ from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.embedding_variable.options import GlobalStepEvict
 from group_embedding.embedding_variable.options import InitializerOption
 from group_embedding.embedding_variable.options import L2WeightEvict
+from group_embedding.embedding_variable.options import StorageOption
+from group_embedding.embedding_variable.options import StorageType
 from group_embedding.distributed.strategy import enable_distributed_strategy
 from group_embedding.distributed.training import BroadcastVariablesHook
 from group_embedding.distributed.training import DistributedGradientTape
 from group_embedding.distributed.training import DistributedOptimizer
 from group_embedding.distributed.training import allreduce_gradients
 from group_embedding.distributed.training import broadcast_variables
+from group_embedding.stock_lookups import embedding_lookup
+from group_embedding.stock_lookups import embedding_lookup_sparse
+from group_embedding.stock_lookups import gather
+from group_embedding.stock_lookups import safe_embedding_lookup_sparse
 from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
 from group_embedding.distributed.checkpoint import latest_checkpoint
@@ -48,10 +54,16 @@ __all__ = [
     "GlobalStepEvict",
     "InitializerOption",
     "L2WeightEvict",
+    "StorageOption",
+    "StorageType",
+    "embedding_lookup",
+    "embedding_lookup_sparse",
     "feature_column",
+    "gather",
     "get_embedding_variable",
     "group_embedding_lookup",
     "group_embedding_lookup_sparse",
     "optimizers",
+    "safe_embedding_lookup_sparse",
     "train",
 ]

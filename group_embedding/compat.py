@@ -24,6 +24,10 @@ What `install()` changes, in `tf` and in `tf.compat.v1`:
   takes effect. Stock categorical columns still work: ours embed them, and
   `input_layer` computes stock columns (including stock embedding columns
   built before `install()`) with stock code;
+* EV-aware: `nn.embedding_lookup`, `nn.embedding_lookup_sparse`,
+  `nn.safe_embedding_lookup_sparse` and `gather` also read an
+  `EmbeddingVariable` (see `ge.embedding_lookup`); with anything else
+  they call the stock function with the caller's arguments, untouched;
 * in `tf.compat.v1.train` only: `GradientDescentOptimizer`,
   `AdagradOptimizer`, `AdamOptimizer`, `FtrlOptimizer` become the
   `ge.train` subclasses, which also update EmbeddingVariables (in DeepRec
@@ -36,20 +40,26 @@ column description whose table `input_layer` creates, with the same
 variable names stock uses (`input_layer/<column>/embedding_weights`).
 """
 
+import functools
+import inspect
 import threading
 from typing import Any
+from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Tuple
 
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 from group_embedding.embedding_variable import variable as embedding_variable
 from group_embedding.embedding_variable import options
+from group_embedding import stock_lookups as ev_reads
 from group_embedding import lookup
 from group_embedding import train
 from group_embedding.distributed.strategy import enable_distributed_strategy
+from group_embedding import estimator as estimator_lib
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column.input_layer import \
@@ -91,7 +101,8 @@ def _is_supported_categorical(column) -> bool:
 def embedding_column(categorical_column, dimension, combiner="mean",
                      initializer=None, ckpt_to_load_from=None,
                      tensor_name_in_ckpt=None, max_norm=None,
-                     trainable=True, use_safe_embedding_lookup=True):
+                     trainable=True, use_safe_embedding_lookup=True,
+                     do_fusion=None):
     """`tf.feature_column.embedding_column` with the stock signature,
     routed through `ge.feature_column.embedding_column`.
 
@@ -107,6 +118,8 @@ def embedding_column(categorical_column, dimension, combiner="mean",
             always drops invalid ids and empty rows give zeros, which is
             what the safe lookup does and, on valid input, equals the
             unsafe one.
+        do_fusion: DeepRec's embedding-fusion switch; accepted and
+            ignored: the grouped lookup is always one fused op per group.
 
     Returns:
         A `ge` `EmbeddingColumn` (or a stock one, see above).
@@ -115,6 +128,7 @@ def embedding_column(categorical_column, dimension, combiner="mean",
         NotImplementedError: checkpoint arguments given.
         TypeError / ValueError: see `ge.feature_column.embedding_column`.
     """
+    del do_fusion  # always fused, see Args
     _reject_ckpt_arguments("embedding_column", ckpt_to_load_from,
                            tensor_name_in_ckpt)
     if scope_lib.current_scope() is None and not _is_supported_categorical(
@@ -211,6 +225,84 @@ def input_layer(features, feature_columns, weight_collections=None,
     return tf.concat([t for _, t in ordered], 1)
 
 
+def _reads_ev(value) -> bool:
+    # A one-element list of an EV is DeepRec's partitioned EV here.
+    return isinstance(value, embedding_variable.EmbeddingVariable) or (
+        isinstance(value, (list, tuple)) and any(
+            isinstance(v, embedding_variable.EmbeddingVariable)
+            for v in value))
+
+
+def _ev_aware(stock: Callable, ours: Callable, first: str) -> Callable:
+    """`stock` unchanged unless its `first` argument holds an EV; then
+    `ours` with the same arguments, bound by name (so TF1 and TF2
+    signatures, whose argument orders differ, both work)."""
+    signature = inspect.signature(stock)
+    accepted = set(inspect.signature(ours).parameters)
+
+    @functools.wraps(stock)
+    def wrapper(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return stock(*args, **kwargs)  # stock's own error
+        if not _reads_ev(bound.arguments.get(first)):
+            return stock(*args, **kwargs)
+        return ours(**{k: v for k, v in bound.arguments.items()
+                       if k in accepted})
+
+    wrapper.__wrapped_stock__ = stock
+    return wrapper
+
+
+def _ev_read_names(root) -> List[Tuple[Any, str, Any]]:
+    """EV-aware versions of `root.nn.embedding_lookup*` and
+    `root.gather`, each wrapping the stock function found there."""
+    out = []
+    for namespace, name, ours, first in (
+            (root.nn, "embedding_lookup", ev_reads.embedding_lookup,
+             "params"),
+            (root.nn, "embedding_lookup_sparse",
+             ev_reads.embedding_lookup_sparse, "params"),
+            (root.nn, "safe_embedding_lookup_sparse",
+             ev_reads.safe_embedding_lookup_sparse, "embedding_weights"),
+            (root, "gather", ev_reads.gather, "params")):
+        stock = _original(namespace, name)
+        out.append((namespace, name, _ev_aware(stock, ours, first)))
+    return out
+
+
+def _unsupported(feature: str, alternative: str) -> Callable:
+    """A stand-in for a DeepRec runtime feature stock TF lacks: calling it
+    raises NotImplementedError naming the feature and what to do."""
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(
+            f"{feature} is a DeepRec runtime feature that group_embedding "
+            f"does not provide on stock TensorFlow; {alternative}")
+
+    refuse.__name__ = feature.rsplit(".", 1)[-1]
+    return refuse
+
+
+# DeepRec names with no meaning here, referenced by its modelzoo scripts.
+_UNSUPPORTED = {
+    "staged": ("tf.staged (SmartStage)",
+               "drop the call and use tf.data prefetch()."),
+    "make_prefetch_hook": ("tf.make_prefetch_hook (SmartStage)",
+                           "drop the hook; tf.data prefetch() does it."),
+}
+_UNSUPPORTED_FEATURE_COLUMN = {
+    "categorical_column_with_adaptive_embedding": (
+        "tf.feature_column.categorical_column_with_adaptive_embedding",
+        "use categorical_column_with_embedding."),
+    "sequence_categorical_column_with_embedding": (
+        "tf.feature_column.sequence_categorical_column_with_embedding",
+        "use categorical_column_with_embedding with a sequence "
+        "(is_sequence=True) grouped lookup."),
+}
+
+
 def _names() -> List[Tuple[Any, str, Any]]:
     """(namespace, attribute, value) for everything install() sets."""
     top = {
@@ -220,7 +312,10 @@ def _names() -> List[Tuple[Any, str, Any]]:
         "InitializerOption": options.InitializerOption,
         "GlobalStepEvict": options.GlobalStepEvict,
         "L2WeightEvict": options.L2WeightEvict,
+        "StorageOption": options.StorageOption,
+        "StorageType": options.StorageType,
     }
+    top.update({k: _unsupported(*v) for k, v in _UNSUPPORTED.items()})
     nn = {
         "group_embedding_lookup_sparse":
             lookup.group_embedding_lookup_sparse,
@@ -235,6 +330,8 @@ def _names() -> List[Tuple[Any, str, Any]]:
         "shared_embedding_columns": shared_embedding_columns,
         "input_layer": input_layer,
     }
+    feature_column.update({k: _unsupported(*v) for k, v in
+                           _UNSUPPORTED_FEATURE_COLUMN.items()})
     out = []
     for root in (tf, tf.compat.v1):
         out += [(root, k, v) for k, v in top.items()]
@@ -244,11 +341,25 @@ def _names() -> List[Tuple[Any, str, Any]]:
         out.append((root.config.experimental,
                     "enable_distributed_strategy",
                     enable_distributed_strategy))
+        out += _ev_read_names(root)
+    # DeepRec's collections of EV init ops, and its proto enum of EV
+    # storage tiers (`config_pb2.StorageType.DRAM`).
+    out.append((tf.compat.v1.GraphKeys, "EV_INIT_VAR_OPS",
+                embedding_variable.EV_INIT_VAR_OPS))
+    out.append((tf.compat.v1.GraphKeys, "EV_INIT_SLOT_OPS",
+                embedding_variable.EV_INIT_SLOT_OPS))
+    out.append((config_pb2, "StorageType", options.StorageType))
     # TF2's name for shared_embedding_columns.
     out.append((tf.feature_column, "shared_embeddings",
                 shared_embedding_columns))
     for name in train.__all__:
         out.append((tf.compat.v1.train, name, getattr(train, name)))
+    # TF 2.16+ ships no tf.estimator: DeepRec's Estimator scripts get ours.
+    for root in (tf, tf.compat.v1):
+        stock = _ORIGINALS.get((root, "estimator"),
+                               getattr(root, "estimator", _MISSING))
+        if stock is _MISSING or stock is estimator_lib:
+            out.append((root, "estimator", estimator_lib))
     return out
 
 

@@ -108,9 +108,15 @@ def export(handle, embedding_dim: int):
 
 def import_(handle, keys, values, freqs, versions, slot_names, slot_inits,
             slots, step):
-    """Replaces the whole content with an `export` snapshot."""
-    return library().ev_import(handle, keys, values, freqs, versions,
-                               slot_names, slot_inits, slots, step)
+    """Replaces the whole content with an `export` snapshot.
+
+    Frequencies and versions are 64-bit in storage; 32-bit arrays (older
+    snapshots, numpy uint32) are widened, never wrapped.
+    """
+    return library().ev_import(handle, keys, values,
+                               tf.cast(freqs, tf.int64),
+                               tf.cast(versions, tf.int64), slot_names,
+                               slot_inits, slots, tf.cast(step, tf.int64))
 
 
 def evict(handle):

@@ -1,21 +1,44 @@
-"""Builds and loads the C++ kernels of `ops/kernels/`.
+"""Builds, verifies and loads the C++ kernels of `ops/kernels/`.
 
-The kernels are compiled against the installed TensorFlow with the flags of
-`tf.sysconfig`, once: by `scripts/setup.sh` (or `python -m
-group_embedding.ops.kernel_library`) at install time, else on first use.
-When no compiler is available or the build fails, `load()` returns None and
-the lookup runs its pure-TF path, which is always correct (and is the path
-used on GPU).
+Where the kernel library comes from, first match wins:
+
+1. The copy shipped in the package (`group_embedding/ops/
+   _group_embedding_ops*.so` and its record `_group_embedding_ops.json`),
+   compiled by `setup.py build_ext` when a wheel is built (`pip wheel .`,
+   `pip install .`). It is used when its record names the running
+   TensorFlow version and the shipped sources, and its size and sha256
+   match the record.
+2. The user cache, `GROUP_EMBEDDING_CACHE` or else
+   `$XDG_CACHE_HOME/group_embedding` (`~/.cache/group_embedding`): compiled
+   there on first use (or by `python -m group_embedding.ops.kernel_library`)
+   for a TensorFlow version the package was not built for, for an editable
+   install (the repository; `pip install -e .` compiles it at install
+   time) and after an edit of the C++ sources. Never next to the sources,
+   which may sit in a read-only site-packages.
+
+Every library is compiled to a temporary name, renamed into place, and
+only then given its record (size + sha256); a library without a matching
+record (a crashed build, a truncated file) is rebuilt, never loaded, since
+`tf.load_op_library` on a truncated file dies of SIGBUS.
+
+When the kernels cannot be had (no compiler, a failed build), `library()`
+warns once with the reason and the command that shows the details;
+lookups then run their pure-TF path (slow on CPU, the path used on GPU)
+and EmbeddingVariables, which need the kernels, fail.
 
 Set `GROUP_EMBEDDING_KERNELS=tf` to force the pure-TF path, `=custom` to
 require the C++ kernels (an error instead of the fallback).
 """
 
 import fcntl
+import glob
 import hashlib
+import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 import warnings
 
 import tensorflow as tf
@@ -24,9 +47,16 @@ KERNEL_MODES = ("auto", "custom", "tf")
 _SOURCES = ("group_embedding_ops.cc", "embedding_variable_ops.cc",
             "ev_apply_ops.cc", "ev_lookup_ops.cc")
 _HEADERS = ("pooling.h", "ev_storage.h")
-_KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "kernels")
-_state = {"loaded": False, "module": None, "error": None}
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_KERNEL_DIR = os.path.join(_PACKAGE_DIR, "kernels")
+# Record of the library that `setup.py build_ext` puts into the package.
+PACKAGED_RECORD = os.path.join(_PACKAGE_DIR, "_group_embedding_ops.json")
+_PREFIX = "_group_embedding_ops_"
+# Cached builds kept per cache folder: several checkouts (or TF versions)
+# may share one cache without rebuilding each other's library every time.
+_KEEP = 4
+DIAGNOSE_COMMAND = "python -m group_embedding.ops.kernel_library -v"
+_state = {"loaded": False, "module": None, "error": None, "path": None}
 
 
 def kernel_mode():
@@ -39,58 +69,235 @@ def kernel_mode():
     return mode
 
 
-def _library_path():
-    # The name carries a hash of the sources and TF version, so an upgrade
-    # of either triggers a rebuild instead of loading a stale binary.
-    digest = hashlib.sha1(tf.__version__.encode())
+def cache_dir():
+    """The user-writable folder of libraries compiled on first use."""
+    explicit = os.environ.get("GROUP_EMBEDDING_CACHE")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    base = (os.environ.get("XDG_CACHE_HOME")
+            or os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.path.join(base, "group_embedding")
+
+
+def sources_digest():
+    """sha256 (hex, 16 chars) of the kernel sources and headers."""
+    digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         with open(os.path.join(_KERNEL_DIR, name), "rb") as f:
-            digest.update(f.read())
-    name = f"_group_embedding_ops_{digest.hexdigest()[:12]}.so"
-    if os.access(_KERNEL_DIR, os.W_OK):
-        return os.path.join(_KERNEL_DIR, name)
-    cache = os.path.join(os.path.expanduser("~"), ".cache",
-                         "group_embedding")
-    os.makedirs(cache, exist_ok=True)
-    return os.path.join(cache, name)
+            digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json(path, data):
+    # Atomic too: a half-written record must not look like a valid one.
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _run_compiler(cmd, verbose):
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    try:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    except FileNotFoundError as e:
+        raise RuntimeError(
+            f"no C++ compiler ({cmd[0]} not found); install one, e.g. "
+            "`apt-get install g++`") from e
+
+
+def compile_library(path, record_path, native=True, verbose=False):
+    """Compiles the kernels into `path` and writes its record.
+
+    The objects are compiled in parallel in a temporary folder, linked to a
+    temporary name next to `path` and renamed into place; the record
+    (`record_path`: file name, size, sha256, TF version, sources digest)
+    is written last, so an interrupted build leaves no valid-looking
+    library behind.
+
+    Args:
+        path: the library to write.
+        record_path: its JSON record.
+        native: compile for this CPU (`-march=native`); False gives a
+            portable library, as a wheel needs.
+        verbose: print the compiler commands to stderr.
+
+    Returns:
+        The record (a dict).
+
+    Raises:
+        RuntimeError: no compiler, or the build failed (with its output).
+    """
+    compiler = os.environ.get("CXX", "g++")
+    flags = ["-O3", "-fPIC", "-w"] + (["-march=native"] if native else [])
+    compile_flags = tf.sysconfig.get_compile_flags()
+    jobs = max(1, min(len(_SOURCES), len(os.sched_getaffinity(0))))
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="ge_kernels_") as objdir:
+        objects, pending = [], list(_SOURCES)
+        running = []
+        while pending or running:
+            # At most `jobs` compilers at once: each takes ~1 GB of memory.
+            while pending and len(running) < jobs:
+                src = pending.pop(0)
+                obj = os.path.join(objdir, src + ".o")
+                objects.append(obj)
+                cmd = ([compiler, "-c"] + flags
+                       + [os.path.join(_KERNEL_DIR, src), "-o", obj]
+                       + compile_flags)
+                running.append((src, _run_compiler(cmd, verbose)))
+            src, proc = running.pop(0)
+            output = proc.communicate()[0]
+            if proc.returncode != 0:
+                for _, other in running:
+                    other.kill()
+                    other.wait()
+                raise RuntimeError(f"compiling {src} failed:\n"
+                                   + output[-4000:])
+        cmd = ([compiler, "-shared"] + flags + objects + ["-o", tmp]
+               + tf.sysconfig.get_link_flags())
+        proc = _run_compiler(cmd, verbose)
+        output = proc.communicate()[0]
+        if proc.returncode != 0:
+            _remove(tmp)
+            raise RuntimeError("linking the kernels failed:\n"
+                               + output[-4000:])
+    record = {"file": os.path.basename(path),
+              "size": os.path.getsize(tmp), "sha256": _sha256(tmp),
+              "tensorflow": tf.__version__, "sources": sources_digest(),
+              "native": bool(native)}
+    os.replace(tmp, path)
+    _write_json(record_path, record)
+    return record
+
+
+def verify(path, record_path):
+    """Why the library at `path` must not be loaded, or None if it may.
+
+    It may when `record_path` exists and names this file, the running
+    TensorFlow version and the current sources, and the file's size and
+    sha256 match it.
+    """
+    try:
+        with open(record_path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return "no valid build record"
+    if not os.path.exists(path):
+        return f"{path} is missing"
+    if record.get("file") != os.path.basename(path):
+        return "the record names another file"
+    if record.get("tensorflow") != tf.__version__:
+        return (f"built for TensorFlow {record.get('tensorflow')}, running "
+                f"{tf.__version__}")
+    if record.get("sources") != sources_digest():
+        return "built from other kernel sources"
+    size = os.path.getsize(path)
+    if size != record.get("size"):
+        return f"size {size} != recorded {record.get('size')} (truncated?)"
+    if _sha256(path) != record.get("sha256"):
+        return "sha256 differs from the record (corrupt file)"
+    return None
+
+
+def _packaged():
+    # (path, None) when the shipped library may be loaded, else (None, why).
+    try:
+        with open(PACKAGED_RECORD) as f:
+            name = json.load(f).get("file", "")
+    except (OSError, ValueError):
+        return None, None  # editable install / repository: nothing shipped
+    path = os.path.join(_PACKAGE_DIR, os.path.basename(name))
+    problem = verify(path, PACKAGED_RECORD)
+    if problem:
+        return None, f"packaged kernels not usable: {problem}"
+    return path, None
+
+
+def cache_path():
+    """The library's path in the user cache (it may not exist yet)."""
+    name = f"{_PREFIX}tf{tf.__version__}_{sources_digest()[:12]}.so"
+    return os.path.join(cache_dir(), name)
+
+
+def _record_of(path):
+    return path[:-len(".so")] + ".json"
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 @tf.autograph.experimental.do_not_convert
-def build(verbose=False):
-    """Compiles the kernels if needed and returns the library path."""
-    path = _library_path()
-    with open(path + ".lock", "w") as lock:
-        # Several processes (horovodrun workers) may start at once.
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(path):
-            return path
-        cmd = (["g++", "-O3", "-march=native", "-shared", "-fPIC", "-w"]
-               + [os.path.join(_KERNEL_DIR, s) for s in _SOURCES]
-               + ["-o", path + ".tmp"]
-               + tf.sysconfig.get_compile_flags()
-               + tf.sysconfig.get_link_flags())
-        if verbose:
-            print(" ".join(cmd), file=sys.stderr)
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError("Building the group-embedding kernels failed:\n"
-                               + result.stderr[-4000:])
-        os.replace(path + ".tmp", path)
-        _remove_stale(path)
+def build(verbose=False, use_packaged=True):
+    """Returns the path of a verified kernel library, compiling if needed.
+
+    The packaged library when it fits the running TensorFlow and sources;
+    else the user-cache one, compiled (under a file lock: several
+    processes, e.g. horovodrun workers, may start at once) when it is
+    missing, stale or corrupt. `use_packaged=False` skips the packaged
+    library (for one TensorFlow refuses to load).
+
+    Raises:
+        RuntimeError: the kernels cannot be compiled (the reason included).
+    """
+    path, why_not_packaged = _packaged() if use_packaged else (None, None)
+    if path:
+        return path
+    if verbose and why_not_packaged:
+        print(why_not_packaged, file=sys.stderr)
+    path = cache_path()
+    record = _record_of(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            problem = verify(path, record)
+            if problem is None:
+                return path
+            if os.path.exists(path):
+                # A truncated or foreign file: rebuild rather than load it.
+                if verbose:
+                    print(f"rebuilding {path}: {problem}", file=sys.stderr)
+                _remove(record)
+                _remove(path)
+            compile_library(path, record, native=True, verbose=verbose)
+            _remove_stale(path)
+    except (OSError, RuntimeError) as e:
+        prefix = f"{why_not_packaged}; " if why_not_packaged else ""
+        raise RuntimeError(f"{prefix}building the kernels into {path} "
+                           f"failed: {e}") from e
     return path
 
 
 def _remove_stale(current):
-    # Builds of older sources are never loaded again.
+    # Keeps the newest few builds (other checkouts may use them) and drops
+    # temporaries of crashed builds.
     folder = os.path.dirname(current)
-    for name in os.listdir(folder):
-        full = os.path.join(folder, name)
-        if (name.startswith("_group_embedding_ops_") and full != current
-                and not full.startswith(current)):
-            try:
-                os.remove(full)
-            except OSError:
-                pass
+    builds = [p for p in glob.glob(os.path.join(folder, _PREFIX + "*.so"))
+              if p != current]
+    builds.sort(key=lambda p: os.path.getmtime(p), reverse=True)
+    for old in builds[_KEEP - 1:]:
+        for p in (old, _record_of(old), old + ".lock"):
+            _remove(p)
+    for tmp in glob.glob(os.path.join(folder, _PREFIX + "*.tmp*")):
+        if time.time() - os.path.getmtime(tmp) > 3600:
+            _remove(tmp)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -99,16 +306,33 @@ def library():
 
     Gradients of ops that already ran with the kernels use this, so that
     switching the mode between forward and backward cannot break them.
+    The first failure warns once with the reason.
     """
     if not _state["loaded"]:
         _state["loaded"] = True
         try:
-            _state["module"] = tf.load_op_library(build())
+            path = build()
+            try:
+                module = tf.load_op_library(path)
+            except Exception:  # noqa: BLE001 - e.g. another TF build's ABI
+                if os.path.dirname(path) != _PACKAGE_DIR:
+                    raise
+                path = build(use_packaged=False)
+                module = tf.load_op_library(path)
+            _state["module"], _state["path"] = module, path
         except Exception as e:  # noqa: BLE001 - any failure means fallback
-            _state["error"] = e
-            warnings.warn(f"group-embedding C++ kernels unavailable, using "
-                          f"the pure-TF path: {e}")
+            _state["error"] = str(e)
+            warnings.warn(
+                "group-embedding C++ kernels unavailable, so lookups run the "
+                "slow pure-TF path and EmbeddingVariables cannot be used. "
+                f"Reason: {e}\nRun `{DIAGNOSE_COMMAND}` to see the build.",
+                RuntimeWarning, stacklevel=3)
     return _state["module"]
+
+
+def unavailable_reason():
+    """Why the kernels could not be loaded, or None (loaded / not tried)."""
+    return _state["error"]
 
 
 @tf.autograph.experimental.do_not_convert
@@ -128,5 +352,36 @@ def load():
     return module
 
 
+def status():
+    """Loads the kernels (if not done) and describes them, as a dict.
+
+    Keys: mode, loaded (bool), path, origin ("package" / "cache" / None),
+    built_for (TF version of the library), error (or None).
+    """
+    module = library()
+    info = {"mode": kernel_mode(), "loaded": module is not None,
+            "path": _state["path"], "origin": None, "built_for": None,
+            "error": _state["error"]}
+    if module is not None:
+        packaged = os.path.dirname(_state["path"]) == _PACKAGE_DIR
+        info["origin"] = "package" if packaged else "cache"
+        record = PACKAGED_RECORD if packaged else _record_of(_state["path"])
+        try:
+            with open(record) as f:
+                info["built_for"] = json.load(f).get("tensorflow")
+        except (OSError, ValueError):
+            pass
+    return info
+
+
+def _main(argv):
+    try:
+        print(build(verbose="-v" in argv))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    print(build(verbose="-v" in sys.argv))
+    sys.exit(_main(sys.argv[1:]))

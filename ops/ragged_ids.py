@@ -109,16 +109,40 @@ def _register_gradient():
 _register_gradient()
 
 
+# Largest batch (dense_shape[0]) accepted, as in the GroupSparseToRagged
+# kernel: outputs are [batch, D], and batch + 1 must not overflow.
+MAX_BATCH = 2 ** 48
+
+
 def _from_sparse_tf(ids, weights, name, need_positions):
-    rows = ids.indices[:, 0]
-    batch = ids.dense_shape[0]
+    shape_ok = tf.debugging.Assert(
+        tf.equal(tf.size(ids.dense_shape), 2)
+        & tf.equal(tf.shape(ids.indices, out_type=tf.int64)[-1], 2),
+        [f"`{name}` must be a SparseTensor of rank 2 ([batch, ids per "
+         "row]) with [nnz, 2] indices; dense_shape, indices shape:",
+         ids.dense_shape, tf.shape(ids.indices)])
+    # Slicing waits for the rank check, so a bad rank is reported as such.
+    with tf.control_dependencies([shape_ok]):
+        indices = tf.identity(ids.indices)
+        dense_shape = tf.identity(ids.dense_shape)
+    rows = indices[:, 0]
+    batch = dense_shape[0]
     checks = [tf.debugging.Assert(
-                  tf.equal(tf.size(ids.dense_shape), 2),
-                  [f"`{name}` must be a SparseTensor of rank 2 ([batch, ids "
-                   "per row]); rank:", tf.size(ids.dense_shape)]),
+                  (batch >= 0) & (batch <= MAX_BATCH),
+                  [f"`{name}`: dense_shape[0] (the batch size) must lie in "
+                   f"[0, {MAX_BATCH}]; got", batch]),
               tf.debugging.Assert(
                   tf.reduce_all((rows >= 0) & (rows < batch)),
                   [f"`{name}`: row index outside the batch [0, batch)."])]
+    if need_positions:
+        # Each id lands at [row, column] of a [batch, dense_shape[1]]
+        # output; a column outside it would land in another row.
+        cols = indices[:, 1]
+        checks.append(tf.debugging.Assert(
+            tf.reduce_all((cols >= 0) & (cols < dense_shape[1])),
+            [f"`{name}`: column index outside [0, dense_shape[1]); min "
+             "column, max column, dense_shape[1]:",
+             tf.reduce_min(cols), tf.reduce_max(cols), dense_shape[1]]))
     if weights is not None:
         checks.append(tf.debugging.Assert(
             tf.equal(tf.size(weights.values), tf.size(ids.values)),
@@ -126,6 +150,7 @@ def _from_sparse_tf(ids, weights, name, need_positions):
              tf.size(weights.values), tf.size(ids.values)]))
     with tf.control_dependencies(checks):
         rows = tf.identity(rows)
+        batch = tf.identity(batch)
         order = tf.argsort(rows, stable=True)
     sorted_rows = tf.gather(rows, order)
     splits = tf.searchsorted(sorted_rows,
@@ -136,6 +161,6 @@ def _from_sparse_tf(ids, weights, name, need_positions):
          else tf.gather(_float_weights(weights.values), order))
     positions = max_len = None
     if need_positions:
-        positions = tf.gather(ids.indices[:, 1], order)
-        max_len = ids.dense_shape[1]
+        positions = tf.gather(indices[:, 1], order)
+        max_len = dense_shape[1]
     return FeatureIds(values, splits, w, positions, max_len, name)

@@ -6,18 +6,33 @@ versions and optimizer slots, and (worker 0 only) replicated tables. A
 restore at M workers reads every shard file and keeps what it owns under
 the new layout, so N -> M works for any N and M (1 included).
 
-A save is all-or-nothing: shard files go to `ckpt-STEP.partial/`; only when
-every worker has written its file does worker 0 rename the folder and
-repoint `latest` (atomic renames). A save that fails midway leaves the
-previous checkpoint as `latest`. The folder must be visible to all workers
-(a shared filesystem when they run on several hosts).
+A save is all-or-nothing and never touches the checkpoint `latest` names:
+
+1. every save starts from an empty folder with a fresh name,
+   `ckpt-STEP-TOKEN.partial/` (TOKEN is random, agreed by all workers), so
+   the shard files of an earlier failed save are never adopted;
+2. each worker writes `shard-RANK-of-SIZE.npz` there;
+3. once every worker has written its file, worker 0 writes
+   `manifest.json` (shard count, size and SHA-256 of every shard) LAST,
+   renames the folder to `ckpt-STEP-TOKEN`, repoints `latest` (atomic
+   renames), and only then deletes older checkpoints of the same step.
+
+A crash at any point leaves `latest` naming a complete checkpoint (the
+previous one, or the new one). `restore_tables` refuses a folder without
+a manifest, with a missing, extra-sized or corrupted shard file, or with
+a shard written at another worker count than the manifest says. The
+folder must be visible to all workers (a shared filesystem when they run
+on several hosts).
 
 Dense variables and the optimizer slots of `tf.Variable` shards are not
 resharded: save them with `tf.train.Checkpoint` on worker 0 (dense values
 are identical on every worker).
 """
 
+import hashlib
+import json
 import os
+import secrets
 import shutil
 from typing import Dict
 
@@ -29,6 +44,9 @@ from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import shard_rows
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+_PARTIAL = ".partial"
+_FORMAT = 1
 
 
 def _barrier_all_ok(ok: bool) -> bool:
@@ -39,6 +57,58 @@ def _barrier_all_ok(ok: bool) -> bool:
     failed = hvd.allreduce(tf.constant(0 if ok else 1, tf.int32),
                            op=hvd.Sum, name="ge_ckpt_barrier")
     return int(failed) == 0
+
+
+def _save_token() -> str:
+    """A random folder suffix, the same on every worker."""
+    token = secrets.randbits(62)
+    if distributed_strategy.is_collective():
+        hvd = distributed_strategy.horovod()
+        token = int(hvd.broadcast(tf.constant(token, tf.int64), root_rank=0,
+                                  name="ge_ckpt_token"))
+    return f"{token:016x}"
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _shard_name(rank: int, size: int) -> str:
+    return f"shard-{rank}-of-{size}.npz"
+
+
+def _write_manifest(folder: str, step: int, size: int):
+    """Worker 0, after every shard is written: sizes and checksums."""
+    shards = {}
+    for rank in range(size):
+        path = os.path.join(folder, _shard_name(rank, size))
+        shards[_shard_name(rank, size)] = {
+            "bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    manifest = {"format": _FORMAT, "step": int(step), "num_shards": size,
+                "shards": shards}
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+def _remove_stale(directory: str, step: int, keep: str):
+    """Deletes other checkpoints and unfinished saves of `step`; they are
+    unreachable once `latest` names `keep`."""
+    prefix = f"ckpt-{step}-"
+    for name in os.listdir(directory):
+        if name.startswith(prefix) and name != keep:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    legacy = os.path.join(directory, f"ckpt-{step}")  # pre-manifest layout
+    for path in (legacy, legacy + _PARTIAL):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _is_ev(table) -> bool:
@@ -92,17 +162,21 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
             stays `latest`); the error names the failure on this worker.
     """
     rank, size = distributed_strategy.world()
-    final = os.path.join(directory, f"ckpt-{step}")
-    partial = final + ".partial"
+    # A fresh name per save: never reuse (or delete first) a folder that a
+    # failed save or the current `latest` may be using.
+    final = os.path.join(directory, f"ckpt-{step}-{_save_token()}")
+    partial = final + _PARTIAL
     error = None
     try:
         os.makedirs(partial, exist_ok=True)
         arrays = {"num_shards": np.asarray(size)}
         for name, table in tables.items():
             arrays.update(_table_arrays(name, table, rank))
-        path = os.path.join(partial, f"shard-{rank}-of-{size}.npz")
+        path = os.path.join(partial, _shard_name(rank, size))
         with open(path + ".tmp", "wb") as f:
             np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
     except Exception as e:  # noqa: BLE001 - reported to all workers below
         error = e
@@ -111,15 +185,27 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
             f"Saving checkpoint {final} failed on "
             f"{'this worker: ' + repr(error) if error else 'another worker'}"
             f"; '{LATEST}' still names the previous checkpoint.")
+    error = None
     if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        with open(os.path.join(directory, LATEST + ".tmp"), "w") as f:
-            f.write(os.path.basename(final))
-        os.replace(os.path.join(directory, LATEST + ".tmp"),
-                   os.path.join(directory, LATEST))
-    _barrier_all_ok(True)  # nobody reads `latest` before it moved
+        try:
+            _write_manifest(partial, step, size)
+            os.replace(partial, final)
+            pointer = os.path.join(directory, LATEST)
+            with open(pointer + ".tmp", "w") as f:
+                f.write(os.path.basename(final))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(pointer + ".tmp", pointer)
+        except Exception as e:  # noqa: BLE001 - reported to all workers
+            error = e
+    # Nobody reads `latest` before it moved, and all workers fail alike.
+    if not _barrier_all_ok(error is None):
+        raise RuntimeError(
+            f"Finishing checkpoint {final} failed on worker 0"
+            f"{': ' + repr(error) if error else ''}; '{LATEST}' names the "
+            "previous checkpoint or this one, both complete.")
+    if rank == 0:
+        _remove_stale(directory, step, os.path.basename(final))
     return final
 
 
@@ -133,10 +219,49 @@ def latest_checkpoint(directory: str):
 
 
 def _load_shards(path):
-    names = sorted(n for n in os.listdir(path) if n.endswith(".npz"))
-    if not names:
-        raise ValueError(f"No shard files in checkpoint {path}.")
-    return [dict(np.load(os.path.join(path, n))) for n in names]
+    """Reads every shard of a finished checkpoint, verified against its
+    manifest (count, presence, size, SHA-256, worker count)."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise ValueError(f"Checkpoint {path} does not exist.")
+    if not os.path.exists(manifest_path):
+        raise ValueError(
+            f"Checkpoint {path} has no {MANIFEST}: the save did not finish "
+            "(or it predates manifests); restore a checkpoint named by "
+            f"'{LATEST}'.")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    size = int(manifest["num_shards"])
+    expected = {_shard_name(r, size) for r in range(size)}
+    listed = set(manifest["shards"])
+    if listed != expected:
+        raise ValueError(
+            f"Checkpoint {path}: {MANIFEST} lists shards "
+            f"{sorted(listed)} but num_shards is {size}.")
+    shards = []
+    for rank in range(size):
+        name = _shard_name(rank, size)
+        file = os.path.join(path, name)
+        entry = manifest["shards"][name]
+        if not os.path.exists(file):
+            raise ValueError(f"Checkpoint {path}: shard file {name} is "
+                             f"missing ({size} shards were saved).")
+        got = os.path.getsize(file)
+        if got != entry["bytes"]:
+            raise ValueError(f"Checkpoint {path}: shard file {name} has "
+                             f"{got} bytes, {entry['bytes']} were saved.")
+        if _sha256(file) != entry["sha256"]:
+            raise ValueError(f"Checkpoint {path}: shard file {name} is "
+                             "corrupted (SHA-256 differs from the "
+                             "manifest).")
+        shard = dict(np.load(file))
+        if int(shard["num_shards"]) != size:
+            raise ValueError(
+                f"Checkpoint {path}: shard file {name} was written by "
+                f"{int(shard['num_shards'])} workers, the manifest says "
+                f"{size}.")
+        shards.append(shard)
+    return shards
 
 
 def _restore_rows(name, table, shards, rank, size):
@@ -208,8 +333,10 @@ def restore_tables(path: str, tables: Dict[str, object]):
             the number of workers, may differ).
 
     Raises:
-        ValueError: no checkpoint, a table missing from it, or rows that do
-            not fit the table.
+        ValueError: no checkpoint; an unfinished one (no manifest); a shard
+            file missing, of the wrong size or corrupted; a table missing
+            from it; rows that do not fit the table; EV keys out of the
+            variable's key_dtype range.
     """
     if os.path.exists(os.path.join(path, LATEST)):
         path = latest_checkpoint(path)

@@ -75,6 +75,19 @@ class KerasEmbeddingVariable(keras.Variable):
         return self._embedding_variable
 
     @property
+    def overwrite_with_gradient(self) -> bool:
+        # Only a stock Keras optimizer's `apply` reads this for the
+        # variables it updates (`ge.optimizers` route EV gradients before
+        # the stock path): refuse there, before it tries to convert the
+        # keyed gradient.
+        raise TypeError(_stock_optimizer_message(
+            self._embedding_variable.name))
+
+    @overwrite_with_gradient.setter
+    def overwrite_with_gradient(self, value):
+        keras.Variable.overwrite_with_gradient.fset(self, value)
+
+    @property
     def handle(self) -> tf.Tensor:
         # GradientTape resolves variable sources to their handle: this
         # makes `tape.gradient(loss, wrapper)` the EV's gradient.
@@ -96,13 +109,17 @@ class _KeyedPlaceholder(resource_variable_ops.ResourceVariable):
     embedding_variable_name = ""
 
     def _refuse_update(self, *args, **kwargs):
-        raise TypeError(
-            f"EmbeddingVariable '{self.embedding_variable_name}' is keyed "
-            "by key and can only be trained by `ge.optimizers` (e.g. "
-            "ge.optimizers.Adagrad), not by a stock Keras optimizer.")
+        raise TypeError(_stock_optimizer_message(
+            self.embedding_variable_name))
 
     assign_add = assign_sub = _refuse_update
     scatter_add = scatter_sub = scatter_update = _refuse_update
+
+
+def _stock_optimizer_message(name: str) -> str:
+    return (f"EmbeddingVariable '{name}' is keyed by key and can only be "
+            "trained by `ge.optimizers` (e.g. ge.optimizers.Adagrad), not "
+            "by a stock Keras optimizer.")
 
 
 def embedding_variable_of(variable) -> Optional[EmbeddingVariable]:

@@ -6,6 +6,7 @@ through `get_config()` / `from_config()`.
 """
 
 import dataclasses
+import enum
 import numbers
 from typing import Any
 from typing import Dict
@@ -165,6 +166,77 @@ class InitializerOption(_Config):
         return cls(**config)
 
 
+class StorageType(enum.IntEnum):
+    """DeepRec's `config_pb2.StorageType` names (multi-tier EV storage).
+
+    Only `DRAM` (and `DEFAULT`, which means DRAM) exist here: an EV is one
+    in-memory hash table. The other names are listed so that a script
+    naming them gets `StorageOption`'s clear error, not an AttributeError.
+    """
+
+    DEFAULT = 0
+    DRAM = 1
+    PMEM_MEMKIND = 2
+    PMEM_LIBPMEM = 3
+    SSDHASH = 4
+    LEVELDB = 5
+    HBM = 6
+    DRAM_PMEM = 11
+    DRAM_SSDHASH = 12
+    HBM_DRAM = 13
+    DRAM_LEVELDB = 14
+    DRAM_PMEM_SSDHASH = 101
+    HBM_DRAM_SSDHASH = 102
+
+
+SUPPORTED_STORAGE_TYPES = (StorageType.DEFAULT, StorageType.DRAM)
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageOption(_Config):
+    """Where an EV keeps its rows (DeepRec's `tf.StorageOption`).
+
+    Args:
+        storage_type: `StorageType.DRAM` (default) or `DEFAULT`; an int or
+            a `config_pb2.StorageType` value is accepted too.
+        storage_path: DeepRec's path for SSD/PMEM tiers; must be None.
+        storage_size: DeepRec's per-tier sizes; must be None.
+        cache_strategy: DeepRec's multi-tier cache policy; ignored (there
+            is one tier).
+
+    Raises:
+        NotImplementedError: any storage type other than DRAM, or a
+            storage path or size (multi-tier storage).
+        ValueError: an unknown storage type.
+    """
+
+    storage_type: Any = StorageType.DRAM
+    storage_path: Optional[str] = None
+    storage_size: Any = None
+    cache_strategy: Any = None
+
+    def __post_init__(self):
+        try:
+            kind = StorageType(int(self.storage_type))
+        except (TypeError, ValueError):
+            raise ValueError("`storage_type` must be a StorageType, got "
+                             f"{self.storage_type!r}.") from None
+        if kind not in SUPPORTED_STORAGE_TYPES:
+            raise NotImplementedError(
+                f"StorageOption: storage_type {kind.name} (multi-tier "
+                "EmbeddingVariable storage) is not supported by "
+                "group_embedding; EVs live in DRAM, use StorageType.DRAM.")
+        if self.storage_path is not None or self.storage_size is not None:
+            raise NotImplementedError(
+                "StorageOption: `storage_path` / `storage_size` configure "
+                "multi-tier storage, which group_embedding does not have; "
+                "leave them None.")
+        object.__setattr__(self, "storage_type", kind)
+
+    def get_config(self) -> Dict[str, Any]:
+        return {"storage_type": int(self.storage_type)}
+
+
 _EVICT_CLASSES = {"GlobalStepEvict": GlobalStepEvict,
                   "L2WeightEvict": L2WeightEvict}
 
@@ -179,6 +251,7 @@ class EmbeddingVariableOption(_Config):
             `EmbeddingVariable.evict()`.
         filter_option: None (default) or a `CounterFilter`.
         init_option: an `InitializerOption` (default `InitializerOption()`).
+        storage_option: a `StorageOption` (default DRAM, the only one).
 
     Raises:
         ValueError: several eviction policies (a list or tuple of them);
@@ -190,6 +263,8 @@ class EmbeddingVariableOption(_Config):
     filter_option: Optional[CounterFilter] = None
     init_option: InitializerOption = dataclasses.field(
         default_factory=InitializerOption)
+    storage_option: StorageOption = dataclasses.field(
+        default_factory=StorageOption)
 
     def __post_init__(self):
         evict = self.evict_option
@@ -210,6 +285,9 @@ class EmbeddingVariableOption(_Config):
             raise TypeError("`filter_option` must be a CounterFilter or "
                             "None, got "
                             f"{type(self.filter_option).__name__}.")
+        if not isinstance(self.storage_option, StorageOption):
+            raise TypeError("`storage_option` must be a StorageOption, got "
+                            f"{type(self.storage_option).__name__}.")
         if not isinstance(self.init_option, InitializerOption):
             raise TypeError("`init_option` must be an InitializerOption, got "
                             f"{type(self.init_option).__name__}.")
@@ -223,6 +301,7 @@ class EmbeddingVariableOption(_Config):
             "filter_option": (None if self.filter_option is None
                               else self.filter_option.get_config()),
             "init_option": self.init_option.get_config(),
+            "storage_option": self.storage_option.get_config(),
         }
 
     @classmethod
@@ -237,4 +316,6 @@ class EmbeddingVariableOption(_Config):
             filter_option=None if filt is None
             else CounterFilter.from_config(filt),
             init_option=InitializerOption.from_config(
-                config.get("init_option", {})))
+                config.get("init_option", {})),
+            storage_option=StorageOption.from_config(
+                config.get("storage_option", {})))

@@ -1,6 +1,7 @@
 """EmbeddingVariable: an embedding table keyed by arbitrary int64 keys,
 growing as new keys arrive (DeepRec's `get_embedding_variable`)."""
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -18,6 +19,14 @@ from group_embedding.ops import ev_storage
 
 SUPPORTED_KEY_DTYPES = (tf.int64, tf.int32)
 _uid = itertools.count()
+
+
+class StockOptimizerError(TypeError, AttributeError):
+    """A stock optimizer was given an EmbeddingVariable.
+
+    Also an AttributeError, so that `hasattr(ev, "_unique_id")` stays
+    False for code that probes for resource variables.
+    """
 
 
 class EmbeddingVariable(tf.Module):
@@ -135,6 +144,17 @@ class EmbeddingVariable(tf.Module):
     def trainable(self) -> bool:
         return self._trainable
 
+    @property
+    def _unique_id(self):
+        # Stock optimizers (Keras 3, tf.compat.v1.train) key their slots by
+        # `_unique_id` and update dense rows, not keys: refuse them here,
+        # their first touch of the variable.
+        raise StockOptimizerError(
+            f"EmbeddingVariable '{self._ev_name}' is keyed by key and can "
+            "only be trained by `ge.optimizers` (Keras, e.g. "
+            "ge.optimizers.Adagrad) or `ge.train` (tf.compat.v1) "
+            "optimizers, not by a stock optimizer.")
+
     def __repr__(self):
         return (f"<EmbeddingVariable '{self._ev_name}' dim="
                 f"{self.embedding_dim} key_dtype={self.key_dtype.name}>")
@@ -206,6 +226,47 @@ class EmbeddingVariable(tf.Module):
         (always 0 without an `evict_option`)."""
         return ev_storage.evict(self._handle)
 
+    # --- DeepRec's statistics accessors (read from one export snapshot) ---
+    def total_count(self) -> tf.Tensor:
+        """DeepRec's `total_count()`: int64 `[number of keys, D]`, the
+        variable's current dynamic shape."""
+        return tf.stack([self.size(),
+                         tf.constant(self.embedding_dim, tf.int64)])
+
+    def get_dynamic_shape(self) -> tf.Tensor:
+        """DeepRec's newer name of `total_count()`."""
+        return self.total_count()
+
+    def _per_key(self, ids, column: int, missing: int) -> tf.Tensor:
+        ids = tf.convert_to_tensor(ids)
+        self.check_keys(ids, "ids")
+        keys, _, freqs, versions = self.export()
+        stat = (freqs, versions)[column]
+        order = tf.argsort(keys)
+        keys, stat = tf.gather(keys, order), tf.gather(stat, order)
+        flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
+        pos = tf.searchsorted(keys, flat, out_type=tf.int64)
+        # One sentinel row so that `pos` == n (absent, past the end) can
+        # be gathered, also from an empty table.
+        keys = tf.concat([keys, [0]], 0)
+        stat = tf.concat([tf.cast(stat, tf.int64), [missing]], 0)
+        found = tf.logical_and(pos < tf.size(keys, tf.int64) - 1,
+                               tf.equal(tf.gather(keys, pos), flat))
+        values = tf.where(found, tf.gather(stat, pos),
+                          tf.constant(missing, tf.int64))
+        return tf.reshape(values, tf.shape(ids))
+
+    def get_frequency(self, ids) -> tf.Tensor:
+        """DeepRec's `get_frequency(ids)`: int64 occurrence count of each
+        key in `ids` (same shape), 0 for keys not stored. Reads nothing
+        into the table (no insertion)."""
+        return self._per_key(ids, 0, 0)
+
+    def get_version(self, ids) -> tf.Tensor:
+        """DeepRec's `get_version(ids)`: int64 step of each key's last
+        update (same shape as `ids`), -1 for keys not stored."""
+        return self._per_key(ids, 1, -1)
+
     # --- checkpointing -------------------------------------------------
     def _serialize_to_tensors(self):
         deps = []
@@ -239,9 +300,31 @@ class EmbeddingVariable(tf.Module):
                 f"EmbeddingVariable '{self._ev_name}': checkpoint has "
                 f"embedding_dim {dim} but the variable has "
                 f"{self.embedding_dim}.")
-        return ev_storage.import_(self._handle, t["keys"], values, t["freqs"],
-                                  t["versions"], t["slot_names"],
-                                  t["slot_inits"], t["slots"], t["step"])
+        with tf.control_dependencies(self._check_restored_keys(t["keys"])):
+            return ev_storage.import_(
+                self._handle, t["keys"], values, t["freqs"], t["versions"],
+                t["slot_names"], t["slot_inits"], t["slots"], t["step"])
+
+    def _check_restored_keys(self, keys):
+        """Refuses keys that an int32 variable could never look up (an
+        int64 checkpoint); returns the graph-mode assertion ops."""
+        if self.key_dtype != tf.int32:
+            return []
+        keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
+        outside = tf.logical_or(keys < tf.int32.min, keys > tf.int32.max)
+        message = (f"EmbeddingVariable '{self._ev_name}': the checkpoint "
+                   "holds keys outside the int32 range but the variable's "
+                   "key_dtype is int32 (restore into an int64 variable)")
+        if tf.executing_eagerly():
+            bad = tf.boolean_mask(keys, outside).numpy()
+            if len(bad):
+                raise ValueError(f"{message}: {len(bad)} such keys, e.g. "
+                                 f"{int(bad[0])}.")
+            return []
+        return [tf.debugging.Assert(
+            tf.logical_not(tf.reduce_any(outside)),
+            [message + "; first such keys:", tf.boolean_mask(keys, outside)],
+            summarize=3)]
 
 
 def is_embedding_variable(x) -> bool:
@@ -252,8 +335,12 @@ def is_embedding_variable(x) -> bool:
 def get_embedding_variable(name: str, embedding_dim: int,
                            key_dtype=tf.int64, value_dtype=tf.float32,
                            initializer=None, trainable: bool = True,
-                           ev_option: Optional[EmbeddingVariableOption] = None
-                           ) -> EmbeddingVariable:
+                           ev_option: Optional[EmbeddingVariableOption] = None,
+                           *, regularizer=None, collections=None,
+                           caching_device=None, partitioner=None,
+                           validate_shape=True, custom_getter=None,
+                           constraint=None, steps_to_live=None,
+                           init_data_source=None):
     """Creates an `EmbeddingVariable` (DeepRec's signature).
 
     Example::
@@ -275,9 +362,26 @@ def get_embedding_variable(name: str, embedding_dim: int,
         trainable: whether gradients flow to the variable (default True).
         ev_option: `EmbeddingVariableOption` (default: no filter, no
             eviction, 4096 default rows).
+        regularizer, custom_getter, constraint, init_data_source:
+            (keyword only) DeepRec arguments; must be None.
+        collections: (keyword only) graph collections to add the variable
+            to (graph mode only); the stock variable collections are
+            skipped, an EV is not a dense variable.
+        caching_device, validate_shape: (keyword only) accepted, no effect.
+        partitioner: (keyword only) DeepRec's partitioned EV. Accepted, but
+            an EV is one growable hash table here, so nothing is split:
+            given a partitioner the result is a one-element list holding
+            the EV, which iterates and looks up (`tf.nn.embedding_lookup`,
+            `ge.embedding_lookup`) like DeepRec's partitioned variable.
+        steps_to_live: (keyword only) DeepRec's shortcut for
+            `ev_option.evict_option=GlobalStepEvict(steps_to_live)`.
+
+    Note: DeepRec's 6th positional argument is `regularizer`; here the
+    DeepRec-only arguments are keyword-only, so pass them by name.
 
     Returns:
-        The `EmbeddingVariable`.
+        The `EmbeddingVariable` (a one-element list of it when
+        `partitioner` is given).
 
     Raises:
         ValueError: bad name or embedding_dim, or two different
@@ -312,5 +416,47 @@ def get_embedding_variable(name: str, embedding_dim: int,
         raise ValueError(f"EmbeddingVariable '{name}': both `initializer` and "
                          "`ev_option.init_option.initializer` are set; give "
                          "only one.")
-    return EmbeddingVariable(name, embedding_dim, key_dtype, value_dtype,
-                             initializer, trainable, ev_option)
+    ev_option = _with_steps_to_live(name, ev_option, steps_to_live)
+    for argument, value in (("regularizer", regularizer),
+                            ("custom_getter", custom_getter),
+                            ("constraint", constraint),
+                            ("init_data_source", init_data_source)):
+        if value is not None:
+            raise NotImplementedError(
+                f"EmbeddingVariable '{name}': `{argument}` is not supported "
+                "by group_embedding; leave it None.")
+    del caching_device, validate_shape  # no meaning for one hash table
+    ev = EmbeddingVariable(name, embedding_dim, key_dtype, value_dtype,
+                           initializer, trainable, ev_option)
+    if not tf.executing_eagerly():
+        # DeepRec scripts run these to initialise EVs on their own.
+        tf.compat.v1.add_to_collection(EV_INIT_VAR_OPS,
+                                       ev.default_values.initializer)
+        keys = tf.compat.v1.GraphKeys
+        for collection in collections or ():
+            # Variable collections feed stock initialisers and savers,
+            # which would treat the EV as a dense variable.
+            if collection not in (keys.GLOBAL_VARIABLES,
+                                  keys.TRAINABLE_VARIABLES,
+                                  keys.LOCAL_VARIABLES,
+                                  keys.MODEL_VARIABLES):
+                tf.compat.v1.add_to_collection(collection, ev)
+    return [ev] if partitioner is not None else ev
+
+
+# DeepRec's `tf.GraphKeys` collection names.
+EV_INIT_VAR_OPS = "ev_init_var_ops"
+EV_INIT_SLOT_OPS = "ev_init_slot_ops"
+
+
+def _with_steps_to_live(name, ev_option, steps_to_live):
+    """`ev_option` with `GlobalStepEvict(steps_to_live)` when given."""
+    if steps_to_live is None:
+        return ev_option
+    evict = GlobalStepEvict(steps_to_live)
+    if ev_option.evict_option not in (None, evict):
+        raise ValueError(
+            f"EmbeddingVariable '{name}': `steps_to_live`={steps_to_live} "
+            f"conflicts with ev_option.evict_option="
+            f"{ev_option.evict_option!r}; give one of them.")
+    return dataclasses.replace(ev_option, evict_option=evict)

@@ -10,6 +10,8 @@ from group_embedding.optimizers.base_optimizer import BaseOptimizer
 EV_ACCUMULATOR = "adagrad/accumulator"
 
 
+# Registered so that `keras.models.load_model` finds it in a saved model.
+@keras.saving.register_keras_serializable(package="group_embedding")
 class Adagrad(BaseOptimizer, keras.optimizers.Optimizer):
     """Adagrad that touches only the rows present in sparse gradients.
 
@@ -42,6 +44,7 @@ class Adagrad(BaseOptimizer, keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
+        var_list = self._dense_variables(var_list)
         super().build(var_list)
         init = keras.initializers.Constant(self.initial_accumulator_value)
         self._accumulators = [

@@ -10,6 +10,8 @@ from group_embedding.optimizers.base_optimizer import BaseOptimizer
 EV_SLOTS = ("adam/m", "adam/v")
 
 
+# Registered so that `keras.models.load_model` finds it in a saved model.
+@keras.saving.register_keras_serializable(package="group_embedding")
 class Adam(BaseOptimizer, keras.optimizers.Adam):
     """`keras.optimizers.Adam` with lazy updates for sparse gradients.
 

@@ -7,6 +7,7 @@ by one C++ op that touches only its gradient's keys and the slots stored
 with them.
 """
 
+import warnings
 from typing import Dict
 from typing import List
 from typing import Tuple
@@ -58,6 +59,21 @@ class BaseOptimizer:
                 variable.ensure_slot(name, init)
         ensured[id(variable)] = variable
 
+    @staticmethod
+    def _dense_variables(var_list):
+        """`var_list` without EVs: their slots live with their keys."""
+        return [v for v in var_list if embedding_variable_of(v) is None]
+
+    def build(self, var_list):
+        """Builds the stock state for the plain variables of `var_list`.
+
+        EVs (and their `KerasEmbeddingVariable`s) get no Keras slot
+        variables, so the optimizer holds the same variables whether
+        `model.fit`, `compile_from_config` (in `load_model`) or the first
+        `apply` builds it, and a saved optimizer state loads back.
+        """
+        super().build(self._dense_variables(var_list))
+
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None:
             return super().apply(grads)
@@ -68,6 +84,19 @@ class BaseOptimizer:
         evs = [embedding_variable_of(v) for v in variables]
         if all(ev is None for ev in evs):
             return super().apply(grads, variables)
+        if all(g is None for g in grads):
+            # Stock Keras refuses this for any variable; without it an EV
+            # would silently stay unchanged while `iterations` advances.
+            raise ValueError("No gradients provided for any variable.")
+        rest = [(g, v) for g, v, ev in zip(grads, variables, evs)
+                if ev is None]
+        rest_has_gradients = any(g is not None for g, _ in rest)
+        # The stock apply warns about its own variables without gradient.
+        missing = [v.name for g, v, ev in zip(grads, variables, evs)
+                   if g is None and (ev is not None or not rest_has_gradients)]
+        if missing:
+            warnings.warn(f"Gradients do not exist for variables {missing} "
+                          "when minimizing the loss.")
         lr = self._get_current_learning_rate()
         for g, ev in zip(grads, evs):
             if ev is None or g is None:
@@ -80,9 +109,9 @@ class BaseOptimizer:
                     f"keyed by key, got {type(g).__name__}.")
             self._ensure_ev_slots(ev)
             self._ev_update_step(g, ev, lr)
-        rest = [(g, v) for g, v, ev in zip(grads, variables, evs)
-                if ev is None]
-        if rest:
+        # The stock apply refuses all-None gradients, but the EVs were
+        # updated: then only warn (above), as it does for some Nones.
+        if rest_has_gradients:
             return super().apply([g for g, _ in rest], [v for _, v in rest])
         self.iterations.assign_add(1)
         return None

@@ -10,6 +10,8 @@ from group_embedding.optimizers.base_optimizer import BaseOptimizer
 EV_SLOTS = ("ftrl/accumulator", "ftrl/linear")
 
 
+# Registered so that `keras.models.load_model` finds it in a saved model.
+@keras.saving.register_keras_serializable(package="group_embedding")
 class Ftrl(BaseOptimizer, keras.optimizers.Ftrl):
     """`keras.optimizers.Ftrl` that updates only the touched rows of
     sparse gradients (TF's ApplyFtrlV2 row-wise), EVs included.

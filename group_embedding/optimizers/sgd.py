@@ -8,6 +8,8 @@ from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
 
 
+# Registered so that `keras.models.load_model` finds it in a saved model.
+@keras.saving.register_keras_serializable(package="group_embedding")
 class SGD(BaseOptimizer, keras.optimizers.SGD):
     """`keras.optimizers.SGD` that also trains `EmbeddingVariable`s.
 

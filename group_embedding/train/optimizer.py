@@ -10,6 +10,7 @@ else `tf.compat.v1.train.get_global_step()`, else 0).
 
 import tensorflow as tf
 
+from group_embedding.embedding_variable.variable import EV_INIT_SLOT_OPS
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ev_storage
 
@@ -82,6 +83,9 @@ class _EVOptimizerMixin:
                         f"EmbeddingVariable '{v.name}' must be IndexedSlices "
                         f"keyed by key, got {type(g).__name__}.")
                 ensure = [v.ensure_slot(n, i) for n, i in self._ev_slots()]
+                for op in ensure:
+                    if op is not None:  # graph mode: DeepRec's collection
+                        _v1.add_to_collection(EV_INIT_SLOT_OPS, op)
                 with tf.control_dependencies(
                         [e for e in ensure if e is not None]):
                     ev_ops.append(self._ev_apply(g, v, step))
@@ -176,3 +180,234 @@ class FtrlOptimizer(_EVOptimizerMixin, _v1.train.FtrlOptimizer):
             self._l1_regularization_strength, l2,
             self._l2_shrinkage_regularization_strength,
             self._learning_rate_power, ["ftrl/accumulator", "ftrl/linear"])
+
+
+class AdamAsyncOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
+    """DeepRec's `tf.train.AdamAsyncOptimizer`: Adam whose beta powers are
+    kept per variable (slots `beta1_power`, `beta2_power`, starting at
+    beta1 / beta2) and advanced by each apply to that variable.
+
+    Per apply, with `alpha = lr * sqrt(1 - beta2_power) / (1 -
+    beta1_power)`: `m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2)
+    g^2; var -= alpha m / (sqrt(v) + epsilon)`, then `beta1_power *=
+    beta1; beta2_power *= beta2`. Dense gradients update every row (the
+    same numbers as stock `AdamOptimizer` when each variable is updated
+    every step); sparse gradients and EVs update only the touched rows.
+
+    With `apply_sparse_rmsprop=True`, sparse updates of plain variables
+    are `v = beta2 v + (1 - beta2) g^2; m = beta1 m + lr g / sqrt(v +
+    epsilon); var -= m` (beta powers unchanged), as in DeepRec.
+
+    Args:
+        learning_rate: float or tensor, default 0.001.
+        beta1, beta2, epsilon: Adam's constants (0.9, 0.999, 1e-8).
+        use_locking: as stock.
+        apply_sparse_rmsprop: see above (default False).
+        name: default "AdamAsync".
+
+    Raises:
+        NotImplementedError: (at apply) `apply_sparse_rmsprop=True` with an
+            EmbeddingVariable.
+    """
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999,
+                 epsilon=1e-8, use_locking=False, apply_sparse_rmsprop=False,
+                 name="AdamAsync"):
+        super().__init__(use_locking, name)
+        self._lr = learning_rate
+        self._beta1 = beta1
+        self._beta2 = beta2
+        self._epsilon = epsilon
+        self._apply_sparse_rmsprop = apply_sparse_rmsprop
+        self._ev_powers = {}
+
+    def _constants(self, dtype):
+        c = self._call_if_callable
+        return [tf.cast(c(x), dtype) for x in
+                (self._lr, self._beta1, self._beta2, self._epsilon)]
+
+    def _create_slots(self, var_list):
+        for v in var_list:
+            self._zeros_slot(v, "m", self._name)
+            self._zeros_slot(v, "v", self._name)
+            for slot, beta in (("beta1_power", self._beta1),
+                               ("beta2_power", self._beta2)):
+                self._get_or_make_slot(
+                    v, tf.constant(self._call_if_callable(beta),
+                                   v.dtype.base_dtype), slot, self._name)
+
+    def _advance_powers(self, var, deps):
+        beta1, beta2 = self._constants(var.dtype.base_dtype)[1:3]
+        b1p = self.get_slot(var, "beta1_power")
+        b2p = self.get_slot(var, "beta2_power")
+        with tf.control_dependencies(deps):
+            return tf.group(b1p.assign(b1p * beta1), b2p.assign(b2p * beta2))
+
+    def _resource_apply_dense(self, grad, var):
+        lr, beta1, beta2, eps = self._constants(var.dtype.base_dtype)
+        update = tf.raw_ops.ResourceApplyAdam(
+            var=var.handle, m=self.get_slot(var, "m").handle,
+            v=self.get_slot(var, "v").handle,
+            beta1_power=self.get_slot(var, "beta1_power"),
+            beta2_power=self.get_slot(var, "beta2_power"), lr=lr,
+            beta1=beta1, beta2=beta2, epsilon=eps, grad=grad,
+            use_locking=self._use_locking)
+        return self._advance_powers(var, [update])
+
+    def _resource_apply_sparse(self, grad, var, indices):
+        # The base class has summed duplicate indices already.
+        lr, beta1, beta2, eps = self._constants(var.dtype.base_dtype)
+        m_slot, v_slot = self.get_slot(var, "m"), self.get_slot(var, "v")
+        m = tf.gather(m_slot, indices)
+        v = beta2 * tf.gather(v_slot, indices) + (1 - beta2) * grad * grad
+        if self._apply_sparse_rmsprop:
+            m = beta1 * m + lr * grad / tf.sqrt(v + eps)
+            step = m
+        else:
+            b1p = self.get_slot(var, "beta1_power")
+            b2p = self.get_slot(var, "beta2_power")
+            alpha = lr * tf.sqrt(1 - b2p) / (1 - b1p)
+            m = beta1 * m + (1 - beta1) * grad
+            step = alpha * m / (tf.sqrt(v) + eps)
+        updates = [m_slot.scatter_update(tf.IndexedSlices(m, indices)),
+                   v_slot.scatter_update(tf.IndexedSlices(v, indices)),
+                   var.scatter_sub(tf.IndexedSlices(step, indices))]
+        if self._apply_sparse_rmsprop:
+            return tf.group(*updates)
+        return self._advance_powers(var, updates)
+
+    def _ev_slots(self):
+        return [("adam_async/m", 0.0), ("adam_async/v", 0.0)]
+
+    def _ev_apply(self, grad, ev, step):
+        if self._apply_sparse_rmsprop:
+            raise NotImplementedError(
+                f"AdamAsyncOptimizer: `apply_sparse_rmsprop=True` is not "
+                f"supported for EmbeddingVariable '{ev.name}'; use "
+                "apply_sparse_rmsprop=False (Adam) on EVs.")
+        if ev.name not in self._ev_powers:
+            with tf.init_scope():
+                self._ev_powers[ev.name] = [
+                    tf.Variable(float(self._call_if_callable(b)),
+                                trainable=False, dtype=tf.float32,
+                                name=f"{ev.name}/{self._name}/{n}")
+                    for n, b in (("beta1_power", self._beta1),
+                                 ("beta2_power", self._beta2))]
+        b1p, b2p = self._ev_powers[ev.name]
+        lr, beta1, beta2, eps = self._constants(tf.float32)
+        alpha = lr * tf.sqrt(1 - b2p) / (1 - b1p)
+        update = ev_storage.apply_adam(
+            ev.handle, grad.indices, grad.values, step, alpha, beta1, beta2,
+            eps, ["adam_async/m", "adam_async/v"])
+        deps = [update] if update is not None else []
+        with tf.control_dependencies(deps):
+            return tf.group(b1p.assign(b1p * beta1), b2p.assign(b2p * beta2))
+
+
+class AdagradDecayOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
+    """DeepRec's `tf.train.AdagradDecayOptimizer`: Adagrad whose
+    accumulator is decayed once per `accumulator_decay_step` global steps.
+
+    With `t = global_step + 1` and per row a decay counter `p` (slot
+    `accumulator_decay_power`, starting at 0): when a row is updated and
+    `t // accumulator_decay_step > p`, first `accum = max(accum *
+    accumulator_decay_rate, initial_accumulator_value)` and `p += 1`; then
+    `accum += g^2; var -= lr * g / sqrt(accum)`. Dense gradients update
+    every row; sparse ones only the touched rows.
+
+    Args:
+        learning_rate: float or tensor.
+        global_step: the global step variable (required, as in DeepRec).
+        initial_accumulator_value: start and floor of the accumulators,
+            > 0 (default 0.1).
+        accumulator_decay_step: period in steps, > 0 (default 100000).
+        accumulator_decay_rate: factor in (0, 1) (default 0.9).
+        use_locking: as stock.
+        name: default "AdagradDecay".
+
+    Raises:
+        ValueError: an argument out of its range.
+        NotImplementedError: (at apply) an EmbeddingVariable: the decay
+            counter per key needs a storage op that does not exist yet;
+            use `AdagradOptimizer` for EVs.
+    """
+
+    def __init__(self, learning_rate, global_step,
+                 initial_accumulator_value=0.1,
+                 accumulator_decay_step=100000, accumulator_decay_rate=0.9,
+                 use_locking=False, name="AdagradDecay"):
+        if initial_accumulator_value <= 0.0:
+            raise ValueError("AdagradDecayOptimizer: "
+                             "`initial_accumulator_value` must be > 0, got "
+                             f"{initial_accumulator_value}.")
+        if accumulator_decay_step <= 0:
+            raise ValueError("AdagradDecayOptimizer: "
+                             "`accumulator_decay_step` must be > 0, got "
+                             f"{accumulator_decay_step}.")
+        if not 0.0 < accumulator_decay_rate < 1.0:
+            raise ValueError("AdagradDecayOptimizer: "
+                             "`accumulator_decay_rate` must be in (0, 1), "
+                             f"got {accumulator_decay_rate}.")
+        if global_step is None:
+            raise ValueError("AdagradDecayOptimizer: `global_step` is "
+                             "required (the decay period counts it).")
+        super().__init__(use_locking, name)
+        self._learning_rate = learning_rate
+        self._global_step = global_step
+        self._initial_accumulator_value = initial_accumulator_value
+        self._decay_step = accumulator_decay_step
+        self._decay_rate = accumulator_decay_rate
+
+    def _create_slots(self, var_list):
+        for v in var_list:
+            init = tf.compat.v1.constant_initializer(
+                self._initial_accumulator_value, dtype=v.dtype.base_dtype)
+            self._get_or_make_slot_with_initializer(
+                v, init, v.shape, v.dtype.base_dtype, "accumulator",
+                self._name)
+            rows = tf.TensorShape(v.shape[:1])
+            self._get_or_make_slot_with_initializer(
+                v, tf.compat.v1.zeros_initializer(tf.int64), rows, tf.int64,
+                "accumulator_decay_power", self._name)
+
+    def _update_rows(self, var, grad, indices):
+        """The rule on rows `indices` (None: all rows) with their grads."""
+        dtype = var.dtype.base_dtype
+        acc_slot = self.get_slot(var, "accumulator")
+        power_slot = self.get_slot(var, "accumulator_decay_power")
+        t = tf.cast(self._global_step, tf.int64) + 1
+        period = t // tf.cast(self._decay_step, tf.int64)
+        if indices is None:
+            acc, power = acc_slot.read_value(), power_slot.read_value()
+        else:
+            acc = tf.gather(acc_slot, indices)
+            power = tf.gather(power_slot, indices)
+        decay = period > power
+        mask = tf.reshape(decay, tf.concat(
+            [tf.shape(decay), tf.ones([tf.rank(acc) - 1], tf.int32)], 0))
+        decayed = tf.maximum(acc * tf.cast(self._decay_rate, dtype),
+                             tf.cast(self._initial_accumulator_value, dtype))
+        acc = tf.where(mask, decayed, acc) + grad * grad
+        power = power + tf.cast(decay, tf.int64)
+        step = tf.cast(self._call_if_callable(self._learning_rate),
+                       dtype) * grad / tf.sqrt(acc)
+        if indices is None:
+            return tf.group(acc_slot.assign(acc), power_slot.assign(power),
+                            var.assign_sub(step))
+        return tf.group(
+            acc_slot.scatter_update(tf.IndexedSlices(acc, indices)),
+            power_slot.scatter_update(tf.IndexedSlices(power, indices)),
+            var.scatter_sub(tf.IndexedSlices(step, indices)))
+
+    def _resource_apply_dense(self, grad, var):
+        return self._update_rows(var, grad, None)
+
+    def _resource_apply_sparse(self, grad, var, indices):
+        # The base class has summed duplicate indices already.
+        return self._update_rows(var, grad, indices)
+
+    def _ev_apply(self, grad, ev, step):
+        raise NotImplementedError(
+            f"AdagradDecayOptimizer: EmbeddingVariable '{ev.name}' is not "
+            "supported yet (its per-key decay counter needs a storage op); "
+            "train EVs with AdagradOptimizer.")

@@ -1,6 +1,6 @@
-// Ops that create, read, export, import and evict EmbeddingVariable storage
-// (ev_storage.h). The fused pooled lookup is in ev_lookup_ops.cc, the
-// sparse optimizer updates in ev_apply_ops.cc.
+// Ops that create, export, import and evict EmbeddingVariable storage
+// (ev_storage.h). The lookups (EVGroupLookup, EVGroupGather) are in
+// ev_lookup_ops.cc, the sparse optimizer updates in ev_apply_ops.cc.
 
 #include "ev_storage.h"
 
@@ -69,113 +69,6 @@ class EVHandleOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("EVHandleOp").Device(DEVICE_CPU), EVHandleOp);
 
-
-// ---------------------------------------------------------------------------
-// Grouped gather: rows of K same-dim EVs, concatenated [sum n_i, D].
-// training=true inserts new keys and counts frequencies; false reads only.
-// ---------------------------------------------------------------------------
-REGISTER_OP("EVGroupGather")
-    .Input("handles: num_tables * resource")
-    .Input("keys: num_tables * int64")
-    .Input("default_values: num_tables * float")
-    .Input("training: bool")
-    .Output("rows: float")
-    .Attr("num_tables: int >= 1")
-    .Attr("embedding_dim: int >= 1")
-    .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
-      c->set_output(0, c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
-      return Status();
-    });
-
-class EVGroupGatherOp : public OpKernel {
- public:
-  explicit EVGroupGatherOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    OpInputList keys, defaults;
-    OP_REQUIRES_OK(ctx, ctx->input_list("keys", &keys));
-    OP_REQUIRES_OK(ctx, ctx->input_list("default_values", &defaults));
-    const int k = keys.size();
-    const bool training = ctx->input(3 * k).scalar<bool>()();
-    std::vector<RefCountPtr<EVStorage>> evs(k);
-    std::vector<int64_t> offset(k + 1, 0);
-    for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, GetEV(ctx, t, &evs[t]));
-      const std::string& name = evs[t]->config().name;
-      OP_REQUIRES(ctx, evs[t]->dim() == dim_,
-                  InvalidArgument(name, ": has dim ", evs[t]->dim(),
-                                  " but the group has dim ", dim_, "."));
-      OP_REQUIRES(ctx, defaults[t].dims() == 2 &&
-                           defaults[t].dim_size(1) == dim_ &&
-                           defaults[t].dim_size(0) > 0,
-                  InvalidArgument(name, ": default values must be [n > 0, ",
-                                  dim_, "], got ",
-                                  defaults[t].shape().DebugString()));
-      offset[t + 1] = offset[t] + keys[t].NumElements();
-    }
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({offset[k], dim_}), &out));
-    float* rows = out->flat<float>().data();
-    const int64_t dim = dim_;
-    auto work = [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        EVStorage* ev = evs[t].get();
-        const int64_t n = keys[t].NumElements();
-        const int64_t* key = keys[t].flat<int64_t>().data();
-        const float* dflt = defaults[t].flat<float>().data();
-        const int64_t drows = defaults[t].dim_size(0);
-        float* o = rows + offset[t] * dim;
-        const EVConfig& cfg = ev->config();
-        if (training) {
-          tensorflow::mutex_lock lock(*ev->mu());
-          // Count every occurrence first, so that all occurrences of a key
-          // in this batch see the same admission state.
-          std::vector<int64_t> row(n);
-          for (int64_t j = 0; j < n; ++j) {
-            row[j] = ev->FindOrInsert(key[j], dflt, drows);
-            ++*ev->Freq(row[j]);
-          }
-          for (int64_t j = 0; j < n; ++j) {
-            if (ev->Admitted(row[j])) {
-              std::memcpy(o + j * dim, ev->Value(row[j]),
-                          sizeof(float) * dim);
-            } else {
-              std::fill(o + j * dim, o + (j + 1) * dim, cfg.no_permission);
-            }
-          }
-        } else {
-          tensorflow::tf_shared_lock lock(*ev->mu());
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t r = ev->Find(key[j]);
-            if (r >= 0 && ev->Admitted(r)) {
-              std::memcpy(o + j * dim, ev->Value(r), sizeof(float) * dim);
-            } else if (cfg.filter_freq > 0) {
-              std::fill(o + j * dim, o + (j + 1) * dim, cfg.no_permission);
-            } else {
-              std::memcpy(o + j * dim, DefaultRowOf(key[j], dflt, drows, dim),
-                          sizeof(float) * dim);
-            }
-          }
-        }
-      }
-    };
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, k,
-                      (offset[k] / k + 1) * dim * 20, work);
-  }
-
- private:
-  int64_t dim_;
-};
-
-REGISTER_KERNEL_BUILDER(Name("EVGroupGather").Device(DEVICE_CPU),
-                        EVGroupGatherOp);
 
 // ---------------------------------------------------------------------------
 // Slots, size, export, import, eviction.
@@ -324,7 +217,14 @@ REGISTER_OP("EVImport")
     .Input("slots: float")
     .Input("step: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext*) { return Status(); });
+    .SetShapeFn([](InferenceContext* c) {
+      tensorflow::shape_inference::ShapeHandle unused;
+      for (int i : {1, 3, 4, 5, 6}) {  // keys, freqs, versions, names, inits
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
+      }
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &unused));  // values
+      return c->WithRank(c->input(8), 0, &unused);               // step
+    });
 
 class EVImportOp : public OpKernel {
  public:
@@ -343,6 +243,20 @@ class EVImportOp : public OpKernel {
     const int64_t n = keys.NumElements();
     const int64_t dim = ev->dim();
     const int64_t s = names.NumElements();
+    OP_REQUIRES(ctx, keys.dims() == 1 && freqs.dims() == 1 &&
+                         versions.dims() == 1 && names.dims() == 1 &&
+                         inits.dims() == 1,
+                InvalidArgument(var, ": checkpoint keys, freqs, versions, "
+                                "slot_names and slot_inits must be vectors, "
+                                "got ", keys.shape().DebugString(), ", ",
+                                freqs.shape().DebugString(), ", ",
+                                versions.shape().DebugString(), ", ",
+                                names.shape().DebugString(), ", ",
+                                inits.shape().DebugString(), "."));
+    OP_REQUIRES(ctx, ctx->input(8).dims() == 0,
+                InvalidArgument(var, ": checkpoint step must be a scalar, "
+                                "got shape ",
+                                ctx->input(8).shape().DebugString(), "."));
     OP_REQUIRES(ctx, values.dims() == 2 && values.dim_size(1) == dim,
                 InvalidArgument(var, ": checkpoint values have shape ",
                                 values.shape().DebugString(),
@@ -373,8 +287,7 @@ class EVImportOp : public OpKernel {
     const auto v = versions.flat<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = ev->FindOrInsert(k(i), val + i * dim, 1);
-      *ev->Freq(r) = static_cast<uint32_t>(
-          std::min<int64_t>(f(i), std::numeric_limits<uint32_t>::max()));
+      *ev->Freq(r) = std::max<int64_t>(f(i), 0);
       *ev->Version(r) = ClampStep(v(i));
       for (int64_t j = 0; j < s; ++j) {
         std::memcpy(ev->Slot(slot_index[j], r), sl + (i * s + j) * dim,
@@ -405,8 +318,8 @@ class EVEvictOp : public OpKernel {
     for (uint32_t r : ev->LiveRows()) {
       bool evict = false;
       if (cfg.steps_to_live > 0) {
-        evict = ev->current_step() - static_cast<int64_t>(*ev->Version(r)) >
-                cfg.steps_to_live;
+        // Both are steps in [0, 2^63): the difference cannot overflow.
+        evict = ev->current_step() - *ev->Version(r) > cfg.steps_to_live;
       } else if (cfg.l2_threshold >= 0.0f) {
         const float* v = ev->Value(r);
         double ss = 0.0;

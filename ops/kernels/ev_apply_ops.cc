@@ -7,6 +7,9 @@
 
 namespace group_embedding_ev {
 
+using ::group_embedding::CheckMatrix;
+using ::group_embedding::CheckScalar;
+using ::group_embedding::InputsWithRank;
 using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::PrefetchRow;
 
@@ -73,13 +76,16 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
   const Tensor& keys = ctx->input(keys_input);
   const Tensor& grad = ctx->input(keys_input + 1);
+  const std::string& var = ev->config().name;
+  OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(keys_input + 2),
+                                  "global_step"));
   const int64_t step = ctx->input(keys_input + 2).scalar<int64_t>()();
   const int64_t dim = ev->dim();
+  OP_REQUIRES(ctx, keys.dims() == 1,
+              InvalidArgument(var, ": keys must be a vector, got shape ",
+                              keys.shape().DebugString(), "."));
   const int64_t n = keys.NumElements();
-  const std::string& var = ev->config().name;
-  OP_REQUIRES(ctx, grad.NumElements() == n * dim,
-              InvalidArgument(var, ": gradient must be [", n, ", ", dim,
-                              "], got ", grad.shape().DebugString()));
+  OP_REQUIRES_OK(ctx, CheckMatrix(var + ": gradient", grad, n, dim));
   tensorflow::mutex_lock lock(*ev->mu());
   std::vector<int> idx;
   for (const auto& s : slots) {
@@ -141,7 +147,7 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   }
 
   // 3. Updates, one distinct row per key: no write conflicts.
-  const uint32_t version = ClampStep(step);
+  const int64_t version = ClampStep(step);
   const int64_t m = urows.size();
   auto work = [&](int64_t begin, int64_t end) {
     float* sp[4] = {nullptr, nullptr, nullptr, nullptr};
@@ -161,6 +167,25 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   tensorflow::Shard(pool->num_threads, pool->workers, m, dim * 30, work);
 }
 
+// Scalar hyperparameters of an update (inputs `first`, `first` + 1, ...).
+Status ReadScalars(OpKernelContext* ctx, int first,
+                   const std::vector<const char*>& names,
+                   std::vector<float>* out) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    const Tensor& t = ctx->input(first + i);
+    TF_RETURN_IF_ERROR(CheckScalar(t, names[i]));
+    out->push_back(t.scalar<float>()());
+  }
+  return Status();
+}
+
+// keys [n], grad [n, D], global_step and the hyperparameters scalars.
+Status ApplyShapes(InferenceContext* c) {
+  TF_RETURN_IF_ERROR(InputsWithRank(c, 1, 1, 1));
+  TF_RETURN_IF_ERROR(InputsWithRank(c, 2, 1, 2));
+  return InputsWithRank(c, 3, c->num_inputs() - 3, 0);
+}
+
 #define EV_APPLY_INPUTS          \
   Input("handle: resource")      \
       .Input("keys: int64")      \
@@ -169,13 +194,15 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
 
 REGISTER_OP("EVApplySGD")
     .EV_APPLY_INPUTS.Input("lr: float")
-    .SetShapeFn([](InferenceContext*) { return Status(); });
+    .SetShapeFn(ApplyShapes);
 
 class EVApplySGDOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
-    const float lr = ctx->input(4).scalar<float>()();
+    std::vector<float> h;
+    OP_REQUIRES_OK(ctx, ReadScalars(ctx, 4, {"lr"}, &h));
+    const float lr = h[0];
     ApplySparse(ctx, {}, 1,
                 [lr](float* v, const float* g, float**, int64_t dim) {
                   for (int64_t d = 0; d < dim; ++d) v[d] -= lr * g[d];
@@ -190,7 +217,7 @@ REGISTER_OP("EVApplyAdagrad")
     .EV_APPLY_INPUTS.Input("lr: float")
     .Input("epsilon: float")
     .Attr("slot_name: string")
-    .SetShapeFn([](InferenceContext*) { return Status(); });
+    .SetShapeFn(ApplyShapes);
 
 class EVApplyAdagradOp : public OpKernel {
  public:
@@ -200,8 +227,10 @@ class EVApplyAdagradOp : public OpKernel {
     slots_ = {s};
   }
   void Compute(OpKernelContext* ctx) override {
-    const float lr = ctx->input(4).scalar<float>()();
-    const float eps = ctx->input(5).scalar<float>()();
+    std::vector<float> h;
+    OP_REQUIRES_OK(ctx, ReadScalars(ctx, 4, {"lr", "epsilon"}, &h));
+    const float lr = h[0];
+    const float eps = h[1];
     ApplySparse(ctx, slots_, 1,
                 [lr, eps](float* v, const float* g, float** s, int64_t dim) {
                   float* a = s[0];
@@ -227,7 +256,7 @@ REGISTER_OP("EVApplyAdam")
     .Input("beta2: float")
     .Input("epsilon: float")
     .Attr("slot_names: list(string)")
-    .SetShapeFn([](InferenceContext*) { return Status(); });
+    .SetShapeFn(ApplyShapes);
 
 class EVApplyAdamOp : public OpKernel {
  public:
@@ -237,10 +266,14 @@ class EVApplyAdamOp : public OpKernel {
                 InvalidArgument("EVApplyAdam needs 2 slots (m, v)."));
   }
   void Compute(OpKernelContext* ctx) override {
-    const float alpha = ctx->input(4).scalar<float>()();
-    const float b1 = ctx->input(5).scalar<float>()();
-    const float b2 = ctx->input(6).scalar<float>()();
-    const float eps = ctx->input(7).scalar<float>()();
+    std::vector<float> h;
+    OP_REQUIRES_OK(ctx, ReadScalars(ctx, 4,
+                                    {"alpha", "beta1", "beta2", "epsilon"},
+                                    &h));
+    const float alpha = h[0];
+    const float b1 = h[1];
+    const float b2 = h[2];
+    const float eps = h[3];
     ApplySparse(ctx, slots_, 1,
                 [=](float* v, const float* g, float** s, int64_t dim) {
                   float* m = s[0];
@@ -268,7 +301,7 @@ REGISTER_OP("EVApplyFtrl")
     .Input("l2_shrinkage: float")
     .Input("lr_power: float")
     .Attr("slot_names: list(string)")
-    .SetShapeFn([](InferenceContext*) { return Status(); });
+    .SetShapeFn(ApplyShapes);
 
 class EVApplyFtrlOp : public OpKernel {
  public:
@@ -278,11 +311,16 @@ class EVApplyFtrlOp : public OpKernel {
                 InvalidArgument("EVApplyFtrl needs 2 slots."));
   }
   void Compute(OpKernelContext* ctx) override {
-    const float lr = ctx->input(4).scalar<float>()();
-    const float l1 = ctx->input(5).scalar<float>()();
-    const float l2 = ctx->input(6).scalar<float>()();
-    const float shrink = ctx->input(7).scalar<float>()();
-    const float power = ctx->input(8).scalar<float>()();
+    std::vector<float> h;
+    OP_REQUIRES_OK(ctx, ReadScalars(
+                            ctx, 4,
+                            {"lr", "l1", "l2", "l2_shrinkage", "lr_power"},
+                            &h));
+    const float lr = h[0];
+    const float l1 = h[1];
+    const float l2 = h[2];
+    const float shrink = h[3];
+    const float power = h[4];
     auto pw = [power](float x) {
       return power == -0.5f ? std::sqrt(x) : std::pow(x, -power);
     };

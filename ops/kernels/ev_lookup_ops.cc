@@ -13,13 +13,24 @@
 // Gradient (registered in fused_lookup.py): GroupEmbeddingVariableLookupGrad
 // with keys in the role of ids gives, per variable, the unique keys and
 // their summed gradients; EVGroupWeightGrad below gives the weights'.
+//
+// EVGroupGather (unpooled rows, for sequences, max_norm and the pure-TF
+// path) lives here too: it resolves keys exactly as EVGroupLookup does.
+//
+// Locking rule: the op takes every lock it needs BEFORE handing work to
+// the intra-op pool, and work items never lock. A work item that waited
+// on a variable's lock could deadlock with an op that holds that lock
+// while it waits for the same pool (EVApply*, EVGroupLookup).
 
 #include "ev_storage.h"
 #include "pooling.h"
 
 namespace group_embedding_ev {
 
+using ::group_embedding::CheckMatrix;
 using ::group_embedding::CheckRagged;
+using ::group_embedding::CheckScalar;
+using ::group_embedding::InputsWithRank;
 using ::group_embedding::Combiner;
 using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::ParseCombiners;
@@ -61,6 +72,29 @@ class EVGroupLocks {
   bool exclusive_;
 };
 
+// The `training` input: a scalar bool.
+Status ReadTraining(OpKernelContext* ctx, int input, bool* training) {
+  TF_RETURN_IF_ERROR(CheckScalar(ctx->input(input), "training"));
+  *training = ctx->input(input).scalar<bool>()();
+  return Status();
+}
+
+// Checks one variable of a group: its dim and its default values.
+Status CheckGroupMember(const EVStorage* ev, int64_t dim,
+                        const Tensor& defaults) {
+  const std::string& name = ev->config().name;
+  if (ev->dim() != dim) {
+    return InvalidArgument(name, ": has dim ", ev->dim(),
+                           " but the group has dim ", dim, ".");
+  }
+  if (defaults.dims() != 2 || defaults.dim_size(1) != dim ||
+      defaults.dim_size(0) == 0) {
+    return InvalidArgument(name, ": default values must be [n > 0, ", dim,
+                           "], got ", defaults.shape().DebugString());
+  }
+  return Status();
+}
+
 // The checked inputs shared by the lookup and its weight gradient.
 struct GroupInputs {
   std::vector<RefCountPtr<EVStorage>> refs;
@@ -81,17 +115,9 @@ Status ReadGroupInputs(OpKernelContext* ctx, int64_t dim, GroupInputs* in) {
     EVStorage* ev = in->refs[t].get();
     in->evs[t] = ev;
     const std::string& name = ev->config().name;
-    if (ev->dim() != dim) {
-      return InvalidArgument(name, ": has dim ", ev->dim(),
-                             " but the group has dim ", dim, ".");
-    }
-    const Tensor& d = in->defaults[t];
-    if (d.dims() != 2 || d.dim_size(1) != dim || d.dim_size(0) == 0) {
-      return InvalidArgument(name, ": default values must be [n > 0, ", dim,
-                             "], got ", d.shape().DebugString());
-    }
+    TF_RETURN_IF_ERROR(CheckGroupMember(ev, dim, in->defaults[t]));
     TF_RETURN_IF_ERROR(CheckRagged(name, in->keys[t], in->splits[t],
-                                   in->weights[t], -1));
+                                   in->weights[t], -1, "keys"));
   }
   return Status();
 }
@@ -122,7 +148,7 @@ void ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
     for (int64_t j = 0; j < n; ++j) {
       prefetch(j);
       const int64_t r = ev->FindOrInsert(key[j], dflt, drows);
-      ++*ev->Freq(r);
+      CountOccurrence(ev->Freq(r));
       if (filtered) {
         rows[j] = r;
       } else {
@@ -151,18 +177,21 @@ void ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
 // first key in `out`), in parallel over distinct variables and in table
 // order within each. `no_permission[t]` holds a row of table t's
 // CounterFilter constant.
-void ResolveGroup(OpKernelContext* ctx, const GroupInputs& in,
+// The caller holds the locks of `distinct` (EVGroupLocks): work items only
+// read or insert, each into its own variable.
+void ResolveGroup(OpKernelContext* ctx, const std::vector<EVStorage*>& evs,
+                  const OpInputList& keys, const OpInputList& defaults,
                   const std::vector<EVStorage*>& distinct, bool training,
                   const std::vector<int64_t>& offset,
                   const std::vector<std::vector<float>>& no_permission,
                   const float** out) {
-  const int k = in.evs.size();
+  const int k = evs.size();
   auto work = [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) {
       for (int t = 0; t < k; ++t) {
-        if (in.evs[t] != distinct[e]) continue;
-        ResolveKeys(in.evs[t], in.keys[t].flat<int64_t>().data(),
-                    in.keys[t].NumElements(), in.defaults[t], training,
+        if (evs[t] != distinct[e]) continue;
+        ResolveKeys(evs[t], keys[t].flat<int64_t>().data(),
+                    keys[t].NumElements(), defaults[t], training,
                     no_permission[t].data(), out + offset[t]);
       }
     }
@@ -178,6 +207,9 @@ Status PooledShapes(InferenceContext* c) {
   int64_t dim;
   TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
   TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+  TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // keys, splits, w
+  TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, n, 2));  // default values
+  TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, 1, 0));  // training
   for (int i = 0; i < n; ++i) {
     auto rows = c->Dim(c->input(2 * n + i), 0);
     tensorflow::shape_inference::DimensionHandle b;
@@ -216,7 +248,8 @@ class EVGroupLookupOp : public OpKernel {
     const int k = in.keys.size();
     OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries."));
-    const bool training = ctx->input(5 * k).scalar<bool>()();
+    bool training = false;
+    OP_REQUIRES_OK(ctx, ReadTraining(ctx, 5 * k, &training));
     const int64_t dim = dim_;
 
     std::vector<int64_t> offset(k + 1, 0), first_row(k + 1, 0);
@@ -238,8 +271,8 @@ class EVGroupLookupOp : public OpKernel {
 
     EVGroupLocks locks(in.evs, training);
     std::vector<const float*> rows(offset[k]);
-    ResolveGroup(ctx, in, locks.distinct(), training, offset, no_permission,
-                 rows.data());
+    ResolveGroup(ctx, in.evs, in.keys, in.defaults, locks.distinct(),
+                 training, offset, no_permission, rows.data());
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
 
@@ -312,6 +345,8 @@ REGISTER_OP("EVGroupWeightGrad")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // keys, splits, w
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, 3 * n, 2));
       for (int i = 0; i < n; ++i) c->set_output(i, c->input(3 * n + i));
       return Status();
     });
@@ -335,6 +370,15 @@ class EVGroupWeightGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
     const int k = in.keys.size();
     const int64_t dim = dim_;
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
+    for (int t = 0; t < k; ++t) {
+      const std::string& name = in.evs[t]->config().name;
+      const int64_t batch = in.splits[t].NumElements() - 1;
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], batch, dim));
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
+                                      dim));
+    }
     for (int t = 0; t < k; ++t) {
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, in.weights[t].shape(), &o));
@@ -370,5 +414,87 @@ class EVGroupWeightGradOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("EVGroupWeightGrad").Device(DEVICE_CPU),
                         EVGroupWeightGradOp);
+
+// ---------------------------------------------------------------------------
+// Grouped gather: rows of K same-dim EVs, concatenated [sum n_i, D].
+// training=true inserts new keys and counts frequencies; false reads only.
+// Rows are those EVGroupLookup pools (same ResolveKeys).
+// ---------------------------------------------------------------------------
+REGISTER_OP("EVGroupGather")
+    .Input("handles: num_tables * resource")
+    .Input("keys: num_tables * int64")
+    .Input("default_values: num_tables * float")
+    .Input("training: bool")
+    .Output("rows: float")
+    .Attr("num_tables: int >= 1")
+    .Attr("embedding_dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 1));      // keys
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, n, 2));  // defaults
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 3 * n, 1, 0));  // training
+      c->set_output(0, c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
+      return Status();
+    });
+
+class EVGroupGatherOp : public OpKernel {
+ public:
+  explicit EVGroupGatherOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList keys, defaults;
+    OP_REQUIRES_OK(ctx, ctx->input_list("keys", &keys));
+    OP_REQUIRES_OK(ctx, ctx->input_list("default_values", &defaults));
+    const int k = keys.size();
+    bool training = false;
+    OP_REQUIRES_OK(ctx, ReadTraining(ctx, 3 * k, &training));
+    const int64_t dim = dim_;
+    std::vector<RefCountPtr<EVStorage>> refs(k);
+    std::vector<EVStorage*> evs(k);
+    std::vector<int64_t> offset(k + 1, 0);
+    std::vector<std::vector<float>> no_permission(k);
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, GetEV(ctx, t, &refs[t]));
+      evs[t] = refs[t].get();
+      OP_REQUIRES_OK(ctx, CheckGroupMember(evs[t], dim, defaults[t]));
+      OP_REQUIRES(ctx, keys[t].dims() == 1,
+                  InvalidArgument(evs[t]->config().name,
+                                  ": keys must be a vector, got shape ",
+                                  keys[t].shape().DebugString(), "."));
+      offset[t + 1] = offset[t] + keys[t].NumElements();
+      no_permission[t].assign(dim, evs[t]->config().no_permission);
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({offset[k], dim}), &out));
+    float* dst = out->flat<float>().data();
+
+    EVGroupLocks locks(evs, training);
+    std::vector<const float*> rows(offset[k]);
+    ResolveGroup(ctx, evs, keys, defaults, locks.distinct(), training,
+                 offset, no_permission, rows.data());
+    // Copy while the locks still pin the rows (no lock in the work items).
+    auto copy = [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        std::memcpy(dst + j * dim, rows[j], sizeof(float) * dim);
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, offset[k], dim * 2,
+                      copy);
+  }
+
+ private:
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVGroupGather").Device(DEVICE_CPU),
+                        EVGroupGatherOp);
 
 }  // namespace group_embedding_ev

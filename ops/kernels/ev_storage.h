@@ -12,9 +12,10 @@
 //
 // Layout (per live key, D = embedding dim, S = slots):
 //   hash map   uint32 row index per bucket, load factor in (0.4, 0.8]
-//   rows       key int64, freq uint32, version uint32 (steps saturate at
-//              2^32 - 1, to keep the overhead per key small), value float[D],
-//              S parallel float[D] slot arenas
+//   rows       key int64, freq int64 (saturating), version int64 (the
+//              step of the last update, as wide as the global step, so
+//              that steps past 2^32 or timestamps still order), value
+//              float[D], S parallel float[D] slot arenas
 // Rows live in fixed-size chunks, so growth never moves a row; evicted
 // rows go to a free list and are reused by the next insert.
 
@@ -119,9 +120,13 @@ inline const float* DefaultRowOf(int64_t key, const float* defaults,
   return defaults + m * dim;
 }
 
-inline uint32_t ClampStep(int64_t step) {
-  return static_cast<uint32_t>(std::min<int64_t>(
-      std::max<int64_t>(step, 0), std::numeric_limits<uint32_t>::max()));
+// Versions are steps; a negative step (none given) counts as 0.
+inline int64_t ClampStep(int64_t step) { return std::max<int64_t>(step, 0); }
+
+// One more occurrence, saturating instead of wrapping: a hot key must
+// never fall back below the CounterFilter's threshold.
+inline void CountOccurrence(int64_t* freq) {
+  if (*freq < std::numeric_limits<int64_t>::max()) ++*freq;
 }
 
 // Key, occurrence count and last-update step of a row, side by side: a
@@ -129,8 +134,8 @@ inline uint32_t ClampStep(int64_t step) {
 // one cache line for them instead of three.
 struct KeyMeta {
   int64_t key;
-  uint32_t freq;
-  uint32_t version;
+  int64_t freq;
+  int64_t version;
 };
 
 struct EVConfig {
@@ -239,13 +244,12 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   bool Admitted(int64_t row) const {
-    return meta_.Row(row)->freq >=
-           static_cast<uint64_t>(config_.filter_freq);
+    return meta_.Row(row)->freq >= config_.filter_freq;
   }
 
   int64_t Key(int64_t r) const { return meta_.Row(r)->key; }
-  uint32_t* Freq(int64_t r) { return &meta_.Row(r)->freq; }
-  uint32_t* Version(int64_t r) { return &meta_.Row(r)->version; }
+  int64_t* Freq(int64_t r) { return &meta_.Row(r)->freq; }
+  int64_t* Version(int64_t r) { return &meta_.Row(r)->version; }
   const void* Meta(int64_t r) const { return meta_.Row(r); }
   float* Value(int64_t r) { return values_.Row(r); }
   float* Slot(int s, int64_t r) { return slots_[s].Row(r); }

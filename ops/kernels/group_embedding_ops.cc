@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -72,12 +73,14 @@ REGISTER_OP("GroupEmbeddingVariableLookup")
     .Attr("num_tables: int >= 1")
     .Attr("combiners: list(string)")
     .Attr("table_names: list(string)")
-    .Attr("embedding_dim: int >= 1")
+    // 0 is allowed: a [vocab, 0] table pools to [B, 0], as stock does.
+    .Attr("embedding_dim: int >= 0")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
       TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
       for (int i = 0; i < n; ++i) {
         auto splits = c->input(2 * n + i);
         auto rows = c->Dim(splits, 0);
@@ -253,12 +256,14 @@ REGISTER_OP("GroupEmbeddingVariableLookupGrad")
     .Output("id_grads: num_tables * float")
     .Attr("num_tables: int >= 1")
     .Attr("combiners: list(string)")
-    .Attr("embedding_dim: int >= 1")
+    .Attr("embedding_dim: int >= 0")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
       TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
       for (int i = 0; i < n; ++i) {
         c->set_output(i, c->Vector(c->UnknownDim()));
         c->set_output(n + i,
@@ -284,6 +289,16 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
     OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
     const int k = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries, got ",
+                                combiners_.size(), "."));
+    for (int t = 0; t < k; ++t) {
+      const std::string name = absl::StrCat("table ", t);
+      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
+                                      /*vocab=*/-1));
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t],
+                                      splits[t].NumElements() - 1, dim_));
+    }
     OpOutputList uniq_out, grad_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
@@ -332,7 +347,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, k,
-                      (total / k + 1) * dim * 8, work);
+                      (total / k + 1) * (dim + 1) * 8, work);
     for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
   }
 
@@ -365,6 +380,8 @@ REGISTER_OP("GroupEmbeddingWeightGrad")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, 2 * n, 2));
       for (int i = 0; i < n; ++i) c->set_output(i, c->input(3 * n + i));
       return Status();
     });
@@ -388,15 +405,34 @@ class GroupEmbeddingWeightGradOp : public OpKernel {
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
     const int k = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries, got ",
+                                combiners_.size(), "."));
     for (int t = 0; t < k; ++t) {
+      const std::string name = absl::StrCat("table ", t);
       Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
+                                      /*vocab=*/-1));
       OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
       if (weights[t].NumElements() == 0) continue;
       RefCountPtr<Var> var;
       OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t), &var));
       tensorflow::tf_shared_lock lock(*var->mu());
       const Tensor* table = var->tensor();
+      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                           table->dims() == 2,
+                  InvalidArgument(name, ": expected a float32 [vocab, dim] "
+                                  "table, got ",
+                                  table->shape().DebugString()));
       const int64_t dim = table->dim_size(1);
+      const int64_t batch = splits[t].NumElements() - 1;
+      // Ids index the table: range-check them under the lock.
+      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
+                                      table->dim_size(0)));
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], batch,
+                                      dim));
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
+                                      dim));
       const float* e = table->flat<float>().data();
       const int64_t* v = ids[t].flat<int64_t>().data();
       const int64_t* s = splits[t].flat<int64_t>().data();
@@ -434,6 +470,8 @@ REGISTER_OP("GroupSparseToRagged")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_features", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));   // indices
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // ids, shapes, w
       for (int i = 0; i < n; ++i) {
         c->set_output(i, c->input(n + i));
         c->set_output(n + i, c->Vector(c->UnknownDim()));
@@ -442,6 +480,11 @@ REGISTER_OP("GroupSparseToRagged")
       }
       return Status();
     });
+
+// Largest batch (dense_shape[0]) accepted: the lookups return [batch, D]
+// tensors and row_splits of batch + 1 entries, so a larger one can never
+// be allocated; rejecting it also keeps batch + 1 from overflowing.
+constexpr int64_t kMaxBatch = int64_t{1} << 48;
 
 class GroupSparseToRaggedOp : public OpKernel {
  public:
@@ -462,22 +505,43 @@ class GroupSparseToRaggedOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->output_list("row_splits", &splits_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("row_weights", &w_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_positions", &pos_out));
+    OP_REQUIRES(ctx, static_cast<int>(names_.size()) == ids.size(),
+                InvalidArgument("feature_names must have ", ids.size(),
+                                " entries, got ", names_.size(), "."));
     for (int f = 0; f < ids.size(); ++f) {
       const std::string& name = names_[f];
       const Tensor& ind = indices[f];
-      OP_REQUIRES(ctx, shapes[f].NumElements() == 2,
+      OP_REQUIRES(ctx, shapes[f].dims() == 1 && shapes[f].NumElements() == 2,
                   InvalidArgument(name, ": SparseTensor ids must have rank "
-                                  "2 ([batch, ids per row]), got rank ",
-                                  shapes[f].NumElements(), "."));
+                                  "2 ([batch, ids per row]), got dense_shape "
+                                  "of shape ",
+                                  shapes[f].shape().DebugString(), "."));
+      OP_REQUIRES(ctx, ids[f].dims() == 1,
+                  InvalidArgument(name, ": values must be a vector, got "
+                                  "shape ", ids[f].shape().DebugString(),
+                                  "."));
       const int64_t nnz = ids[f].NumElements();
-      OP_REQUIRES(ctx, ind.dims() == 2 && ind.dim_size(0) == nnz,
-                  InvalidArgument(name, ": indices/values size mismatch."));
+      // Columns are read as in(j, 0) and in(j, 1): indices must be exactly
+      // [nnz, 2], whatever shape inference could tell.
+      OP_REQUIRES(ctx, ind.dims() == 2 && ind.dim_size(0) == nnz &&
+                           ind.dim_size(1) == 2,
+                  InvalidArgument(name, ": indices must have shape [", nnz,
+                                  ", 2] (one [row, column] per value), got ",
+                                  ind.shape().DebugString(), "."));
+      OP_REQUIRES(ctx, weights[f].dims() == 1,
+                  InvalidArgument(name, ": weights must be a vector, got "
+                                  "shape ", weights[f].shape().DebugString(),
+                                  "."));
       const bool weighted = weights[f].NumElements() != 0;
       OP_REQUIRES(ctx, !weighted || weights[f].NumElements() == nnz,
                   InvalidArgument(name, ": weights have ",
                                   weights[f].NumElements(),
                                   " values but ids have ", nnz, "."));
       const int64_t batch = shapes[f].flat<int64_t>()(0);
+      OP_REQUIRES(ctx, batch >= 0 && batch <= kMaxBatch,
+                  InvalidArgument(name, ": dense_shape[0] (the batch size) "
+                                  "must lie in [0, ", kMaxBatch, "], got ",
+                                  batch, "."));
       const auto in = ind.matrix<int64_t>();
       Tensor* splits_t = nullptr;
       OP_REQUIRES_OK(ctx, splits_out.allocate(f, TensorShape({batch + 1}),
@@ -542,7 +606,11 @@ REGISTER_OP("GroupSparseApplyAdagrad")
     .Input("epsilon: float")
     .Input("indices: int64")
     .Input("grad: float")
-    .SetShapeFn([](InferenceContext*) { return Status(); });
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 2, 2, 0));  // lr, epsilon
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 4, 1, 1));  // indices
+      return InputsWithRank(c, 5, 1, 2);               // grad
+    });
 
 // Gives `var` a buffer of its own before an in-place write, so that
 // tensors handed out by earlier reads keep their values (copy on write).
@@ -565,32 +633,39 @@ class GroupSparseApplyAdagradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
     OP_REQUIRES_OK(ctx,
                    LookupResource(ctx, HandleFromInput(ctx, 1), &accum));
+    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(2), "lr"));
+    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(3), "epsilon"));
     const float lr = ctx->input(2).scalar<float>()();
     const float eps = ctx->input(3).scalar<float>()();
     const Tensor& indices = ctx->input(4);
     const Tensor& grad = ctx->input(5);
+    OP_REQUIRES(ctx, indices.dims() == 1,
+                InvalidArgument("indices must be a vector, got shape ",
+                                indices.shape().DebugString(), "."));
     // Exclusive locks in address order (TF's own convention).
     tensorflow::mutex* m1 = var->mu();
     tensorflow::mutex* m2 = accum->mu();
     if (m2 < m1) std::swap(m1, m2);
     tensorflow::mutex_lock l1(*m1);
     tensorflow::mutex_lock l2(*m2);
+    // Checked before the copy-on-write: an uninitialised variable has no
+    // buffer to copy.
+    OP_REQUIRES(ctx, var->tensor()->dims() == 2 &&
+                         accum->tensor()->shape() == var->tensor()->shape() &&
+                         var->tensor()->dtype() == tensorflow::DT_FLOAT &&
+                         accum->tensor()->dtype() == tensorflow::DT_FLOAT,
+                InvalidArgument("var and accum must be float32 [rows, dim] "
+                                "of one shape, got ",
+                                var->tensor()->shape().DebugString(), " and ",
+                                accum->tensor()->shape().DebugString()));
     OP_REQUIRES_OK(ctx, PrepareInPlaceWrite(ctx, var.get()));
     OP_REQUIRES_OK(ctx, PrepareInPlaceWrite(ctx, accum.get()));
     Tensor* vt = var->tensor();
     Tensor* at = accum->tensor();
-    OP_REQUIRES(ctx, vt->dims() == 2 && at->shape() == vt->shape() &&
-                         vt->dtype() == tensorflow::DT_FLOAT,
-                InvalidArgument("var and accum must be float32 [rows, dim] "
-                                "of one shape, got ",
-                                vt->shape().DebugString(), " and ",
-                                at->shape().DebugString()));
     const int64_t rows = vt->dim_size(0);
     const int64_t dim = vt->dim_size(1);
     const int64_t n = indices.NumElements();
-    OP_REQUIRES(ctx, grad.NumElements() == n * dim,
-                InvalidArgument("grad must be [", n, ", ", dim, "], got ",
-                                grad.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, CheckMatrix("grad", grad, n, dim));
     const int64_t* idx = indices.flat<int64_t>().data();
     const float* g = grad.flat<float>().data();
     for (int64_t j = 0; j < n; ++j) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
 
 namespace group_embedding {
 
@@ -69,11 +70,22 @@ constexpr int64_t kPrefetchDistance = 8;
 // Checks that ids/row_splits/weights of table `t` describe a ragged batch
 // and that every id addresses a row of a table with `vocab` rows (any id
 // when `vocab` < 0, as for EmbeddingVariable keys).
+// `ids_arg` is how errors call the ids ("keys" for EmbeddingVariables).
 inline Status CheckRagged(const std::string& name, const Tensor& ids,
                           const Tensor& splits,
-                          const Tensor& weights, int64_t vocab) {
+                          const Tensor& weights, int64_t vocab,
+                          const char* ids_arg = "ids") {
+  if (ids.dims() != 1) {
+    return InvalidArgument(name, ": ", ids_arg, " must be a vector, got shape ",
+                           ids.shape().DebugString(), ".");
+  }
+  if (weights.dims() != 1) {
+    return InvalidArgument(name, ": weights must be a vector, got shape ",
+                           weights.shape().DebugString(), ".");
+  }
   if (splits.dims() != 1 || splits.NumElements() < 1) {
-    return InvalidArgument(name, ": row_splits must be a non-empty vector.");
+    return InvalidArgument(name, ": row_splits must be a non-empty vector, "
+                           "got shape ", splits.shape().DebugString(), ".");
   }
   const auto s = splits.flat<int64_t>();
   const int64_t nnz = ids.NumElements();
@@ -100,6 +112,36 @@ inline Status CheckRagged(const std::string& name, const Tensor& ids,
                                ") for this table.");
       }
     }
+  }
+  return Status();
+}
+
+// Shape functions: inputs [first, first + n) must all have rank `rank`
+// (known ranks are checked at graph construction, before any kernel runs).
+inline Status InputsWithRank(::tensorflow::shape_inference::InferenceContext* c,
+                             int first, int n, int rank) {
+  ::tensorflow::shape_inference::ShapeHandle unused;
+  for (int i = first; i < first + n; ++i) {
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), rank, &unused));
+  }
+  return Status();
+}
+
+// Checks that `t` is a scalar (rank 0); `what` names it. (rank 0); `what` names it.
+inline Status CheckScalar(const Tensor& t, const char* what) {
+  if (t.dims() != 0) {
+    return InvalidArgument(what, " must be a scalar, got shape ",
+                           t.shape().DebugString(), ".");
+  }
+  return Status();
+}
+
+// Checks that `t` is a [rows, dim] matrix; `what` names it.
+inline Status CheckMatrix(const std::string& what, const Tensor& t,
+                          int64_t rows, int64_t dim) {
+  if (t.dims() != 2 || t.dim_size(0) != rows || t.dim_size(1) != dim) {
+    return InvalidArgument(what, " must have shape [", rows, ", ", dim,
+                           "], got ", t.shape().DebugString(), ".");
   }
   return Status();
 }

@@ -1,0 +1,282 @@
+"""Stock-style embedding reads that also accept an `EmbeddingVariable`.
+
+DeepRec scripts read an EmbeddingVariable (EV) with the stock functions:
+`tf.nn.embedding_lookup(ev, ids)`, `tf.nn.embedding_lookup_sparse`,
+`tf.nn.safe_embedding_lookup_sparse` and `tf.gather(ev, ids)`. Stock TF
+cannot convert an EV to a tensor, so this module provides the same four
+functions (`ge.embedding_lookup`, ...): given an EV (or a one-element list
+holding one, which is what DeepRec's partitioned EV becomes here, see
+`ge.get_embedding_variable(partitioner=...)`) they run the grouped lookup
+with that one table; given anything else they are the stock TF1 function,
+unchanged. `import group_embedding.compat` routes the stock names through
+them.
+
+EV reads are training reads: keys seen for the first time are inserted and
+counted, as in DeepRec. Gradients reach the EV as `tf.IndexedSlices` keyed
+by key, which `ge.train.*` (TF1 graphs) and `ge.optimizers.*` (eager)
+apply.
+"""
+
+from typing import Optional
+
+import tensorflow as tf
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import embedding_ops
+
+from group_embedding import lookup
+from group_embedding.embedding_variable.variable import EmbeddingVariable
+
+
+def as_embedding_variable(params, argument: str = "params"
+                          ) -> Optional[EmbeddingVariable]:
+    """The `EmbeddingVariable` that `params` names, or None.
+
+    Args:
+        params: an EV, a list/tuple holding exactly one EV, or anything else.
+        argument: how the caller names `params` in messages.
+
+    Returns:
+        The EV, or None when `params` holds no EV (stock input).
+
+    Raises:
+        ValueError: a list of several EVs (one EV is one hash table here;
+            there are no EV partitions to combine).
+        TypeError: a list mixing EVs with other tables.
+    """
+    if isinstance(params, EmbeddingVariable):
+        return params
+    if not isinstance(params, (list, tuple)):
+        return None
+    evs = [p for p in params if isinstance(p, EmbeddingVariable)]
+    if not evs:
+        return None
+    if len(evs) != len(params):
+        raise TypeError(f"`{argument}` mixes EmbeddingVariables with other "
+                        "tables; pass one EmbeddingVariable.")
+    if len(evs) > 1:
+        raise ValueError(
+            f"`{argument}` holds {len(evs)} EmbeddingVariables "
+            f"({', '.join(e.name for e in evs)}); an EmbeddingVariable is "
+            "one hash table here and is not partitioned, pass one.")
+    return evs[0]
+
+
+def _one_id_rows(flat_ids):
+    # One id per row, pooled with "sum": the pooled lookup then returns
+    # each id's row, and `max_norm` is honoured by the same kernel.
+    n = tf.size(flat_ids, out_type=tf.int64)
+    return tf.RaggedTensor.from_row_splits(flat_ids, tf.range(n + 1),
+                                           validate=False)
+
+
+def _rows(ev: EmbeddingVariable, ids, max_norm, partition_strategy,
+          argument: str) -> tf.Tensor:
+    """Rows of `ev` for dense `ids` of shape S: returns `S + [D]`."""
+    ids = tf.convert_to_tensor(ids)
+    ev.check_keys(ids, argument)
+    (flat,) = lookup.group_embedding_lookup_sparse(
+        [ev], [_one_id_rows(tf.reshape(ids, [-1]))], "sum",
+        partition_strategy=partition_strategy, max_norm=max_norm)
+    out = tf.reshape(flat, tf.concat([tf.shape(ids), [ev.embedding_dim]], 0))
+    out.set_shape(ids.shape.concatenate([ev.embedding_dim]))
+    return out
+
+
+def embedding_lookup(params, ids, partition_strategy="mod", name=None,
+                     validate_indices=True, max_norm=None):
+    """`tf.compat.v1.nn.embedding_lookup` that also reads an EV.
+
+    Args:
+        params: an `EmbeddingVariable` (or a one-element list of one), or
+            whatever stock accepts (tensor, variable, list of shards,
+            `PartitionedVariable`).
+        ids: integer tensor of any shape S. For an EV: keys (any value of
+            its key dtype); new keys are inserted.
+        partition_strategy: "mod" (default) or "div"; for an EV only
+            validated.
+        name: optional name scope.
+        validate_indices: unused, as in stock.
+        max_norm: if set, rows whose L2 norm exceeds it are rescaled to it.
+
+    Returns:
+        `S + [D]` tensor.
+
+    Raises:
+        TypeError: non-integer keys, or int64 keys for an int32 EV.
+        ValueError / TypeError: see `as_embedding_variable`.
+    """
+    ev = as_embedding_variable(params)
+    if ev is None:
+        return embedding_ops.embedding_lookup(
+            params, ids, partition_strategy=partition_strategy, name=name,
+            validate_indices=validate_indices, max_norm=max_norm)
+    del validate_indices  # unused by stock too
+    with tf.name_scope(name or "embedding_lookup"):
+        return _rows(ev, ids, max_norm, partition_strategy, "ids")
+
+
+def gather(params, indices, validate_indices=None, axis=None, batch_dims=0,
+           name=None):
+    """`tf.gather` that also reads an EV (rows of `indices`' keys).
+
+    Args:
+        params: an `EmbeddingVariable`, or whatever stock `tf.gather`
+            accepts.
+        indices: integer tensor of any shape S (keys, for an EV).
+        validate_indices: deprecated and unused, as in stock.
+        axis: for an EV, None or 0 (its rows).
+        batch_dims: for an EV, 0.
+        name: optional name scope.
+
+    Returns:
+        `S + [D]` for an EV; the stock result otherwise.
+
+    Raises:
+        ValueError: an EV with `axis` other than 0 or `batch_dims` != 0.
+    """
+    if not isinstance(params, EmbeddingVariable):
+        return array_ops.gather_v2(params, indices, validate_indices, axis,
+                                   batch_dims, name)
+    if axis not in (None, 0) or batch_dims != 0:
+        raise ValueError(
+            f"gather from EmbeddingVariable '{params.name}': only axis=0 "
+            f"and batch_dims=0 are supported (got axis={axis!r}, "
+            f"batch_dims={batch_dims!r}); an EV is indexed by key only.")
+    with tf.name_scope(name or "gather"):
+        return _rows(params, indices, None, "mod", "indices")
+
+
+def embedding_lookup_sparse(params, sp_ids, sp_weights,
+                            partition_strategy="mod", name=None,
+                            combiner=None, max_norm=None,
+                            allow_fast_lookup=False):
+    """`tf.compat.v1.nn.embedding_lookup_sparse` that also reads an EV.
+
+    For an EV the result equals stock on a `tf.Variable` holding the EV's
+    rows at the row numbers of their keys, forward and backward: `[N, D]`
+    with N = 1 + the largest row index present in `sp_ids` (stock drops
+    trailing empty rows; empty rows before it are zeros).
+
+    Args:
+        params: an `EmbeddingVariable` (or a one-element list of one), or
+            whatever stock accepts.
+        sp_ids: `[B, T]` `tf.SparseTensor` of ids (keys for an EV), or for
+            an EV also a `tf.RaggedTensor [B, None]` (then N = B).
+        sp_weights: None, or float weights of the same kind and layout.
+        partition_strategy: "mod" (default) or "div"; for an EV only
+            validated.
+        name: optional name scope.
+        combiner: "sum", "mean" (default when None) or "sqrtn".
+        max_norm: if set, rows are clipped to this L2 norm before pooling.
+        allow_fast_lookup: stock speed switch; no effect for an EV.
+
+    Returns:
+        `[N, D]` tensor.
+
+    Raises:
+        TypeError: `sp_ids` is neither Sparse nor Ragged, or keys are not
+            integers.
+        ValueError: unknown combiner.
+    """
+    ev = as_embedding_variable(params)
+    if ev is None:
+        return embedding_ops.embedding_lookup_sparse(
+            params, sp_ids, sp_weights, partition_strategy=partition_strategy,
+            name=name, combiner=combiner, max_norm=max_norm,
+            allow_fast_lookup=allow_fast_lookup)
+    del allow_fast_lookup  # a speed switch of the stock path
+    combiner = "mean" if combiner is None else combiner
+    if not isinstance(sp_ids, (tf.SparseTensor, tf.RaggedTensor)):
+        raise TypeError(f"embedding_lookup_sparse on EmbeddingVariable "
+                        f"'{ev.name}': `sp_ids` must be a SparseTensor or "
+                        f"RaggedTensor, got {type(sp_ids).__name__}.")
+    with tf.name_scope(name or "embedding_lookup_sparse"):
+        (out,) = lookup.group_embedding_lookup_sparse(
+            [ev], [sp_ids], [combiner], [sp_weights],
+            partition_strategy=partition_strategy, max_norm=max_norm)
+        if isinstance(sp_ids, tf.SparseTensor):
+            # Stock segments by row index: rows after the last one present
+            # are not in its output.
+            n = tf.cond(tf.size(sp_ids.values) > 0,
+                        lambda: tf.reduce_max(sp_ids.indices[:, 0]) + 1,
+                        lambda: tf.constant(0, tf.int64))
+            out = out[:n]
+        return out
+
+
+def safe_embedding_lookup_sparse(embedding_weights, sparse_ids,
+                                 sparse_weights=None, combiner="mean",
+                                 default_id=None, name=None,
+                                 partition_strategy="div", max_norm=None,
+                                 allow_fast_lookup=False):
+    """`tf.compat.v1.nn.safe_embedding_lookup_sparse` that also reads an EV.
+
+    For an EV, as stock: ids < 0 are dropped (and, unless `combiner` is
+    "sum", ids with weight <= 0); ids of rank R > 2 are pooled along their
+    last dimension; an empty row gives zeros, or the row of `default_id`.
+
+    Note: stock (and DeepRec) fill empty rows with id 0 and then zero them;
+    on an EV that would insert key 0, so empty rows are left empty instead
+    (same output, no spurious key).
+
+    Args:
+        embedding_weights: an `EmbeddingVariable` (or a one-element list of
+            one), or whatever stock accepts.
+        sparse_ids: `tf.SparseTensor [d_0, ..., d_n]` of ids.
+        sparse_weights: None or a `tf.SparseTensor` like `sparse_ids`.
+        combiner: "mean" (default), "sum" or "sqrtn".
+        default_id: id (key) read by empty rows; None gives zeros.
+        name: optional name scope.
+        partition_strategy: "div" (default) or "mod"; for an EV only
+            validated.
+        max_norm: if set, rows are clipped to this L2 norm before pooling.
+        allow_fast_lookup: stock speed switch; no effect for an EV.
+
+    Returns:
+        `[d_0, ..., d_{n-1}, D]` tensor.
+
+    Raises:
+        TypeError: `sparse_ids` is not a SparseTensor.
+        ValueError: unknown combiner.
+    """
+    ev = as_embedding_variable(embedding_weights, "embedding_weights")
+    if ev is None:
+        return embedding_ops.safe_embedding_lookup_sparse(
+            embedding_weights, sparse_ids, sparse_weights=sparse_weights,
+            combiner=combiner, default_id=default_id, name=name,
+            partition_strategy=partition_strategy, max_norm=max_norm,
+            allow_fast_lookup=allow_fast_lookup)
+    del allow_fast_lookup
+    if not isinstance(sparse_ids, tf.SparseTensor):
+        raise TypeError(f"safe_embedding_lookup_sparse on EmbeddingVariable "
+                        f"'{ev.name}': `sparse_ids` must be a SparseTensor, "
+                        f"got {type(sparse_ids).__name__}.")
+    with tf.name_scope(name or "safe_embedding_lookup_sparse"):
+        shape = tf.cast(sparse_ids.dense_shape, tf.int64)
+        flat_shape = tf.stack([tf.reduce_prod(shape[:-1]), shape[-1]])
+        ids = tf.sparse.reshape(sparse_ids, flat_shape)
+        weights = None
+        if sparse_weights is not None:
+            weights = tf.SparseTensor(ids.indices, sparse_weights.values,
+                                      ids.dense_shape)
+        keep = ids.values >= 0
+        if weights is not None and combiner != "sum":
+            keep = tf.logical_and(keep, weights.values > 0)
+        ids = tf.sparse.retain(ids, keep)
+        if weights is not None:
+            weights = tf.sparse.retain(weights, keep)
+        if default_id is not None:
+            ids, _ = tf.sparse.fill_empty_rows(
+                ids, tf.cast(default_id, ids.dtype))
+            if weights is not None:
+                weights, _ = tf.sparse.fill_empty_rows(
+                    weights, tf.cast(1.0, weights.dtype))
+        (out,) = lookup.group_embedding_lookup_sparse(
+            [ev], [ids], [combiner], [weights],
+            partition_strategy=partition_strategy, max_norm=max_norm)
+        out = tf.reshape(out, tf.concat(
+            [tf.cast(shape[:-1], tf.int32), [ev.embedding_dim]], 0))
+        rank = sparse_ids.dense_shape.shape[0]
+        if rank is not None:
+            out.set_shape([None] * (rank - 1) + [ev.embedding_dim])
+        return out

@@ -1,0 +1,955 @@
+// CPU kernels of the collective (model-parallel) lookup; the Python side is
+// ops/collective_routing.py and group_embedding/distributed/
+// collective_lookup.py.
+//
+// One step of a group of sharded tables, per worker:
+//   CollectiveRouteIds     dedups the ids of every table in one pass and
+//                          buckets the unique ids by owner worker into ONE
+//                          int64 send buffer (per owner: K counts, then the
+//                          local rows, table by table). It also returns, per
+//                          id, where its row will sit in the rows buffer that
+//                          comes back, so that neither the forward pooling
+//                          nor the backward dedups again.
+//   (alltoall of ids)
+//   CollectiveOwnerGather  the owner copies the asked rows of its shards into
+//                          one flat float buffer, source worker by source.
+//   (alltoall of rows)
+//   CollectivePool         pools each feature's rows straight from that
+//                          buffer into [B, D] (no [nnz, D] tensor).
+// Backward: CollectivePoolGrad sums the pooled gradients into one gradient
+// per unique row (the returned buffer's layout), the alltoall gradient sends
+// them to the owners, and CollectiveOwnerGatherGrad turns them into per-shard
+// (unique local row, summed gradient) pairs for the sparse optimizer.
+//
+// Why C++: the pure-TF routing (per-table unique, argsort, dynamic_partition,
+// stitch, forward and again backward) cost more than the whole single-process
+// step. Buffers hold rows of several dims, so offsets are in floats.
+//
+// Locking: CollectiveOwnerGather takes shared locks on the shards (address
+// order) before handing work to the intra-op pool; work items never lock.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+#include "pooling.h"
+
+namespace group_embedding_collective {
+
+using ::group_embedding::CheckMatrix;
+using ::group_embedding::CheckRagged;
+using ::group_embedding::CheckScalar;
+using ::group_embedding::Combiner;
+using ::group_embedding::InputsWithRank;
+using ::group_embedding::kPrefetchDistance;
+using ::group_embedding::ParseCombiners;
+using ::group_embedding::PrefetchRow;
+using ::group_embedding::RowScale;
+using ::group_embedding::WeightGradRows;
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::OpOutputList;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::Var;
+using ::tensorflow::core::RefCountPtr;
+using ::tensorflow::errors::InvalidArgument;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+
+// Horovod takes int32 splits: no segment of a buffer may exceed this.
+constexpr int64_t kMaxSplit = std::numeric_limits<int32_t>::max();
+
+// Open-addressing id -> slot map; slots are dense, in first-occurrence
+// order, and `keys()` lists the distinct ids in that order.
+class UniqueIds {
+ public:
+  explicit UniqueIds(int64_t expected) {
+    int64_t cap = 16;
+    while (cap < 2 * expected) cap <<= 1;
+    mask_ = static_cast<uint64_t>(cap - 1);
+    table_keys_.resize(cap);
+    table_slots_.assign(cap, -1);
+    keys_.reserve(expected);
+  }
+
+  int64_t Insert(int64_t id) {
+    uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
+    while (true) {
+      const int64_t s = table_slots_[h];
+      if (s < 0) {
+        table_keys_[h] = id;
+        table_slots_[h] = static_cast<int64_t>(keys_.size());
+        keys_.push_back(id);
+        return table_slots_[h];
+      }
+      if (table_keys_[h] == id) return s;
+      h = (h + 1) & mask_;
+    }
+  }
+
+  const std::vector<int64_t>& keys() const { return keys_; }
+
+ private:
+  static uint64_t Mix(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return x;
+  }
+  uint64_t mask_;
+  std::vector<int64_t> table_keys_;
+  std::vector<int64_t> table_slots_;
+  std::vector<int64_t> keys_;
+};
+
+Status CheckDims(const std::vector<int64_t>& dims, int k) {
+  if (static_cast<int>(dims.size()) != k) {
+    return InvalidArgument("`dims` must have ", k, " entries, got ",
+                           dims.size(), ".");
+  }
+  for (int64_t d : dims) {
+    if (d < 0) return InvalidArgument("`dims` must be >= 0, got ", d, ".");
+  }
+  return Status();
+}
+
+// The received buffer of CollectiveRouteIds' layout: per source worker s,
+// K counts then the ids of table 0, 1, ... Checked and indexed once.
+struct ReceivedLayout {
+  // id_begin[s * k + t]: index in the buffer of the first id of (s, t);
+  // count[s * k + t]: how many; elem_begin: float offset of its rows in
+  // the flat rows buffer (sources in order, tables in order per source).
+  std::vector<int64_t> id_begin, count, elem_begin;
+  std::vector<int64_t> elems_per_source;
+  int64_t total_elems = 0;
+  int64_t total_ids = 0;
+};
+
+Status ParseReceived(const Tensor& ids, const Tensor& splits, int k,
+                     const std::vector<int64_t>& dims,
+                     ReceivedLayout* out) {
+  if (ids.dims() != 1) {
+    return InvalidArgument("received_ids must be a vector, got shape ",
+                           ids.shape().DebugString(), ".");
+  }
+  if (splits.dims() != 1 || splits.NumElements() < 1) {
+    return InvalidArgument("received_splits must be a non-empty vector, got "
+                           "shape ", splits.shape().DebugString(), ".");
+  }
+  const int64_t n = splits.NumElements();
+  const auto sp = splits.flat<int32_t>();
+  const auto v = ids.flat<int64_t>();
+  out->id_begin.assign(n * k, 0);
+  out->count.assign(n * k, 0);
+  out->elem_begin.assign(n * k, 0);
+  out->elems_per_source.assign(n, 0);
+  int64_t at = 0, elem = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t len = sp(s);
+    if (len < k || at + len > v.size()) {
+      return InvalidArgument("received_splits[", s, "] = ", len,
+                             " does not hold the ", k, " counts of a source "
+                             "(or overruns the ", v.size(), " received ids).");
+    }
+    int64_t ids_at = at + k, source_elems = 0;
+    for (int t = 0; t < k; ++t) {
+      const int64_t c = v(at + t);
+      if (c < 0 || c > len - k) {
+        return InvalidArgument("source ", s, " announces ", c, " ids of table ",
+                               t, " in a segment of ", len - k, " ids.");
+      }
+      out->id_begin[s * k + t] = ids_at;
+      out->count[s * k + t] = c;
+      out->elem_begin[s * k + t] = elem + source_elems;
+      ids_at += c;
+      source_elems += c * dims[t];
+    }
+    if (ids_at != at + len) {
+      return InvalidArgument("source ", s, ": counts add up to ",
+                             ids_at - at - k, " ids but the segment holds ",
+                             len - k, ".");
+    }
+    if (source_elems > kMaxSplit) {
+      return InvalidArgument("source ", s, " asks for ", source_elems,
+                             " floats, more than an int32 split allows; "
+                             "use smaller batches.");
+    }
+    out->elems_per_source[s] = source_elems;
+    elem += source_elems;
+    at += len;
+  }
+  if (at != v.size()) {
+    return InvalidArgument("received_splits add up to ", at, " but ",
+                           v.size(), " ids were received.");
+  }
+  out->total_elems = elem;
+  out->total_ids = at - n * k;
+  return Status();
+}
+
+// ---------------------------------------------------------------------------
+// Router: dedup + bucketing by owner of K id vectors at once.
+// ---------------------------------------------------------------------------
+REGISTER_OP("CollectiveRouteIds")
+    .Input("ids: num_tables * int64")
+    .Output("send_ids: int64")
+    .Output("send_splits: int32")
+    .Output("row_offsets: num_tables * int64")
+    .Attr("num_tables: int >= 1")
+    .Attr("num_workers: int >= 1")
+    .Attr("vocab_sizes: list(int)")
+    .Attr("dims: list(int)")
+    .Attr("partitions: list(string)")
+    .Attr("table_names: list(string)")
+    .SetShapeFn([](InferenceContext* c) {
+      int k, n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
+      TF_RETURN_IF_ERROR(c->GetAttr("num_workers", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, k, 1));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(n));
+      for (int t = 0; t < k; ++t) c->set_output(2 + t, c->input(t));
+      return Status();
+    });
+
+class CollectiveRouteIdsOp : public OpKernel {
+ public:
+  explicit CollectiveRouteIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_workers", &workers_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("vocab_sizes", &vocab_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names_));
+    std::vector<std::string> partitions;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("partitions", &partitions));
+    int k;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
+    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES(ctx, static_cast<int>(vocab_.size()) == k &&
+                         static_cast<int>(names_.size()) == k &&
+                         static_cast<int>(partitions.size()) == k,
+                InvalidArgument("vocab_sizes, table_names and partitions "
+                                "must have ", k, " entries."));
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES(ctx, vocab_[t] >= 1,
+                  InvalidArgument(names_[t], ": vocab size must be >= 1, "
+                                  "got ", vocab_[t], "."));
+      OP_REQUIRES(ctx, partitions[t] == "mod" || partitions[t] == "div",
+                  InvalidArgument("Invalid partition '", partitions[t],
+                                  "' for ", names_[t], ", use mod or div."));
+      is_mod_.push_back(partitions[t] == "mod");
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    const int k = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(dims_.size()) == k,
+                InvalidArgument("expected ", dims_.size(), " id vectors, got ",
+                                k, "."));
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES(ctx, ids[t].dims() == 1,
+                  InvalidArgument(names_[t], ": ids must be a vector, got "
+                                  "shape ", ids[t].shape().DebugString(), "."));
+    }
+    const int64_t n = workers_;
+    // Phase 1, per table (independent, so sharded over tables): dedup,
+    // range check, owner and local row of every distinct id, and its
+    // position inside the (owner, table) bucket.
+    struct Route {
+      std::vector<int64_t> slot;    // per id: its distinct id
+      std::vector<int64_t> local;   // per distinct id
+      std::vector<int64_t> owner;   // per distinct id
+      std::vector<int64_t> pos;     // per distinct id, inside its bucket
+      std::vector<int64_t> count;   // per owner
+      Status status;
+    };
+    std::vector<Route> routes(k);
+    int64_t total_ids = 0;
+    for (int t = 0; t < k; ++t) total_ids += ids[t].NumElements();
+    auto dedup = [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        Route& r = routes[t];
+        const int64_t nnz = ids[t].NumElements();
+        const int64_t* v = ids[t].flat<int64_t>().data();
+        const int64_t vocab = vocab_[t];
+        UniqueIds map(nnz);
+        r.slot.resize(nnz);
+        for (int64_t j = 0; j < nnz; ++j) {
+          if (v[j] < 0 || v[j] >= vocab) {
+            r.status = InvalidArgument(names_[t], ": id ", v[j],
+                                       " is out of range [0, ", vocab,
+                                       ") for this table.");
+            return;
+          }
+          r.slot[j] = map.Insert(v[j]);
+        }
+        const auto& keys = map.keys();
+        const int64_t u = static_cast<int64_t>(keys.size());
+        r.local.resize(u);
+        r.owner.resize(u);
+        r.pos.resize(u);
+        r.count.assign(n, 0);
+        // div: blocks of ceil(V / N) rows (ShardedVariable.owner).
+        const int64_t per = (vocab + n - 1) / n;
+        for (int64_t i = 0; i < u; ++i) {
+          const int64_t id = keys[i];
+          const int64_t o = is_mod_[t] ? id % n : id / per;
+          r.owner[i] = o;
+          r.local[i] = is_mod_[t] ? id / n : id - o * per;
+          r.pos[i] = r.count[o]++;
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, k,
+                      (total_ids / k + 1) * 40, dedup);
+    for (const Route& r : routes) OP_REQUIRES_OK(ctx, r.status);
+
+    // Phase 2, serial: where each (owner, table) bucket starts in the send
+    // buffer (after the owner's K counts) and in the returned rows.
+    std::vector<int64_t> send_at(n * k), elem_at(n * k);
+    Tensor* splits_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &splits_t));
+    auto splits = splits_t->flat<int32_t>();
+    int64_t send_total = 0, elem_total = 0;
+    for (int64_t o = 0; o < n; ++o) {
+      int64_t len = k, elems = 0;
+      for (int t = 0; t < k; ++t) {
+        send_at[o * k + t] = send_total + len;
+        elem_at[o * k + t] = elem_total + elems;
+        len += routes[t].count[o];
+        elems += routes[t].count[o] * dims_[t];
+      }
+      OP_REQUIRES(ctx, len <= kMaxSplit && elems <= kMaxSplit,
+                  InvalidArgument("worker ", o, " would receive ", len,
+                                  " ids (", elems, " floats back), more "
+                                  "than an int32 split allows; use smaller "
+                                  "batches."));
+      splits(o) = static_cast<int32_t>(len);
+      send_total += len;
+      elem_total += elems;
+    }
+    Tensor* send_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({send_total}),
+                                             &send_t));
+    int64_t* send = send_t->flat<int64_t>().data();
+    int64_t at = 0;
+    for (int64_t o = 0; o < n; ++o) {
+      for (int t = 0; t < k; ++t) send[at + t] = routes[t].count[o];
+      at += splits(o);
+    }
+    OpOutputList offsets_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("row_offsets", &offsets_out));
+    std::vector<int64_t*> offsets(k);
+    for (int t = 0; t < k; ++t) {
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, offsets_out.allocate(t, ids[t].shape(), &o));
+      offsets[t] = o->flat<int64_t>().data();
+    }
+    // Phase 3, per table: fill its buckets and every id's row offset.
+    auto fill = [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const Route& r = routes[t];
+        const int64_t u = static_cast<int64_t>(r.local.size());
+        const int64_t dim = dims_[t];
+        std::vector<int64_t> row_at(u);
+        for (int64_t i = 0; i < u; ++i) {
+          const int64_t b = r.owner[i] * k + t;
+          send[send_at[b] + r.pos[i]] = r.local[i];
+          row_at[i] = elem_at[b] + r.pos[i] * dim;
+        }
+        const int64_t nnz = static_cast<int64_t>(r.slot.size());
+        int64_t* out = offsets[t];
+        for (int64_t j = 0; j < nnz; ++j) out[j] = row_at[r.slot[j]];
+      }
+    };
+    tensorflow::Shard(pool->num_threads, pool->workers, k,
+                      (total_ids / k + 1) * 10, fill);
+  }
+
+ private:
+  int64_t workers_;
+  std::vector<int64_t> vocab_, dims_;
+  std::vector<std::string> names_;
+  std::vector<bool> is_mod_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("CollectiveRouteIds").Device(DEVICE_CPU),
+                        CollectiveRouteIdsOp);
+
+// ---------------------------------------------------------------------------
+// Owner side: the rows asked by every source, from this worker's shards.
+// ---------------------------------------------------------------------------
+REGISTER_OP("CollectiveOwnerGather")
+    .Input("shards: num_tables * resource")
+    .Input("received_ids: int64")
+    .Input("received_splits: int32")
+    .Output("rows: float")
+    .Output("row_splits: int32")
+    .Attr("num_tables: int >= 1")
+    .Attr("dims: list(int)")
+    .Attr("table_names: list(string)")
+    .SetShapeFn([](InferenceContext* c) {
+      int k;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, k, 2, 1));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->Dim(c->input(k + 1), 0)));
+      return Status();
+    });
+
+// Shared locks on several variables, once each, in address order.
+class SharedLocks {
+ public:
+  explicit SharedLocks(const std::vector<Var*>& vars) {
+    for (Var* v : vars) mus_.push_back(v->mu());
+    std::sort(mus_.begin(), mus_.end());
+    mus_.erase(std::unique(mus_.begin(), mus_.end()), mus_.end());
+    for (auto* m : mus_) m->lock_shared();
+  }
+  ~SharedLocks() {
+    for (auto it = mus_.rbegin(); it != mus_.rend(); ++it) {
+      (*it)->unlock_shared();
+    }
+  }
+
+ private:
+  std::vector<tensorflow::mutex*> mus_;
+};
+
+class CollectiveOwnerGatherOp : public OpKernel {
+ public:
+  explicit CollectiveOwnerGatherOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    int k;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names_));
+    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES(ctx, static_cast<int>(names_.size()) == k,
+                InvalidArgument("table_names must have ", k, " entries."));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int k = static_cast<int>(dims_.size());
+    ReceivedLayout layout;
+    OP_REQUIRES_OK(ctx, ParseReceived(ctx->input(k), ctx->input(k + 1), k,
+                                      dims_, &layout));
+    const int64_t n = ctx->input(k + 1).NumElements();
+    std::vector<RefCountPtr<Var>> refs(k);
+    std::vector<Var*> vars(k);
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
+                                         &refs[t]));
+      vars[t] = refs[t].get();
+    }
+    SharedLocks locks(vars);
+    std::vector<const float*> tables(k);
+    const int64_t* v = ctx->input(k).flat<int64_t>().data();
+    for (int t = 0; t < k; ++t) {
+      const Tensor* table = vars[t]->tensor();
+      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                           table->dims() == 2 &&
+                           table->dim_size(1) == dims_[t],
+                  InvalidArgument(names_[t], ": expected a float32 [rows, ",
+                                  dims_[t], "] shard, got ",
+                                  table->shape().DebugString()));
+      const int64_t rows = table->dim_size(0);
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t b = layout.id_begin[s * k + t];
+        for (int64_t j = b; j < b + layout.count[s * k + t]; ++j) {
+          OP_REQUIRES(ctx, v[j] >= 0 && v[j] < rows,
+                      InvalidArgument(names_[t], ": worker ", s, " asks for "
+                                      "local row ", v[j], " outside this "
+                                      "shard's [0, ", rows, ")."));
+        }
+      }
+      tables[t] = table->flat<float>().data();
+    }
+    Tensor* rows_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({layout.total_elems}), &rows_t));
+    Tensor* splits_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &splits_t));
+    for (int64_t s = 0; s < n; ++s) {
+      splits_t->flat<int32_t>()(s) =
+          static_cast<int32_t>(layout.elems_per_source[s]);
+    }
+    float* out = rows_t->flat<float>().data();
+    // Work units are the (source, table) buckets.
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int t = static_cast<int>(b % k);
+        const int64_t dim = dims_[t];
+        const int64_t* ids = v + layout.id_begin[b];
+        const int64_t c = layout.count[b];
+        float* dst = out + layout.elem_begin[b];
+        for (int64_t j = 0; j < c; ++j) {
+          if (j + kPrefetchDistance < c) {
+            PrefetchRow(tables[t] + ids[j + kPrefetchDistance] * dim, dim);
+          }
+          std::memcpy(dst + j * dim, tables[t] + ids[j] * dim,
+                      dim * sizeof(float));
+        }
+      }
+    };
+    const int64_t units = n * k;
+    const int64_t avg = layout.total_ids / units + 1;
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, units, avg * 64,
+                      work);
+  }
+
+ private:
+  std::vector<int64_t> dims_;
+  std::vector<std::string> names_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("CollectiveOwnerGather").Device(DEVICE_CPU),
+                        CollectiveOwnerGatherOp);
+
+// Its gradient: per shard, the distinct local rows asked for by any source
+// and the sum of their gradients (duplicates across sources added).
+REGISTER_OP("CollectiveOwnerGatherGrad")
+    .Input("grad: float")
+    .Input("received_ids: int64")
+    .Input("received_splits: int32")
+    .Output("indices: num_tables * int64")
+    .Output("values: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("dims: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      int k;
+      std::vector<int64_t> dims;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
+      TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
+      TF_RETURN_IF_ERROR(CheckDims(dims, k));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 3, 1));
+      for (int t = 0; t < k; ++t) {
+        c->set_output(t, c->Vector(c->UnknownDim()));
+        c->set_output(k + t, c->MakeShape({c->UnknownDim(),
+                                           c->MakeDim(dims[t])}));
+      }
+      return Status();
+    });
+
+class CollectiveOwnerGatherGradOp : public OpKernel {
+ public:
+  explicit CollectiveOwnerGatherGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    int k;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
+    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int k = static_cast<int>(dims_.size());
+    const Tensor& grad = ctx->input(0);
+    ReceivedLayout layout;
+    OP_REQUIRES_OK(ctx, ParseReceived(ctx->input(1), ctx->input(2), k, dims_,
+                                      &layout));
+    OP_REQUIRES(ctx, grad.dims() == 1 &&
+                         grad.NumElements() == layout.total_elems,
+                InvalidArgument("grad must be a vector of ",
+                                layout.total_elems, " floats, got shape ",
+                                grad.shape().DebugString(), "."));
+    const int64_t n = ctx->input(2).NumElements();
+    const int64_t* v = ctx->input(1).flat<int64_t>().data();
+    const float* g = grad.flat<float>().data();
+    OpOutputList idx_out, val_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("indices", &idx_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("values", &val_out));
+    std::vector<Status> status(k);
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t dim = dims_[t];
+        int64_t total = 0;
+        for (int64_t s = 0; s < n; ++s) total += layout.count[s * k + t];
+        UniqueIds map(total);
+        std::vector<int64_t> slot(total);
+        int64_t j = 0;
+        for (int64_t s = 0; s < n; ++s) {
+          const int64_t* ids = v + layout.id_begin[s * k + t];
+          for (int64_t i = 0; i < layout.count[s * k + t]; ++i) {
+            slot[j++] = map.Insert(ids[i]);
+          }
+        }
+        const int64_t u = static_cast<int64_t>(map.keys().size());
+        Tensor* it = nullptr;
+        Tensor* vt = nullptr;
+        status[t] = idx_out.allocate(t, TensorShape({u}), &it);
+        if (!status[t].ok()) return;
+        status[t] = val_out.allocate(t, TensorShape({u, dim}), &vt);
+        if (!status[t].ok()) return;
+        std::copy(map.keys().begin(), map.keys().end(),
+                  it->flat<int64_t>().data());
+        float* sums = vt->flat<float>().data();
+        std::fill(sums, sums + u * dim, 0.0f);
+        j = 0;
+        for (int64_t s = 0; s < n; ++s) {
+          const float* src = g + layout.elem_begin[s * k + t];
+          for (int64_t i = 0; i < layout.count[s * k + t]; ++i, ++j) {
+            float* dst = sums + slot[j] * dim;
+            for (int64_t d = 0; d < dim; ++d) dst[d] += src[i * dim + d];
+          }
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, k,
+                      (layout.total_ids / k + 1) * 64, work);
+    for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
+  }
+
+ private:
+  std::vector<int64_t> dims_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("CollectiveOwnerGatherGrad").Device(DEVICE_CPU),
+                        CollectiveOwnerGatherGradOp);
+
+// ---------------------------------------------------------------------------
+// Local pooling from the returned rows buffer.
+// ---------------------------------------------------------------------------
+
+// Checks one table's ragged ids (row offsets here) and that every offset
+// addresses a whole `dim`-float row of a buffer of `elems` floats.
+Status CheckOffsets(const std::string& name, const Tensor& offsets,
+                    const Tensor& splits, const Tensor& weights, int64_t dim,
+                    int64_t elems) {
+  TF_RETURN_IF_ERROR(CheckRagged(name, offsets, splits, weights,
+                                 /*vocab=*/-1, "row_offsets"));
+  const auto o = offsets.flat<int64_t>();
+  for (int64_t j = 0; j < o.size(); ++j) {
+    if (o(j) < 0 || o(j) > elems - dim) {
+      return InvalidArgument(name, ": row offset ", o(j), " does not "
+                             "address a row of ", dim, " floats in a buffer "
+                             "of ", elems, ".");
+    }
+  }
+  return Status();
+}
+
+REGISTER_OP("CollectivePool")
+    .Input("rows: float")
+    .Input("row_offsets: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("pooled: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("dims: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      int k;
+      std::vector<int64_t> dims;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
+      TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
+      TF_RETURN_IF_ERROR(CheckDims(dims, k));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 1 + 3 * k, 1));
+      for (int t = 0; t < k; ++t) {
+        DimensionHandle b;
+        TF_RETURN_IF_ERROR(
+            c->Subtract(c->Dim(c->input(1 + k + t), 0), 1, &b));
+        c->set_output(t, c->MakeShape({b, c->MakeDim(dims[t])}));
+      }
+      return Status();
+    });
+
+class CollectivePoolOp : public OpKernel {
+ public:
+  explicit CollectivePoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int k;
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
+    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& rows_t = ctx->input(0);
+    OpInputList offsets, splits, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_offsets", &offsets));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    const int k = offsets.size();
+    OP_REQUIRES(ctx, k == static_cast<int>(dims_.size()),
+                InvalidArgument("expected ", dims_.size(), " tables, got ",
+                                k, "."));
+    OP_REQUIRES(ctx, rows_t.dims() == 1,
+                InvalidArgument("rows must be a vector, got shape ",
+                                rows_t.shape().DebugString(), "."));
+    const int64_t elems = rows_t.NumElements();
+    std::vector<int64_t> first_row(k + 1, 0);
+    int64_t total_nnz = 0;
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
+    std::vector<float*> outs(k);
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, CheckOffsets(absl::StrCat("table ", t), offsets[t],
+                                       splits[t], weights[t], dims_[t],
+                                       elems));
+      const int64_t batch = splits[t].NumElements() - 1;
+      first_row[t + 1] = first_row[t] + batch;
+      total_nnz += offsets[t].NumElements();
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dims_[t]}),
+                                       &o));
+      outs[t] = o->flat<float>().data();
+    }
+    const int64_t total_rows = first_row[k];
+    if (total_rows == 0) return;
+    const float* rows = rows_t.flat<float>().data();
+    auto work = [&](int64_t begin, int64_t end) {
+      int t = static_cast<int>(
+          std::upper_bound(first_row.begin(), first_row.end(), begin) -
+          first_row.begin() - 1);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        while (unit >= first_row[t + 1]) ++t;
+        const int64_t b = unit - first_row[t];
+        const int64_t dim = dims_[t];
+        const int64_t* off = offsets[t].flat<int64_t>().data();
+        const int64_t* s = splits[t].flat<int64_t>().data();
+        const float* w = weights[t].NumElements()
+                             ? weights[t].flat<float>().data()
+                             : nullptr;
+        float* o = outs[t] + b * dim;
+        std::fill(o, o + dim, 0.0f);
+        const int64_t lo = s[b], hi = s[b + 1];
+        for (int64_t j = lo; j < hi; ++j) {
+          const float* row = rows + off[j];
+          const float wj = w ? w[j] : 1.0f;
+          for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
+        }
+        const float scale = RowScale(combiners_[t], w, lo, hi);
+        if (scale != 1.0f) {
+          for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
+        }
+      }
+    };
+    const int64_t avg = total_nnz / total_rows + 1;
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
+                      avg * 64 + 20, work);
+  }
+
+ private:
+  std::vector<Combiner> combiners_;
+  std::vector<int64_t> dims_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("CollectivePool").Device(DEVICE_CPU),
+                        CollectivePoolOp);
+
+// Gradient of CollectivePool w.r.t. the rows buffer: one summed gradient
+// per distinct row (ids sharing a row share its offset), zeros elsewhere.
+REGISTER_OP("CollectivePoolGrad")
+    .Input("grads: num_tables * float")
+    .Input("row_offsets: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("num_elements: int64")
+    .Output("rows_grad: float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("dims: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      int k;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, k, 2));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, k, 3 * k, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * k, 1, 0));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return Status();
+    });
+
+class CollectivePoolGradOp : public OpKernel {
+ public:
+  explicit CollectivePoolGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int k;
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
+    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList grads, offsets, splits, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_offsets", &offsets));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    const int k = offsets.size();
+    OP_REQUIRES(ctx, k == static_cast<int>(dims_.size()),
+                InvalidArgument("expected ", dims_.size(), " tables, got ",
+                                k, "."));
+    const Tensor& num = ctx->input(4 * k);
+    OP_REQUIRES_OK(ctx, CheckScalar(num, "num_elements"));
+    const int64_t elems = num.scalar<int64_t>()();
+    OP_REQUIRES(ctx, elems >= 0,
+                InvalidArgument("num_elements must be >= 0, got ", elems,
+                                "."));
+    int64_t total = 0;
+    for (int t = 0; t < k; ++t) {
+      const std::string name = absl::StrCat("table ", t);
+      OP_REQUIRES_OK(ctx, CheckOffsets(name, offsets[t], splits[t],
+                                       weights[t], dims_[t], elems));
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t],
+                                      splits[t].NumElements() - 1, dims_[t]));
+      total += offsets[t].NumElements();
+    }
+    Tensor* out_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({elems}),
+                                             &out_t));
+    float* out = out_t->flat<float>().data();
+    std::fill(out, out + elems, 0.0f);
+    // Tables own disjoint parts of the buffer: shard over tables.
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t dim = dims_[t];
+        const int64_t batch = splits[t].NumElements() - 1;
+        const int64_t* off = offsets[t].flat<int64_t>().data();
+        const int64_t* s = splits[t].flat<int64_t>().data();
+        const float* w = weights[t].NumElements()
+                             ? weights[t].flat<float>().data()
+                             : nullptr;
+        const float* g = grads[t].flat<float>().data();
+        for (int64_t b = 0; b < batch; ++b) {
+          const int64_t lo = s[b], hi = s[b + 1];
+          if (lo == hi) continue;
+          const float scale = RowScale(combiners_[t], w, lo, hi);
+          const float* gb = g + b * dim;
+          for (int64_t j = lo; j < hi; ++j) {
+            const float f = scale * (w ? w[j] : 1.0f);
+            float* dst = out + off[j];
+            for (int64_t d = 0; d < dim; ++d) dst[d] += f * gb[d];
+          }
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, k,
+                      (total / k + 1) * 64, work);
+  }
+
+ private:
+  std::vector<Combiner> combiners_;
+  std::vector<int64_t> dims_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("CollectivePoolGrad").Device(DEVICE_CPU),
+                        CollectivePoolGradOp);
+
+// Gradient of CollectivePool w.r.t. the per-id weights (weighted tables
+// only; empty outputs for the others). Not stateful: pruned when unused.
+REGISTER_OP("CollectivePoolWeightGrad")
+    .Input("rows: float")
+    .Input("row_offsets: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("grads: num_tables * float")
+    .Input("pooled: num_tables * float")
+    .Output("weight_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("dims: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      int k;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 1 + 3 * k, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 1 + 3 * k, 2 * k, 2));
+      for (int t = 0; t < k; ++t) c->set_output(t, c->input(1 + 2 * k + t));
+      return Status();
+    });
+
+class CollectivePoolWeightGradOp : public OpKernel {
+ public:
+  explicit CollectivePoolWeightGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    int k;
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
+    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& rows_t = ctx->input(0);
+    OpInputList offsets, splits, weights, grads, pooled;
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_offsets", &offsets));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
+    const int k = offsets.size();
+    OP_REQUIRES(ctx, k == static_cast<int>(dims_.size()),
+                InvalidArgument("expected ", dims_.size(), " tables, got ",
+                                k, "."));
+    OP_REQUIRES(ctx, rows_t.dims() == 1,
+                InvalidArgument("rows must be a vector, got shape ",
+                                rows_t.shape().DebugString(), "."));
+    const float* rows = rows_t.flat<float>().data();
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
+    for (int t = 0; t < k; ++t) {
+      const std::string name = absl::StrCat("table ", t);
+      const int64_t dim = dims_[t];
+      OP_REQUIRES_OK(ctx, CheckOffsets(name, offsets[t], splits[t],
+                                       weights[t], dim,
+                                       rows_t.NumElements()));
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
+      if (weights[t].NumElements() == 0) continue;
+      const int64_t batch = splits[t].NumElements() - 1;
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], batch,
+                                      dim));
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
+                                      dim));
+      const int64_t* off = offsets[t].flat<int64_t>().data();
+      WeightGradRows(combiners_[t], dim, batch,
+                     splits[t].flat<int64_t>().data(),
+                     weights[t].flat<float>().data(),
+                     grads[t].flat<float>().data(),
+                     pooled[t].flat<float>().data(),
+                     [rows, off](int64_t j) { return rows + off[j]; },
+                     o->flat<float>().data());
+    }
+  }
+
+ private:
+  std::vector<Combiner> combiners_;
+  std::vector<int64_t> dims_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("CollectivePoolWeightGrad").Device(DEVICE_CPU),
+                        CollectivePoolWeightGradOp);
+
+}  // namespace group_embedding_collective

@@ -1,0 +1,162 @@
+"""DeepRec's AdamAsyncOptimizer and AdagradDecayOptimizer (`ge.train`,
+installed as `tf.compat.v1.train.*` by compat).
+
+Oracles: numpy implementations of the documented update rules, and stock
+`AdamOptimizer` where AdamAsync's rule coincides (dense gradients).
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import group_embedding as ge
+
+V1 = tf.compat.v1
+ROWS, DIM = 6, 3
+IDS = [np.array([0, 2, 2, 5]), np.array([1, 2]), np.array([5, 0, 3])]
+
+
+def _run(make_opt, table, ids_per_step, ev=False, global_step=None):
+    """Loss sum(lookup * w) per step; returns (table rows, grads fed)."""
+    w = np.linspace(-1.0, 1.0, DIM).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        gs = V1.train.get_or_create_global_step()
+        ids = V1.placeholder(tf.int64, [None])
+        if ev:
+            var = ge.get_embedding_variable(
+                "ev", DIM, initializer=tf.constant_initializer(table),
+                ev_option=ge.EmbeddingVariableOption(
+                    init_option=ge.InitializerOption(
+                        default_value_dim=ROWS)))
+        else:
+            var = V1.get_variable("var", initializer=table, use_resource=True)
+        loss = tf.reduce_sum(ge.embedding_lookup(var, ids) * w)
+        train = make_opt(gs).minimize(loss, global_step=gs)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for step_ids in ids_per_step:
+                sess.run(train, {ids: step_ids})
+            if ev:
+                k, v, _, _ = sess.run(var.export())
+                out = table.copy()
+                out[k] = v
+                return out, w
+            return sess.run(var), w
+
+
+def _grad(ids, w):
+    g = np.zeros([ROWS, DIM], np.float64)
+    for i in ids:
+        g[i] += w
+    return g, np.unique(ids)
+
+
+def _adam_async_ref(table, ids_per_step, w, lr, b1, b2, eps, rmsprop=False):
+    var = table.astype(np.float64).copy()
+    m, v = np.zeros_like(var), np.zeros_like(var)
+    b1p, b2p = b1, b2
+    for ids in ids_per_step:
+        g, rows = _grad(ids, w)
+        for r in rows:
+            v[r] = b2 * v[r] + (1 - b2) * g[r] ** 2
+            if rmsprop:
+                m[r] = b1 * m[r] + lr * g[r] / np.sqrt(v[r] + eps)
+                var[r] -= m[r]
+            else:
+                alpha = lr * np.sqrt(1 - b2p) / (1 - b1p)
+                m[r] = b1 * m[r] + (1 - b1) * g[r]
+                var[r] -= alpha * m[r] / (np.sqrt(v[r]) + eps)
+        if not rmsprop:
+            b1p, b2p = b1p * b1, b2p * b2
+    return var
+
+
+@pytest.mark.parametrize("ev,rmsprop", [(False, False), (False, True),
+                                        (True, False)])
+def test_adam_async_sparse_matches_numpy_rule(ev, rmsprop):
+    table = np.random.default_rng(0).normal(size=[ROWS, DIM]).astype(
+        np.float32)
+    out, w = _run(lambda gs: ge.train.AdamAsyncOptimizer(
+        0.05, 0.8, 0.9, 1e-3, apply_sparse_rmsprop=rmsprop), table, IDS,
+        ev=ev)
+    ref = _adam_async_ref(table, IDS, w, 0.05, 0.8, 0.9, 1e-3, rmsprop)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_adam_async_dense_equals_stock_adam():
+    table = np.random.default_rng(1).normal(size=[ROWS, DIM]).astype(
+        np.float32)
+    results = []
+    for make in (lambda: ge.train.AdamAsyncOptimizer(0.05, epsilon=1e-3),
+                 lambda: V1.train.AdamOptimizer(0.05, epsilon=1e-3)):
+        with tf.Graph().as_default():
+            var = V1.get_variable("dense", initializer=table,
+                                  use_resource=True)
+            loss = tf.reduce_sum(tf.sin(var) * var)
+            train = make().minimize(loss)
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                for _ in range(3):
+                    sess.run(train)
+                results.append(sess.run(var))
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+def test_adam_async_rmsprop_on_ev_is_a_clear_error():
+    table = np.zeros([ROWS, DIM], np.float32)
+    with pytest.raises(NotImplementedError, match="ev.*rmsprop"):
+        _run(lambda gs: ge.train.AdamAsyncOptimizer(
+            apply_sparse_rmsprop=True), table, IDS, ev=True)
+
+
+def _adagrad_decay_ref(table, ids_per_step, w, lr, init, decay_step, rate):
+    var = table.astype(np.float64).copy()
+    acc = np.full_like(var, init)
+    power = np.zeros(ROWS, np.int64)
+    for step, ids in enumerate(ids_per_step):
+        t = step + 1  # global_step + 1, global_step = steps run before
+        g, rows = _grad(ids, w)
+        for r in rows:
+            if t // decay_step > power[r]:
+                acc[r] = np.maximum(acc[r] * rate, init)
+                power[r] += 1
+            acc[r] += g[r] ** 2
+            var[r] -= lr * g[r] / np.sqrt(acc[r])
+    return var
+
+
+def test_adagrad_decay_sparse_matches_numpy_rule():
+    table = np.random.default_rng(2).normal(size=[ROWS, DIM]).astype(
+        np.float32)
+    steps = IDS * 3
+    out, w = _run(lambda gs: ge.train.AdagradDecayOptimizer(
+        0.1, gs, initial_accumulator_value=0.5, accumulator_decay_step=2,
+        accumulator_decay_rate=0.5), table, steps)
+    ref = _adagrad_decay_ref(table, steps, w, 0.1, 0.5, 2, 0.5)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    # Not plain Adagrad: the decay changed the result.
+    plain = _adagrad_decay_ref(table, steps, w, 0.1, 0.5, 10 ** 6, 0.5)
+    assert np.abs(ref - plain).max() > 1e-3
+
+
+def test_adagrad_decay_checks_arguments_and_rejects_evs():
+    with pytest.raises(ValueError, match="accumulator_decay_rate"):
+        ge.train.AdagradDecayOptimizer(0.1, None, accumulator_decay_rate=1.5)
+    with pytest.raises(NotImplementedError, match="AdagradDecay.*'ev'"):
+        _run(lambda gs: ge.train.AdagradDecayOptimizer(0.1, gs),
+             np.zeros([ROWS, DIM], np.float32), IDS, ev=True)
+
+
+def test_compat_installs_deeprec_optimizers():
+    module = importlib.import_module("group_embedding.compat")
+    module.install()
+    try:
+        assert V1.train.AdamAsyncOptimizer is ge.train.AdamAsyncOptimizer
+        assert V1.train.AdagradDecayOptimizer is \
+            ge.train.AdagradDecayOptimizer
+    finally:
+        module.uninstall()
+    assert not hasattr(V1.train, "AdamAsyncOptimizer")
