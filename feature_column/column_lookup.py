@@ -10,6 +10,7 @@ holds no state.
 """
 
 import collections
+import sys
 from typing import Any
 from typing import Dict
 from typing import List
@@ -21,6 +22,7 @@ import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 from group_embedding.feature_column import columns as columns_lib
+from group_embedding.feature_column import partitioned_table
 from group_embedding.feature_column import sparse_ids
 from group_embedding.lookup import group_embedding_lookup_sparse
 
@@ -30,15 +32,18 @@ _STOCK_EMBEDDING_COLUMNS = (fc_v2.EmbeddingColumn,
                             fc_v2.SharedEmbeddingColumn)
 
 
-def check_feature_columns(feature_columns) -> List[Any]:
+def check_feature_columns(feature_columns, sequence: bool = False
+                          ) -> List[Any]:
     """Validates the columns of one call; returns them sorted by name.
 
     Accepted: `EmbeddingColumn`s and stateless stock dense columns
-    (numeric, bucketized, indicator).
+    (numeric, bucketized, indicator); with `sequence=True` only embedding
+    columns of sequence categorical columns (and only those).
 
     Raises:
         TypeError: not a list of columns, a categorical column passed
-            directly, or a stock embedding column.
+            directly, a stock embedding column, or a sequence column where
+            `sequence` is False (or another column where it is True).
         ValueError: empty list, or two columns with the same name.
     """
     if isinstance(feature_columns, (columns_lib.EmbeddingColumn,
@@ -64,6 +69,19 @@ def check_feature_columns(feature_columns) -> List[Any]:
                 f"Column '{name}' of type {type(c).__name__} is not a dense "
                 "column; wrap categorical columns in "
                 "ge.feature_column.embedding_column.")
+        is_sequence = isinstance(c, columns_lib.EmbeddingColumn) and \
+            c.is_sequence
+        if is_sequence and not sequence:
+            raise TypeError(
+                f"Column '{name}' embeds a sequence column ([batch, time, "
+                "dim] output); read it with "
+                "ge.feature_column.sequence_input_layer.")
+        if sequence and not is_sequence:
+            raise TypeError(
+                f"Column '{name}' of type {type(c).__name__} is not an "
+                "embedding of a sequence column; sequence_input_layer "
+                "takes ge.feature_column.embedding_column over "
+                "sequence_categorical_column_with_* only.")
         if name in names:
             raise ValueError(f"Duplicate feature column name '{name}'.")
         names[name] = c
@@ -114,31 +132,70 @@ def _check_scopes(columns: Sequence[columns_lib.EmbeddingColumn]) -> None:
 def _stock_lookup(table, ids, weights, column) -> tf.Tensor:
     if isinstance(table, keras.Variable):
         table = table.value
+    # A PartitionedVariable is read as stock does ("div" over its shards).
     return tf.nn.safe_embedding_lookup_sparse(
         table, ids, weights, combiner=column.combiner,
         max_norm=column.max_norm, name=f"{column.name}_weights")
+
+
+def _lookup_entries(column, table, ids, weights):
+    """(tables, ids, weights, combiner) the grouped op gets for a column:
+    one entry, or one per shard of a partitioned table."""
+    if not partitioned_table.is_partitioned(table):
+        return [table], [ids], [weights], column.combiner
+    tables = partitioned_table.shards(table, column.name)
+    shard_ids, shard_weights, combiner = partitioned_table.split_ids(
+        ids, weights, column.combiner, tables, column.is_sequence)
+    return tables, shard_ids, shard_weights, combiner
+
+
+def _grouped(members, ids, tables, training, name, max_norm,
+             params_num_per_group=sys.maxsize) -> List[tf.Tensor]:
+    """ONE `group_embedding_lookup_sparse` call for `members` (all
+    sequence or all pooled); the shard results of a partitioned table are
+    added back into one output per column."""
+    params, sp_ids, combiners, sp_weights, spans = [], [], [], [], []
+    for c in members:
+        t, i, w, combiner = _lookup_entries(c, tables[c.table_name],
+                                            *ids[c])
+        spans.append((len(params), len(params) + len(t)))
+        params += t
+        sp_ids += i
+        sp_weights += w
+        combiners += [combiner] * len(t)
+    results = group_embedding_lookup_sparse(
+        params, sp_ids, combiners, sp_weights,
+        is_sequence=members[0].is_sequence,
+        params_num_per_group=params_num_per_group, name=name,
+        max_norm=max_norm, training=training)
+    return [results[a] if b - a == 1 else tf.add_n(results[a:b])
+            for a, b in spans]
 
 
 def lookup_columns(columns: Sequence[columns_lib.EmbeddingColumn],
                    cache: fc_v2.FeatureTransformationCache,
                    state_manager, tables: Mapping[str, Any],
                    training=True) -> Dict[Any, tf.Tensor]:
-    """Pooled `[B, D]` embeddings of `columns`, one grouped lookup per
-    scope and `max_norm`.
+    """Embeddings of `columns`: `[B, D]` pooled, or `[B, T, D]` for
+    sequence columns; one grouped lookup per scope, `max_norm` and kind
+    (pooled / sequence).
 
     Args:
         columns: `EmbeddingColumn`s, sorted by name.
         cache: `FeatureTransformationCache` over prepared features.
         state_manager: holds the vocabulary tables of stock columns.
         tables: table name -> tf.Variable / keras.Variable /
-            EmbeddingVariable.
+            EmbeddingVariable / PartitionedVariable (split by rows, see
+            `partitioned_table`).
         training: passed to EV lookups (False inserts no new keys).
 
     Returns:
-        Column -> `[B, D]` tensor.
+        Column -> `[B, D]` (or `[B, T, D]`) tensor.
 
     Raises:
         ValueError: two different scopes share a name.
+        NotImplementedError: a table partitioned along another axis than
+            rows.
     """
     _check_scopes(columns)
     ids = {c: sparse_ids.column_sparse_ids(c, cache, state_manager)
@@ -146,25 +203,20 @@ def lookup_columns(columns: Sequence[columns_lib.EmbeddingColumn],
     out: Dict[Any, tf.Tensor] = {}
     groups = collections.defaultdict(list)
     for c in columns:
-        if c.scope is None:
-            with tf.name_scope(c.name):
-                if c.is_ev:
-                    out[c] = group_embedding_lookup_sparse(
-                        [tables[c.table_name]], [ids[c][0]], c.combiner,
-                        [ids[c][1]], max_norm=c.max_norm,
-                        training=training)[0]
-                else:
-                    out[c] = _stock_lookup(tables[c.table_name], *ids[c], c)
-        else:
-            groups[(c.scope, c.max_norm)].append(c)
-    for (scope, max_norm), members in groups.items():
-        results = group_embedding_lookup_sparse(
-            [tables[c.table_name] for c in members],
-            [ids[c][0] for c in members],
-            [c.combiner for c in members],
-            [ids[c][1] for c in members],
-            params_num_per_group=scope.params_num_per_group,
-            name=scope.name, max_norm=max_norm, training=training)
+        if c.scope is not None:
+            groups[(c.scope, c.max_norm, c.is_sequence)].append(c)
+            continue
+        with tf.name_scope(c.name):
+            if c.is_ev or c.is_sequence:
+                # Alone, through a one-column grouped lookup (stock has
+                # no EV; its sequence path is the same unpooled lookup).
+                out[c] = _grouped([c], ids, tables, training, None,
+                                  c.max_norm)[0]
+            else:
+                out[c] = _stock_lookup(tables[c.table_name], *ids[c], c)
+    for (scope, max_norm, _), members in groups.items():
+        results = _grouped(members, ids, tables, training, scope.name,
+                           max_norm, scope.params_num_per_group)
         out.update(zip(members, results))
     return out
 

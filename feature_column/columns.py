@@ -108,6 +108,13 @@ class EmbeddingCategoricalColumn:
         """Feature keys this column reads."""
         return [self.key]
 
+    @property
+    def parse_example_spec(self) -> Dict[str, Any]:
+        """`{key: VarLenFeature(dtype)}`, as stock categorical columns
+        give; stock wrappers (`weighted_categorical_column`,
+        `SequenceCategoricalColumn`) read it."""
+        return {self.key: tf.io.VarLenFeature(self.dtype)}
+
     def get_config(self) -> Dict[str, Any]:
         """Returns the constructor arguments, JSON-serializable."""
         return {"key": self.key, "dtype": self.dtype.name,
@@ -130,6 +137,20 @@ def is_ev_column(column: Any) -> bool:
     return isinstance(column, EmbeddingCategoricalColumn)
 
 
+def is_sequence_column(column: Any) -> bool:
+    """True for a `SequenceCategoricalColumn` (stock or over an EV)."""
+    return isinstance(column, fc_v2.SequenceCategoricalColumn)
+
+
+def base_categorical_column(column: Any) -> Any:
+    """The id column under the sequence / weighted wrappers."""
+    if is_sequence_column(column):
+        column = column.categorical_column
+    if isinstance(column, fc_v2.WeightedCategoricalColumn):
+        column = column.categorical_column
+    return column
+
+
 def categorical_column_keys(column: Any) -> List[str]:
     """Feature keys a categorical column reads (ids, then weights)."""
     if is_ev_column(column):
@@ -137,11 +158,22 @@ def categorical_column_keys(column: Any) -> List[str]:
     return list(column.parse_example_spec)
 
 
-def _check_categorical(column: Any, where: str) -> None:
+def is_embeddable(column: Any) -> bool:
+    """True if `embedding_column` of this package accepts `column`."""
     inner = column
-    if isinstance(column, fc_v2.WeightedCategoricalColumn):
-        inner = column.categorical_column
-    if isinstance(inner, SUPPORTED_STOCK_COLUMNS) or is_ev_column(column):
+    if is_sequence_column(inner):
+        inner = inner.categorical_column
+        # Weights of a sequence would be consumed by stock's per-position
+        # combiner (w * e / w); nothing uses them, so they are not offered.
+        if isinstance(inner, fc_v2.WeightedCategoricalColumn):
+            return False
+    if isinstance(inner, fc_v2.WeightedCategoricalColumn):
+        inner = inner.categorical_column
+    return is_ev_column(inner) or isinstance(inner, SUPPORTED_STOCK_COLUMNS)
+
+
+def _check_categorical(column: Any, where: str) -> None:
+    if is_embeddable(column):
         return
     name = getattr(column, "name", repr(column))
     raise TypeError(
@@ -149,7 +181,47 @@ def _check_categorical(column: Any, where: str) -> None:
         "be embedded; use categorical_column_with_embedding or a stock "
         "categorical_column_with_identity / _hash_bucket / "
         "_vocabulary_list / _vocabulary_file, optionally wrapped in "
-        "weighted_categorical_column.")
+        "weighted_categorical_column (or their sequence_ versions, "
+        "unweighted).")
+
+
+def categorical_to_config(column: Any) -> Dict[str, Any]:
+    """Serializes a categorical column that may hold an EV column.
+
+    Stock serialization cannot write `EmbeddingCategoricalColumn`, so the
+    weighted and sequence wrappers around one are written here.
+    """
+    if is_ev_column(column):
+        return {"class_name": "EmbeddingCategoricalColumn",
+                "config": column.get_config()}
+    if is_ev_column(base_categorical_column(column)):
+        if is_sequence_column(column):
+            return {"class_name": "SequenceEmbeddingCategoricalColumn",
+                    "config": categorical_to_config(
+                        column.categorical_column)}
+        return {"class_name": "WeightedEmbeddingCategoricalColumn",
+                "config": {
+                    "categorical_column": categorical_to_config(
+                        column.categorical_column),
+                    "weight_feature_key": column.weight_feature_key,
+                    "dtype": column.dtype.name}}
+    return serialization.serialize_feature_column(column)
+
+
+def categorical_from_config(config: Dict[str, Any]) -> Any:
+    """Inverse of `categorical_to_config`."""
+    name = config["class_name"]
+    if name == "EmbeddingCategoricalColumn":
+        return EmbeddingCategoricalColumn.from_config(config["config"])
+    if name == "SequenceEmbeddingCategoricalColumn":
+        return fc_v2.SequenceCategoricalColumn(
+            categorical_from_config(config["config"]))
+    if name == "WeightedEmbeddingCategoricalColumn":
+        inner = config["config"]
+        return fc_v2.WeightedCategoricalColumn(
+            categorical_from_config(inner["categorical_column"]),
+            inner["weight_feature_key"], tf.as_dtype(inner["dtype"]))
+    return serialization.deserialize_feature_column(config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +233,10 @@ class EmbeddingColumn:
     Args:
         categorical_column: an `EmbeddingCategoricalColumn`, or a stock
             identity / hash_bucket / vocabulary_list / vocabulary_file
-            column, optionally wrapped in `weighted_categorical_column`.
+            column, either optionally wrapped in
+            `weighted_categorical_column`; or a sequence column of one of
+            them (`sequence_categorical_column_with_*`, read by
+            `sequence_input_layer` only).
         dimension: embedding dim D, int >= 1.
         combiner: "mean" (default), "sum" or "sqrtn".
         initializer: initializer of the table (a Keras initializer, its
@@ -232,7 +307,18 @@ class EmbeddingColumn:
     @property
     def is_ev(self) -> bool:
         """True if the table is an `EmbeddingVariable`."""
-        return is_ev_column(self.categorical_column)
+        return is_ev_column(base_categorical_column(self.categorical_column))
+
+    @property
+    def is_sequence(self) -> bool:
+        """True for a sequence column: `[B, T, D]` unpooled output."""
+        return is_sequence_column(self.categorical_column)
+
+    @property
+    def ev_option(self) -> Optional[EmbeddingVariableOption]:
+        """The `EmbeddingVariableOption` of an EV table, else None."""
+        base = base_categorical_column(self.categorical_column)
+        return base.ev_option if is_ev_column(base) else None
 
     @property
     def num_buckets(self) -> Optional[int]:
@@ -265,10 +351,7 @@ class EmbeddingColumn:
                     "Keras initializer to save the model.")
             init = keras.initializers.serialize(init)
         return {
-            "categorical_column": (
-                {"class_name": "EmbeddingCategoricalColumn",
-                 "config": cat.get_config()} if is_ev_column(cat)
-                else serialization.serialize_feature_column(cat)),
+            "categorical_column": categorical_to_config(cat),
             "dimension": self.dimension, "combiner": self.combiner,
             "initializer": init, "max_norm": self.max_norm,
             "trainable": self.trainable,
@@ -280,13 +363,8 @@ class EmbeddingColumn:
     def from_config(cls, config: Dict[str, Any]) -> "EmbeddingColumn":
         """Rebuilds the column from `get_config()`."""
         config = dict(config)
-        cat = config["categorical_column"]
-        if cat["class_name"] == "EmbeddingCategoricalColumn":
-            config["categorical_column"] = \
-                EmbeddingCategoricalColumn.from_config(cat["config"])
-        else:
-            config["categorical_column"] = \
-                serialization.deserialize_feature_column(cat)
+        config["categorical_column"] = categorical_from_config(
+            config["categorical_column"])
         if isinstance(config.get("initializer"), dict):
             config["initializer"] = keras.initializers.deserialize(
                 config["initializer"])
@@ -324,10 +402,54 @@ def categorical_column_with_embedding(
         EmbeddingVariableOption() if ev_option is None else ev_option)
 
 
+def sequence_categorical_column_with_embedding(
+        key: str, dtype=tf.int64, partition_num: Optional[int] = None,
+        ev_option: Optional[EmbeddingVariableOption] = None
+) -> fc_v2.SequenceCategoricalColumn:
+    """A sequence of ids looked up in an `EmbeddingVariable`.
+
+    DeepRec's sequence version of `categorical_column_with_embedding`: the
+    stock `SequenceCategoricalColumn` wrapper around one. Wrap it in
+    `embedding_column` and read it with `sequence_input_layer`, which
+    returns one unpooled row per position, `[B, T, D]`, and the sequence
+    lengths.
+
+    Example::
+
+        hist = ge.feature_column.sequence_categorical_column_with_embedding(
+            "hist_items", tf.int64)
+        with ge.feature_column.group_embedding_column_scope("seq"):
+            hist_emb = ge.feature_column.embedding_column(hist, 8)
+        x, length = ge.feature_column.sequence_input_layer(features,
+                                                           [hist_emb])
+        # x: [B, T, 8], zeros past each row's last id; length: [B] int64.
+
+    Args:
+        key: feature key in the `features` dict (a `[B, T]` SparseTensor,
+            RaggedTensor, or dense tensor padded with -1 / "").
+        dtype: tf.int64 (default, as DeepRec), tf.int32 or tf.string.
+        partition_num: None (default) or 1; see
+            `EmbeddingCategoricalColumn`.
+        ev_option: `EmbeddingVariableOption` (default: no filter, no
+            eviction).
+
+    Returns:
+        A stock `SequenceCategoricalColumn` over an
+        `EmbeddingCategoricalColumn`.
+
+    Raises:
+        ValueError / TypeError / NotImplementedError: see
+            `EmbeddingCategoricalColumn`.
+    """
+    return fc_v2.SequenceCategoricalColumn(categorical_column_with_embedding(
+        key, dtype, partition_num, ev_option))
+
+
 def embedding_column(categorical_column, dimension: int,
                      combiner: str = "mean", initializer=None,
                      max_norm: Optional[float] = None,
-                     trainable: bool = True) -> EmbeddingColumn:
+                     trainable: bool = True, *,
+                     do_fusion=None) -> EmbeddingColumn:
     """An embedding column; inside a scope it joins that scope's lookup.
 
     Example::
@@ -347,15 +469,25 @@ def embedding_column(categorical_column, dimension: int,
             stddev `1/sqrt(dimension)`.
         max_norm: None (default) or a positive float.
         trainable: default True.
+        do_fusion: (keyword only) DeepRec's switch to fuse the lookups of
+            embedding columns: None (default), a bool, or a string (later
+            DeepRec versions name a fusion kind). Accepted and without
+            effect: columns of a `group_embedding_column_scope` are always
+            looked up by one fused op per scope.
 
     Returns:
         An `EmbeddingColumn` recording the innermost open scope (or None).
 
     Raises:
         TypeError: unsupported categorical column (the message names it and
-            the scope).
+            the scope), or `do_fusion` not None, a bool or a string.
         ValueError: bad dimension, combiner or max_norm.
     """
+    if do_fusion is not None and not isinstance(do_fusion, (bool, str)):
+        raise TypeError(
+            f"embedding_column '{getattr(categorical_column, 'name', '?')}'"
+            ": `do_fusion` must be None, a bool or a string, got "
+            f"{type(do_fusion).__name__}.")
     return EmbeddingColumn(categorical_column, dimension, combiner,
                            initializer, max_norm, trainable,
                            scope_lib.current_scope())
@@ -401,7 +533,7 @@ def shared_embedding_columns(categorical_columns: Sequence[Any],
                          "is empty; give at least one column.")
     for c in columns:
         _check_categorical(c, "shared_embedding_columns")
-    kinds = {is_ev_column(c) for c in columns}
+    kinds = {is_ev_column(base_categorical_column(c)) for c in columns}
     if len(kinds) > 1:
         raise ValueError(
             "shared_embedding_columns: columns "

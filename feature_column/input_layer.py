@@ -25,6 +25,7 @@ from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import sharded_variable
 from group_embedding.embedding_variable.variable import get_embedding_variable
 from group_embedding.feature_column import column_lookup
+from group_embedding.feature_column import partitioned_table
 from group_embedding.feature_column import sparse_ids
 
 _DEFAULT_SCOPE = "input_layer"
@@ -61,7 +62,9 @@ def graph_tables(graph: tf.Graph) -> Dict[str, Any]:
     return dict(_graph_state(graph).tables)
 
 
-def _check_context() -> None:
+def check_context() -> None:
+    """Raises RuntimeError unless building a TF1 graph (eager code and
+    TF2 `tf.function`s must use the Keras layer)."""
     if tf.executing_eagerly() or tf.inside_function() and \
             tf.compat.v1.executing_eagerly_outside_functions():
         raise RuntimeError(
@@ -93,12 +96,15 @@ def _create_tables(columns, state: _GraphState, trainable: bool,
                         full, c.dimension, key_dtype=tf.int64,
                         initializer=c.initializer,
                         trainable=c.trainable and trainable,
-                        ev_option=c.categorical_column.ev_option)
+                        ev_option=c.ev_option)
                 tables[name] = ev
             elif c.scope is not None and distributed_strategy.is_collective():
                 tables[name] = _collective_tf1_table(c, trainable,
                                                      collections)
             else:
+                # Under a partitioned variable_scope this is a
+                # PartitionedVariable, as for stock (column_lookup reads
+                # its shards).
                 tables[name] = tf.compat.v1.get_variable(
                     "embedding_weights", [c.num_buckets, c.dimension],
                     tf.float32, initializer=_tf1_initializer(c),
@@ -115,6 +121,9 @@ def _collective_tf1_table(column, trainable, collections):
     constant, which suits tables of up to a few hundred MB per worker.
     """
     def create(value):
+        # The collective strategy shards the table itself: a partitioner
+        # of an enclosing variable_scope must not cut it again.
+        tf.compat.v1.get_variable_scope().set_partitioner(None)
         return tf.compat.v1.get_variable(
             "embedding_weights", value.shape, tf.float32,
             initializer=tf.compat.v1.constant_initializer(value),
@@ -181,8 +190,51 @@ def input_layer(features, feature_columns, weight_collections=None,
         ValueError: a feature key missing from `features`, duplicate
             column names, or two scopes sharing a name.
     """
-    _check_context()
+    check_context()
     columns = column_lookup.check_feature_columns(feature_columns)
+    embedded, tables, cache, state = embed_columns(
+        features, columns, weight_collections, trainable,
+        scope or _DEFAULT_SCOPE, training)
+    outputs = column_lookup.dense_outputs(columns, embedded, cache,
+                                          state.state_manager)
+    fill_cols_to_vars(cols_to_vars, columns, embedded, tables)
+    if cols_to_output_tensors is not None:
+        cols_to_output_tensors.update(outputs)
+    return column_lookup.concat(outputs)
+
+
+def fill_cols_to_vars(cols_to_vars, columns, embedded, tables) -> None:
+    """Column -> its table variables (a partitioned table's shards, as
+    stock lists them; [] for columns without a table)."""
+    if cols_to_vars is None:
+        return
+    for c in columns:
+        if c not in embedded:
+            cols_to_vars[c] = []
+            continue
+        table = tables[c.table_name]
+        cols_to_vars[c] = (list(table)
+                           if partitioned_table.is_partitioned(table)
+                           else [table])
+
+
+def embed_columns(features, columns, weight_collections, trainable: bool,
+                  scope: str, training):
+    """Creates (or reuses) the tables of `columns` under variable scope
+    `scope` and looks the embedding columns up, once per graph, features
+    and column.
+
+    Args:
+        features: the features dict of `input_layer`.
+        columns: checked columns (`column_lookup.check_feature_columns`).
+        weight_collections, trainable, training: as in `input_layer`.
+        scope: variable scope name of the tables.
+
+    Returns:
+        (column -> embedding tensor, table name -> table,
+        FeatureTransformationCache over the prepared features, the graph's
+        `_GraphState`).
+    """
     prepared = sparse_ids.prepare_features(features, columns)
     collections = list(weight_collections or [])
     for c in (tf.compat.v1.GraphKeys.GLOBAL_VARIABLES,
@@ -192,7 +244,7 @@ def input_layer(features, feature_columns, weight_collections=None,
     state = _graph_state(tf.compat.v1.get_default_graph())
     cache = fc_v2.FeatureTransformationCache(prepared)
     embedded_columns = column_lookup.embedding_columns(columns)
-    with tf.compat.v1.variable_scope(scope or _DEFAULT_SCOPE,
+    with tf.compat.v1.variable_scope(scope,
                                      reuse=tf.compat.v1.AUTO_REUSE) as vs:
         tables = _create_tables(embedded_columns, state, trainable,
                                 collections)
@@ -208,12 +260,4 @@ def input_layer(features, feature_columns, weight_collections=None,
             for c, t in new.items():
                 state.outputs[keys[c][0]] = (t, keys[c][1])
             embedded.update(new)
-        outputs = column_lookup.dense_outputs(columns, embedded, cache,
-                                              state.state_manager)
-    if cols_to_vars is not None:
-        for c in columns:
-            cols_to_vars[c] = ([tables[c.table_name]] if c in embedded
-                               else [])
-    if cols_to_output_tensors is not None:
-        cols_to_output_tensors.update(outputs)
-    return column_lookup.concat(outputs)
+    return embedded, tables, cache, state

@@ -149,7 +149,7 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
                     f"{self.name}/{name}", c.dimension, key_dtype=tf.int64,
                     initializer=c.initializer,
                     trainable=c.trainable and self.trainable,
-                    ev_option=c.categorical_column.ev_option)
+                    ev_option=c.ev_option)
                 self._evs.append(ev)
                 # Keras sees (and model.fit trains) the EV through it.
                 self._ev_weights.append(KerasEmbeddingVariable(

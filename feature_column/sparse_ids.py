@@ -91,14 +91,14 @@ def prepare_features(features: Mapping[str, Any], feature_columns
     return out
 
 
-def _ev_sparse_ids(column, cache, state_manager) -> tf.SparseTensor:
-    cat = column.categorical_column
+def _ev_sparse_ids(cat, column_name: str, cache,
+                   state_manager) -> tf.SparseTensor:
     raw = cache.get(cat.key, state_manager)
     sparse = fc_v2._to_sparse_input_and_drop_ignore_values(raw)  # noqa
     is_string = sparse.dtype == tf.string
     if is_string != (cat.dtype == tf.string):
         raise TypeError(
-            f"Feature '{cat.key}' of column '{column.name}' holds "
+            f"Feature '{cat.key}' of column '{column_name}' holds "
             f"{sparse.dtype.name} ids but the column's dtype is "
             f"{cat.dtype.name}.")
     if is_string:
@@ -125,6 +125,29 @@ def _prune(ids: tf.SparseTensor, weights: Optional[tf.SparseTensor],
     return ids, weights
 
 
+def _raw_sparse_ids(column, cache, state_manager):
+    """(ids, weights) of a column before anything is pruned.
+
+    Sequence columns are read through the column they wrap: their 2-D
+    `[B, T]` ids, whose column index is the position in the sequence.
+    """
+    cat = column.categorical_column
+    if columns_lib.is_sequence_column(cat):
+        cat = cat.categorical_column
+    base = columns_lib.base_categorical_column(cat)
+    if columns_lib.is_ev_column(base):
+        ids = _ev_sparse_ids(base, column.name, cache, state_manager)
+        weights = None
+        if isinstance(cat, fc_v2.WeightedCategoricalColumn):
+            # Stock's own conversion of the weight feature (dense zeros
+            # mean missing), so weights line up as they do for stock ids.
+            weights = cat._transform_weight_tensor(  # noqa
+                cache.get(cat.weight_feature_key, state_manager))
+        return ids, weights
+    pair = cat.get_sparse_tensors(cache, state_manager)
+    return pair.id_tensor, pair.weight_tensor
+
+
 def column_sparse_ids(column, cache: fc_v2.FeatureTransformationCache,
                       state_manager
                       ) -> Tuple[tf.SparseTensor, Optional[tf.SparseTensor]]:
@@ -145,27 +168,37 @@ def column_sparse_ids(column, cache: fc_v2.FeatureTransformationCache,
         TypeError: string/int mismatch between an EV column and its input.
         ValueError: ids of rank other than 2.
     """
-    if column.is_ev:
-        ids = _ev_sparse_ids(column, cache, state_manager)
-        _check_rank(ids, column.name)
-        # EV keys may be negative; only dense defaults count as missing.
-        return ids, None
-    pair = column.categorical_column.get_sparse_tensors(cache, state_manager)
-    ids, weights = pair.id_tensor, pair.weight_tensor
+    ids, weights = _raw_sparse_ids(column, cache, state_manager)
     _check_rank(ids, column.name)
     if ids.dtype != tf.int64:
         ids = tf.SparseTensor(ids.indices, tf.cast(ids.values, tf.int64),
                               ids.dense_shape)
-    # What stock safe_embedding_lookup_sparse prunes (missing vocabulary
-    # entries map to -1; non-positive weights would divide by <= 0).
-    ids, weights = _prune(ids, weights, ids.values >= 0)
+    if not column.is_ev:
+        # What stock safe_embedding_lookup_sparse prunes (missing
+        # vocabulary entries map to -1). EV keys may be negative: for
+        # them only dense defaults count as missing.
+        ids, weights = _prune(ids, weights, ids.values >= 0)
     if weights is not None and column.combiner != "sum":
+        # Non-positive weights would divide by <= 0 (stock prunes them).
         ids, weights = _prune(ids, weights, weights.values > 0)
     if weights is not None and weights.dtype != tf.float32:
         weights = tf.SparseTensor(weights.indices,
                                   tf.cast(weights.values, tf.float32),
                                   weights.dense_shape)
     return ids, weights
+
+
+def sequence_length(column, cache: fc_v2.FeatureTransformationCache,
+                    state_manager) -> tf.Tensor:
+    """Int64 `[B]` lengths of a sequence column's rows, as stock computes
+    them: last occupied position + 1, counted before invalid ids (e.g. out
+    of vocabulary) are dropped; 0 for an empty row."""
+    ids, _ = _raw_sparse_ids(column, cache, state_manager)
+    batch = ids.dense_shape[0]
+    last = tf.math.unsorted_segment_max(ids.indices[:, 1] + 1,
+                                        ids.indices[:, 0], batch)
+    # Empty rows get the dtype's lowest value from the segment max.
+    return tf.maximum(last, 0)
 
 
 class TableStateManager(fc_v2.StateManager):

@@ -3,13 +3,20 @@
 For one group of same-dim sharded tables (or EmbeddingVariables, whose
 keys are owned by worker `key mod N`), every worker:
 1. deduplicates its ids per table and groups them by owner worker;
-2. sends them with ONE `alltoall` (rows of (table slot, local row));
+2. sends them with ONE `alltoall` (ids, with per-table counts);
 3. looks up what it received in its own shards (one fused op);
 4. returns the rows with a second `alltoall`;
 5. pools the rows of its own batch locally.
 Autodiff runs the same path backwards (Horovod's alltoall gradient), so
 each owner receives exactly the gradient rows of the ids it owns and its
 optimizer updates only those rows of its shard.
+
+Sharded float32 tables on CPU (no `max_norm`) take the C++ path of
+`ops/collective_routing.py`: steps 1, 3 and 5 are one kernel each, and the
+backward reuses the forward's routing (one gradient row per distinct id,
+no second dedup). Everything else (EVs, sequences, `max_norm`, GPU,
+`GROUP_EMBEDDING_KERNELS=tf`) takes the pure-TF path below, which computes
+the same numbers.
 """
 
 from typing import List
@@ -17,6 +24,7 @@ from typing import List
 import tensorflow as tf
 
 from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.ops import collective_routing
 from group_embedding.ops import ev_storage
 from group_embedding.ops import fused_lookup
 from group_embedding.ops.ragged_ids import FeatureIds
@@ -138,10 +146,51 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
     return tf.gather(unique_rows, tf.concat(slots, 0))
 
 
+def _is_kernel_path(tables, max_norm) -> bool:
+    """Whether the C++ routing kernels serve this group."""
+    if max_norm is not None or collective_routing.library() is None:
+        return False
+    if tf.config.list_logical_devices("GPU"):
+        return False
+    return all(isinstance(t, ShardedVariable)
+               and tf.as_dtype(t.dtype) == tf.float32 for t in tables)
+
+
+def kernel_pooled_lookup(tables, feats, combiners, names) -> List[tf.Tensor]:
+    """Pooled lookups of sharded float32 tables with the C++ routing.
+
+    Two `alltoall`s forward (ids out, rows back) and one backward (the
+    gradient rows), whatever the number of tables; the tables may have
+    different dims, so one call can serve several groups.
+
+    Args:
+        tables: K `ShardedVariable`s (float32), any dims.
+        feats: this worker's `FeatureIds`, one per table.
+        combiners: "sum" | "mean" | "sqrtn" per table.
+        names: table names for error messages.
+
+    Returns:
+        K tensors `[B, D_t]`.
+    """
+    hvd = distributed_strategy.horovod()
+    dims = [t.embedding_dim for t in tables]
+    send, send_splits, offsets = collective_routing.route_ids(
+        [f.values for f in feats], [t.vocab_size for t in tables], dims,
+        [t.partition_strategy for t in tables], hvd.size(), names)
+    received, received_splits = hvd.alltoall(send, splits=send_splits)
+    rows, row_splits = collective_routing.owner_gather(
+        [t.shard_variable for t in tables], received, received_splits, dims,
+        names)
+    returned, _ = hvd.alltoall(rows, splits=row_splits)
+    return collective_routing.pool(returned, offsets, feats, combiners, dims)
+
+
 def pooled_lookup(tables, feats, combiners, names, partition_strategy,
                   max_norm=None, training=True):
     """Model-parallel `[B, D]` pooled lookups of one group of shards."""
     _check_partition(tables, partition_strategy, names)
+    if _is_kernel_path(tables, max_norm):
+        return kernel_pooled_lookup(tables, feats, combiners, names)
     rows = exchange_rows(tables, feats, names, training)
     if max_norm is not None:
         rows = fused_lookup.clip_rows(rows, max_norm)

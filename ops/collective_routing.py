@@ -1,0 +1,181 @@
+"""Python side of the collective lookup kernels (`kernels/collective_ops.cc`).
+
+The model-parallel lookup of `group_embedding.distributed.collective_lookup`
+runs, per step and worker:
+
+1. `route_ids`: ONE op dedups the ids of all tables and buckets the distinct
+   ids by owner worker into one int64 send buffer (per owner: K counts,
+   then the local rows table by table), plus, per id, the float offset of
+   its row in the rows buffer that will come back;
+2. an `alltoall` of that buffer;
+3. `owner_gather`: the owner copies the asked rows of its shards into one
+   flat float buffer, source by source (its gradient gives each shard its
+   distinct rows with summed gradients: IndexedSlices);
+4. an `alltoall` of the rows back;
+5. `pool`: each feature's rows are pooled from that buffer into `[B, D]`
+   (its gradient sums the pooled gradients into one row per distinct id,
+   reusing the router's offsets: no second dedup, no `[nnz, D]` tensor).
+
+Every function here needs the C++ kernels (`library()` is not None).
+"""
+
+from typing import List
+from typing import Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import tape as tape_lib
+
+from group_embedding.ops import kernel_library
+from group_embedding.ops.ragged_ids import FeatureIds
+
+
+def library():
+    """The kernel module when it holds the collective ops, else None.
+
+    None under `GROUP_EMBEDDING_KERNELS=tf`, when the kernels cannot be
+    built, or with a kernel library built before these ops existed.
+    """
+    lib = kernel_library.load()
+    if lib is None or not hasattr(lib, "collective_route_ids"):
+        return None
+    return lib
+
+
+def _kernels():
+    # Gradients run with whatever library served the forward op.
+    lib = kernel_library.library()
+    if lib is None or not hasattr(lib, "collective_route_ids"):
+        raise RuntimeError("The collective lookup kernels are not loaded; "
+                           f"run `{kernel_library.DIAGNOSE_COMMAND}`.")
+    return lib
+
+
+def route_ids(ids: Sequence[tf.Tensor], vocab_sizes: Sequence[int],
+              dims: Sequence[int], partitions: Sequence[str],
+              num_workers: int, table_names: Sequence[str]):
+    """Dedups and buckets the ids of K tables by owner worker.
+
+    Args:
+        ids: K int64 vectors `[nnz_t]` of global row ids.
+        vocab_sizes: rows V_t of each whole table (ids must be in [0, V_t)).
+        dims: row width D_t of each table (tables may differ).
+        partitions: "mod" (row r on worker r % N, local row r // N) or
+            "div" (blocks of ceil(V / N) rows) per table.
+        num_workers: N.
+        table_names: for error messages.
+
+    Returns:
+        (send_ids int64 `[N * K + distinct ids]`, send_splits int32 `[N]`,
+        row_offsets: K int64 `[nnz_t]`, the float offset of each id's row
+        in the buffer `owner_gather` returns through the alltoall).
+
+    Raises:
+        tf.errors.InvalidArgumentError: (at run time) an id outside
+            `[0, V_t)`, naming the table.
+    """
+    send, splits, offsets = _kernels().collective_route_ids(
+        ids=list(ids), num_workers=int(num_workers),
+        vocab_sizes=[int(v) for v in vocab_sizes],
+        dims=[int(d) for d in dims], partitions=list(partitions),
+        table_names=list(table_names))
+    return send, splits, list(offsets)
+
+
+def owner_gather(shards: Sequence[tf.Variable], received_ids: tf.Tensor,
+                 received_splits: tf.Tensor, dims: Sequence[int],
+                 table_names: Sequence[str]):
+    """The rows asked by every source worker, from this worker's shards.
+
+    Args:
+        shards: K float32 `[rows_t, D_t]` resource variables (this worker's
+            shard of each table, in `route_ids` order).
+        received_ids: int64, what the alltoall of `route_ids`' send buffer
+            delivered here.
+        received_splits: int32 `[N]`, its segment per source.
+        dims: D_t per table.
+        table_names: for error messages.
+
+    Returns:
+        (rows float32 `[E]`: per source, per table, the asked rows
+        flattened; row_splits int32 `[N]`: floats per source, the splits to
+        send them back with).
+    """
+    for s in shards:
+        if s.trainable:
+            # The kernel reads the shards through their handles: tell the
+            # tape (GradientTape, tf.function) that they were read.
+            tape_lib.variable_accessed(s)
+    return _kernels().collective_owner_gather(
+        shards=[s.handle for s in shards], received_ids=received_ids,
+        received_splits=received_splits, dims=[int(d) for d in dims],
+        table_names=list(table_names))
+
+
+def pool(rows: tf.Tensor, row_offsets: Sequence[tf.Tensor],
+         feats: Sequence[FeatureIds], combiners: Sequence[str],
+         dims: Sequence[int]) -> List[tf.Tensor]:
+    """Pools each feature's rows from the returned rows buffer.
+
+    Row b of output t equals the pooling (combiner, weights) of the rows at
+    `row_offsets[t][j]` for the ids j of row b, exactly as the fused
+    single-process lookup pools them from the table.
+
+    Args:
+        rows: float32 `[E]`, the rows buffer back from the owners.
+        row_offsets: K int64 `[nnz_t]` from `route_ids`.
+        feats: K `FeatureIds` (row splits and weights are used).
+        combiners: "sum" | "mean" | "sqrtn" per table.
+        dims: D_t per table.
+
+    Returns:
+        K float32 tensors `[B_t, D_t]`.
+    """
+    empty = tf.zeros([0], tf.float32)
+    return _kernels().collective_pool(
+        rows=rows, row_offsets=list(row_offsets),
+        row_splits=[f.row_splits for f in feats],
+        weights=[empty if f.weights is None else f.weights for f in feats],
+        combiners=list(combiners), dims=[int(d) for d in dims])
+
+
+def _register_gradients():
+    @tf.RegisterGradient("CollectiveOwnerGather")
+    def _owner_gather_grad(op, grad_rows, grad_splits):
+        del grad_splits  # integer output
+        k = op.get_attr("num_tables")
+        handles = op.inputs[:k]
+        indices, values = _kernels().collective_owner_gather_grad(
+            grad=grad_rows, received_ids=op.inputs[k],
+            received_splits=op.inputs[k + 1], num_tables=k,
+            dims=op.get_attr("dims"))
+        slices = [tf.IndexedSlices(v, i, tf.raw_ops.VariableShape(
+                      input=h, out_type=tf.int64))
+                  for i, v, h in zip(indices, values, handles)]
+        return slices + [None, None]
+
+    @tf.RegisterGradient("CollectivePool")
+    def _pool_grad(op, *grads):
+        k = op.get_attr("num_tables")
+        combiners = [c.decode() if isinstance(c, bytes) else c
+                     for c in op.get_attr("combiners")]
+        dims = op.get_attr("dims")
+        rows = op.inputs[0]
+        offsets = list(op.inputs[1:1 + k])
+        splits = list(op.inputs[1 + k:1 + 2 * k])
+        weights = list(op.inputs[1 + 2 * k:1 + 3 * k])
+        # An unused output has no gradient; the kernels want them all.
+        grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
+                 for g, o in zip(grads, op.outputs)]
+        lib = _kernels()
+        rows_grad = lib.collective_pool_grad(
+            grads=grads, row_offsets=offsets, row_splits=splits,
+            weights=weights, num_elements=tf.size(rows, out_type=tf.int64),
+            combiners=combiners, dims=dims)
+        weight_grads = lib.collective_pool_weight_grad(
+            rows=rows, row_offsets=offsets, row_splits=splits,
+            weights=weights, grads=grads, pooled=list(op.outputs),
+            combiners=combiners, dims=dims)
+        return [rows_grad] + [None] * (2 * k) + list(weight_grads)
+
+
+_register_gradients()

@@ -1,0 +1,229 @@
+"""The collective routing kernels (`ops/collective_routing.py`) in one process.
+
+N workers are simulated in one process: the alltoalls are `tf.split` +
+`tf.concat` (differentiable like Horovod's), each worker's shard is a
+`tf.Variable` of its rows. Oracles: a numpy reference of the router's
+buffers, and stock `tf.nn.embedding_lookup_sparse` on the whole tables for
+the pooled outputs and every gradient (shard rows and weights).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from group_embedding.distributed.sharded_variable import shard_rows
+from group_embedding.ops import collective_routing
+from group_embedding.ops.ragged_ids import FeatureIds
+
+pytestmark = pytest.mark.skipif(
+    collective_routing.library() is None,
+    reason="collective routing kernels not built")
+
+# Three tables of different dims and partitions, so offsets mix widths.
+VOCABS = [50, 7, 1000]
+DIMS = [4, 8, 2]
+PARTITIONS = ["mod", "div", "mod"]
+COMBINERS = ["sum", "mean", "sqrtn"]
+NAMES = ["t0", "t1", "t2"]
+
+
+def owner_and_local(ids, vocab, partition, workers):
+    """Numpy version of ShardedVariable.owner / local_row."""
+    if partition == "mod":
+        return ids % workers, ids // workers
+    per = -(-vocab // workers)
+    return ids // per, ids - (ids // per) * per
+
+
+def reference_route(ids, workers):
+    """(send buffer, splits, row offsets) the router must produce."""
+    buckets = {}  # (owner, table) -> local rows, first-occurrence order
+    where = []    # per table: distinct id -> (owner, position)
+    for t, x in enumerate(ids):
+        _, first = np.unique(x, return_index=True)
+        distinct = x[np.sort(first)]
+        owner, local = owner_and_local(distinct, VOCABS[t], PARTITIONS[t],
+                                       workers)
+        pos = {}
+        for d, o, r in zip(distinct, owner, local):
+            bucket = buckets.setdefault((o, t), [])
+            pos[d] = (o, len(bucket))
+            bucket.append(r)
+        where.append(pos)
+    send, splits, elem_at, elems = [], [], {}, 0
+    for o in range(workers):
+        counts = [len(buckets.get((o, t), [])) for t in range(len(ids))]
+        send += counts
+        for t in range(len(ids)):
+            send += buckets.get((o, t), [])
+            elem_at[(o, t)] = elems
+            elems += counts[t] * DIMS[t]
+        splits.append(len(ids) + sum(counts))
+    offsets = []
+    for t, x in enumerate(ids):
+        offsets.append(np.array(
+            [elem_at[(where[t][v][0], t)] + where[t][v][1] * DIMS[t]
+             for v in x], np.int64))
+    return np.array(send, np.int64), np.array(splits, np.int32), offsets
+
+
+def random_batches(workers, batch=6, seed=0):
+    """Per worker, per table: (ids, row_splits, weights) with empty rows
+    and duplicate ids."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(workers):
+        feats = []
+        for vocab in VOCABS:
+            lengths = rng.integers(0, 4, batch)
+            ids = rng.integers(0, min(vocab, 12), lengths.sum())
+            weights = rng.uniform(0.5, 2.0, lengths.sum()).astype(np.float32)
+            splits = np.concatenate([[0], np.cumsum(lengths)])
+            feats.append((ids.astype(np.int64), splits.astype(np.int64),
+                          weights))
+        out.append(feats)
+    return out
+
+
+def alltoall(buffers, splits):
+    """Simulated alltoall: worker w receives every worker's w-th piece."""
+    pieces = [tf.split(b, s, num=len(buffers)) for b, s in
+              zip(buffers, splits)]
+    received = [tf.concat([p[w] for p in pieces], 0)
+                for w in range(len(buffers))]
+    received_splits = [tf.stack([tf.cast(s[w], tf.int32) for s in splits])
+                       for w in range(len(buffers))]
+    return received, received_splits
+
+
+class CollectiveRoutingTest(tf.test.TestCase):
+
+    def test_route_matches_numpy_reference(self):
+        for workers in (1, 2, 3):
+            feats = random_batches(1, batch=20, seed=workers)[0]
+            ids = [f[0] for f in feats]
+            send, splits, offsets = collective_routing.route_ids(
+                [tf.constant(x) for x in ids], VOCABS, DIMS, PARTITIONS,
+                workers, NAMES)
+            want_send, want_splits, want_offsets = reference_route(
+                ids, workers)
+            np.testing.assert_array_equal(send.numpy(), want_send)
+            np.testing.assert_array_equal(splits.numpy(), want_splits)
+            for got, want in zip(offsets, want_offsets):
+                np.testing.assert_array_equal(got.numpy(), want)
+
+    def test_round_trip_equals_stock_lookup(self):
+        workers = 3
+        rng = np.random.default_rng(5)
+        tables = [rng.normal(size=(v, d)).astype(np.float32)
+                  for v, d in zip(VOCABS, DIMS)]
+        shards = [[tf.Variable(tables[t][shard_rows(VOCABS[t], PARTITIONS[t],
+                                                    workers, w)])
+                   for t in range(3)] for w in range(workers)]
+        batches = random_batches(workers)
+        weights = [[tf.Variable(f[2]) for f in feats] for feats in batches]
+        upstream = [[rng.normal(size=(len(f[1]) - 1, DIMS[t]))
+                     .astype(np.float32) for t, f in enumerate(feats)]
+                    for feats in batches]
+        with tf.GradientTape(persistent=True) as tape:
+            sends, send_splits, offsets = [], [], []
+            for feats in batches:
+                s, sp, off = collective_routing.route_ids(
+                    [tf.constant(f[0]) for f in feats], VOCABS, DIMS,
+                    PARTITIONS, workers, NAMES)
+                sends.append(s)
+                send_splits.append(sp)
+                offsets.append(off)
+            received, received_splits = alltoall(sends, send_splits)
+            rows, row_splits = [], []
+            for w in range(workers):
+                r, rs = collective_routing.owner_gather(
+                    shards[w], received[w], received_splits[w], DIMS, NAMES)
+                rows.append(r)
+                row_splits.append(rs)
+            returned, _ = alltoall(rows, row_splits)
+            losses, pooled = [], []
+            for w, feats in enumerate(batches):
+                fids = [FeatureIds(tf.constant(f[0]), tf.constant(f[1]),
+                                   weights[w][t].read_value(), None, None,
+                                   NAMES[t])
+                        for t, f in enumerate(feats)]
+                out = collective_routing.pool(returned[w], offsets[w], fids,
+                                              COMBINERS, DIMS)
+                pooled.append(out)
+                losses.append(sum(tf.reduce_sum(o * u) for o, u in
+                                  zip(out, upstream[w])))
+            loss = tf.add_n(losses)
+        # Oracle: stock lookups on the whole tables, per worker.
+        full = [tf.Variable(x) for x in tables]
+        with tf.GradientTape(persistent=True) as ref_tape:
+            ref_losses = []
+            for w, feats in enumerate(batches):
+                for t, f in enumerate(feats):
+                    ids = tf.RaggedTensor.from_row_splits(f[0], f[1])
+                    wts = tf.RaggedTensor.from_row_splits(
+                        weights[w][t].read_value(), f[1])
+                    got = tf.nn.embedding_lookup_sparse(
+                        full[t], ids.to_sparse(), wts.to_sparse(),
+                        combiner=COMBINERS[t])
+                    # Stock drops trailing empty rows: pad to the batch.
+                    got = tf.pad(got, [[0, len(f[1]) - 1 - tf.shape(got)[0]],
+                                       [0, 0]])
+                    self.assertAllClose(pooled[w][t], got, rtol=1e-5,
+                                        atol=1e-6)
+                    ref_losses.append(tf.reduce_sum(got * upstream[w][t]))
+            ref_loss = tf.add_n(ref_losses)
+        for t in range(3):
+            want = tf.convert_to_tensor(ref_tape.gradient(ref_loss, full[t]))
+            for w in range(workers):
+                g = tape.gradient(loss, shards[w][t])
+                self.assertIsInstance(g, tf.IndexedSlices)
+                # Distinct rows per shard: the optimizer sees no duplicate.
+                idx = g.indices.numpy()
+                self.assertEqual(len(np.unique(idx)), len(idx))
+                rows_of_w = shard_rows(VOCABS[t], PARTITIONS[t], workers, w)
+                self.assertAllClose(tf.convert_to_tensor(g),
+                                    tf.gather(want, rows_of_w), rtol=1e-5,
+                                    atol=1e-5)
+            for w in range(workers):
+                self.assertAllClose(
+                    tape.gradient(loss, weights[w][t]),
+                    ref_tape.gradient(ref_loss, weights[w][t]),
+                    rtol=1e-4, atol=1e-5)
+
+    def test_id_out_of_range_names_the_table(self):
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    r"t1: id 7 is out of range \[0, 7\)"):
+            collective_routing.route_ids(
+                [tf.constant([1], tf.int64), tf.constant([3, 7], tf.int64),
+                 tf.constant([], tf.int64)], VOCABS, DIMS, PARTITIONS, 2,
+                NAMES)
+
+    def test_bad_received_counts_fail(self):
+        shards = [tf.Variable(tf.zeros([v, d])) for v, d in zip(VOCABS, DIMS)]
+        # Source 0 announces 5 ids of table 0 but sends 1.
+        received = tf.constant([5, 0, 0, 1], tf.int64)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    "announces 5 ids"):
+            collective_routing.owner_gather(
+                shards, received, tf.constant([4], tf.int32), DIMS, NAMES)
+        # A local row outside the shard.
+        received = tf.constant([1, 0, 0, 50], tf.int64)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    "t0: worker 0 asks for local row 50"):
+            collective_routing.owner_gather(
+                shards, received, tf.constant([4], tf.int32), DIMS, NAMES)
+
+    def test_offsets_outside_the_rows_fail(self):
+        feat = FeatureIds(tf.constant([0], tf.int64),
+                          tf.constant([0, 1], tf.int64), None, None, None,
+                          "f")
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    "row offset 4 does not address"):
+            collective_routing.pool(tf.zeros([6]), [tf.constant([4],
+                                                                tf.int64)],
+                                    [feat], ["sum"], [4])
+
+
+if __name__ == "__main__":
+    tf.test.main()
