@@ -4,9 +4,11 @@
 Columns of one scope (and one `max_norm`) go through ONE
 `group_embedding_lookup_sparse` call; columns built outside any scope are
 looked up alone, with stock `safe_embedding_lookup_sparse` (or, for EV
-tables, a one-table grouped lookup). Outputs are concatenated sorted by
-column name, as stock `input_layer` does. Tables are passed in: this module
-holds no state.
+tables and sequence columns, a one-column grouped lookup). A table that a
+partitioned `variable_scope` turned into a `PartitionedVariable` enters the
+grouped op shard by shard (`partitioned_table`). Outputs are concatenated
+sorted by column name, as stock `input_layer` does. Tables are passed in:
+this module holds no state.
 """
 
 import collections
@@ -144,6 +146,10 @@ def _lookup_entries(column, table, ids, weights):
     if not partitioned_table.is_partitioned(table):
         return [table], [ids], [weights], column.combiner
     tables = partitioned_table.shards(table, column.name)
+    if len(tables) == 1:
+        # The model zoo's min_max partitioner without parameter servers
+        # (max_partitions=0) makes one shard: nothing to split.
+        return tables, [ids], [weights], column.combiner
     shard_ids, shard_weights, combiner = partitioned_table.split_ids(
         ids, weights, column.combiner, tables, column.is_sequence)
     return tables, shard_ids, shard_weights, combiner

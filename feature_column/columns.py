@@ -464,7 +464,9 @@ def embedding_column(categorical_column, dimension: int,
     Args:
         categorical_column: see `EmbeddingColumn`.
         dimension: embedding dim, int >= 1.
-        combiner: "mean" (default), "sum" or "sqrtn".
+        combiner: "mean" (default), "sum" or "sqrtn". A sequence column's
+            output is unpooled, one row per position
+            (`sequence_input_layer`): as in stock, nothing is combined.
         initializer: see `EmbeddingColumn`; default truncated normal with
             stddev `1/sqrt(dimension)`.
         max_norm: None (default) or a positive float.

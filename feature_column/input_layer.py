@@ -6,6 +6,12 @@ under `<scope>/<table name>/embedding_weights`, the names stock
 graph, or a second `input_layer` call, reuses them. EV tables are created
 once per graph with `ge.get_embedding_variable`.
 
+Under a partitioned `variable_scope` (DeepRec's model zoo
+`--input_layer_partitioner`), `get_variable` returns a `PartitionedVariable`
+for a stock-column table, exactly as for stock `input_layer`; its shards
+join the scope's grouped lookup. EV tables ignore the partitioner: an EV is
+one hash table.
+
 Each graph remembers, per features object and column, the embedding it
 already computed: calling `input_layer` twice on the same features (twice
 in one model_fn) adds no second lookup. DeepRec runs the grouped lookup
@@ -172,7 +178,8 @@ def input_layer(features, feature_columns, weight_collections=None,
         weight_collections: extra graph collections for the tables (they
             always join GLOBAL_VARIABLES and MODEL_VARIABLES).
         trainable: if False, no table is trainable (default True).
-        cols_to_vars: None, or a dict filled with column -> [tables].
+        cols_to_vars: None, or a dict filled with column -> [tables] (the
+            shards of a partitioned table, as stock lists them).
         cols_to_output_tensors: None, or a dict filled with column ->
             `[B, D]` output.
         scope: (keyword only) variable scope of the tables, default

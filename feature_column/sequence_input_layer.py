@@ -16,8 +16,11 @@ from typing import Tuple
 import tensorflow as tf
 
 from group_embedding.feature_column import column_lookup
-from group_embedding.feature_column import input_layer as input_layer_lib
 from group_embedding.feature_column import sparse_ids
+# By name: the package exports the function `input_layer`, which hides the
+# module of the same name as an attribute.
+from group_embedding.feature_column.input_layer import check_context
+from group_embedding.feature_column.input_layer import embed_columns
 
 _DEFAULT_SCOPE = "sequence_input_layer"
 
@@ -70,10 +73,10 @@ def sequence_input_layer(features, feature_columns, weight_collections=None,
         tf.errors.InvalidArgumentError: (at run time) columns whose
             sequence lengths differ.
     """
-    input_layer_lib.check_context()
+    check_context()
     columns = column_lookup.check_feature_columns(feature_columns,
                                                   sequence=True)
-    embedded, _, cache, state = input_layer_lib.embed_columns(
+    embedded, _, cache, state = embed_columns(
         features, columns, weight_collections, trainable,
         scope or _DEFAULT_SCOPE, training)
     lengths = [sparse_ids.sequence_length(c, cache, state.state_manager)

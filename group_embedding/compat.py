@@ -15,6 +15,8 @@ What `install()` changes, in `tf` and in `tf.compat.v1`:
 * added: `nn.group_embedding_lookup_sparse`, `nn.group_embedding_lookup`,
   `feature_column.group_embedding_column_scope`,
   `feature_column.categorical_column_with_embedding`,
+  `feature_column.sequence_categorical_column_with_embedding`,
+  `contrib.feature_column.sequence_input_layer` (no `contrib` in TF 2),
   `get_embedding_variable`, `config.experimental.enable_distributed_strategy`,
   `EmbeddingVariableOption`, `CounterFilter`, `InitializerOption`,
   `GlobalStepEvict`, `L2WeightEvict`;
@@ -43,6 +45,7 @@ variable names stock uses (`input_layer/<column>/embedding_weights`).
 import functools
 import inspect
 import threading
+import types
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -51,7 +54,6 @@ from typing import Tuple
 
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 from group_embedding.embedding_variable import variable as embedding_variable
 from group_embedding.embedding_variable import options
@@ -64,6 +66,8 @@ from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column.input_layer import \
     input_layer as ge_input_layer
+from group_embedding.feature_column.sequence_input_layer import \
+    sequence_input_layer as ge_sequence_input_layer
 from group_embedding.feature_column import scope as scope_lib
 
 _MISSING = object()
@@ -91,11 +95,8 @@ def _reject_ckpt_arguments(where: str, ckpt_to_load_from,
 
 
 def _is_supported_categorical(column) -> bool:
-    inner = column
-    if isinstance(column, fc_v2.WeightedCategoricalColumn):
-        inner = column.categorical_column
-    return columns_lib.is_ev_column(column) or isinstance(
-        inner, columns_lib.SUPPORTED_STOCK_COLUMNS)
+    # EV and stock columns, weighted or sequence ones included.
+    return columns_lib.is_embeddable(column)
 
 
 def embedding_column(categorical_column, dimension, combiner="mean",
@@ -118,8 +119,9 @@ def embedding_column(categorical_column, dimension, combiner="mean",
             always drops invalid ids and empty rows give zeros, which is
             what the safe lookup does and, on valid input, equals the
             unsafe one.
-        do_fusion: DeepRec's embedding-fusion switch; accepted and
-            ignored: the grouped lookup is always one fused op per group.
+        do_fusion: DeepRec's embedding-fusion switch: see
+            `ge.feature_column.embedding_column` (accepted, no effect: the
+            grouped lookup is always one fused op per scope).
 
     Returns:
         A `ge` `EmbeddingColumn` (or a stock one, see above).
@@ -128,7 +130,6 @@ def embedding_column(categorical_column, dimension, combiner="mean",
         NotImplementedError: checkpoint arguments given.
         TypeError / ValueError: see `ge.feature_column.embedding_column`.
     """
-    del do_fusion  # always fused, see Args
     _reject_ckpt_arguments("embedding_column", ckpt_to_load_from,
                            tensor_name_in_ckpt)
     if scope_lib.current_scope() is None and not _is_supported_categorical(
@@ -139,7 +140,7 @@ def embedding_column(categorical_column, dimension, combiner="mean",
             use_safe_embedding_lookup=use_safe_embedding_lookup)
     return columns_lib.embedding_column(categorical_column, dimension,
                                         combiner, initializer, max_norm,
-                                        trainable)
+                                        trainable, do_fusion=do_fusion)
 
 
 def shared_embedding_columns(categorical_columns, dimension,
@@ -296,11 +297,12 @@ _UNSUPPORTED_FEATURE_COLUMN = {
     "categorical_column_with_adaptive_embedding": (
         "tf.feature_column.categorical_column_with_adaptive_embedding",
         "use categorical_column_with_embedding."),
-    "sequence_categorical_column_with_embedding": (
-        "tf.feature_column.sequence_categorical_column_with_embedding",
-        "use categorical_column_with_embedding with a sequence "
-        "(is_sequence=True) grouped lookup."),
 }
+
+
+# `tf.contrib` as far as DeepRec's scripts use it.
+_CONTRIB = types.SimpleNamespace(feature_column=types.SimpleNamespace(
+    sequence_input_layer=ge_sequence_input_layer))
 
 
 def _names() -> List[Tuple[Any, str, Any]]:
@@ -326,6 +328,8 @@ def _names() -> List[Tuple[Any, str, Any]]:
             scope_lib.group_embedding_column_scope,
         "categorical_column_with_embedding":
             columns_lib.categorical_column_with_embedding,
+        "sequence_categorical_column_with_embedding":
+            columns_lib.sequence_categorical_column_with_embedding,
         "embedding_column": embedding_column,
         "shared_embedding_columns": shared_embedding_columns,
         "input_layer": input_layer,
@@ -352,6 +356,13 @@ def _names() -> List[Tuple[Any, str, Any]]:
     # TF2's name for shared_embedding_columns.
     out.append((tf.feature_column, "shared_embeddings",
                 shared_embedding_columns))
+    # TF 1.15's `tf.contrib.feature_column.sequence_input_layer` (DeepRec's
+    # BST / DIN scripts); stock TF 2 has no `contrib` at all.
+    for root in (tf, tf.compat.v1):
+        stock = _ORIGINALS.get((root, "contrib"),
+                               getattr(root, "contrib", _MISSING))
+        if stock is _MISSING or stock is _CONTRIB:
+            out.append((root, "contrib", _CONTRIB))
     for name in train.__all__:
         out.append((tf.compat.v1.train, name, getattr(train, name)))
     # TF 2.16+ ships no tf.estimator: DeepRec's Estimator scripts get ours.

@@ -44,11 +44,14 @@ import warnings
 import tensorflow as tf
 
 KERNEL_MODES = ("auto", "custom", "tf")
-_SOURCES = ("group_embedding_ops.cc", "embedding_variable_ops.cc",
-            "ev_apply_ops.cc", "ev_lookup_ops.cc")
-_HEADERS = ("pooling.h", "ev_storage.h")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _KERNEL_DIR = os.path.join(_PACKAGE_DIR, "kernels")
+# Every source of the folder goes into the one library (a new kernel file
+# needs no edit here); the wheel ships the same globs.
+_SOURCES = tuple(sorted(n for n in os.listdir(_KERNEL_DIR)
+                        if n.endswith(".cc")))
+_HEADERS = tuple(sorted(n for n in os.listdir(_KERNEL_DIR)
+                        if n.endswith(".h")))
 # Record of the library that `setup.py build_ext` puts into the package.
 PACKAGED_RECORD = os.path.join(_PACKAGE_DIR, "_group_embedding_ops.json")
 _PREFIX = "_group_embedding_ops_"

@@ -152,14 +152,18 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
         directory: checkpoint folder (shared by all workers).
         tables: name -> `ShardedVariable`, `tf.Variable` or
             `EmbeddingVariable`; names must be the same on every worker.
-        step: number used in the checkpoint folder's name.
+        step: number used in the checkpoint folder's name
+            (`ckpt-STEP-TOKEN`, a fresh TOKEN per save). Saving a step
+            again writes a new folder; older folders of that step are
+            deleted only after `latest` names the new one.
 
     Returns:
-        The path of the finished checkpoint.
+        The path of the finished checkpoint (what `latest` now names).
 
     Raises:
-        RuntimeError: any worker failed to write (the previous checkpoint
-            stays `latest`); the error names the failure on this worker.
+        RuntimeError: any worker failed to write, or worker 0 failed to
+            finish (manifest, renames); `latest` still names a complete
+            checkpoint. The error names the failure on this worker.
     """
     rank, size = distributed_strategy.world()
     # A fresh name per save: never reuse (or delete first) a folder that a

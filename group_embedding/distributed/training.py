@@ -54,6 +54,11 @@ def allreduce_gradients(gradients, variables):
     return reduced
 
 
+# Ops whose gradient indices are already distinct (the C++ collective
+# lookup sums every source's rows per id): no second dedup needed.
+_DISTINCT_INDEX_OPS = ("CollectiveOwnerGatherGrad",)
+
+
 def _unique_rows(grad):
     """Sums the rows of IndexedSlices that share an index.
 
@@ -62,6 +67,10 @@ def _unique_rows(grad):
     sparse values (Keras Adam) would then see sum(g^2), not (sum g)^2.
     """
     if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    # Graph mode only: eager tensors have no producing op to ask.
+    op = getattr(grad.indices, "op", None)
+    if op is not None and op.type in _DISTINCT_INDEX_OPS:
         return grad
     indices, values = sparse_apply.dedup(grad.indices, grad.values)
     return tf.IndexedSlices(values, indices, grad.dense_shape)

@@ -17,10 +17,13 @@ initializer M, key k < V starts as M[k], the row k of a stock table
 initialised with M.
 """
 
+import importlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.python.feature_column import feature_column as fc_old
+from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 import fc_cases
 import group_embedding as ge
@@ -39,6 +42,9 @@ PARTITIONERS = {
     # small tables get several shards (160 bytes per 10 x 4 table).
     "min_max": lambda: V1.min_max_variable_partitioner(
         max_partitions=8, min_slice_size=48),
+    # The model zoo's own call without parameter servers: one shard.
+    "one_shard": lambda: V1.min_max_variable_partitioner(
+        max_partitions=0, min_slice_size=8 << 20),
 }
 
 
@@ -80,9 +86,10 @@ def _partition_columns(scoped: bool):
     return ours, stock
 
 
-@pytest.mark.parametrize("scoped", [True, False], ids=["scoped",
-                                                       "unscoped"])
-@pytest.mark.parametrize("partitioner", sorted(PARTITIONERS))
+# Unscoped columns take stock's own lookup: one partitioner suffices.
+@pytest.mark.parametrize("partitioner,scoped", [
+    ("fixed_size", True), ("min_max", True), ("min_max", False),
+    ("one_shard", True)])
 def test_partitioned_scope_matches_stock(kernel_mode, partitioner, scoped):
     graph = tf.Graph()
     with graph.as_default():
@@ -102,7 +109,8 @@ def test_partitioned_scope_matches_stock(kernel_mode, partitioner, scoped):
         for name in ours_t:
             assert [v.shape for v in ours_t[name]] == \
                 [v.shape for v in stock_t[name]]
-        assert len(ours_t["uid_embedding"]) > 1  # really partitioned
+        shards = len(ours_t["uid_embedding"])
+        assert shards == 1 if partitioner == "one_shard" else shards > 1
         names = sorted(ours_t)
         ours_flat = [v for n in names for v in ours_t[n]]
         stock_flat = [v for n in names for v in stock_t[n]]
@@ -371,7 +379,7 @@ def _stock_sequence(features, columns):
 
 @pytest.mark.parametrize("scoped,kind", [(True, "sparse"), (True, "dense"),
                                          (False, "ragged")])
-def test_sequence_input_layer_matches_stock(kernel_mode, scoped, kind):
+def test_sequence_input_layer_matches_stock(scoped, kind):
     graph = tf.Graph()
     with graph.as_default():
         features = _seq_features(kind)
@@ -475,3 +483,61 @@ def test_sequence_ev_column_is_deeprecs_wrapper():
     emb = ge_fc.embedding_column(col, DIM)
     assert emb.is_sequence and emb.is_ev
     assert type(emb).from_config(emb.get_config()) == emb
+
+
+# --- DeepRec names through `group_embedding.compat` -------------------------
+
+@pytest.fixture
+def compat():
+    module = importlib.import_module("group_embedding.compat")
+    module.install()
+    yield module
+    module.uninstall()
+
+
+def test_compat_runs_deeprecs_sequence_script_lines(compat):
+    """BST-style lines: stock and EV sequence columns in one scope, read
+    by `tf.contrib.feature_column.sequence_input_layer`; the stock column's
+    part equals stock's sequence embedding on the same table."""
+    rows = fc_cases.random_weights([10, DIM], seed=13)
+    graph = tf.Graph()
+    with graph.as_default():
+        features = _seq_features("sparse")
+        with V1.feature_column.group_embedding_column_scope(
+                name=fc_cases.unique_name("bst")):
+            fc = V1.feature_column
+            tag = fc.sequence_categorical_column_with_hash_bucket(
+                "s_tag", hash_bucket_size=20, dtype=tf.string)
+            hist = fc.sequence_categorical_column_with_embedding(
+                "s_uid", dtype=tf.int64, ev_option=_ev_option(rows))
+            cols = [V1.feature_column.embedding_column(
+                        tag, dimension=DIM, combiner="mean", do_fusion=True),
+                    V1.feature_column.embedding_column(hist, dimension=DIM)]
+        emb, length = V1.contrib.feature_column.sequence_input_layer(
+            features, cols)
+        # fc_v2's function: compat routes tf.feature_column to ours.
+        stock, _, stock_tables = _stock_sequence(features, [
+            fc_v2.embedding_column(c, DIM) for c in _seq_categoricals()[:2]])
+        ours_tag = V1.get_collection(
+            V1.GraphKeys.GLOBAL_VARIABLES,
+            scope="sequence_input_layer/s_tag_embedding/")[0]
+        copy = [stock_tables["s_tag_embedding"].assign(ours_tag),
+                stock_tables["s_uid_embedding"].assign(rows)]
+        o, s, n = fc_cases.run_graph(graph, [emb, stock, length], copy)
+    # Sorted by name: s_tag, then s_uid (the EV); stock sorts the same.
+    assert_close(o, s)
+    np.testing.assert_array_equal(n, [3, 0, 2, 3])
+    compat.uninstall()
+    assert not hasattr(V1, "contrib")
+    assert not hasattr(V1.feature_column,
+                       "sequence_categorical_column_with_embedding")
+    compat.install()
+
+
+def test_compat_weighted_ev_column_and_do_fusion(compat):
+    cat = V1.feature_column.weighted_categorical_column(
+        V1.feature_column.categorical_column_with_embedding(
+            "wid", dtype=tf.int64), "wid_w")
+    col = V1.feature_column.embedding_column(cat, DIM, do_fusion="v2")
+    assert col == ge_fc.embedding_column(cat, DIM)
+    assert col.is_ev and col.keys == ["wid", "wid_w"]

@@ -143,9 +143,13 @@ def test_wrong_column_kind_in_scope_names_column_and_scope():
     with ge_fc.group_embedding_column_scope(name):
         with pytest.raises(TypeError, match=f"scope '{name}'.*'price'"):
             ge_fc.embedding_column(FC.numeric_column("price"), 2)
+        # Sequence columns are embeddable (sequence_input_layer), but not
+        # weighted ones.
         seq = tf.feature_column.sequence_categorical_column_with_identity(
-            "s", 4)
-        with pytest.raises(TypeError, match="'s' of type Sequence"):
+            "s", 4).__class__(tf.feature_column.weighted_categorical_column(
+                _identity("s"), "w"))
+        with pytest.raises(TypeError, match="'s_weighted_by_w' of type "
+                                            "Sequence"):
             ge_fc.embedding_column(seq, 2)
 
 

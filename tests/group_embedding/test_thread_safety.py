@@ -142,10 +142,13 @@ def guarded(fn, *args, **kwargs):
 
 
 jobs = [(trainer, (1,), {}), (reader, (2,), {"is_sequence": True}),
-        (reader, (3,), {"max_norm": 0.5}), (hammer, (0,), {}),
+        (reader, (3,), {"max_norm": 0.5}),
+        (reader, (4,), {"is_sequence": True, "max_norm": 0.5}),
+        (hammer, (0,), {}),
         (hammer, (2,), {}), (housekeeper, (), {})]
 if mode == "tf":
-    jobs += [(trainer, (4,), {}), (trainer, (5,), {}), (trainer, (6,), {})]
+    # Pure TF: 4 trainers, all through EVGroupGather.
+    jobs += [(trainer, (5,), {}), (trainer, (6,), {}), (trainer, (7,), {})]
 threads = [threading.Thread(target=guarded, args=(f,) + a, kwargs=k)
            for f, a, k in jobs]
 for t in threads:

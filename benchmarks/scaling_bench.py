@@ -1,0 +1,523 @@
+"""Weak scaling of collective mode on the criteo-like workload.
+
+Every worker is pinned to its own core (rank r -> core r mod cores, as
+`taskset -c r` would) and runs ONE TF thread (intra and inter op), with a
+fixed per-worker batch (default 4096) of the 26 criteo-like features
+(all 26 tables sharded, Zipf ids, dim 16). One step = grouped lookup +
+backward + gradient reduction (`ge.allreduce_gradients`: shard gradients
+rescaled, dense gradients allreduced) + `ge.optimizers.Adagrad`.
+
+N=1 is what a user runs on one machine: the single-process library path
+(plain `tf.Variable` tables, the fused C++ lookup, `ge.optimizers.Adagrad`,
+no Horovod), pinned to core 0 with one TF thread. N=2 runs
+`enable_distributed_strategy("collective")` under horovodrun; N=3 is
+oversubscribed on a 2-core machine (two ranks share core 0) and is shown
+for information only.
+
+    python benchmarks/scaling_bench.py                  # N=1,2,3; ~5 min
+    python benchmarks/scaling_bench.py --quick          # smoke run
+
+Launches alternate N=1, N=2, N=3 `--launches` times; each launch times
+`--rounds` rounds of `--steps` back-to-back steps after a barrier (a
+round's step time is its slowest worker's). Efficiency = median step(N=1)
+/ median step(N=2), both from this run. Then, per N, a few extra steps run
+under the TF profiler (per-op time, classified below) and the Horovod
+timeline (per-collective negotiation and transfer time), which gives the
+step breakdown per worker. Bytes per collective are counted from the
+router's buffers on the same batches and cross-checked against the
+loopback interface counters (`/proc/net/dev`) over the timed rounds.
+
+Output: benchmarks/results/scaling_bench.json and .png (stacked bars).
+"""
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Step phases, in the order of the stacked bars.
+PHASES = (
+    "id conversion (sparse->ragged)",
+    "id routing (dedup + bucketing)",
+    "owner-side lookup",
+    "local pooling",
+    "fused lookup (N=1)",
+    "backward routing",
+    "fused lookup backward (N=1)",
+    "shard gradient dedup/scale",
+    "optimizer (Adagrad)",
+    "dense model + framework",
+    "collective transfer",
+    "idle / wait (negotiation, imbalance)",
+)
+SINGLE_PROCESS = ("single-process library path: ge.group_embedding_lookup_"
+                  "sparse on 26 plain tf.Variables (fused C++ lookup) + "
+                  "ge.optimizers.Adagrad, no Horovod, core 0, 1 TF thread")
+
+
+def _pin_and_limit_threads():
+    """Pins this process to its rank's core and TF to one thread.
+
+    Runs before TensorFlow is imported, so that every thread it starts
+    (and Horovod's) inherits the affinity.
+    """
+    rank = int(os.environ.get("HOROVOD_RANK",
+                              os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    os.environ["TF_NUM_INTRAOP_THREADS"] = "1"
+    os.environ["TF_NUM_INTEROP_THREADS"] = "1"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return rank, cores[rank % len(cores)]
+
+
+def _loopback_bytes():
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[8])  # transmitted bytes
+    return 0
+
+
+def classify(name, op_type):
+    """Step phase of one TF op (profiler event `name:type`)."""
+    by_type = {
+        "GroupSparseToRagged": PHASES[0],
+        "CollectiveRouteIds": PHASES[1],
+        "CollectiveOwnerGather": PHASES[2],
+        "CollectivePool": PHASES[3],
+        "GroupEmbeddingVariableLookup": PHASES[4],
+        "CollectivePoolGrad": PHASES[5],
+        "CollectiveOwnerGatherGrad": PHASES[5],
+        "CollectivePoolWeightGrad": PHASES[5],
+        "GroupEmbeddingVariableLookupGrad": PHASES[6],
+    }
+    if op_type in by_type:
+        return by_type[op_type]
+    if op_type.startswith("Horovod"):
+        return "collective enqueue"
+    if "optimizer/" in name:
+        return PHASES[8]
+    if "gradient_reduction/" in name:
+        return PHASES[7]
+    return PHASES[9]
+
+
+def profile_phases(logdir):
+    """ms per phase and per op type summed over the profiled steps, and
+    the steps' wall."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    paths = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
+                             recursive=True))
+    space = xplane_pb2.XSpace()
+    with open(paths[-1], "rb") as f:
+        space.ParseFromString(f.read())
+    phases, ops, wall = {}, {}, 0.0
+    for plane in space.planes:
+        if plane.name != "/host:CPU":
+            continue
+        meta = plane.event_metadata
+        for line in plane.lines:
+            for e in line.events:
+                label = meta[e.metadata_id].name
+                ms = e.duration_ps / 1e9
+                if line.name == "python":
+                    if label == "ge_step":
+                        wall += ms
+                    continue
+                if ":" not in label or label.startswith(
+                        ("ExecutorState", "Threadpool")):
+                    continue
+                name, _, op_type = label.rpartition(":")
+                phase = classify(name, op_type)
+                phases[phase] = phases.get(phase, 0.0) + ms
+                key = f"{phase} | {op_type}"
+                ops[key] = ops.get(key, 0.0) + ms
+    return phases, ops, wall
+
+
+def timeline_collectives(path, steps):
+    """Per collective kind: count, negotiation and transfer ms per step.
+
+    Horovod's timeline (rank 0's view) holds, per tensor, NEGOTIATE_* (from
+    this rank's request until every rank asked) and the operation with its
+    transfer activity (MPI_ALLTOALL / GLOO_ALLREDUCE ...).
+    """
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "]"
+    events = json.loads(text)
+    names, stacks, out = {}, {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = e["args"].get("name", "")
+        elif e.get("ph") == "B":
+            stacks.setdefault(e["pid"], []).append((e["name"], e["ts"]))
+        elif e.get("ph") == "E" and stacks.get(e["pid"]):
+            what, start = stacks[e["pid"]].pop()
+            tensor = names.get(e["pid"], "")
+            kind = ("alltoall" if "Alltoall" in tensor else
+                    "allreduce" if "Allreduce" in tensor else "other")
+            rec = out.setdefault(kind, {"count": 0, "negotiate_ms": 0.0,
+                                        "transfer_ms": 0.0,
+                                        "allreduce_bytes": 0})
+            ms = (e["ts"] - start) / 1e3
+            if what.startswith("NEGOTIATE"):
+                rec["count"] += 1
+                rec["negotiate_ms"] += ms
+            elif what in ("MPI_ALLTOALL", "GLOO_ALLREDUCE", "GLOO_ALLGATHER",
+                          "MPI_ALLREDUCE"):
+                rec["transfer_ms"] += ms
+            shape = e.get("args", {}).get("shape")
+            if shape and kind == "allreduce":
+                dims = [int(x) for x in shape.strip("[]").split(",") if x]
+                n = 1
+                for d in dims:
+                    n *= d
+                rec["allreduce_bytes"] += 4 * n
+    for rec in out.values():
+        for key in ("count", "negotiate_ms", "transfer_ms",
+                    "allreduce_bytes"):
+            rec[key] = rec[key] / steps
+    return out
+
+
+def exchange_bytes(batch, vocabs, dim, rank, size):
+    """Bytes this worker sends per step, per collective, from its batch.
+
+    The router sends, to each owner, K counts + its distinct local rows
+    (int64); the owner returns one D-float row per id; the backward sends
+    one D-float gradient row per id. Only other workers' pieces cross the
+    network. Also returns the distinct-id count and the id count.
+    """
+    import numpy as np
+    k = len(batch)
+    to_owner = np.zeros(size, np.int64)
+    distinct = total = 0
+    for sp in batch:
+        ids = np.asarray(sp.values)
+        u = np.unique(ids)
+        distinct += len(u)
+        total += len(ids)
+        to_owner += np.bincount(u % size, minlength=size)
+    remote = [o for o in range(size) if o != rank]
+    ids_b = int(sum(8 * (k + to_owner[o]) for o in remote))
+    rows_b = int(sum(4 * dim * to_owner[o] for o in remote))
+    return {"ids_alltoall": ids_b, "rows_alltoall": rows_b,
+            "grads_alltoall": rows_b, "distinct_ids": int(distinct),
+            "ids": int(total), "distinct_to_remote": int(
+                sum(to_owner[o] for o in remote))}
+
+
+def worker(args):
+    """One worker: time the rounds, profile a few steps, print a record."""
+    rank, core = _pin_and_limit_threads()
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    sys.path.insert(0, HERE)
+    import criteo_like
+    import group_embedding as ge
+
+    size = args.workers
+    hvd = None
+    if size > 1:
+        hvd = ge.enable_distributed_strategy("collective")
+        assert hvd.size() == size and hvd.rank() == rank
+    vocabs = criteo_like.vocab_sizes(args.cap)
+    tables = [ge.get_embedding_table(f"c{i}", v, args.dim, replicate=False)
+              for i, v in enumerate(vocabs)]
+    variables = [t.shard if isinstance(t, ge.ShardedVariable) else t
+                 for t in tables]
+    dense = tf.Variable(tf.fill([26 * args.dim, 1], 0.01))
+    opt = ge.optimizers.Adagrad(0.01, initial_accumulator_value=0.1)
+    # Weak scaling: every worker has its own full batch.
+    batches = criteo_like.make_batches(args.cap, args.batch,
+                                       args.num_batches, seed=100 + rank)
+
+    @tf.function(reduce_retracing=True)
+    def step(sp_ids):
+        vs = variables + [dense]
+        with tf.GradientTape() as tape:
+            with tf.name_scope("forward"):
+                emb = tf.concat(ge.group_embedding_lookup_sparse(
+                    tables, sp_ids, "sum"), 1)
+                loss = tf.reduce_mean(tf.square(tf.matmul(emb, dense)))
+        with tf.name_scope("backward"):
+            grads = tape.gradient(loss, vs)
+        # What ge.DistributedGradientTape does after tape.gradient.
+        with tf.name_scope("gradient_reduction"):
+            grads = ge.allreduce_gradients(grads, vs)
+        with tf.name_scope("optimizer"):
+            opt.apply_gradients(zip(grads, vs))
+        return loss
+
+    def barrier():
+        if hvd is not None:
+            hvd.allreduce(tf.constant(0.0), name="scaling_barrier").numpy()
+
+    for i in range(args.warmup):
+        step(batches[i % len(batches)]).numpy()
+    rounds = []
+    lo_before = _loopback_bytes()
+    for _ in range(args.rounds):
+        barrier()
+        start = time.perf_counter()
+        for i in range(args.steps):
+            loss = step(batches[i % len(batches)])
+        loss.numpy()
+        rounds.append((time.perf_counter() - start) / args.steps)
+    barrier()
+    lo_bytes = _loopback_bytes() - lo_before
+
+    # Breakdown: a few steps under the TF profiler and Horovod timeline.
+    logdir = tempfile.mkdtemp(prefix=f"ge_scaling_{size}_{rank}_")
+    timeline = os.path.join(logdir, "horovod_timeline.json")
+    barrier()
+    tf.profiler.experimental.start(logdir, options=(
+        tf.profiler.experimental.ProfilerOptions(
+            host_tracer_level=2, python_tracer_level=0,
+            device_tracer_level=0)))
+    if hvd is not None and rank == 0:
+        hvd.start_timeline(timeline)
+    for i in range(args.profile_steps):
+        with tf.profiler.experimental.Trace("ge_step", step_num=i):
+            step(batches[i % len(batches)]).numpy()
+    if hvd is not None and rank == 0:
+        hvd.stop_timeline()
+    tf.profiler.experimental.stop()
+    barrier()
+    phases, ops, wall = profile_phases(logdir)
+    n = args.profile_steps
+    phases = {k: v / n for k, v in phases.items()}
+    top = sorted(ops.items(), key=lambda kv: -kv[1])[:25]
+    record = {
+        "workers": size, "rank": rank, "core": core,
+        "round_step_s": rounds,
+        "profiled_step_ms": wall / n,
+        "phases_ms": phases,
+        "top_ops_ms": {k: v / n for k, v in top},
+        "exchange_bytes": exchange_bytes(batches[0], vocabs, args.dim, rank,
+                                         size),
+        "loopback_bytes_per_step": lo_bytes / (args.rounds * args.steps),
+    }
+    if hvd is not None and rank == 0:
+        time.sleep(0.2)  # the timeline writer thread flushes
+        record["collectives"] = timeline_collectives(timeline, n)
+    if hvd is not None:
+        records = hvd.allgather_object(record)
+    else:
+        records = [record]
+    if rank == 0:
+        with open(args.record, "w") as f:
+            json.dump(records, f)
+
+
+def launch(n, args, record):
+    """Runs `n` workers (N=1 without Horovod); returns their records."""
+    me = [sys.executable, os.path.abspath(__file__), "--worker",
+          "--workers", str(n), "--record", record]
+    for key in ("batch", "dim", "cap", "steps", "rounds", "warmup",
+                "num_batches", "profile_steps"):
+        me += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    env = dict(os.environ, HOROVOD_TIMELINE="DYNAMIC",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    if n == 1:
+        cmd = me
+    else:
+        horovodrun = os.path.join(os.path.dirname(sys.executable),
+                                  "horovodrun")
+        cmd = [horovodrun, "-np", str(n), "--gloo"] + me
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                            timeout=900)
+    if result.returncode != 0:
+        raise RuntimeError(f"N={n} failed:\n" + (result.stdout
+                                                  + result.stderr)[-4000:])
+    with open(record) as f:
+        return json.load(f)
+
+
+def breakdown(records):
+    """Per worker: phases (ms) completed with transfer and idle/wait."""
+    coll = next((r["collectives"] for r in records if "collectives" in r),
+                {})
+    transfer = sum(c["transfer_ms"] for c in coll.values())
+    out = []
+    for r in sorted(records, key=lambda r: r["rank"]):
+        phases = {p: r["phases_ms"].get(p, 0.0) for p in PHASES[:-2]}
+        phases[PHASES[9]] += r["phases_ms"].get("collective enqueue", 0.0)
+        busy = sum(phases.values())
+        phases[PHASES[10]] = transfer
+        phases[PHASES[11]] = max(0.0, r["profiled_step_ms"] - busy
+                                 - transfer)
+        out.append({"rank": r["rank"], "step_ms": r["profiled_step_ms"],
+                    "phases_ms": phases})
+    return out, coll
+
+
+def summarize(runs, args):
+    """Medians, efficiency, breakdowns; prints and returns the summary."""
+    by_n = {}
+    for n, records in runs:
+        slowest = [max(r["round_step_s"][i] for r in records)
+                   for i in range(len(records[0]["round_step_s"]))]
+        by_n.setdefault(n, {"rounds_s": [], "launches": []})
+        by_n[n]["rounds_s"] += slowest
+        by_n[n]["launches"].append(records)
+    summary = {}
+    for n, d in sorted(by_n.items()):
+        med = statistics.median(d["rounds_s"])
+        last = d["launches"][-1]
+        per_worker, coll = breakdown(last)
+        ex = [r["exchange_bytes"] for r in last]
+        summary[n] = {
+            "median_step_ms": 1e3 * med,
+            "round_step_ms": [1e3 * x for x in d["rounds_s"]],
+            "samples_per_s_global": n * args.batch / med,
+            "breakdown_per_worker": per_worker,
+            "collectives_per_step": coll,
+            "exchange_bytes_per_worker": ex,
+            "loopback_bytes_per_step_all_workers": max(
+                r["loopback_bytes_per_step"] for r in last),
+        }
+    return summary
+
+
+def plot(summary, path):
+    """Stacked bars of the step breakdown, one bar per (N, worker)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG (pip install -e .[demo])")
+        return
+    labels, stacks = [], []
+    for n, s in sorted(summary.items(), key=lambda kv: int(kv[0])):
+        for w in s["breakdown_per_worker"]:
+            labels.append(f"N={n}\nworker {w['rank']}")
+            stacks.append([w["phases_ms"][p] for p in PHASES])
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 4, 5))
+    bottom = [0.0] * len(labels)
+    colors = plt.get_cmap("tab20").colors
+    for i, phase in enumerate(PHASES):
+        values = [s[i] for s in stacks]
+        if not any(values):
+            continue
+        ax.bar(labels, values, bottom=bottom, label=phase, color=colors[i])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("ms per step (profiled steps)")
+    ax.set_title("criteo-like, per-worker batch fixed, 1 core + 1 TF thread "
+                 "per worker")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=0,
+                        help="(internal, with --worker) this run's N")
+    parser.add_argument("--worker", action="store_true",
+                        help="(internal) run as one worker")
+    parser.add_argument("--record", help="(internal) where rank 0 writes")
+    parser.add_argument("--sizes", default="1,2,3")
+    parser.add_argument("--launches", type=int, default=2,
+                        help="times each N is launched, alternating")
+    parser.add_argument("--batch", type=int, default=4096,
+                        help="per-worker batch")
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--cap", type=int, default=200_000)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--num-batches", type=int, default=4)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=os.path.join(
+        HERE, "results", "scaling_bench.json"))
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.quick:
+        args.steps, args.rounds, args.warmup, args.launches = 3, 2, 2, 1
+        args.profile_steps = 2
+    sizes = [int(x) for x in args.sizes.split(",")]
+    load_before = os.getloadavg()
+    started = time.time()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for launch_i in range(args.launches):
+            for n in sizes:
+                if n == 3 and launch_i > 0:
+                    continue  # informational: once is enough
+                records = launch(n, args, os.path.join(tmp, f"{n}.json"))
+                runs.append((n, records))
+                med = 1e3 * statistics.median(
+                    max(r["round_step_s"][i] for r in records)
+                    for i in range(args.rounds))
+                print(f"launch {launch_i}: N={n} step {med:.1f} ms",
+                      flush=True)
+    load_after = os.getloadavg()
+    summary = summarize(runs, args)
+    eff = None
+    if 1 in summary and 2 in summary:
+        eff = summary[1]["median_step_ms"] / summary[2]["median_step_ms"]
+    result = {
+        "config": {k: getattr(args, k) for k in (
+            "batch", "dim", "cap", "steps", "rounds", "warmup", "launches",
+            "profile_steps")},
+        "n1_runs": SINGLE_PROCESS,
+        "cores": len(os.sched_getaffinity(0)),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "wall_s": time.time() - started,
+        "horovod_env": {k: v for k, v in os.environ.items()
+                        if k.startswith("HOROVOD_")},
+        "weak_scaling_efficiency_n2": eff,
+        "results": summary,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(summary, args.out[:-len(".json")] + ".png")
+    print(f"N=1 runs the {SINGLE_PROCESS}.")
+    print(f"load average before {load_before[0]:.2f}, after "
+          f"{load_after[0]:.2f} (1 min)")
+    for n, s in sorted(summary.items()):
+        note = " (oversubscribed: 2 ranks share core 0)" if n == 3 else ""
+        print(f"N={n}: median step {s['median_step_ms']:.1f} ms, "
+              f"{s['samples_per_s_global']:.0f} samples/s global{note}")
+        for w in s["breakdown_per_worker"]:
+            parts = ", ".join(f"{p} {ms:.2f}" for p, ms in
+                              w["phases_ms"].items() if ms >= 0.05)
+            print(f"  worker {w['rank']} (profiled {w['step_ms']:.1f} ms): "
+                  f"{parts}")
+        for kind, c in s["collectives_per_step"].items():
+            print(f"  {kind}: {c['count']:.1f}/step, negotiation "
+                  f"{c['negotiate_ms']:.2f} ms, transfer "
+                  f"{c['transfer_ms']:.2f} ms")
+        if n > 1:
+            ex = s["exchange_bytes_per_worker"][0]
+            print(f"  bytes sent by worker 0 per step: ids "
+                  f"{ex['ids_alltoall']}, rows {ex['rows_alltoall']}, grads "
+                  f"{ex['grads_alltoall']}; loopback (all workers, incl. "
+                  f"TCP/Gloo overhead) "
+                  f"{s['loopback_bytes_per_step_all_workers']:.0f}")
+    if eff is not None:
+        print(f"weak-scaling efficiency step(1)/step(2) = {eff:.2f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
