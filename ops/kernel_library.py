@@ -280,7 +280,10 @@ def build(verbose=False, use_packaged=True):
                 _remove(record)
                 _remove(path)
             compile_library(path, record, native=True, verbose=verbose)
-            _remove_stale(path)
+            try:
+                _remove_stale(path)
+            except OSError:
+                pass  # another process cleaning up at the same time
     except (OSError, RuntimeError) as e:
         prefix = f"{why_not_packaged}; " if why_not_packaged else ""
         raise RuntimeError(f"{prefix}building the kernels into {path} "

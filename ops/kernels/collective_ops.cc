@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -160,6 +161,101 @@ void WithIdMap(int64_t bound, int64_t n, F f) {
   } else {
     HashedIds map(n);
     f(map);
+  }
+}
+
+// Calls f(std::integral_constant<int64_t, D>()) with D = dim for the
+// common embedding widths, so that the row loops compile to fixed-width
+// SIMD with the row in registers, and D = 0 (width read at run time)
+// otherwise.
+template <typename F>
+void WithDim(int64_t dim, F&& f) {
+  switch (dim) {
+    case 4: f(std::integral_constant<int64_t, 4>()); break;
+    case 8: f(std::integral_constant<int64_t, 8>()); break;
+    case 16: f(std::integral_constant<int64_t, 16>()); break;
+    case 32: f(std::integral_constant<int64_t, 32>()); break;
+    case 64: f(std::integral_constant<int64_t, 64>()); break;
+    default: f(std::integral_constant<int64_t, 0>()); break;
+  }
+}
+
+// One table's ids as the pooling loops read them: per id, the float
+// offset of its row in the rows buffer; weights nullptr when unweighted.
+struct PooledIds {
+  const int64_t* offsets;
+  const int64_t* splits;
+  const float* weights;
+  int64_t nnz;
+  int64_t dim;
+  Combiner combiner;
+};
+
+// Pools rows [b0, b1) of one table from the rows buffer into `out`
+// ([batch, dim]), with the arithmetic of the fused single-process lookup.
+template <int64_t kDim>
+void PoolRows(const PooledIds& p, const float* rows, int64_t b0, int64_t b1,
+              float* out) {
+  const int64_t dim = kDim > 0 ? kDim : p.dim;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = p.splits[b], hi = p.splits[b + 1];
+    const float scale = RowScale(p.combiner, p.weights, lo, hi);
+    float* o = out + b * dim;
+    if constexpr (kDim > 0) {
+      float acc[kDim] = {};
+      for (int64_t j = lo; j < hi; ++j) {
+        // Ahead across row boundaries (rows are often one id long); the
+        // table's last ids prefetch nothing past its offsets.
+        if (j + kPrefetchDistance < p.nnz) {
+          PrefetchRow(rows + p.offsets[j + kPrefetchDistance], kDim);
+        }
+        const float* row = rows + p.offsets[j];
+        const float wj = p.weights ? p.weights[j] : 1.0f;
+        for (int64_t d = 0; d < kDim; ++d) acc[d] += wj * row[d];
+      }
+      for (int64_t d = 0; d < kDim; ++d) o[d] = acc[d] * scale;
+    } else {
+      std::fill(o, o + dim, 0.0f);
+      for (int64_t j = lo; j < hi; ++j) {
+        const float* row = rows + p.offsets[j];
+        const float wj = p.weights ? p.weights[j] : 1.0f;
+        for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
+    }
+  }
+}
+
+// Adds the gradient of every id of one table ([batch, dim] pooled
+// gradients `g`) to its row's slot of `out`: one sum per distinct row.
+template <int64_t kDim>
+void ScatterRowGrads(const PooledIds& p, const float* g, int64_t batch,
+                     float* out) {
+  const int64_t dim = kDim > 0 ? kDim : p.dim;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t lo = p.splits[b], hi = p.splits[b + 1];
+    if (lo == hi) continue;
+    const float scale = RowScale(p.combiner, p.weights, lo, hi);
+    const float* gb = g + b * dim;
+    if constexpr (kDim > 0) {
+      if (p.weights == nullptr) {
+        float sg[kDim];
+        for (int64_t d = 0; d < kDim; ++d) sg[d] = scale * gb[d];
+        for (int64_t j = lo; j < hi; ++j) {
+          if (j + kPrefetchDistance < p.nnz) {
+            PrefetchRow(out + p.offsets[j + kPrefetchDistance], kDim);
+          }
+          float* dst = out + p.offsets[j];
+          for (int64_t d = 0; d < kDim; ++d) dst[d] += sg[d];
+        }
+        continue;
+      }
+    }
+    for (int64_t j = lo; j < hi; ++j) {
+      const float f = scale * (p.weights ? p.weights[j] : 1.0f);
+      float* dst = out + p.offsets[j];
+      for (int64_t d = 0; d < dim; ++d) dst[d] += f * gb[d];
+    }
   }
 }
 
@@ -355,11 +451,25 @@ class CollectiveRouteIdsOp : public OpKernel {
         r.count.assign(n, 0);
         // div: blocks of ceil(V / N) rows (ShardedVariable.owner).
         const int64_t per = (vocab + n - 1) / n;
+        // A power-of-two N (the common case) needs no 64-bit division.
+        const bool pow2 = (n & (n - 1)) == 0;
+        int shift = 0;
+        while ((int64_t{1} << shift) < n) ++shift;
         for (int64_t i = 0; i < u; ++i) {
           const int64_t id = keys[i];
-          const int64_t o = is_mod_[t] ? id % n : id / per;
+          int64_t o, local;
+          if (is_mod_[t] && pow2) {
+            o = id & (n - 1);
+            local = id >> shift;
+          } else if (is_mod_[t]) {
+            o = id % n;
+            local = id / n;
+          } else {
+            o = id / per;
+            local = id - o * per;
+          }
           r.owner[i] = o;
-          r.local[i] = is_mod_[t] ? id / n : id - o * per;
+          r.local[i] = local;
           r.pos[i] = r.count[o]++;
         }
       }
@@ -548,13 +658,18 @@ class CollectiveOwnerGatherOp : public OpKernel {
         const int64_t* ids = v + layout.id_begin[b];
         const int64_t c = layout.count[b];
         float* dst = out + layout.elem_begin[b];
-        for (int64_t j = 0; j < c; ++j) {
-          if (j + kPrefetchDistance < c) {
-            PrefetchRow(tables[t] + ids[j + kPrefetchDistance] * dim, dim);
+        const float* table = tables[t];
+        WithDim(dim, [&](auto fixed) {
+          constexpr int64_t kDim = decltype(fixed)::value;
+          const int64_t width = kDim > 0 ? kDim : dim;
+          for (int64_t j = 0; j < c; ++j) {
+            if (j + kPrefetchDistance < c) {
+              PrefetchRow(table + ids[j + kPrefetchDistance] * width, width);
+            }
+            const float* row = table + ids[j] * width;
+            for (int64_t d = 0; d < width; ++d) dst[j * width + d] = row[d];
           }
-          std::memcpy(dst + j * dim, tables[t] + ids[j] * dim,
-                      dim * sizeof(float));
-        }
+        });
       }
     };
     const int64_t units = n * k;
@@ -669,10 +784,18 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
         int64_t j = 0;
         for (int64_t s = 0; s < n; ++s) {
           const float* src = g + layout.elem_begin[s * k + t];
-          for (int64_t i = 0; i < layout.count[s * k + t]; ++i, ++j) {
-            float* dst = sums + slot[j] * dim;
-            for (int64_t d = 0; d < dim; ++d) dst[d] += src[i * dim + d];
-          }
+          const int64_t c = layout.count[s * k + t];
+          WithDim(dim, [&](auto fixed) {
+            constexpr int64_t kDim = decltype(fixed)::value;
+            const int64_t width = kDim > 0 ? kDim : dim;
+            for (int64_t i = 0; i < c; ++i) {
+              float* dst = sums + slot[j + i] * width;
+              for (int64_t d = 0; d < width; ++d) {
+                dst[d] += src[i * width + d];
+              }
+            }
+          });
+          j += c;
         }
       }
     };
@@ -784,37 +907,33 @@ class CollectivePoolOp : public OpKernel {
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
     const float* rows = rows_t.flat<float>().data();
+    std::vector<PooledIds> tables(k);
+    for (int t = 0; t < k; ++t) tables[t] = Ids(offsets[t], splits[t],
+                                                weights[t], t);
     auto work = [&](int64_t begin, int64_t end) {
+      // Units are output rows of all tables, numbered consecutively.
       int t = static_cast<int>(
           std::upper_bound(first_row.begin(), first_row.end(), begin) -
           first_row.begin() - 1);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        while (unit >= first_row[t + 1]) ++t;
-        const int64_t b = unit - first_row[t];
-        const int64_t dim = dims_[t];
-        const int64_t* off = offsets[t].flat<int64_t>().data();
-        const int64_t* s = splits[t].flat<int64_t>().data();
-        const float* w = weights[t].NumElements()
-                             ? weights[t].flat<float>().data()
-                             : nullptr;
-        float* o = outs[t] + b * dim;
-        std::fill(o, o + dim, 0.0f);
-        const int64_t lo = s[b], hi = s[b + 1];
-        for (int64_t j = lo; j < hi; ++j) {
-          const float* row = rows + off[j];
-          const float wj = w ? w[j] : 1.0f;
-          for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
-        }
-        const float scale = RowScale(combiners_[t], w, lo, hi);
-        if (scale != 1.0f) {
-          for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
-        }
+      for (; t < k && first_row[t] < end; ++t) {
+        const int64_t b0 = std::max(begin, first_row[t]) - first_row[t];
+        const int64_t b1 = std::min(end, first_row[t + 1]) - first_row[t];
+        WithDim(dims_[t], [&](auto d) {
+          PoolRows<decltype(d)::value>(tables[t], rows, b0, b1, outs[t]);
+        });
       }
     };
     const int64_t avg = total_nnz / total_rows + 1;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
                       avg * 64 + 20, work);
+  }
+
+  PooledIds Ids(const Tensor& offsets, const Tensor& splits,
+                const Tensor& weights, int t) const {
+    return {offsets.flat<int64_t>().data(), splits.flat<int64_t>().data(),
+            weights.NumElements() ? weights.flat<float>().data() : nullptr,
+            offsets.NumElements(), dims_[t], combiners_[t]};
   }
 
  private:
@@ -894,30 +1013,24 @@ class CollectivePoolGradOp : public OpKernel {
     // Tables own disjoint parts of the buffer: shard over tables.
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t dim = dims_[t];
-        const int64_t batch = splits[t].NumElements() - 1;
-        const int64_t* off = offsets[t].flat<int64_t>().data();
-        const int64_t* s = splits[t].flat<int64_t>().data();
-        const float* w = weights[t].NumElements()
-                             ? weights[t].flat<float>().data()
-                             : nullptr;
+        const PooledIds p = Ids(offsets[t], splits[t], weights[t], t);
         const float* g = grads[t].flat<float>().data();
-        for (int64_t b = 0; b < batch; ++b) {
-          const int64_t lo = s[b], hi = s[b + 1];
-          if (lo == hi) continue;
-          const float scale = RowScale(combiners_[t], w, lo, hi);
-          const float* gb = g + b * dim;
-          for (int64_t j = lo; j < hi; ++j) {
-            const float f = scale * (w ? w[j] : 1.0f);
-            float* dst = out + off[j];
-            for (int64_t d = 0; d < dim; ++d) dst[d] += f * gb[d];
-          }
-        }
+        const int64_t batch = splits[t].NumElements() - 1;
+        WithDim(dims_[t], [&](auto d) {
+          ScatterRowGrads<decltype(d)::value>(p, g, batch, out);
+        });
       }
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, k,
                       (total / k + 1) * 64, work);
+  }
+
+  PooledIds Ids(const Tensor& offsets, const Tensor& splits,
+                const Tensor& weights, int t) const {
+    return {offsets.flat<int64_t>().data(), splits.flat<int64_t>().data(),
+            weights.NumElements() ? weights.flat<float>().data() : nullptr,
+            offsets.NumElements(), dims_[t], combiners_[t]};
   }
 
  private:

@@ -174,10 +174,10 @@ def test_concurrent_training_lookups_and_export(inter_op, mode, tmp_path):
     try:
         result = subprocess.run(
             [sys.executable, str(script), str(inter_op), mode, "6"], env=env,
-            capture_output=True, text=True, timeout=150)
+            capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail(f"deadlock: concurrent EV ops (inter_op={inter_op}, "
-                    f"kernels={mode}) did not finish in 150 s")
+                    f"kernels={mode}) did not finish in 240 s")
     assert result.returncode == 0 and "STRESS OK" in result.stdout, (
         f"returncode {result.returncode}\n{result.stdout[-2000:]}\n"
         f"{result.stderr[-4000:]}")

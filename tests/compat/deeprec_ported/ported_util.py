@@ -38,13 +38,29 @@ EXPORT_ORDER = pytest.mark.xfail(
     reason="issue 9 (iv): ev.export() returns (keys, values, versions, "
     "freqs)")
 INIT_OPTION_WINS = pytest.mark.xfail(
-    strict=True, raises=ValueError,
+    strict=True,
     reason="issue 9 (v): InitializerOption's initializer wins over "
-    "`initializer=` (with a warning); a ValueError today")
+    "`initializer=` (with a warning; a ValueError today), and (i): "
+    "CounterFilter admits one lookup early")
 ADAM_INT_BETA = pytest.mark.xfail(
     strict=True,
     reason="issue 9 (vii): AdamOptimizer(lr, <int64 tensor>) on EVs must "
     "cast its arguments as stock Adam does")
+# Library bugs found by the ports (see README.md here).
+DOUBLE_DRAW = pytest.mark.xfail(
+    strict=True,
+    reason="bug: running EV_INIT_VAR_OPS and then "
+    "global_variables_initializer() (DeepRec's sequence) draws the EV's "
+    "default_values twice, so a seeded initializer no longer matches a "
+    "tf.Variable drawn once with the same seed")
+SAVER_VAR_LIST = pytest.mark.xfail(
+    strict=True,
+    reason="bug: Saver(var_list=[ev, ...]) leaves `<name>/default_values` "
+    "out; after restore every lookup fails (FailedPreconditionError)")
+META_GRAPH = pytest.mark.xfail(
+    strict=True, raises=KeyError,
+    reason="bug: import_meta_graph fails on a graph holding an EV (the EV "
+    "is exported by its name into SAVEABLE_OBJECTS; no such op)")
 CBF_FILTER = pytest.mark.xfail(
     strict=True,
     reason="issue 9 (viii): CBFFilter (counting Bloom filter) not provided "

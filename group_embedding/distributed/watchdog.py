@@ -1,0 +1,402 @@
+"""Collective timeout: a stuck worker fails every worker, naming it.
+
+Horovod never times out a collective, and its stall inspector cannot stand
+in under Gloo (it looks for missing ranks in `global_ranks_`, which the
+Gloo controller fills with `reserve` instead of `resize`, so the list it
+walks is empty: no warning, no shutdown). So without this module a worker
+that stays alive but stuck (deadlocked, or waiting on input) hangs the
+others forever.
+
+How it works, per worker:
+
+- `TrackedHorovod` wraps the collectives that group_embedding issues
+  (lookup all-to-alls forward and backward, gradient allreduce, broadcasts,
+  checkpoint barriers) between two increments of counters, `entered` and
+  `exited`. They are `tf.Variable`s so that the increments also run inside
+  `tf.function` (Keras `fit`); inside a TF1 graph nothing is tracked.
+- `Watchdog`, a daemon thread, reads the counters every `interval`. It is
+  *blocked* while `entered > exited` and `exited` does not move. It
+  publishes a heartbeat (counters, how long it has been blocked, wall time)
+  to the key-value server that horovodrun already runs for Gloo's
+  rendezvous, so no collective is needed to exchange it.
+- A worker blocked longer than `timeout` reads every heartbeat. Every
+  worker issues the same collectives in the same order, so the ranks that
+  have entered no more collectives than this one has exited never reached
+  the one it waits in: those are stuck (also any rank whose heartbeat is
+  missing or older than `stale_after`, e.g. frozen while holding the GIL).
+  It prints the verdict and posts it under an `abort` key; every other
+  worker, the stuck one included, sees the key within an interval and
+  prints it too; all exit two intervals after the verdict.
+
+The hot path pays two variable increments per collective (the watchdog's
+reads and HTTP calls run on its own thread, every `interval`).
+"""
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Dict, List, Optional
+
+import tensorflow as tf
+
+ENV_TIMEOUT = "GROUP_EMBEDDING_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT_SECONDS = 300.0
+# Exit status of a worker stopped by the timeout (as coreutils `timeout`).
+EXIT_CODE = 124
+# Our keys on horovodrun's rendezvous server; Horovod's own scopes are
+# `global`, `local_*`, `cross_*` and per process set.
+_SCOPE = "group_embedding_watchdog"
+_HTTP_TIMEOUT_SECONDS = 5.0
+
+
+def resolve_timeout(collective_timeout: Optional[float]) -> float:
+    """The collective timeout in seconds: the argument, else the
+    environment variable, else the default; 0 disables it.
+
+    Raises:
+        ValueError: a negative, NaN or non-numeric value.
+    """
+    if collective_timeout is None:
+        raw = os.environ.get(ENV_TIMEOUT)
+        if raw is None or not raw.strip():
+            return DEFAULT_TIMEOUT_SECONDS
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not value >= 0 or math.isinf(value):
+            raise ValueError(
+                f"Invalid {ENV_TIMEOUT}: {raw!r}, use seconds >= 0 (0 "
+                f"disables the collective timeout).")
+        return value
+    if isinstance(collective_timeout, bool) or not isinstance(
+            collective_timeout, (int, float)):
+        raise TypeError(f"`collective_timeout` must be a number of seconds, "
+                        f"but got {type(collective_timeout).__name__}.")
+    if not collective_timeout >= 0 or math.isinf(collective_timeout):
+        raise ValueError(f"Invalid `collective_timeout`: "
+                         f"{collective_timeout!r}, use seconds >= 0 (0 "
+                         f"disables it).")
+    return float(collective_timeout)
+
+
+class CollectiveCounters:
+    """How many tracked collectives this worker has entered and exited."""
+
+    def __init__(self):
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self._entered = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                        name="ge_collectives_entered")
+            self._exited = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                       name="ge_collectives_exited")
+
+    def read(self):
+        """(entered, exited); `exited` first so that entered >= exited."""
+        exited = int(self._exited.read_value())
+        return int(self._entered.read_value()), exited
+
+    def can_track(self) -> bool:
+        """False inside a TF1 graph, which cannot use eager variables."""
+        if tf.executing_eagerly():
+            return True
+        with tf.init_scope():
+            return tf.executing_eagerly()
+
+    def enter(self, tensor):
+        """`tensor`, once `entered` counts the collective about to take it;
+        its gradient counts the backward collective as exited."""
+        tensor = _after_increment(tensor, self._entered)
+        return _count_backward(tensor, self._exited)
+
+    def exit(self, tensor):
+        """`tensor` (a collective's output), once `exited` counts it; its
+        gradient counts the backward collective as entered."""
+        tensor = _count_backward(tensor, self._entered)
+        return _after_increment(tensor, self._exited)
+
+    def span(self, run: Callable[[], Any], inputs) -> Any:
+        """`run()` (no gradient) counted as one collective: entered once
+        `inputs` exist, exited once its outputs do."""
+        inputs = [t for t in tf.nest.flatten(inputs, expand_composites=True)
+                  if isinstance(t, tf.Tensor)]
+        if tf.executing_eagerly():
+            # Eager ops run in program order: no dependencies needed.
+            self._entered.assign_add(1, read_value=False)
+            result = run()
+            self._exited.assign_add(1, read_value=False)
+            return result
+        with tf.control_dependencies(inputs):
+            entered = self._entered.assign_add(1, read_value=False)
+        with tf.control_dependencies([entered]):
+            result = run()
+        outputs = [t for t in tf.nest.flatten(result, expand_composites=True)
+                   if isinstance(t, (tf.Tensor, tf.Operation))]
+        # A stateful op: tf.function runs it even though nothing reads it.
+        with tf.control_dependencies(outputs):
+            self._exited.assign_add(1, read_value=False)
+        return result
+
+
+def _after_increment(tensor, counter):
+    if tf.executing_eagerly():
+        counter.assign_add(1, read_value=False)
+        return tensor
+    with tf.control_dependencies([tensor]):
+        done = counter.assign_add(1, read_value=False)
+    with tf.control_dependencies([done]):
+        return tf.identity(tensor)
+
+
+def _count_backward(tensor, counter):
+    """Identity whose gradient increments `counter` when it flows."""
+    if not tensor.dtype.is_floating:
+        return tensor
+
+    @tf.custom_gradient
+    def identity(x):
+        def grad(dy):
+            if isinstance(dy, tf.IndexedSlices):
+                return tf.IndexedSlices(_after_increment(dy.values, counter),
+                                        dy.indices, dy.dense_shape)
+            return _after_increment(dy, counter)
+        return tf.identity(x), grad
+
+    return identity(tensor)
+
+
+class TrackedHorovod:
+    """`horovod.tensorflow` whose collectives count in `counters`.
+
+    Only the collectives group_embedding calls are wrapped; every other
+    attribute is Horovod's own.
+    """
+
+    def __init__(self, hvd, counters: CollectiveCounters):
+        self._hvd = hvd
+        self._counters = counters
+
+    def __getattr__(self, name):
+        return getattr(self._hvd, name)
+
+    def alltoall(self, tensor, *args, **kwargs):
+        c = self._counters
+        if not c.can_track():
+            return self._hvd.alltoall(tensor, *args, **kwargs)
+        received, received_splits = self._hvd.alltoall(c.enter(tensor),
+                                                       *args, **kwargs)
+        return c.exit(received), received_splits
+
+    def allreduce(self, tensor, *args, **kwargs):
+        return self._span("allreduce", tensor, args, kwargs)
+
+    def grouped_allreduce(self, tensors, *args, **kwargs):
+        return self._span("grouped_allreduce", tensors, args, kwargs)
+
+    def allgather(self, tensor, *args, **kwargs):
+        return self._span("allgather", tensor, args, kwargs)
+
+    def broadcast(self, tensor, *args, **kwargs):
+        return self._span("broadcast", tensor, args, kwargs)
+
+    def broadcast_variables(self, variables, *args, **kwargs):
+        return self._span("broadcast_variables", variables, args, kwargs)
+
+    def _span(self, name, inputs, args, kwargs):
+        fn = getattr(self._hvd, name)
+        if not self._counters.can_track():
+            return fn(inputs, *args, **kwargs)
+        return self._counters.span(lambda: fn(inputs, *args, **kwargs),
+                                   inputs)
+
+
+class RendezvousStore:
+    """Keys on horovodrun's rendezvous HTTP server (PUT/GET of bytes)."""
+
+    def __init__(self, addr: str, port: str):
+        self._url = f"http://{addr}:{port}/{_SCOPE}/"
+
+    @classmethod
+    def from_env(cls) -> Optional["RendezvousStore"]:
+        addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+        return cls(addr, port) if addr and port else None
+
+    def put(self, key: str, value: bytes) -> None:
+        request = urllib.request.Request(self._url + key, data=value,
+                                         method="PUT")
+        with urllib.request.urlopen(request,
+                                    timeout=_HTTP_TIMEOUT_SECONDS):
+            pass
+
+    def get(self, key: str) -> Optional[bytes]:
+        try:
+            with urllib.request.urlopen(
+                    self._url + key, timeout=_HTTP_TIMEOUT_SECONDS) as r:
+                return r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+
+
+def find_stuck(rank: int, size: int, exited: int,
+               heartbeats: Dict[int, Optional[dict]], now: float,
+               stale_after: float) -> List[str]:
+    """Why each other rank is stuck, for a worker blocked in collective
+    number `exited + 1`; empty if every rank has reached it.
+
+    Args:
+        rank, size: this worker and the world size.
+        exited: collectives this worker has completed.
+        heartbeats: rank -> its last heartbeat (None: never published).
+        now: wall time, comparable with the heartbeats' `time`.
+        stale_after: a heartbeat older than this is a frozen worker.
+    """
+    reasons = []
+    for r in range(size):
+        if r == rank:
+            continue
+        beat = heartbeats.get(r)
+        if beat is None:
+            reasons.append(f"rank {r} (never reported: not started, or "
+                           f"frozen since startup)")
+        elif now - beat["time"] > stale_after:
+            reasons.append(
+                f"rank {r} (silent for {now - beat['time']:.0f} s: frozen "
+                f"holding the GIL, or gone; last at collective "
+                f"{beat['entered']})")
+        elif beat["entered"] <= exited:
+            where = (f"blocked in collective {beat['exited'] + 1}"
+                     if beat["entered"] > beat["exited"] else
+                     "outside any collective: deadlocked, or waiting on "
+                     "input")
+            reasons.append(f"rank {r} (entered {beat['entered']} "
+                           f"collectives, now {where})")
+    return reasons
+
+
+class Watchdog:
+    """Fails every worker when one has waited in a collective > timeout.
+
+    Args:
+        rank, size: this worker and the world size.
+        timeout: seconds a worker may wait inside one collective.
+        counters: this worker's `CollectiveCounters`.
+        store: where heartbeats are exchanged (`RendezvousStore`).
+        interval: seconds between checks; default timeout / 10, clamped
+            to [0.1, 10].
+        exit_fn: called with the message (already on stderr) to stop the
+            process; default `os._exit(EXIT_CODE)`: the main thread is
+            blocked in Horovod's C++ and cannot be interrupted.
+    """
+
+    def __init__(self, rank: int, size: int, timeout: float,
+                 counters: CollectiveCounters, store,
+                 interval: Optional[float] = None,
+                 exit_fn: Optional[Callable[[str], None]] = None):
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self._counters = counters
+        self._store = store
+        self.interval = (interval if interval is not None
+                         else min(max(timeout / 10, 0.1), 10.0))
+        self.stale_after = max(timeout, 3 * self.interval)
+        self._exit = exit_fn or _exit_process
+        self._blocked_since: Optional[float] = None
+        self._last_exited = -1
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="ge-collective-watchdog")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            try:
+                self.check()
+            except (OSError, urllib.error.URLError, ValueError):
+                # The server is gone or slow: horovodrun is stopping the
+                # job, or will answer next time.
+                pass
+
+    def check(self) -> None:
+        """One round: publish the heartbeat, obey or raise an abort."""
+        entered, exited = self._counters.read()
+        now = time.monotonic()
+        if entered > exited:
+            if self._blocked_since is None or exited != self._last_exited:
+                self._blocked_since = now
+        else:
+            self._blocked_since = None
+        self._last_exited = exited
+        blocked_for = (now - self._blocked_since
+                       if self._blocked_since is not None else 0.0)
+        self._store.put(f"rank_{self.rank}", json.dumps(
+            {"entered": entered, "exited": exited,
+             "blocked_for": blocked_for, "time": time.time()}).encode())
+        raw = self._store.get("abort")
+        if raw is not None:
+            verdict = json.loads(raw)
+            self._stop(f"[group_embedding] rank {self.rank} stops: "
+                       f"{verdict['message']}", verdict["exit_at"])
+            return
+        if blocked_for > self.timeout:
+            self._diagnose(exited, blocked_for)
+
+    def _diagnose(self, exited: int, blocked_for: float) -> None:
+        heartbeats = {}
+        for r in range(self.size):
+            if r != self.rank:
+                raw = self._store.get(f"rank_{r}")
+                heartbeats[r] = json.loads(raw) if raw is not None else None
+        if self._counters.read()[1] != exited:
+            return  # it completed while we looked
+        reasons = find_stuck(self.rank, self.size, exited, heartbeats,
+                             time.time(), self.stale_after)
+        if reasons:
+            stuck = ", ".join(reasons)
+            names = ", ".join(r.split(" (")[0] for r in reasons)
+            verdict = (
+                f"collective timeout: rank {self.rank} waited "
+                f"{blocked_for:.1f} s (> collective_timeout="
+                f"{self.timeout:g} s) in collective {exited + 1} for "
+                f"{names}. Stuck: {stuck}. All workers stop; raise "
+                f"`collective_timeout` (or {ENV_TIMEOUT}) if a worker may "
+                f"legitimately lag this long.")
+        else:
+            counts = ", ".join(
+                f"rank {r}: entered {b['entered']}, exited {b['exited']}"
+                for r, b in sorted(heartbeats.items()))
+            verdict = (
+                f"collective timeout: rank {self.rank} waited "
+                f"{blocked_for:.1f} s (> collective_timeout="
+                f"{self.timeout:g} s) in collective {exited + 1}, which "
+                f"every rank has entered but that does not complete: "
+                f"workers issue different collectives ({counts}; rank "
+                f"{self.rank}: exited {exited}). All workers stop.")
+        # Everyone exits at `exit_at`: two rounds for the others (the stuck
+        # one too, if its watchdog runs) to read and print the verdict
+        # before a first exit breaks their collectives.
+        exit_at = time.time() + 2 * self.interval
+        self._store.put("abort", json.dumps(
+            {"message": verdict, "exit_at": exit_at}).encode())
+        self._stop(f"[group_embedding] rank {self.rank}: {verdict}",
+                   exit_at)
+
+    def _stop(self, message: str, exit_at: float) -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        time.sleep(max(0.0, min(exit_at - time.time(), 2 * self.interval)))
+        self._exit(message)
+
+
+def _exit_process(message: str) -> None:
+    del message  # already on stderr
+    os._exit(EXIT_CODE)
