@@ -226,6 +226,17 @@ void PoolRows(const PooledIds& p, const float* rows, int64_t b0, int64_t b1,
   }
 }
 
+// dst[0:kDim] += src[0:kDim] through a register copy: written as a plain
+// loop, GCC keeps it scalar (it cannot rule out that dst and src overlap).
+template <int64_t kDim>
+inline void AddRow(float* dst, const float* src) {
+  float a[kDim], b[kDim];
+  std::memcpy(a, dst, sizeof(a));
+  std::memcpy(b, src, sizeof(b));
+  for (int64_t d = 0; d < kDim; ++d) a[d] += b[d];
+  std::memcpy(dst, a, sizeof(a));
+}
+
 // Adds the gradient of every id of one table ([batch, dim] pooled
 // gradients `g`) to its row's slot of `out`: one sum per distinct row.
 template <int64_t kDim>
@@ -245,8 +256,7 @@ void ScatterRowGrads(const PooledIds& p, const float* g, int64_t batch,
           if (j + kPrefetchDistance < p.nnz) {
             PrefetchRow(out + p.offsets[j + kPrefetchDistance], kDim);
           }
-          float* dst = out + p.offsets[j];
-          for (int64_t d = 0; d < kDim; ++d) dst[d] += sg[d];
+          AddRow<kDim>(out + p.offsets[j], sg);
         }
         continue;
       }

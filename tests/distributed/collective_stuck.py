@@ -35,7 +35,8 @@ STUCK_STEP = 3
 
 
 def get_stuck(mode):
-    print(f"worker 1 stuck at step {STUCK_STEP} ({mode})", flush=True)
+    print(f"worker 1 stuck at step {STUCK_STEP} ({mode}) at "
+          f"{time.time():.3f}", flush=True)
     if mode == "input":
         threading.Event().wait()
     # PyDLL keeps the GIL during the call.

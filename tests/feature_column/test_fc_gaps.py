@@ -17,6 +17,7 @@ initializer M, key k < V starts as M[k], the row k of a stock table
 initialised with M.
 """
 
+import contextlib
 import importlib
 
 import numpy as np
@@ -89,7 +90,8 @@ def _partition_columns(scoped: bool):
 # Unscoped columns take stock's own lookup: one partitioner suffices.
 @pytest.mark.parametrize("partitioner,scoped", [
     ("fixed_size", True), ("min_max", True), ("min_max", False),
-    ("one_shard", True)])
+    ("one_shard", True)], ids=["fixed_size-scoped", "min_max-scoped",
+                               "min_max-unscoped", "one_shard-scoped"])
 def test_partitioned_scope_matches_stock(kernel_mode, partitioner, scoped):
     graph = tf.Graph()
     with graph.as_default():
@@ -126,7 +128,9 @@ def test_partitioned_scope_matches_stock(kernel_mode, partitioner, scoped):
         assert_close(a, b)
 
 
-def test_partitioned_scope_trains_like_stock_with_ev_unpartitioned():
+@pytest.mark.parametrize("scoped", [True, False], ids=["scoped",
+                                                       "unscoped"])
+def test_partitioned_scope_trains_like_stock_with_ev_unpartitioned(scoped):
     """One Adagrad step under a partitioned scope: stock table shards and
     EV rows (an EV is one hash table: never partitioned) end where stock
     Adagrad puts the same rows of a partitioned stock table."""
@@ -134,7 +138,9 @@ def test_partitioned_scope_trains_like_stock_with_ev_unpartitioned():
     graph = tf.Graph()
     with graph.as_default():
         features = fc_cases.make_features("ragged", ["uid", "wid"])
-        with ge_fc.group_embedding_column_scope(fc_cases.unique_name("pt")):
+        name = fc_cases.unique_name("pt")
+        with ge_fc.group_embedding_column_scope(name) if scoped else \
+                contextlib.nullcontext():
             ours_cols = [
                 ge_fc.embedding_column(
                     FC.categorical_column_with_identity("uid", 10), DIM,

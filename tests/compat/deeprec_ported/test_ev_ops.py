@@ -13,6 +13,8 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
+import group_embedding as ge
+
 from ported_util import ADAM_INT_BETA
 from ported_util import CBF_FILTER
 from ported_util import DOUBLE_DRAW
@@ -166,9 +168,8 @@ def test_total_count_after_one_adam_step():
 @pytest.mark.parametrize("optimizer", optimizer_params())
 def test_counter_filter_with_duplicate_ids(optimizer):
     """_CounterFilterTestTemplate: testEmbeddingVariableFor{AdagradDecay,
-    Adagrad,Ftrl,AdamAsync,GradientDescent,Adam}Filter (newer version) and
-    ...ForFeatureFilterFromContribFeatureColumn (the same ids through a
-    column, FTRL). filter_freq=3, ids 1 x4, 2 x3, 3 x2, 4 x1."""
+    Adagrad,Ftrl,AdamAsync,GradientDescent,Adam}Filter (newer version):
+    filter_freq=3, ids 1 x4, 2 x3, 3 x2, 4 x1."""
     with tf.Graph().as_default():
         var = _ev(ev_option=V1.EmbeddingVariableOption(
             filter_option=V1.CounterFilter(filter_freq=3)),
@@ -228,6 +229,32 @@ def test_counter_filter_adam_with_global_step_as_beta1():
             fourth = sess.run([emb, train, loss])[0]
     np.testing.assert_array_equal(third, np.zeros([1, 3]))
     assert (fourth != 1.0).all()
+
+
+@FILTER_ONE_EARLY
+def test_feature_filter_from_feature_column():
+    """testEmbeddingVariableForFeatureFilterFromContribFeatureColumn, with
+    `categorical_column_with_embedding` + `embedding_column` +
+    `input_layer` in place of contrib's column (FTRL, filter_freq=3)."""
+    with tf.Graph().as_default():
+        column = V1.feature_column.embedding_column(
+            tf.feature_column.categorical_column_with_embedding(
+                "col_emb", dtype=tf.int64,
+                ev_option=V1.EmbeddingVariableOption(
+                    filter_option=V1.CounterFilter(filter_freq=3))),
+            dimension=3, initializer=ones())
+        ids = tf.SparseTensor(
+            [[i, 0] for i in range(10)],
+            tf.cast([1, 1, 1, 1, 2, 2, 2, 3, 3, 4], tf.int64), [10, 1])
+        emb = V1.feature_column.input_layer({"col_emb": ids}, [column])
+        train = train_op(double_sum(emb), make_optimizer("FTRL"))
+        with V1.Session() as sess:
+            initialize(sess)
+            first = sess.run([emb, train])[0]
+            second = sess.run([emb, train])[0]
+    np.testing.assert_array_equal(first, np.zeros([10, 3]))
+    assert (second[:7] != 1.0).all()
+    np.testing.assert_array_equal(second[7:], np.zeros([3, 3]))
 
 
 @FILTER_ONE_EARLY
@@ -698,7 +725,6 @@ def test_inference_lookups_insert_nothing():
     """testEmbeddingVariableForInference: lookups outside training
     (DeepRec's INFERENCE_MODE; here `training=False`) leave the variable
     empty."""
-    import group_embedding as ge
     with tf.Graph().as_default():
         var = _ev()
         shape = var.get_dynamic_shape()

@@ -1,0 +1,203 @@
+"""Collective timeout: a stuck worker stops every worker, naming it.
+
+The end-to-end cases run `collective_stuck.py` under horovodrun with a 3 s
+timeout (see its docstring); the others check the argument, the verdict and
+the watchdog's rounds in-process, without Horovod.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import group_embedding as ge
+from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.distributed import watchdog
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT = 3
+# Startup of 2 TF workers on 2 busy cores can take a minute; the bound
+# that matters is from the stall to the stop (asserted below).
+HANG_AFTER = 150
+
+
+def run_stuck(*args, env_timeout=None):
+    """Runs collective_stuck.py on 2 workers; returns (output, returncode,
+    wall time at exit). A hang fails the test instead of blocking it."""
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop(watchdog.ENV_TIMEOUT, None)
+    if env_timeout is not None:
+        env[watchdog.ENV_TIMEOUT] = str(env_timeout)
+    # Own session: on a hang we kill horovodrun and its workers together.
+    proc = subprocess.Popen(
+        [horovodrun, "-np", "2", "--gloo", sys.executable,
+         os.path.join(_HERE, "collective_stuck.py"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=HANG_AFTER)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"workers still running after {HANG_AFTER} s (hung):\n"
+                    f"{out[-3000:]}")
+    return out, proc.returncode, time.time()
+
+
+@pytest.mark.parametrize("stuck,where,function,via_env", [
+    ("input", "inside", False, True),
+    ("frozen", "before", False, False),
+    ("input", "inside", True, False),
+], ids=["input-backward-eager-env", "frozen-forward-eager",
+        "input-backward-function"])
+def test_stuck_worker_stops_every_worker_naming_it(stuck, where, function,
+                                                   via_env):
+    args = ["--stuck", stuck, "--where", where]
+    args += ["--function"] if function else []
+    args += [] if via_env else ["--timeout", str(TIMEOUT)]
+    out, returncode, ended = run_stuck(
+        *args, env_timeout=TIMEOUT if via_env else None)
+    assert returncode != 0, out[-4000:]
+    stalled = re.search(r"worker 1 stuck at step 3 \(\w+\) at ([\d.]+)",
+                        out)
+    assert stalled, out[-4000:]
+    # Worker 0 waits inside a collective and names rank 1.
+    verdict = (r"collective timeout: rank 0 waited [\d.]+ s "
+               rf"\(> collective_timeout={TIMEOUT} s\) in collective \d+ "
+               r"for rank 1\. Stuck: rank 1 \(")
+    assert re.search(r"\[0\]<stderr>:\[group_embedding\] rank 0: " +
+                     verdict, out), out[-4000:]
+    if stuck == "input":
+        # The stuck worker's own watchdog still runs: it says so too.
+        assert re.search(r"\[1\]<stderr>:\[group_embedding\] rank 1 stops: "
+                         + verdict, out), out[-4000:]
+        assert "waiting on input" in out, out[-4000:]
+    else:
+        assert "silent for" in out or "outside any collective" in out, \
+            out[-4000:]
+    assert "finished" not in out, out[-4000:]
+    # Timeout, a round of checks, two rounds of grace, and horovodrun's
+    # stop; not a hang.
+    assert ended - float(stalled.group(1)) < TIMEOUT + 25, out[-4000:]
+
+
+def test_idle_and_lagging_workers_do_not_time_out():
+    # Idle 2x the timeout outside collectives, a laggard at half of it.
+    out, returncode, _ = run_stuck("--stuck", "none", "--function",
+                                   "--timeout", str(TIMEOUT))
+    assert returncode == 0, out[-4000:]
+    assert out.count("finished") == 2, out[-4000:]
+    assert "collective timeout" not in out, out[-4000:]
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf")])
+def test_bad_timeout_fails_before_starting_horovod(value):
+    with pytest.raises(ValueError, match=r"Invalid `collective_timeout`: "):
+        ge.enable_distributed_strategy("collective",
+                                       collective_timeout=value)
+    with pytest.raises(TypeError, match=r"`collective_timeout` must be a "
+                                        r"number of seconds, but got str"):
+        ge.enable_distributed_strategy("collective",
+                                       collective_timeout="300")
+    assert not distributed_strategy.is_collective()
+
+
+def test_bad_timeout_environment_variable_fails(monkeypatch):
+    monkeypatch.setenv(watchdog.ENV_TIMEOUT, "5min")
+    with pytest.raises(ValueError, match=r"Invalid GROUP_EMBEDDING_"
+                                         r"COLLECTIVE_TIMEOUT: '5min'"):
+        ge.enable_distributed_strategy("collective")
+    assert not distributed_strategy.is_collective()
+
+
+def test_timeout_resolution(monkeypatch):
+    monkeypatch.delenv(watchdog.ENV_TIMEOUT, raising=False)
+    assert watchdog.resolve_timeout(None) == 300
+    monkeypatch.setenv(watchdog.ENV_TIMEOUT, "2.5")
+    assert watchdog.resolve_timeout(None) == 2.5
+    assert watchdog.resolve_timeout(0) == 0  # the argument wins
+
+
+def test_find_stuck_names_ranks_behind_silent_or_missing():
+    beat = {"entered": 7, "exited": 6, "time": 100.0}
+    heartbeats = {
+        1: dict(beat),                                   # in it too
+        2: {"entered": 6, "exited": 6, "time": 100.0},   # never came
+        3: {"entered": 7, "exited": 6, "time": 10.0},    # silent
+        4: None,                                         # never reported
+        5: {"entered": 5, "exited": 4, "time": 100.0},   # an earlier one
+    }
+    reasons = watchdog.find_stuck(0, 6, 6, heartbeats, now=101.0,
+                                  stale_after=30)
+    assert [r.split(" (")[0] for r in reasons] == [
+        "rank 2", "rank 3", "rank 4", "rank 5"]
+    assert "outside any collective" in reasons[0]
+    assert "silent for 91 s" in reasons[1]
+    assert "never reported" in reasons[2]
+    assert "blocked in collective 5" in reasons[3]
+    assert watchdog.find_stuck(0, 2, 6, {1: beat}, 101.0, 30) == []
+
+
+class _Store:
+    def __init__(self):
+        self.data = {}
+
+    def put(self, key, value):
+        self.data[key] = value
+
+    def get(self, key):
+        return self.data.get(key)
+
+
+class _Counters:
+    def __init__(self):
+        self.entered = self.exited = 0
+
+    def read(self):
+        return self.entered, self.exited
+
+
+def _watchdog(rank, store, counters, exits):
+    return watchdog.Watchdog(rank, 2, 1.0, counters, store, interval=0.01,
+                             exit_fn=exits.append)
+
+
+def test_watchdog_rounds_blocked_worker_stops_both():
+    store, exits = _Store(), []
+    c0, c1 = _Counters(), _Counters()
+    w0, w1 = (_watchdog(0, store, c0, exits),
+              _watchdog(1, store, c1, exits))
+    c0.entered, c0.exited = 4, 3  # rank 0 waits in collective 4...
+    c1.entered = c1.exited = 3    # ...that rank 1 never reaches
+    w0.check()
+    w1.check()
+    assert exits == []  # not yet longer than the timeout
+    w0._blocked_since -= 2.0
+    w1.check()
+    w0.check()
+    assert len(exits) == 1, exits
+    assert "rank 0: collective timeout: rank 0 waited 2.0 s" in exits[0]
+    assert "in collective 4 for rank 1. Stuck: rank 1 (entered 3 " \
+        "collectives, now outside any collective" in exits[0]
+    w1.check()
+    assert exits[1].startswith("[group_embedding] rank 1 stops: collective "
+                               "timeout: rank 0 waited")
+    assert json.loads(store.data["abort"])["message"] in exits[1]
+
+
+def test_watchdog_progress_resets_the_clock():
+    store, exits, c = _Store(), [], _Counters()
+    w = _watchdog(0, store, c, exits)
+    c.entered, c.exited = 5, 4
+    w.check()
+    w._blocked_since -= 2.0
+    c.exited, c.entered = 5, 6  # completed one, now in the next
+    w.check()
+    assert exits == []
+    assert json.loads(store.data["rank_0"])["blocked_for"] < 1.0
