@@ -4,6 +4,7 @@ Users write `import group_embedding as ge`; everything public is listed in
 `__all__`.
 """
 
+from group_embedding import estimator
 from group_embedding import feature_column
 from group_embedding import optimizers
 from group_embedding import train
@@ -58,6 +59,7 @@ __all__ = [
     "StorageType",
     "embedding_lookup",
     "embedding_lookup_sparse",
+    "estimator",
     "feature_column",
     "gather",
     "get_embedding_variable",
