@@ -226,15 +226,22 @@ void PoolRows(const PooledIds& p, const float* rows, int64_t b0, int64_t b1,
   }
 }
 
-// dst[0:kDim] += src[0:kDim] through a register copy: written as a plain
-// loop, GCC keeps it scalar (it cannot rule out that dst and src overlap).
+// dst[0:kDim] += src[0:kDim], 8 floats at a time. Written as a plain loop
+// GCC keeps it scalar (it cannot rule out that dst and src overlap).
+typedef float Float8 __attribute__((vector_size(32)));
 template <int64_t kDim>
 inline void AddRow(float* dst, const float* src) {
-  float a[kDim], b[kDim];
-  std::memcpy(a, dst, sizeof(a));
-  std::memcpy(b, src, sizeof(b));
-  for (int64_t d = 0; d < kDim; ++d) a[d] += b[d];
-  std::memcpy(dst, a, sizeof(a));
+  if constexpr (kDim % 8 == 0) {
+    for (int64_t d = 0; d < kDim; d += 8) {
+      Float8 a, b;
+      std::memcpy(&a, dst + d, sizeof(a));
+      std::memcpy(&b, src + d, sizeof(b));
+      a += b;
+      std::memcpy(dst + d, &a, sizeof(a));
+    }
+  } else {
+    for (int64_t d = 0; d < kDim; ++d) dst[d] += src[d];
+  }
 }
 
 // Adds the gradient of every id of one table ([batch, dim] pooled
