@@ -337,8 +337,13 @@ def launch(n, args, record):
         horovodrun = os.path.join(os.path.dirname(sys.executable),
                                   "horovodrun")
         cmd = [horovodrun, "-np", str(n), "--gloo"] + me
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                            timeout=900)
+    for _ in range(2):
+        result = subprocess.run(cmd, env=env, capture_output=True,
+                                text=True, timeout=900)
+        # One retry: horovodrun's launcher fails now and then to bind
+        # its rendezvous port while other jobs start theirs.
+        if result.returncode == 0 or n == 1:
+            break
     if result.returncode != 0:
         raise RuntimeError(f"N={n} failed:\n" + (result.stdout
                                                   + result.stderr)[-4000:])

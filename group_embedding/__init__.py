@@ -10,6 +10,7 @@ from group_embedding import optimizers
 from group_embedding import train
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.embedding_variable.variable import get_embedding_variable
+from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
 from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.embedding_variable.options import GlobalStepEvict
@@ -49,6 +50,7 @@ __all__ = [
     "latest_checkpoint",
     "restore_tables",
     "save_tables",
+    "CBFFilter",
     "CounterFilter",
     "EmbeddingVariable",
     "EmbeddingVariableOption",

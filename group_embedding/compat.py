@@ -18,8 +18,8 @@ What `install()` changes, in `tf` and in `tf.compat.v1`:
   `feature_column.sequence_categorical_column_with_embedding`,
   `contrib.feature_column.sequence_input_layer` (no `contrib` in TF 2),
   `get_embedding_variable`, `config.experimental.enable_distributed_strategy`,
-  `EmbeddingVariableOption`, `CounterFilter`, `InitializerOption`,
-  `GlobalStepEvict`, `L2WeightEvict`;
+  `EmbeddingVariableOption`, `CounterFilter`, `CBFFilter`,
+  `InitializerOption`, `GlobalStepEvict`, `L2WeightEvict`;
 * routed through this library: `feature_column.embedding_column`,
   `feature_column.shared_embedding_columns` (and TF2's `shared_embeddings`),
   `feature_column.input_layer`, so that `group_embedding_column_scope`
@@ -311,6 +311,7 @@ def _names() -> List[Tuple[Any, str, Any]]:
         "get_embedding_variable": embedding_variable.get_embedding_variable,
         "EmbeddingVariableOption": options.EmbeddingVariableOption,
         "CounterFilter": options.CounterFilter,
+        "CBFFilter": options.CBFFilter,
         "InitializerOption": options.InitializerOption,
         "GlobalStepEvict": options.GlobalStepEvict,
         "L2WeightEvict": options.L2WeightEvict,

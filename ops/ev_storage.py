@@ -32,21 +32,30 @@ def library():
     if module is None:
         raise RuntimeError(
             "EmbeddingVariable needs the group-embedding C++ kernels, which "
-            "could not be built; run `python -m "
-            "group_embedding.ops.kernel_library -v` to see why.")
+            "could not be built or loaded: "
+            f"{kernel_library.unavailable_reason()}. Run `python -m "
+            "group_embedding.ops.kernel_library -v` to see the build.")
     return module
 
 
 def create_handle(variable_name: str, shared_name: str, embedding_dim: int,
                   filter_freq: int, no_permission: float, steps_to_live: int,
-                  l2_weight_threshold: float) -> tf.Tensor:
-    """Creates (or finds) the storage resource and returns its handle."""
+                  l2_weight_threshold: float, cbf_counters: int = 0,
+                  cbf_hashes: int = 0, cbf_counter_bytes: int = 8,
+                  max_rows: int = 0) -> tf.Tensor:
+    """Creates (or finds) the storage resource and returns its handle.
+
+    `cbf_*` size a CBFFilter's counting Bloom filter (0 counters: none);
+    `max_rows` > 0 lowers the row limit (2**32 - 2), for tests only.
+    """
     return library().ev_handle_op(
         shared_name=shared_name, variable_name=variable_name,
         embedding_dim=embedding_dim, filter_freq=filter_freq,
         default_value_no_permission=no_permission,
         steps_to_live=steps_to_live,
-        l2_weight_threshold=l2_weight_threshold)
+        l2_weight_threshold=l2_weight_threshold, cbf_counters=cbf_counters,
+        cbf_hashes=cbf_hashes, cbf_counter_bytes=cbf_counter_bytes,
+        max_rows=max_rows)
 
 
 def group_gather(variables: Sequence, keys: List[tf.Tensor],
@@ -140,6 +149,15 @@ def apply_adagrad(handle, keys, grad, step, lr, epsilon, slot_name):
     return library().ev_apply_adagrad(
         handle, *_args(keys, grad, step), tf.cast(lr, tf.float32),
         tf.cast(epsilon, tf.float32), slot_name=slot_name)
+
+
+def apply_adagrad_decay(handle, keys, grad, step, lr, decay_rate, floor,
+                        period, slot_names):
+    """DeepRec's AdagradDecay on the touched keys (see the kernel)."""
+    return library().ev_apply_adagrad_decay(
+        handle, *_args(keys, grad, step), tf.cast(lr, tf.float32),
+        tf.cast(decay_rate, tf.float32), tf.cast(floor, tf.float32),
+        tf.cast(period, tf.int64), slot_names=slot_names)
 
 
 def apply_adam(handle, keys, grad, step, alpha, beta1, beta2, epsilon,

@@ -64,7 +64,7 @@ class EmbeddingSnapshot(tf.Module):
         self.key = column.categorical_column.key
         self.is_string = column.categorical_column.dtype == tf.string
         self.combiner = column.combiner
-        keys, values, freqs, _ = ev.export()
+        keys, values, _, freqs = ev.export()
         option = column.categorical_column.ev_option
         filter_freq = (option.filter_option.filter_freq
                        if option.filter_option else 0)

@@ -11,10 +11,11 @@ slice of the global batch.
 
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import keras
 
+from group_embedding.distributed import horovod_settings
 from group_embedding.distributed import watchdog
 
 SUPPORTED_STRATEGIES = ("collective",)
@@ -33,11 +34,14 @@ _shard_refs: "weakref.WeakValueDictionary[Any, Any]" = (
 
 
 def enable_distributed_strategy(strategy="collective", *,
-                                collective_timeout=None):
+                                collective_timeout: Optional[float] = None):
     """Switches the library to model-parallel (collective) training.
 
     Initialises Horovod once (later calls are no-ops) and makes every
     embedding table created afterwards a row shard owned by this worker.
+    Before `hvd.init()` it sets the Horovod variables of
+    `horovod_settings.DEFAULTS` (a shorter `HOROVOD_CYCLE_TIME`) that the
+    environment does not set already.
 
     Collective timeout: Horovod waits forever for a worker that stays
     alive but never reaches a collective (deadlocked, waiting on input).
@@ -56,8 +60,8 @@ def enable_distributed_strategy(strategy="collective", *,
             collective for the others; 0 disables the watchdog (and its
             two counter increments per collective). Default: the
             environment variable `GROUP_EMBEDDING_COLLECTIVE_TIMEOUT`, else
-            300. Detection takes up to `collective_timeout` plus a tenth
-            of it (at most 10 s).
+            300. Workers stop at most `collective_timeout` + 3 checks
+            after the stall (a check every tenth of it, at most 10 s).
 
     Returns:
         The `horovod.tensorflow` module, initialised.
@@ -92,6 +96,9 @@ def enable_distributed_strategy(strategy="collective", *,
         raise ImportError(
             "enable_distributed_strategy('collective') needs Horovod built "
             "with TensorFlow: run `bash scripts/build_horovod.sh`.") from e
+    # Latency settings for our chain of small collectives (see
+    # horovod_settings); the user's environment wins.
+    horovod_settings.apply_defaults()
     hvd.init()
     _state["hvd"] = hvd
     _state["collectives"] = _start_watchdog(hvd, timeout)
@@ -105,13 +112,13 @@ def _start_watchdog(hvd, timeout):
     if timeout == 0 or hvd.size() == 1:
         return hvd
     store = watchdog.RendezvousStore.from_env()
-    counters = watchdog.CollectiveCounters()
-    if store is None or not counters.can_track():
+    if store is None or not watchdog.can_track():
         warnings.warn(
             "group_embedding: no collective timeout - it needs horovodrun "
             "(Gloo rendezvous server) and eager TensorFlow; a stuck worker "
             "will hang the others.", RuntimeWarning)
         return hvd
+    counters = watchdog.CollectiveCounters()
     watchdog.Watchdog(hvd.rank(), hvd.size(), timeout, counters,
                       store).start()
     return watchdog.TrackedHorovod(hvd, counters)

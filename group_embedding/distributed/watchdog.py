@@ -12,8 +12,8 @@ How it works, per worker:
 - `TrackedHorovod` wraps the collectives that group_embedding issues
   (lookup all-to-alls forward and backward, gradient allreduce, broadcasts,
   checkpoint barriers) between two increments of counters, `entered` and
-  `exited`. They are `tf.Variable`s so that the increments also run inside
-  `tf.function` (Keras `fit`); inside a TF1 graph nothing is tracked.
+  `exited`: Python ints in eager code, `tf.Variable`s inside `tf.function`
+  (Keras `fit`); inside a TF1 graph nothing is tracked.
 - `Watchdog`, a daemon thread, reads the counters every `interval`. It is
   *blocked* while `entered > exited` and `exited` does not move. It
   publishes a heartbeat (counters, how long it has been blocked, wall time)
@@ -28,8 +28,9 @@ How it works, per worker:
   worker, the stuck one included, sees the key within an interval and
   prints it too; all exit two intervals after the verdict.
 
-The hot path pays two variable increments per collective (the watchdog's
-reads and HTTP calls run on its own thread, every `interval`).
+The hot path pays two counter increments per collective, and an identity
+op on each side of an all-to-all while a tape records (the watchdog's reads
+and HTTP calls run on its own thread, every `interval`).
 """
 
 import json
@@ -43,6 +44,8 @@ import urllib.request
 from typing import Any, Callable, Dict, List, Optional
 
 import tensorflow as tf
+from tensorflow.python.eager import record
+from tensorflow.python.ops import gen_array_ops
 
 ENV_TIMEOUT = "GROUP_EMBEDDING_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -59,7 +62,9 @@ def resolve_timeout(collective_timeout: Optional[float]) -> float:
     environment variable, else the default; 0 disables it.
 
     Raises:
-        ValueError: a negative, NaN or non-numeric value.
+        ValueError: a negative, NaN or infinite value, or an environment
+            variable that is not a number.
+        TypeError: `collective_timeout` is not a number.
     """
     if collective_timeout is None:
         raw = os.environ.get(ENV_TIMEOUT)
@@ -85,88 +90,128 @@ def resolve_timeout(collective_timeout: Optional[float]) -> float:
     return float(collective_timeout)
 
 
+def can_track() -> bool:
+    """False inside a TF1 graph, which cannot use eager variables."""
+    if tf.executing_eagerly():
+        return True
+    with tf.init_scope():
+        return tf.executing_eagerly()
+
+
 class CollectiveCounters:
-    """How many tracked collectives this worker has entered and exited."""
+    """How many tracked collectives this worker has entered and exited.
+
+    Eager code counts in Python ints (free); `tf.function`s count in two
+    int64 variables, since their Python runs only while tracing. A
+    collective's gradient (the backward all-to-all) counts as one more,
+    through marks whose gradient functions increment the counters.
+    """
 
     def __init__(self):
+        self._lock = threading.Lock()
+        self._eager = [0, 0]  # entered, exited
         with tf.init_scope(), tf.device("/CPU:0"):
-            self._entered = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                        name="ge_collectives_entered")
-            self._exited = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                       name="ge_collectives_exited")
+            self._graph = [
+                tf.Variable(0, dtype=tf.int64, trainable=False,
+                            name=f"ge_collectives_{n}")
+                for n in ("entered", "exited")]
+        self._graph_marks = [_graph_backward_mark(v) for v in self._graph]
 
     def read(self):
         """(entered, exited); `exited` first so that entered >= exited."""
-        exited = int(self._exited.read_value())
-        return int(self._entered.read_value()), exited
+        exited = self._eager[_EXITED] + int(self._graph[_EXITED].value())
+        entered = self._eager[_ENTERED] + int(self._graph[_ENTERED].value())
+        return entered, exited
 
     def can_track(self) -> bool:
-        """False inside a TF1 graph, which cannot use eager variables."""
-        if tf.executing_eagerly():
-            return True
-        with tf.init_scope():
-            return tf.executing_eagerly()
+        return can_track()
 
-    def enter(self, tensor):
-        """`tensor`, once `entered` counts the collective about to take it;
-        its gradient counts the backward collective as exited."""
-        tensor = _after_increment(tensor, self._entered)
-        return _count_backward(tensor, self._exited)
+    def track(self, run: Callable[[Any], Any], inputs,
+              differentiable: bool = False):
+        """`run(inputs)` counted as one collective.
 
-    def exit(self, tensor):
-        """`tensor` (a collective's output), once `exited` counts it; its
-        gradient counts the backward collective as entered."""
-        tensor = _count_backward(tensor, self._entered)
-        return _after_increment(tensor, self._exited)
-
-    def span(self, run: Callable[[], Any], inputs) -> Any:
-        """`run()` (no gradient) counted as one collective: entered once
-        `inputs` exist, exited once its outputs do."""
-        inputs = [t for t in tf.nest.flatten(inputs, expand_composites=True)
-                  if isinstance(t, tf.Tensor)]
+        Args:
+            run: issues the collective on `inputs`.
+            inputs: tensors, variables or nests of them.
+            differentiable: `inputs` is one tensor and `run` returns a
+                tuple whose first item is its differentiable output; the
+                gradient of that output is counted as a collective too.
+        """
+        marked = differentiable and _is_float_tensor(inputs)
         if tf.executing_eagerly():
             # Eager ops run in program order: no dependencies needed.
-            self._entered.assign_add(1, read_value=False)
-            result = run()
-            self._exited.assign_add(1, read_value=False)
+            if marked:
+                inputs = self._eager_backward_mark(inputs, _EXITED)
+            self._bump(_ENTERED)
+            result = run(inputs)
+            self._bump(_EXITED)
+            if marked:
+                result = (self._eager_backward_mark(result[0], _ENTERED),
+                          *result[1:])
             return result
-        with tf.control_dependencies(inputs):
-            entered = self._entered.assign_add(1, read_value=False)
-        with tf.control_dependencies([entered]):
-            result = run()
-        outputs = [t for t in tf.nest.flatten(result, expand_composites=True)
-                   if isinstance(t, (tf.Tensor, tf.Operation))]
-        # A stateful op: tf.function runs it even though nothing reads it.
-        with tf.control_dependencies(outputs):
-            self._exited.assign_add(1, read_value=False)
+        entered, exited = self._graph
+        if marked:
+            inputs = self._graph_marks[_EXITED](inputs)
+        with tf.control_dependencies(_tensors(inputs)):
+            done = entered.assign_add(1, read_value=False)
+        with tf.control_dependencies([done]):
+            result = run(inputs)
+        # Stateful: tf.function runs it though nothing reads it.
+        with tf.control_dependencies(_tensors(result)):
+            exited.assign_add(1, read_value=False)
+        if marked:
+            result = (self._graph_marks[_ENTERED](result[0]), *result[1:])
         return result
 
+    def _bump(self, which: int) -> None:
+        with self._lock:
+            self._eager[which] += 1
 
-def _after_increment(tensor, counter):
-    if tf.executing_eagerly():
-        counter.assign_add(1, read_value=False)
-        return tensor
-    with tf.control_dependencies([tensor]):
-        done = counter.assign_add(1, read_value=False)
-    with tf.control_dependencies([done]):
-        return tf.identity(tensor)
+    def _eager_backward_mark(self, tensor, which: int):
+        """Identity whose gradient bumps counter `which` when the tape
+        reaches it (the tape runs gradients in order, synchronously)."""
+        if not record.could_possibly_record():
+            return tensor
+        out = gen_array_ops.identity(tensor)
+
+        def grad(dy):
+            self._bump(which)
+            return [dy]
+
+        record.record_operation("GroupEmbeddingCollectiveMark", [out],
+                                [tensor], grad)
+        return out
 
 
-def _count_backward(tensor, counter):
-    """Identity whose gradient increments `counter` when it flows."""
-    if not tensor.dtype.is_floating:
-        return tensor
+_ENTERED, _EXITED = 0, 1
+
+
+def _graph_backward_mark(counter):
+    """Identity whose gradient increments `counter` before passing on."""
 
     @tf.custom_gradient
-    def identity(x):
+    def mark(x):
         def grad(dy):
-            if isinstance(dy, tf.IndexedSlices):
-                return tf.IndexedSlices(_after_increment(dy.values, counter),
-                                        dy.indices, dy.dense_shape)
-            return _after_increment(dy, counter)
-        return tf.identity(x), grad
+            parts = _tensors(dy)
+            with tf.control_dependencies(parts):
+                done = counter.assign_add(1, read_value=False)
+            with tf.control_dependencies([done]):
+                if isinstance(dy, tf.IndexedSlices):
+                    return tf.IndexedSlices(tf.identity(dy.values),
+                                            dy.indices, dy.dense_shape)
+                return tf.identity(dy)
+        return x, grad
 
-    return identity(tensor)
+    return mark
+
+
+def _is_float_tensor(x) -> bool:
+    return isinstance(x, tf.Tensor) and x.dtype.is_floating
+
+
+def _tensors(nest):
+    return [t for t in tf.nest.flatten(nest, expand_composites=True)
+            if isinstance(t, (tf.Tensor, tf.Operation))]
 
 
 class TrackedHorovod:
@@ -184,34 +229,29 @@ class TrackedHorovod:
         return getattr(self._hvd, name)
 
     def alltoall(self, tensor, *args, **kwargs):
-        c = self._counters
-        if not c.can_track():
-            return self._hvd.alltoall(tensor, *args, **kwargs)
-        received, received_splits = self._hvd.alltoall(c.enter(tensor),
-                                                       *args, **kwargs)
-        return c.exit(received), received_splits
+        return self._track("alltoall", tensor, args, kwargs, True)
 
     def allreduce(self, tensor, *args, **kwargs):
-        return self._span("allreduce", tensor, args, kwargs)
+        return self._track("allreduce", tensor, args, kwargs)
 
     def grouped_allreduce(self, tensors, *args, **kwargs):
-        return self._span("grouped_allreduce", tensors, args, kwargs)
+        return self._track("grouped_allreduce", tensors, args, kwargs)
 
     def allgather(self, tensor, *args, **kwargs):
-        return self._span("allgather", tensor, args, kwargs)
+        return self._track("allgather", tensor, args, kwargs)
 
     def broadcast(self, tensor, *args, **kwargs):
-        return self._span("broadcast", tensor, args, kwargs)
+        return self._track("broadcast", tensor, args, kwargs)
 
     def broadcast_variables(self, variables, *args, **kwargs):
-        return self._span("broadcast_variables", variables, args, kwargs)
+        return self._track("broadcast_variables", variables, args, kwargs)
 
-    def _span(self, name, inputs, args, kwargs):
+    def _track(self, name, inputs, args, kwargs, differentiable=False):
         fn = getattr(self._hvd, name)
         if not self._counters.can_track():
             return fn(inputs, *args, **kwargs)
-        return self._counters.span(lambda: fn(inputs, *args, **kwargs),
-                                   inputs)
+        return self._counters.track(lambda x: fn(x, *args, **kwargs),
+                                    inputs, differentiable)
 
 
 class RendezvousStore:

@@ -5,6 +5,7 @@ admission/eviction/initializer options, `keras_variable` the wrapper that
 lets Keras track and save an EV as a model weight.
 """
 
+from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
 from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.embedding_variable.options import GlobalStepEvict
@@ -15,6 +16,7 @@ from group_embedding.embedding_variable.variable import get_embedding_variable
 from group_embedding.embedding_variable.keras_variable import KerasEmbeddingVariable
 
 __all__ = [
+    "CBFFilter",
     "CounterFilter",
     "EmbeddingVariable",
     "EmbeddingVariableOption",

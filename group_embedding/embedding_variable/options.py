@@ -7,6 +7,7 @@ through `get_config()` / `from_config()`.
 
 import dataclasses
 import enum
+import math
 import numbers
 from typing import Any
 from typing import Dict
@@ -64,9 +65,11 @@ class GlobalStepEvict(BaseEvictOption):
 
 @dataclasses.dataclass(frozen=True)
 class L2WeightEvict(BaseEvictOption):
-    """Removes keys whose embedding L2 norm is below `l2_weight_threshold`.
+    """Removes keys whose half squared L2 norm is below the threshold.
 
-    Note: the spec's rule (L2 norm), not DeepRec's `0.5 * sum(v^2)`.
+    A key is removed when `0.5 * sum(v^2) < l2_weight_threshold`, DeepRec's
+    rule (e.g. with threshold 0.9 a row of three 0.7s, 0.735, goes; three
+    0.8s, 0.96, stay).
 
     Args:
         l2_weight_threshold: float; negative (default -1.0) disables it.
@@ -84,13 +87,21 @@ class L2WeightEvict(BaseEvictOption):
 
 
 @dataclasses.dataclass(frozen=True)
-class CounterFilter(_Config):
+class BaseFilterOption(_Config):
+    """Base of the admission filters; at most one applies to a variable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterFilter(BaseFilterOption):
     """Admits a key only after `filter_freq` occurrences in training.
 
     Occurrences are counted per training lookup, duplicates in a batch
-    included; the lookup in which the count reaches `filter_freq` already
-    reads the key's real value. Until then the key reads
-    `InitializerOption.default_value_no_permission` and gets no update.
+    included, after the lookup has read (DeepRec's order): a key reads
+    `InitializerOption.default_value_no_permission` for its first
+    `filter_freq` lookups and its real value from lookup `filter_freq + 1`
+    on. The optimizer step of the lookup that brings the count to
+    `filter_freq` already updates the real value; earlier steps do not.
+    Every key seen is stored (with its count) from its first lookup.
 
     Args:
         filter_freq: int >= 0, default 0 (every key admitted).
@@ -105,6 +116,88 @@ class CounterFilter(_Config):
         if not _is_int(self.filter_freq) or self.filter_freq < 0:
             raise ValueError("`filter_freq` must be an int >= 0, got "
                              f"{self.filter_freq!r}.")
+
+
+SUPPORTED_COUNTER_TYPES = ("uint8", "uint16", "uint32", "uint64")
+
+
+@dataclasses.dataclass(frozen=True)
+class CBFFilter(BaseFilterOption):
+    """Admits a key after `filter_freq` occurrences, counted in a counting
+    Bloom filter (DeepRec's `tf.CBFFilter`).
+
+    Unlike `CounterFilter`, a key is not stored until it is admitted: its
+    occurrences are counted in a fixed array of `num_counters` counters of
+    `counter_type`, `num_hashes` per key, sized for `max_element_size`
+    distinct keys at `false_positive_probability`:
+    `num_counters = ceil(-n ln p / (ln 2)^2)`, `num_hashes = ceil(-log2
+    p)` (= `num_counters / n * ln 2`). Memory is fixed whatever the number
+    of keys seen (e.g. n = 10**6, p = 0.01: 9.6 million counters, 77 MB
+    of uint64 or 9.6 MB of uint8). A key's count is the least of its
+    counters; counters stop at `filter_freq`. Reads and updates follow
+    `CounterFilter`: `default_value_no_permission` for the first
+    `filter_freq` lookups, the real row from lookup `filter_freq + 1` on.
+
+    False positives: other keys sharing all of a key's counters make its
+    count too high, never too low, so a key may be admitted early (at its
+    first lookup at worst), never late. While at most `max_element_size`
+    keys have been counted this happens to about a
+    `false_positive_probability` share of new keys; past that the share
+    grows. Counts of keys not admitted yet are not checkpointed (nor in
+    DeepRec); `get_frequency` reads 0 for them.
+
+    Args:
+        filter_freq: occurrences needed, int >= 1 and below the largest
+            value of `counter_type`.
+        max_element_size: distinct keys the filter is sized for, int >= 1.
+        false_positive_probability: float in (0, 1).
+        counter_type: tf.uint8, tf.uint16, tf.uint32 or tf.uint64
+            (default), or its name.
+
+    Raises:
+        ValueError: an argument out of its range.
+    """
+
+    filter_freq: int = 0
+    max_element_size: int = 0
+    false_positive_probability: float = -1.0
+    counter_type: Any = "uint64"
+
+    def __post_init__(self):
+        kind = getattr(self.counter_type, "name", self.counter_type)
+        if kind not in SUPPORTED_COUNTER_TYPES:
+            raise ValueError("`counter_type` must be one of "
+                             f"{', '.join(SUPPORTED_COUNTER_TYPES)}, got "
+                             f"{self.counter_type!r}.")
+        object.__setattr__(self, "counter_type", kind)
+        bits = 8 * self.counter_bytes
+        if (not _is_int(self.filter_freq) or self.filter_freq < 1
+                or self.filter_freq >= 2 ** bits - 1 and bits < 64):
+            raise ValueError("`filter_freq` must be an int in [1, "
+                             f"{2 ** bits - 2}] for counter_type {kind}, "
+                             f"got {self.filter_freq!r}.")
+        if not _is_int(self.max_element_size) or self.max_element_size < 1:
+            raise ValueError("`max_element_size` must be an int >= 1, got "
+                             f"{self.max_element_size!r}.")
+        p = self.false_positive_probability
+        if not _is_float(p) or not 0.0 < p < 1.0:
+            raise ValueError("`false_positive_probability` must be in "
+                             f"(0, 1), got {p!r}.")
+
+    @property
+    def counter_bytes(self) -> int:
+        return {"uint8": 1, "uint16": 2, "uint32": 4,
+                "uint64": 8}[self.counter_type]
+
+    @property
+    def num_counters(self) -> int:
+        p = self.false_positive_probability
+        return math.ceil(-self.max_element_size * math.log(p)
+                         / math.log(2) ** 2)
+
+    @property
+    def num_hashes(self) -> int:
+        return max(1, math.ceil(-math.log2(self.false_positive_probability)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +332,7 @@ class StorageOption(_Config):
 
 _EVICT_CLASSES = {"GlobalStepEvict": GlobalStepEvict,
                   "L2WeightEvict": L2WeightEvict}
+_FILTER_CLASSES = {"CounterFilter": CounterFilter, "CBFFilter": CBFFilter}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +343,7 @@ class EmbeddingVariableOption(_Config):
         evict_option: None (default), a `GlobalStepEvict` or an
             `L2WeightEvict`. Eviction runs at checkpoint save and on
             `EmbeddingVariable.evict()`.
-        filter_option: None (default) or a `CounterFilter`.
+        filter_option: None (default), a `CounterFilter` or a `CBFFilter`.
         init_option: an `InitializerOption` (default `InitializerOption()`).
         storage_option: a `StorageOption` (default DRAM, the only one).
 
@@ -260,7 +354,7 @@ class EmbeddingVariableOption(_Config):
     """
 
     evict_option: Optional[Union[GlobalStepEvict, L2WeightEvict]] = None
-    filter_option: Optional[CounterFilter] = None
+    filter_option: Optional[Union[CounterFilter, CBFFilter]] = None
     init_option: InitializerOption = dataclasses.field(
         default_factory=InitializerOption)
     storage_option: StorageOption = dataclasses.field(
@@ -281,9 +375,9 @@ class EmbeddingVariableOption(_Config):
                             "L2WeightEvict or None, got "
                             f"{type(evict).__name__}.")
         if (self.filter_option is not None
-                and not isinstance(self.filter_option, CounterFilter)):
-            raise TypeError("`filter_option` must be a CounterFilter or "
-                            "None, got "
+                and not isinstance(self.filter_option, BaseFilterOption)):
+            raise TypeError("`filter_option` must be a CounterFilter, "
+                            "CBFFilter or None, got "
                             f"{type(self.filter_option).__name__}.")
         if not isinstance(self.storage_option, StorageOption):
             raise TypeError("`storage_option` must be a StorageOption, got "
@@ -298,8 +392,9 @@ class EmbeddingVariableOption(_Config):
             "evict_option": None if evict is None else {
                 "class_name": type(evict).__name__,
                 "config": evict.get_config()},
-            "filter_option": (None if self.filter_option is None
-                              else self.filter_option.get_config()),
+            "filter_option": (None if self.filter_option is None else {
+                "class_name": type(self.filter_option).__name__,
+                "config": self.filter_option.get_config()}),
             "init_option": self.init_option.get_config(),
             "storage_option": self.storage_option.get_config(),
         }
@@ -311,10 +406,14 @@ class EmbeddingVariableOption(_Config):
             evict = _EVICT_CLASSES[evict["class_name"]].from_config(
                 evict["config"])
         filt = config.get("filter_option")
+        if filt is not None:
+            # Configs written before CBFFilter hold a bare CounterFilter.
+            filt = (_FILTER_CLASSES[filt["class_name"]].from_config(
+                filt["config"]) if "class_name" in filt
+                else CounterFilter.from_config(filt))
         return cls(
             evict_option=evict,
-            filter_option=None if filt is None
-            else CounterFilter.from_config(filt),
+            filter_option=filt,
             init_option=InitializerOption.from_config(
                 config.get("init_option", {})),
             storage_option=StorageOption.from_config(

@@ -4,6 +4,7 @@ growing as new keys arrive (DeepRec's `get_embedding_variable`)."""
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 from typing import Optional
 
@@ -12,6 +13,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.training.saving import saveable_object_util
 
+from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.embedding_variable.options import GlobalStepEvict
 from group_embedding.embedding_variable.options import L2WeightEvict
@@ -19,6 +21,26 @@ from group_embedding.ops import ev_storage
 
 SUPPORTED_KEY_DTYPES = (tf.int64, tf.int32)
 _uid = itertools.count()
+_logger = logging.getLogger(__name__)
+
+
+def default_initializer(embedding_dim: int):
+    """Truncated normal, stddev `1/sqrt(embedding_dim)`, seeded like a stock
+    initializer with `seed=None`: the op seed comes from the graph-level
+    seed (`tf.random.set_seed`, `tf.compat.v1.set_random_seed`) through
+    `tf.compat.v1.get_seed`, so a seeded script draws the same values on
+    every run, and an unseeded one different values."""
+    stddev = 1.0 / math.sqrt(embedding_dim)
+
+    def init(shape, dtype=tf.float32):
+        graph_seed, op_seed = tf.compat.v1.get_seed(None)
+        if graph_seed is None:
+            return tf.random.truncated_normal(shape, stddev=stddev,
+                                              dtype=dtype)
+        return tf.random.stateless_truncated_normal(
+            shape, seed=[graph_seed, op_seed], stddev=stddev, dtype=dtype)
+
+    return init
 
 
 class StockOptimizerError(TypeError, AttributeError):
@@ -40,9 +62,10 @@ class EmbeddingVariable(tf.Module):
 
     Training vs inference:
         `ge.group_embedding_lookup_sparse(..., training=True)` (the
-        default) inserts keys seen for the first time, initialised from
-        row `key mod default_value_dim` of the default matrix, and counts
-        occurrences. With `training=False` nothing is inserted or counted:
+        default) inserts keys seen for the first time (under a `CBFFilter`
+        only once admitted), initialised from row `key mod
+        default_value_dim` of the default matrix, counts occurrences and
+        stamps the key's version with the latest step applied. With `training=False` nothing is inserted or counted:
         unknown keys read their default row (or
         `default_value_no_permission` under a `CounterFilter`).
 
@@ -89,9 +112,9 @@ class EmbeddingVariable(tf.Module):
         self._trainable = trainable
         self.ev_option = ev_option
         init_opt = ev_option.init_option
-        init = initializer or init_opt.initializer or \
-            tf.keras.initializers.TruncatedNormal(
-                stddev=1.0 / math.sqrt(embedding_dim))
+        # DeepRec's precedence: the InitializerOption's initializer wins.
+        init = init_opt.initializer or initializer or \
+            default_initializer(embedding_dim)
         shape = [init_opt.default_value_dim, embedding_dim]
         with tf.init_scope():
             self.default_values = tf.Variable(
@@ -112,8 +135,9 @@ class EmbeddingVariable(tf.Module):
                  if isinstance(evict, GlobalStepEvict) else 0)
         l2 = (float(evict.l2_weight_threshold)
               if isinstance(evict, L2WeightEvict) else -1.0)
-        freq = 0 if opt.filter_option is None else \
-            opt.filter_option.filter_freq
+        filt = opt.filter_option
+        freq = 0 if filt is None else filt.filter_freq
+        cbf = filt if isinstance(filt, CBFFilter) else None
         if tf.executing_eagerly():
             shared = f"{self._ev_name}_{next(_uid)}"
         else:
@@ -121,7 +145,15 @@ class EmbeddingVariable(tf.Module):
                 self._ev_name + "/storage", mark_as_used=True)
         return ev_storage.create_handle(
             self._ev_name, shared, self.embedding_dim, freq,
-            float(opt.init_option.default_value_no_permission), steps, l2)
+            float(opt.init_option.default_value_no_permission), steps, l2,
+            cbf_counters=cbf.num_counters if cbf else 0,
+            cbf_hashes=cbf.num_hashes if cbf else 0,
+            cbf_counter_bytes=cbf.counter_bytes if cbf else 8,
+            max_rows=self._max_rows_for_testing)
+
+    # > 0: the row limit of tables created from now on (the real one,
+    # 2**32 - 2, cannot be reached in a test).
+    _max_rows_for_testing = 0
 
     # --- variable-like surface used by the grouped lookup and the tape ---
     @property
@@ -216,10 +248,11 @@ class EmbeddingVariable(tf.Module):
         return tf.cast(b, tf.float64) / tf.cast(tf.maximum(n, 1), tf.float64)
 
     def export(self):
-        """Returns (keys [n], values [n, D], freqs [n], versions [n])."""
+        """Returns (keys [n], values [n, D], versions [n], freqs [n]),
+        DeepRec's order, from one consistent snapshot."""
         keys, values, freqs, versions, _, _, _, _ = ev_storage.export(
             self._handle, self.embedding_dim)
-        return keys, values, freqs, versions
+        return keys, values, versions, freqs
 
     def evict(self) -> tf.Tensor:
         """Runs the eviction policy now; returns how many keys it removed
@@ -240,7 +273,7 @@ class EmbeddingVariable(tf.Module):
     def _per_key(self, ids, column: int, missing: int) -> tf.Tensor:
         ids = tf.convert_to_tensor(ids)
         self.check_keys(ids, "ids")
-        keys, _, freqs, versions = self.export()
+        keys, _, versions, freqs = self.export()
         stat = (freqs, versions)[column]
         order = tf.argsort(keys)
         keys, stat = tf.gather(keys, order), tf.gather(stat, order)
@@ -263,8 +296,9 @@ class EmbeddingVariable(tf.Module):
         return self._per_key(ids, 0, 0)
 
     def get_version(self, ids) -> tf.Tensor:
-        """DeepRec's `get_version(ids)`: int64 step of each key's last
-        update (same shape as `ids`), -1 for keys not stored."""
+        """DeepRec's `get_version(ids)`: int64 last step each key was seen
+        in training, admitted or not (same shape as `ids`), -1 for keys
+        not stored."""
         return self._per_key(ids, 1, -1)
 
     # --- checkpointing -------------------------------------------------
@@ -356,9 +390,11 @@ def get_embedding_variable(name: str, embedding_dim: int,
         key_dtype: tf.int64 (default) or tf.int32; int32 keys may address
             an int64 variable, not the reverse.
         value_dtype: tf.float32 (the only supported dtype).
-        initializer: draws the default matrix; overrides
-            `ev_option.init_option.initializer` (setting both differently
-            is an error). Default: truncated normal, stddev `1/sqrt(D)`.
+        initializer: draws the default matrix. As in DeepRec,
+            `ev_option.init_option.initializer` wins when both are set
+            (a warning is logged). Default: truncated normal, stddev
+            `1/sqrt(D)`, seeded from the graph-level seed like stock
+            initializers (`tf.random.set_seed`).
         trainable: whether gradients flow to the variable (default True).
         ev_option: `EmbeddingVariableOption` (default: no filter, no
             eviction, 4096 default rows).
@@ -384,8 +420,7 @@ def get_embedding_variable(name: str, embedding_dim: int,
         `partitioner` is given).
 
     Raises:
-        ValueError: bad name or embedding_dim, or two different
-            initializers.
+        ValueError: bad name or embedding_dim.
         TypeError: unsupported key dtype or a wrong option type.
         NotImplementedError: `value_dtype` other than float32.
     """
@@ -413,9 +448,10 @@ def get_embedding_variable(name: str, embedding_dim: int,
     other = ev_option.init_option.initializer
     if initializer is not None and other is not None \
             and other is not initializer:
-        raise ValueError(f"EmbeddingVariable '{name}': both `initializer` and "
-                         "`ev_option.init_option.initializer` are set; give "
-                         "only one.")
+        _logger.warning(
+            "EmbeddingVariable '%s': both `initializer` and "
+            "`ev_option.init_option.initializer` are set; using the "
+            "InitializerOption's (DeepRec's precedence).", name)
     ev_option = _with_steps_to_live(name, ev_option, steps_to_live)
     for argument, value in (("regularizer", regularizer),
                             ("custom_getter", custom_getter),

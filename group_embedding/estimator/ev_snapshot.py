@@ -80,7 +80,7 @@ class EmbeddingSnapshot:
 def snapshot_of(ev: EmbeddingVariable, session) -> EmbeddingSnapshot:
     """Reads `ev` in `session` and builds its snapshot in the current
     graph."""
-    keys, values, freqs, _ = session.run(ev.export())
+    keys, values, _, freqs = session.run(ev.export())
     defaults = session.run(ev.default_values)
     option = ev.ev_option
     filter_freq = (option.filter_option.filter_freq

@@ -136,6 +136,21 @@ class AdamOptimizer(_EVOptimizerMixin, _v1.train.AdamOptimizer):
     def _ev_slots(self):
         return [("adam/m", 0.0), ("adam/v", 0.0)]
 
+    def _create_non_slot_variable(self, initial_value, name, colocate_with):
+        # `AdamOptimizer(lr, global_step)` (DeepRec's tests) starts a beta
+        # power from a variable. Reading it directly races with its own
+        # initializer inside global_variables_initializer() (stock TF then
+        # fails at random with FailedPrecondition); read its initial value
+        # until it is initialized.
+        if isinstance(initial_value, tf.Variable) \
+                and not tf.executing_eagerly():
+            source = initial_value
+            initial_value = tf.cond(
+                _v1.is_variable_initialized(source), source.read_value,
+                lambda: tf.convert_to_tensor(source.initial_value))
+        return super()._create_non_slot_variable(initial_value, name,
+                                                 colocate_with)
+
     def _powers(self, ev):
         with tf.init_scope():
             for name, beta in (("beta1_power", self._beta1),
@@ -147,6 +162,9 @@ class AdamOptimizer(_EVOptimizerMixin, _v1.train.AdamOptimizer):
 
     def _ev_apply(self, grad, ev, step):
         b1p, b2p = self._powers(ev)
+        # Stock Adam casts its powers and constants to the variable's
+        # dtype: `AdamOptimizer(lr, <int64 tensor>)` gives int64 powers.
+        b1p, b2p = tf.cast(b1p, tf.float32), tf.cast(b2p, tf.float32)
         lr = self._ev_learning_rate()
         alpha = lr * tf.sqrt(1 - b2p) / (1 - b1p)
         return ev_storage.apply_adam(
@@ -157,9 +175,10 @@ class AdamOptimizer(_EVOptimizerMixin, _v1.train.AdamOptimizer):
 
     def _ev_finish(self, ev_ops):
         b1p, b2p = self._get_beta_accumulators()
+        beta1, beta2 = (tf.cast(self._call_if_callable(b), p.dtype.base_dtype)
+                        for b, p in ((self._beta1, b1p), (self._beta2, b2p)))
         with tf.control_dependencies(ev_ops):
-            return [b1p.assign(b1p * self._call_if_callable(self._beta1)),
-                    b2p.assign(b2p * self._call_if_callable(self._beta2))]
+            return [b1p.assign(b1p * beta1), b2p.assign(b2p * beta2)]
 
 
 class FtrlOptimizer(_EVOptimizerMixin, _v1.train.FtrlOptimizer):
@@ -306,14 +325,16 @@ class AdamAsyncOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
 
 class AdagradDecayOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
     """DeepRec's `tf.train.AdagradDecayOptimizer`: Adagrad whose
-    accumulator is decayed once per `accumulator_decay_step` global steps.
+    accumulator is decayed once per `accumulator_decay_step` global steps,
+    on plain variables and EmbeddingVariables alike.
 
     With `t = global_step + 1` and per row a decay counter `p` (slot
     `accumulator_decay_power`, starting at 0): when a row is updated and
     `t // accumulator_decay_step > p`, first `accum = max(accum *
     accumulator_decay_rate, initial_accumulator_value)` and `p += 1`; then
     `accum += g^2; var -= lr * g / sqrt(accum)`. Dense gradients update
-    every row; sparse ones only the touched rows.
+    every row; sparse ones and EVs only the touched rows (on an EV, `p` is
+    kept as a float slot, exact up to 2**24 decay periods).
 
     Args:
         learning_rate: float or tensor.
@@ -327,9 +348,6 @@ class AdagradDecayOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
 
     Raises:
         ValueError: an argument out of its range.
-        NotImplementedError: (at apply) an EmbeddingVariable: the decay
-            counter per key needs a storage op that does not exist yet;
-            use `AdagradOptimizer` for EVs.
     """
 
     def __init__(self, learning_rate, global_step,
@@ -406,8 +424,18 @@ class AdagradDecayOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
         # The base class has summed duplicate indices already.
         return self._update_rows(var, grad, indices)
 
+    def _ev_slots(self):
+        return [("adagrad_decay/accumulator",
+                 self._initial_accumulator_value),
+                ("adagrad_decay/accumulator_decay_power", 0.0)]
+
     def _ev_apply(self, grad, ev, step):
-        raise NotImplementedError(
-            f"AdagradDecayOptimizer: EmbeddingVariable '{ev.name}' is not "
-            "supported yet (its per-key decay counter needs a storage op); "
-            "train EVs with AdagradOptimizer.")
+        # The rule of `_update_rows`, per key, in one storage op.
+        t = tf.cast(self._global_step, tf.int64) + 1
+        period = t // tf.cast(self._decay_step, tf.int64)
+        return ev_storage.apply_adagrad_decay(
+            ev.handle, grad.indices, grad.values, step,
+            self._ev_learning_rate(), self._decay_rate,
+            self._initial_accumulator_value, period,
+            ["adagrad_decay/accumulator",
+             "adagrad_decay/accumulator_decay_power"])

@@ -145,11 +145,12 @@ class DirectIds {
   std::vector<int64_t> keys_;
 };
 
-// Whether `DirectIds` fits ids in [0, bound): its array must stay within
-// a small multiple of the hash map's size, and slots must fit int32.
+// Whether `DirectIds` suits n ids in [0, bound): filling its 4-byte
+// array costs far less per entry than hashing an id, so it wins up to a
+// bound of about 64 ids' worth (plus 1 MiB); slots must fit int32.
 bool UseDirect(int64_t bound, int64_t n) {
   return n < std::numeric_limits<int32_t>::max() &&
-         bound <= 16 * n + (int64_t{1} << 16);
+         bound <= 64 * n + (int64_t{1} << 18);
 }
 
 // Calls `f(map)` with the map that suits `n` ids in [0, bound).

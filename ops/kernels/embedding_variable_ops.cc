@@ -19,6 +19,10 @@ REGISTER_OP("EVHandleOp")
     .Attr("default_value_no_permission: float = 0.0")
     .Attr("steps_to_live: int >= 0 = 0")
     .Attr("l2_weight_threshold: float = -1.0")
+    .Attr("cbf_counters: int >= 0 = 0")
+    .Attr("cbf_hashes: int >= 0 = 0")
+    .Attr("cbf_counter_bytes: int = 8")
+    .Attr("max_rows: int = 0")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::ScalarShape);
 
@@ -36,6 +40,31 @@ class EVHandleOp : public OpKernel {
                                      &config_.steps_to_live));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("l2_weight_threshold",
                                      &config_.l2_threshold));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cbf_counters", &config_.cbf_counters));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cbf_hashes", &config_.cbf_hashes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cbf_counter_bytes",
+                                     &config_.cbf_counter_bytes));
+    const int b = config_.cbf_counter_bytes;
+    OP_REQUIRES(ctx, b == 1 || b == 2 || b == 4 || b == 8,
+                InvalidArgument(config_.name, ": cbf_counter_bytes must be "
+                                "1, 2, 4 or 8, got ", b, "."));
+    OP_REQUIRES(ctx, config_.cbf_counters == 0 ||
+                         (config_.cbf_hashes > 0 && config_.filter_freq > 0 &&
+                          (b == 8 || config_.filter_freq < (int64_t{1}
+                                                            << (8 * b)))),
+                InvalidArgument(config_.name, ": a CBFFilter needs "
+                                "cbf_hashes > 0 and 0 < filter_freq < "
+                                "2^(8 * cbf_counter_bytes), got ",
+                                config_.cbf_hashes, " and ",
+                                config_.filter_freq, "."));
+    // A lower cap lets tests reach the "table full" error without
+    // inserting 2^32 rows; 0 keeps the uint32 index limit.
+    int64_t max_rows = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("max_rows", &max_rows));
+    OP_REQUIRES(ctx, max_rows >= 0 && max_rows <= kMaxRows,
+                InvalidArgument(config_.name, ": max_rows must be in [0, ",
+                                kMaxRows, "], got ", max_rows, "."));
+    if (max_rows > 0) config_.max_rows = max_rows;
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -287,6 +316,7 @@ class EVImportOp : public OpKernel {
     const auto v = versions.flat<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = ev->FindOrInsert(k(i), val + i * dim, 1);
+      OP_REQUIRES(ctx, r >= 0, ev->FullError());
       *ev->Freq(r) = std::max<int64_t>(f(i), 0);
       *ev->Version(r) = ClampStep(v(i));
       for (int64_t j = 0; j < s; ++j) {
@@ -321,10 +351,11 @@ class EVEvictOp : public OpKernel {
         // Both are steps in [0, 2^63): the difference cannot overflow.
         evict = ev->current_step() - *ev->Version(r) > cfg.steps_to_live;
       } else if (cfg.l2_threshold >= 0.0f) {
+        // DeepRec's rule: half the squared L2 norm below the threshold.
         const float* v = ev->Value(r);
         double ss = 0.0;
         for (int64_t d = 0; d < ev->dim(); ++d) ss += double(v[d]) * v[d];
-        evict = std::sqrt(ss) < cfg.l2_threshold;
+        evict = 0.5 * ss < cfg.l2_threshold;
       }
       if (evict) doomed.push_back(ev->Key(r));
     }

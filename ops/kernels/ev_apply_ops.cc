@@ -1,6 +1,7 @@
 // Sparse optimizer updates of EmbeddingVariables, keyed by key: only the
 // rows of the gradient's keys (and their slots) change; keys absent or not
-// admitted by the CounterFilter are skipped.
+// admitted by the filter are skipped, though a stored key not admitted yet
+// still gets the step as its version (it was seen).
 
 #include "ev_storage.h"
 #include "pooling.h"
@@ -101,7 +102,10 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
 
   // 1. Row of every key; -1 when absent or not admitted (no update).
+  const int64_t version = ClampStep(step);
+  const bool filtered = ev->config().filter_freq > 0;
   std::vector<int64_t> rows(n);
+  std::vector<int64_t> unadmitted(filtered ? n : 0, -1);
   auto resolve = [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       if (j + 2 * kPrefetchDistance < end) {
@@ -112,9 +116,15 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
       }
       const int64_t r = ev->Find(k[j]);
       rows[j] = (r >= 0 && ev->Admitted(r)) ? r : -1;
+      if (filtered && r >= 0 && rows[j] < 0) unadmitted[j] = r;
     }
   };
   tensorflow::Shard(pool->num_threads, pool->workers, n, 200, resolve);
+  // Versions of keys seen but not admitted, serially: duplicates share a
+  // row.
+  for (int64_t j = 0; filtered && j < n; ++j) {
+    if (unadmitted[j] >= 0) *ev->Version(unadmitted[j]) = version;
+  }
 
   // 2. Distinct rows and their (summed) gradients.
   std::vector<uint64_t> seen((ev->num_rows() + 63) / 64, 0);
@@ -147,7 +157,6 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   }
 
   // 3. Updates, one distinct row per key: no write conflicts.
-  const int64_t version = ClampStep(step);
   const int64_t m = urows.size();
   auto work = [&](int64_t begin, int64_t end) {
     float* sp[4] = {nullptr, nullptr, nullptr, nullptr};
@@ -247,6 +256,59 @@ class EVApplyAdagradOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("EVApplyAdagrad").Device(DEVICE_CPU),
                         EVApplyAdagradOp);
+
+// DeepRec's AdagradDecay on the touched keys (slots: accumulator, decay
+// power). `period` = (global_step + 1) // accumulator_decay_step; a key
+// whose power is behind it first decays: accum = max(accum * rate,
+// floor), power += 1; then accum += g^2; var -= lr * g / sqrt(accum).
+// The power is a count kept in element 0 of a float slot row: exact up to
+// 2^24 periods (with the default 100000-step period, 1.6e12 steps).
+REGISTER_OP("EVApplyAdagradDecay")
+    .EV_APPLY_INPUTS.Input("lr: float")
+    .Input("decay_rate: float")
+    .Input("floor: float")
+    .Input("period: int64")
+    .Attr("slot_names: list(string)")
+    .SetShapeFn(ApplyShapes);
+
+class EVApplyAdagradDecayOp : public OpKernel {
+ public:
+  explicit EVApplyAdagradDecayOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
+    OP_REQUIRES(ctx, slots_.size() == 2,
+                InvalidArgument("EVApplyAdagradDecay needs 2 slots "
+                                "(accumulator, decay power)."));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    std::vector<float> h;
+    OP_REQUIRES_OK(ctx, ReadScalars(ctx, 4, {"lr", "decay_rate", "floor"},
+                                    &h));
+    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(7), "period"));
+    const float lr = h[0];
+    const float rate = h[1];
+    const float floor = h[2];
+    const double period = static_cast<double>(
+        ctx->input(7).scalar<int64_t>()());
+    ApplySparse(ctx, slots_, 1,
+                [=](float* v, const float* g, float** s, int64_t dim) {
+                  float* acc = s[0];
+                  float* power = s[1];
+                  const bool decay = period > power[0];
+                  if (decay) power[0] += 1.0f;
+                  for (int64_t d = 0; d < dim; ++d) {
+                    if (decay) acc[d] = std::max(acc[d] * rate, floor);
+                    acc[d] += g[d] * g[d];
+                    v[d] -= lr * g[d] / std::sqrt(acc[d]);
+                  }
+                });
+  }
+
+ private:
+  std::vector<std::string> slots_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVApplyAdagradDecay").Device(DEVICE_CPU),
+                        EVApplyAdagradDecayOp);
 
 // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 // var -= alpha * m / (sqrt(v) + epsilon), alpha bias-corrected by caller.

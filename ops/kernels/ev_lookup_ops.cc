@@ -124,14 +124,19 @@ Status ReadGroupInputs(OpKernelContext* ctx, int64_t dim, GroupInputs* in) {
 
 // Points `out[j]` at the row key j reads, as EVGroupGather would copy it:
 // its value if stored and admitted, else `no_permission` (a row of the
-// CounterFilter's constant) or, for unknown keys outside training, its
-// default row. With `training`, new keys are inserted and every occurrence
-// is counted before admission is checked, so all occurrences of a key in
-// the batch read the same row. Needs the variable's lock (exclusive when
-// training).
-void ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
-                 const Tensor& defaults, bool training,
-                 const float* no_permission, const float** out) {
+// filter's constant) or, for unknown keys outside training, its default
+// row. With `training`, new keys are inserted (a CBFFilter inserts a key
+// only once admitted), every occurrence is counted and every stored key
+// is stamped with the current step (its version: the last step it was
+// seen, admitted or not). As in DeepRec, a lookup reads what the key had
+// BEFORE this batch counted it: under CounterFilter(N) a key reads
+// `no_permission` for its first N lookups, its row from lookup N + 1 on,
+// and all occurrences of a key in the batch read the same row. Needs the
+// variable's lock (exclusive when training). Fails only when the table
+// is full.
+Status ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
+                   const Tensor& defaults, bool training,
+                   const float* no_permission, const float** out) {
   const float* dflt = defaults.flat<float>().data();
   const int64_t drows = defaults.dim_size(0);
   const bool filtered = ev->config().filter_freq > 0;
@@ -143,34 +148,49 @@ void ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
       ev->PrefetchKeyRow(key[j + kPrefetchDistance]);
     }
   };
-  if (training) {
-    std::vector<int64_t> rows(filtered ? n : 0);
+  if (!training) {
     for (int64_t j = 0; j < n; ++j) {
       prefetch(j);
-      const int64_t r = ev->FindOrInsert(key[j], dflt, drows);
-      CountOccurrence(ev->Freq(r));
-      if (filtered) {
-        rows[j] = r;
-      } else {
+      const int64_t r = ev->Find(key[j]);
+      if (r >= 0 && ev->Admitted(r)) {
         out[j] = ev->Value(r);
+      } else if (filtered) {
+        out[j] = no_permission;
+      } else {
+        out[j] = DefaultRowOf(key[j], dflt, drows, ev->dim());
       }
     }
-    for (int64_t j = 0; filtered && j < n; ++j) {
-      out[j] = ev->Admitted(rows[j]) ? ev->Value(rows[j]) : no_permission;
-    }
-    return;
+    return Status();
   }
+  if (filtered) {
+    // What each key reads is fixed before any is counted. Rows never
+    // move, so these pointers survive the inserts below.
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch(j);
+      const int64_t r = ev->Find(key[j]);
+      out[j] = (r >= 0 && ev->Admitted(r)) ? ev->Value(r) : no_permission;
+    }
+  }
+  const bool cbf = ev->has_cbf();
   for (int64_t j = 0; j < n; ++j) {
     prefetch(j);
-    const int64_t r = ev->Find(key[j]);
-    if (r >= 0 && ev->Admitted(r)) {
-      out[j] = ev->Value(r);
-    } else if (filtered) {
-      out[j] = no_permission;
+    int64_t r = ev->Find(key[j]);
+    if (r < 0 && cbf) {
+      // Counted in the Bloom filter; stored once admitted.
+      const int64_t count = ev->CountUnstored(key[j]);
+      if (count < ev->config().filter_freq) continue;
+      r = ev->FindOrInsert(key[j], dflt, drows);
+      if (r < 0) return ev->FullError();
+      *ev->Freq(r) = count;
     } else {
-      out[j] = DefaultRowOf(key[j], dflt, drows, ev->dim());
+      if (r < 0) r = ev->FindOrInsert(key[j], dflt, drows);
+      if (r < 0) return ev->FullError();
+      CountOccurrence(ev->Freq(r));
     }
+    ev->Touch(r);
+    if (!filtered) out[j] = ev->Value(r);
   }
+  return Status();
 }
 
 // Resolves the keys of all K tables (`offset[t]` = position of table t's
@@ -179,27 +199,30 @@ void ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
 // CounterFilter constant.
 // The caller holds the locks of `distinct` (EVGroupLocks): work items only
 // read or insert, each into its own variable.
-void ResolveGroup(OpKernelContext* ctx, const std::vector<EVStorage*>& evs,
-                  const OpInputList& keys, const OpInputList& defaults,
-                  const std::vector<EVStorage*>& distinct, bool training,
-                  const std::vector<int64_t>& offset,
-                  const std::vector<std::vector<float>>& no_permission,
-                  const float** out) {
+Status ResolveGroup(OpKernelContext* ctx, const std::vector<EVStorage*>& evs,
+                    const OpInputList& keys, const OpInputList& defaults,
+                    const std::vector<EVStorage*>& distinct, bool training,
+                    const std::vector<int64_t>& offset,
+                    const std::vector<std::vector<float>>& no_permission,
+                    const float** out) {
   const int k = evs.size();
+  const int64_t n = distinct.size();
+  std::vector<Status> status(n);  // one writer per entry
   auto work = [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) {
-      for (int t = 0; t < k; ++t) {
+      for (int t = 0; t < k && status[e].ok(); ++t) {
         if (evs[t] != distinct[e]) continue;
-        ResolveKeys(evs[t], keys[t].flat<int64_t>().data(),
-                    keys[t].NumElements(), defaults[t], training,
-                    no_permission[t].data(), out + offset[t]);
+        status[e] = ResolveKeys(evs[t], keys[t].flat<int64_t>().data(),
+                                keys[t].NumElements(), defaults[t], training,
+                                no_permission[t].data(), out + offset[t]);
       }
     }
   };
-  const int64_t n = distinct.size();
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
   tensorflow::Shard(pool->num_threads, pool->workers, n,
                     (offset[k] / n + 1) * 100, work);
+  for (const Status& s : status) TF_RETURN_IF_ERROR(s);
+  return Status();
 }
 
 Status PooledShapes(InferenceContext* c) {
@@ -271,8 +294,9 @@ class EVGroupLookupOp : public OpKernel {
 
     EVGroupLocks locks(in.evs, training);
     std::vector<const float*> rows(offset[k]);
-    ResolveGroup(ctx, in.evs, in.keys, in.defaults, locks.distinct(),
-                 training, offset, no_permission, rows.data());
+    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, in.evs, in.keys, in.defaults,
+                                     locks.distinct(), training, offset,
+                                     no_permission, rows.data()));
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
 
@@ -389,9 +413,10 @@ class EVGroupWeightGradOp : public OpKernel {
       const std::vector<float> no_permission(dim, ev->config().no_permission);
       {
         tensorflow::tf_shared_lock lock(*ev->mu());
-        ResolveKeys(ev, in.keys[t].flat<int64_t>().data(), nnz,
-                    in.defaults[t], /*training=*/false, no_permission.data(),
-                    rows.data());
+        OP_REQUIRES_OK(ctx, ResolveKeys(ev, in.keys[t].flat<int64_t>().data(),
+                                        nnz, in.defaults[t],
+                                        /*training=*/false,
+                                        no_permission.data(), rows.data()));
         WeightGrad(t, in, grads[t], pooled[t], rows, o->flat<float>().data());
       }
     }
@@ -477,8 +502,9 @@ class EVGroupGatherOp : public OpKernel {
 
     EVGroupLocks locks(evs, training);
     std::vector<const float*> rows(offset[k]);
-    ResolveGroup(ctx, evs, keys, defaults, locks.distinct(), training,
-                 offset, no_permission, rows.data());
+    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, evs, keys, defaults,
+                                     locks.distinct(), training, offset,
+                                     no_permission, rows.data()));
     // Copy while the locks still pin the rows (no lock in the work items).
     auto copy = [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {

@@ -13,8 +13,9 @@
 // Layout (per live key, D = embedding dim, S = slots):
 //   hash map   uint32 row index per bucket, load factor in (0.4, 0.8]
 //   rows       key int64, freq int64 (saturating), version int64 (the
-//              step of the last update, as wide as the global step, so
-//              that steps past 2^32 or timestamps still order), value
+//              last step the key was seen, admitted or not, as wide as
+//              the global step, so that steps past 2^32 or timestamps
+//              still order), value
 //              float[D], S parallel float[D] slot arenas
 // Rows live in fixed-size chunks, so growth never moves a row; evicted
 // rows go to a free list and are reused by the next insert.
@@ -59,6 +60,10 @@ constexpr int64_t kChunkRows = int64_t{1} << kChunkShift;
 constexpr int64_t kSmallRows =
     ((int64_t{1} << kSmallChunks) - 1) << kFirstChunkShift;  // 1008
 constexpr uint32_t kEmpty = 0xffffffffu;
+// Row indices are uint32 and kEmpty marks a free bucket, so at most
+// 2^32 - 2 rows: the (2^32 - 1)-th insert fails (ResourceExhausted)
+// instead of wrapping onto row 0.
+constexpr int64_t kMaxRows = int64_t{0xfffffffe};
 
 inline uint64_t Mix(uint64_t x) {
   x ^= x >> 33;
@@ -141,7 +146,14 @@ struct KeyMeta {
 struct EVConfig {
   std::string name;
   int64_t dim = 0;
-  int64_t filter_freq = 0;      // 0: no CounterFilter
+  int64_t filter_freq = 0;      // 0: no admission filter
+  // CBFFilter: a counting Bloom filter of `cbf_counters` counters of
+  // `cbf_counter_bytes` bytes, `cbf_hashes` hashes per key; 0 counters
+  // means the filter (if any) is a CounterFilter.
+  int64_t cbf_counters = 0;
+  int64_t cbf_hashes = 0;
+  int cbf_counter_bytes = 8;
+  int64_t max_rows = kMaxRows;  // lowered only by tests
   float no_permission = 0.0f;   // value read by keys not admitted
   int64_t steps_to_live = 0;    // 0: no GlobalStepEvict
   float l2_threshold = -1.0f;   // < 0: no L2WeightEvict
@@ -152,6 +164,7 @@ class EVStorage : public tensorflow::ResourceBase {
   explicit EVStorage(const EVConfig& config)
       : config_(config), values_(config.dim) {
     buckets_.assign(64, kEmpty);
+    cbf_.assign(config.cbf_counters * config.cbf_counter_bytes, 0);
   }
 
   std::string DebugString() const override {
@@ -194,11 +207,13 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   // Row of `key`, inserted (initialised from `defaults`, a
-  // [default_rows, D] matrix, row key mod default_rows) if new.
+  // [default_rows, D] matrix, row key mod default_rows) if new; -1 when
+  // the table is full (see kMaxRows and FullError).
   int64_t FindOrInsert(int64_t key, const float* defaults,
                        int64_t default_rows) {
     int64_t r = Find(key);
     if (r >= 0) return r;
+    if (free_rows_.empty() && num_rows_ >= config_.max_rows) return -1;
     if ((size_ + 1) * 5 > static_cast<int64_t>(buckets_.size()) * 4) {
       Rehash(buckets_.size() * 2);
     }
@@ -243,8 +258,48 @@ class EVStorage : public tensorflow::ResourceBase {
     }
   }
 
+  Status FullError() const {
+    return tensorflow::errors::ResourceExhausted(
+        config_.name, ": EmbeddingVariable is full, it holds ",
+        num_rows_, " rows, the most its uint32 row index allows (",
+        config_.max_rows, "); evict keys or split the table.");
+  }
+
+  bool has_cbf() const { return config_.cbf_counters > 0; }
+
+  // Whether a stored row may be read and updated. A CBFFilter stores a
+  // key only once admitted; a CounterFilter stores it on first sight.
   bool Admitted(int64_t row) const {
-    return meta_.Row(row)->freq >= config_.filter_freq;
+    return has_cbf() || meta_.Row(row)->freq >= config_.filter_freq;
+  }
+
+  // Records one sighting of `key` in the counting Bloom filter (a key
+  // not stored yet) and returns its estimated count, the least of its
+  // counters. Counters stop at filter_freq (as DeepRec's): that is all
+  // admission needs, and it keeps small counter types from wrapping.
+  // Collisions only raise counters, so the estimate is never low: a key
+  // whose counters other keys have raised is admitted early (a false
+  // positive, probability about false_positive_probability while at most
+  // max_element_size keys are counted), never late.
+  int64_t CountUnstored(int64_t key) {
+    const uint64_t h1 = Mix(static_cast<uint64_t>(key));
+    const uint64_t h2 = Mix(h1 ^ 0x9e3779b97f4a7c15ULL) | 1;
+    const uint64_t m = config_.cbf_counters;
+    const int64_t cap = config_.filter_freq;
+    int64_t least = std::numeric_limits<int64_t>::max();
+    for (int64_t i = 0; i < config_.cbf_hashes; ++i) {
+      const uint64_t at = (h1 + i * h2) % m;
+      int64_t c = Counter(at);
+      if (c < cap) SetCounter(at, ++c);
+      least = std::min(least, c);
+    }
+    return least;
+  }
+
+  // Marks `row` as seen at the current step (versions never go back).
+  void Touch(int64_t row) {
+    int64_t* v = &meta_.Row(row)->version;
+    *v = std::max(*v, ClampStep(current_step_));
   }
 
   int64_t Key(int64_t r) const { return meta_.Row(r)->key; }
@@ -301,6 +356,8 @@ class EVStorage : public tensorflow::ResourceBase {
     values_.Clear();
     for (auto& s : slots_) s.Clear();
     current_step_ = 0;
+    // Counts of keys not admitted yet are not checkpointed either.
+    std::fill(cbf_.begin(), cbf_.end(), 0);
   }
 
   void Reserve(int64_t keys) {
@@ -316,11 +373,37 @@ class EVStorage : public tensorflow::ResourceBase {
                 static_cast<int64_t>(free_rows_.capacity()) *
                     sizeof(uint32_t);
     for (const auto& s : slots_) b += s.Bytes();
-    return b;
+    return b + static_cast<int64_t>(cbf_.size());
   }
 
  private:
   uint64_t mask() const { return buckets_.size() - 1; }
+
+  int64_t Counter(uint64_t at) const {
+    const uint8_t* p = cbf_.data() + at * config_.cbf_counter_bytes;
+    switch (config_.cbf_counter_bytes) {
+      case 1: return *p;
+      case 2: { uint16_t c; std::memcpy(&c, p, 2); return c; }
+      case 4: { uint32_t c; std::memcpy(&c, p, 4); return c; }
+      default: {
+        uint64_t c;
+        std::memcpy(&c, p, 8);
+        return static_cast<int64_t>(
+            std::min<uint64_t>(c, std::numeric_limits<int64_t>::max()));
+      }
+    }
+  }
+  // `c` <= filter_freq, which the caller checked fits the counter type.
+  void SetCounter(uint64_t at, int64_t c) {
+    uint8_t* p = cbf_.data() + at * config_.cbf_counter_bytes;
+    const uint64_t u = static_cast<uint64_t>(c);
+    switch (config_.cbf_counter_bytes) {
+      case 1: *p = static_cast<uint8_t>(u); break;
+      case 2: { const uint16_t x = u; std::memcpy(p, &x, 2); break; }
+      case 4: { const uint32_t x = u; std::memcpy(p, &x, 4); break; }
+      default: std::memcpy(p, &u, 8);
+    }
+  }
 
   int64_t AllocateRow() {
     if (!free_rows_.empty()) {
@@ -359,6 +442,7 @@ class EVStorage : public tensorflow::ResourceBase {
   std::vector<float> slot_inits_;
   std::vector<ChunkedArray<float>> slots_;
   int64_t current_step_ = 0;
+  std::vector<uint8_t> cbf_;  // counting Bloom filter (CBFFilter only)
 };
 
 

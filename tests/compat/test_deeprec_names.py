@@ -47,7 +47,7 @@ def test_total_count_frequency_and_version_follow_lookups_and_updates():
     assert freq.dtype == tf.int64 and freq.shape == (2, 2)
     np.testing.assert_array_equal(
         freq, [[counts[int(k)] for k in row] for row in query])
-    keys, _, freqs, versions = ev.export()
+    keys, _, versions, freqs = ev.export()
     by_key = dict(zip(keys.numpy().tolist(), versions.numpy().tolist()))
     np.testing.assert_array_equal(
         ev.get_version(query),

@@ -78,7 +78,13 @@ def main():
         return loss
 
     if args.function:
-        step = tf.function(step)
+        step = tf.function(step, input_signature=(
+            tf.RaggedTensorSpec([8, None], tf.int64, 1, tf.int64),
+            tf.TensorSpec([], tf.bool)))
+        step.get_concrete_function()
+    # Start together: tracing takes seconds on busy cores, more than the
+    # timeout. `hvd` is Horovod itself, not watched by the timeout.
+    hvd.allreduce(tf.constant(0), name="warmed_up")
     rng = np.random.default_rng(hvd.rank())
     for i in range(6):
         stuck_now = (args.stuck != "none" and hvd.rank() == 1

@@ -57,7 +57,7 @@ def stock_pooled(table, rows, combiner):
 
 def export_sorted(ev):
     """(keys, values, freqs, versions) of `ev` as numpy, sorted by key."""
-    keys, values, freqs, versions = (x.numpy() for x in ev.export())
+    keys, values, versions, freqs = (x.numpy() for x in ev.export())
     order = np.argsort(keys)
     return keys[order], values[order], freqs[order], versions[order]
 

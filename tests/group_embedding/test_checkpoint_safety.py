@@ -32,7 +32,7 @@ def _ev(keys=KEYS, name="t_ev", seed=0, **kwargs):
 
 def _content(ev):
     """(keys, values, freqs) sorted by key: what a restore must give."""
-    keys, values, freqs, _ = (x.numpy() for x in ev.export())
+    keys, values, _, freqs = (x.numpy() for x in ev.export())
     order = np.argsort(keys)
     return keys[order], values[order], freqs[order]
 

@@ -158,6 +158,10 @@ def _train_step(ev, opt, keys, training=True):
 class TestCounterFilter:
 
     def test_admits_after_filter_freq(self):
+        # DeepRec's semantics (issue 9): a key reads the no-permission
+        # value for its first filter_freq lookups (earlier versions of this
+        # test admitted it at lookup filter_freq, one early); the step of
+        # lookup filter_freq already updates its real row.
         option = ge.EmbeddingVariableOption(
             filter_option=ge.CounterFilter(filter_freq=3),
             init_option=ge.InitializerOption(
@@ -169,10 +173,13 @@ class TestCounterFilter:
             emb = _train_step(ev, opt, [[4]])
             np.testing.assert_allclose(emb.numpy()[0], np.full(4, 0.5))
         np.testing.assert_allclose(ev_cases.values_of(ev, [4])[0], init)
-        emb = _train_step(ev, opt, [[4]])  # third occurrence: admitted
-        np.testing.assert_allclose(emb.numpy()[0], init)
+        emb = _train_step(ev, opt, [[4]])  # third lookup: still held back
+        np.testing.assert_allclose(emb.numpy()[0], np.full(4, 0.5))
+        # ... but its gradient (2 * 0.5) reaches the now admitted row.
         np.testing.assert_allclose(ev_cases.values_of(ev, [4])[0],
-                                   init - 0.1 * 2 * init, rtol=1e-6)
+                                   init - 0.1 * 2 * 0.5, rtol=1e-6)
+        emb = _train_step(ev, opt, [[4]])  # fourth: the real row
+        np.testing.assert_allclose(emb.numpy()[0], init - 0.1, rtol=1e-6)
         (out,) = _lookup([ev], [tf.ragged.constant([[77]], tf.int64)], "sum",
                          training=False)
         np.testing.assert_allclose(out.numpy()[0], np.full(4, 0.5))
@@ -205,10 +212,12 @@ class TestEviction:
         ev = ev_cases.make_ev("l2", ev_option=option)
         keys = np.arange(20)
         ev.lookup_rows(tf.constant(keys))
-        norms = np.linalg.norm(ev_cases.initial_rows(ev, keys), axis=1)
-        assert int(ev.evict()) == int((norms < 1.0).sum())
+        # DeepRec's rule (issue 9): 0.5 * sum(v^2) < threshold, not the
+        # L2 norm as earlier versions of this test had.
+        half_sq = 0.5 * (ev_cases.initial_rows(ev, keys) ** 2).sum(axis=1)
+        assert int(ev.evict()) == int((half_sq < 1.0).sum())
         got, _, _, _ = ev_cases.export_sorted(ev)
-        np.testing.assert_array_equal(got, keys[norms >= 1.0])
+        np.testing.assert_array_equal(got, keys[half_sq >= 1.0])
 
 
 class TestOptions:

@@ -36,7 +36,7 @@ def _import(ev, keys, values, freqs, versions, step):
 
 
 def _state(ev):
-    keys, values, freqs, versions = (x.numpy() for x in ev.export())
+    keys, values, versions, freqs = (x.numpy() for x in ev.export())
     order = np.argsort(keys)
     return keys[order], values[order], freqs[order], versions[order]
 

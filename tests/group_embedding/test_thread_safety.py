@@ -157,7 +157,7 @@ for t in threads:
     t.join()
 assert not errors, errors
 for i, ev in enumerate(evs):
-    keys, values, freqs, _ = (x.numpy() for x in ev.export())
+    keys, values, _, freqs = (x.numpy() for x in ev.export())
     assert len(keys) == KEYS
     np.testing.assert_array_equal(freqs, freq[i][keys])
     want = -LR * moved[i][keys].astype(np.float32)[:, None]

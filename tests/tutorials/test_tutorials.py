@@ -58,7 +58,7 @@ def test_deepfm_keras_learns_checkpoints_and_plots(keras_run):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     # The CounterFilter kept ids seen once out of the tables.
     model = keras_run["model"]
-    keys, _, freqs, _ = model.embedding_variables()[0].export()
+    keys, _, _, freqs = model.embedding_variables()[0].export()
     assert len(keys.numpy()) > 0 and np.min(freqs.numpy()) >= 1
     assert os.path.exists(keras_run["checkpoint"] + ".index")
 

@@ -17,35 +17,6 @@ V1 = tf.compat.v1
 OPTIMIZERS = ("GradientDescent", "Adagrad", "AdagradDecay", "Adam",
               "AdamAsync", "FTRL")
 
-# xfail markers (strict: they must be removed once issue 9 lands).
-ADAGRAD_DECAY_ON_EV = pytest.mark.xfail(
-    strict=True, raises=NotImplementedError,
-    reason="issue 9: AdagradDecayOptimizer on EVs (to-do; "
-    "NotImplementedError today)")
-FILTER_ONE_EARLY = pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 (i): CounterFilter(N) must read the no-permission "
-    "default for a key's first N lookups; ours admits one lookup early")
-VERSION_WHEN_SEEN = pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 (ii): a key's version is the last step it was SEEN, "
-    "admitted or not")
-L2_HALF_SQUARED = pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 (iii): L2WeightEvict(t) evicts when 0.5*sum(v^2) < t")
-EXPORT_ORDER = pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 (iv): ev.export() returns (keys, values, versions, "
-    "freqs)")
-INIT_OPTION_WINS = pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 (v): InitializerOption's initializer wins over "
-    "`initializer=` (with a warning; a ValueError today), and (i): "
-    "CounterFilter admits one lookup early")
-ADAM_INT_BETA = pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 (vii): AdamOptimizer(lr, <int64 tensor>) on EVs must "
-    "cast its arguments as stock Adam does")
 # Library bugs found by the ports (see README.md here).
 DOUBLE_DRAW = pytest.mark.xfail(
     strict=True,
@@ -61,10 +32,6 @@ META_GRAPH = pytest.mark.xfail(
     strict=True, raises=KeyError,
     reason="bug: import_meta_graph fails on a graph holding an EV (the EV "
     "is exported by its name into SAVEABLE_OBJECTS; no such op)")
-CBF_FILTER = pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 (viii): CBFFilter (counting Bloom filter) not provided "
-    "yet; the case also trains with AdagradDecayOptimizer on an EV")
 
 
 def ones():
@@ -93,9 +60,8 @@ def make_optimizer(name, learning_rate=0.1):
 
 
 def optimizer_params(names=OPTIMIZERS):
-    """`pytest.param`s of optimizer names, AdagradDecay marked xfail."""
-    return [pytest.param(n, marks=ADAGRAD_DECAY_ON_EV)
-            if n == "AdagradDecay" else n for n in names]
+    """The optimizer names to parametrize over (all run on EVs)."""
+    return list(names)
 
 
 def double_sum(emb):
@@ -110,7 +76,18 @@ def train_op(loss, optimizer, global_step=None):
 
 
 def initialize(sess):
-    """DeepRec's three initialisation runs."""
+    """DeepRec's three initialisation runs.
+
+    The global step, if any, is initialised first: DeepRec's
+    `AdamOptimizer(0.1, gs)` cases make `beta1_power` start from the
+    global step, and stock TF 2.21 runs the initializers in parallel, so
+    `global_variables_initializer()` alone sometimes reads the step before
+    it exists (FailedPreconditionError, reproduced with stock Adam on a
+    plain tf.Variable).
+    """
+    step = V1.train.get_global_step()
+    if step is not None:
+        sess.run(step.initializer)
     sess.run(V1.get_collection(V1.GraphKeys.EV_INIT_VAR_OPS))
     sess.run(V1.get_collection(V1.GraphKeys.EV_INIT_SLOT_OPS))
     sess.run(V1.global_variables_initializer())

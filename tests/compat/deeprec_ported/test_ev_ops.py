@@ -15,17 +15,10 @@ from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 import group_embedding as ge
 
-from ported_util import ADAM_INT_BETA
-from ported_util import CBF_FILTER
 from ported_util import DOUBLE_DRAW
-from ported_util import EXPORT_ORDER
-from ported_util import FILTER_ONE_EARLY
-from ported_util import INIT_OPTION_WINS
-from ported_util import L2_HALF_SQUARED
 from ported_util import META_GRAPH
 from ported_util import SAVER_VAR_LIST
 from ported_util import V1
-from ported_util import VERSION_WHEN_SEEN
 from ported_util import checkpoint_rows
 from ported_util import checkpoint_table
 from ported_util import double_sum
@@ -78,7 +71,6 @@ def test_optimizer_on_ev_equals_plain_variable(optimizer, num_shards):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@ADAM_INT_BETA
 def test_adam_with_global_step_as_beta1_equals_plain_variable():
     """testEmbeddingVariableForAdam (older version): `AdamOptimizer(0.1,
     gs)` passes the int64 global step as beta1; compared with the same
@@ -164,7 +156,6 @@ def test_total_count_after_one_adam_step():
 # --- CounterFilter ------------------------------------------------------
 
 
-@FILTER_ONE_EARLY
 @pytest.mark.parametrize("optimizer", optimizer_params())
 def test_counter_filter_with_duplicate_ids(optimizer):
     """_CounterFilterTestTemplate: testEmbeddingVariableFor{AdagradDecay,
@@ -188,7 +179,6 @@ def test_counter_filter_with_duplicate_ids(optimizer):
     np.testing.assert_array_equal(second[7:], np.zeros([3, 3]))
 
 
-@FILTER_ONE_EARLY
 @pytest.mark.parametrize("optimizer", optimizer_params())
 def test_counter_filter_single_key(optimizer):
     """The older versions' testEmbeddingVariableFor{GradientDescent,Ftrl,
@@ -210,8 +200,6 @@ def test_counter_filter_single_key(optimizer):
     assert (fourth != 1.0).all()
 
 
-@pytest.mark.xfail(strict=True, reason=ADAM_INT_BETA.kwargs["reason"]
-                   + "; and (i): CounterFilter admits one lookup early")
 def test_counter_filter_adam_with_global_step_as_beta1():
     """testEmbeddingVariableForAdamFilter (older version): `AdamOptimizer(
     0.1, gs)` on a filtered EV."""
@@ -231,7 +219,6 @@ def test_counter_filter_adam_with_global_step_as_beta1():
     assert (fourth != 1.0).all()
 
 
-@FILTER_ONE_EARLY
 def test_feature_filter_from_feature_column():
     """testEmbeddingVariableForFeatureFilterFromContribFeatureColumn, with
     `categorical_column_with_embedding` + `embedding_column` +
@@ -257,7 +244,6 @@ def test_feature_filter_from_feature_column():
     np.testing.assert_array_equal(second[7:], np.zeros([3, 3]))
 
 
-@FILTER_ONE_EARLY
 def test_counter_filter_five_keeps_all_rows_at_zero():
     """testEmbeddingVariableForLayout (older version), third graph:
     filter_freq=5, five Adagrad steps: every row still reads 0."""
@@ -284,7 +270,6 @@ def test_layout_adagrad_equals_plain_variable(steps_to_live):
     np.testing.assert_array_equal(got, want)
 
 
-@INIT_OPTION_WINS
 def test_default_value_no_permission():
     """testEmbeddingVariableForDefaultValueNoPermission (older version:
     three plain lookups read 0.2, the fourth the InitializerOption's
@@ -366,9 +351,7 @@ def test_initializer_key_fetch(train):
     np.testing.assert_array_equal(got, rows[[k % 8 for k in keys]])
 
 
-@pytest.mark.xfail(strict=True, reason=DOUBLE_DRAW.kwargs["reason"]
-                   + "; and issue 9 (i): CounterFilter admits one lookup "
-                   "early")
+@DOUBLE_DRAW
 def test_initializer_with_counter_filter():
     """testEVInitializerWithCounterFeatureFilter (newer version, loss *
     0): key 3 reads zeros for three training lookups, then row 3 of the
@@ -520,7 +503,6 @@ def _l2_evict_oracle():
     return kept, restored[L2_EVICT_IDS]
 
 
-@L2_HALF_SQUARED
 def test_l2_weight_eviction_saved_keys(tmp_path):
     """testEmbeddingVariableForL2FeatureEviction (newer version): the keys
     left at save are those with 0.5*sum(v^2) >= 0.9 (DeepRec: [0, 1] with
@@ -538,7 +520,6 @@ def test_l2_weight_eviction_saved_keys(tmp_path):
     assert sorted(checkpoint_table(path, "var_1")) == kept
 
 
-@L2_HALF_SQUARED
 @pytest.mark.parametrize("storage", [False, True])
 def test_l2_weight_eviction_restore(tmp_path, storage):
     """testEmbeddingVariableForL2FeatureEviction (older version) and
@@ -559,7 +540,6 @@ def test_l2_weight_eviction_restore(tmp_path, storage):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-@L2_HALF_SQUARED
 def test_l2_weight_eviction_from_feature_column(tmp_path):
     """testEmbeddingVariableForL2FeatureEvictionFromContribFeatureColumn,
     with `categorical_column_with_embedding` + `embedding_column` +
@@ -673,7 +653,6 @@ def test_save_unfiltered_features(tmp_path):
     assert [k for k, f in freqs.items() if f >= 3] == [1]
 
 
-@VERSION_WHEN_SEEN
 def test_get_frequency_and_version():
     """testEmbeddingVariableForGetFrequencyAndVersion (newer version:
     keys never seen have version -1)."""
@@ -698,7 +677,6 @@ def test_get_frequency_and_version():
     np.testing.assert_array_equal(v, [2, 0, 1, -1, 2, -1, 2])
 
 
-@EXPORT_ORDER
 def test_export():
     """testEmbeddingVariableForExport (older version): three plain lookups
     with CounterFilter(1) and steps_to_live=10000. DeepRec expected
@@ -1059,7 +1037,6 @@ def test_dram_2048_keys_dim_128_equals_plain_variable():
 # --- CBFFilter (counting Bloom filter) ----------------------------------
 
 
-@CBF_FILTER
 @pytest.mark.parametrize("counter_type", [None, tf.uint32, tf.uint8,
                                           tf.uint16])
 def test_bloom_filter(counter_type):
@@ -1084,8 +1061,7 @@ def test_bloom_filter(counter_type):
     assert (fourth != 1.0).all()
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="issue 9 (viii): CBFFilter not provided yet")
+@DOUBLE_DRAW
 def test_initializer_with_bloom_filter():
     """testEVInitializerWithBloomFeatureFilter (newer version)."""
     with tf.Graph().as_default():
