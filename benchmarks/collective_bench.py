@@ -49,10 +49,11 @@ def local_slice(batch, rank, size):
 def exchange_bytes(batch, dim):
     """(deduplicated, not deduplicated) bytes of one exchange.
 
-    Each id sent is 3 int64 (table, row, count) and comes back as a D-float
-    row; collective_lookup sends each distinct id of a table once.
+    Each id sent is one int64 (its local row; the router adds K counts
+    per owner) and comes back as a D-float row; collective_lookup sends
+    each distinct id of a table once.
     """
-    per_id = 3 * 8 + 4 * dim
+    per_id = 8 + 4 * dim
     unique = sum(len(np.unique(sp.values.numpy())) for sp in batch)
     total = sum(int(sp.values.shape[0]) for sp in batch)
     return unique * per_id, total * per_id

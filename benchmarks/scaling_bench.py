@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PHASES = (
     "id conversion (sparse->ragged)",
     "id routing (dedup + bucketing)",
-    "owner-side lookup",
+    "owner-side lookup + gradient merge",
     "local pooling",
     "fused lookup (N=1)",
     "backward routing",
@@ -95,7 +95,7 @@ def classify(name, op_type):
         "CollectivePool": PHASES[3],
         "GroupEmbeddingVariableLookup": PHASES[4],
         "CollectivePoolGrad": PHASES[5],
-        "CollectiveOwnerGatherGrad": PHASES[5],
+        "CollectiveOwnerGatherGrad": PHASES[2],
         "CollectivePoolWeightGrad": PHASES[5],
         "GroupEmbeddingVariableLookupGrad": PHASES[6],
     }
@@ -428,6 +428,27 @@ def plot(summary, path):
     fig.savefig(path, dpi=110)
 
 
+def print_model(model):
+    """Prints the fitted cost model, its check and its predictions."""
+    p = model["params"]
+    print(f"cost model: dense {p['dense_ms']:.2f} ms + routing "
+          f"{p['route_ns_per_id']:.1f} ns/id + owner "
+          f"{p['owner_ns_per_distinct_id']:.1f} ns/distinct id + optimizer "
+          f"{p['optimizer_ns_per_row']:.1f} ns/row; "
+          f"{p['collectives_per_step']:.0f} collectives/step at "
+          f"{p['lambda0_ms']:.2f} + {p['lambda1_ms']:.2f} (N-1) ms; "
+          f"loopback {p['loopback_bytes_per_ms'] / 1e6:.2f} GB/s")
+    for n, c in model["checks"].items():
+        print(f"  N={n}: predicted {c['predicted_ms']:.1f} ms, measured "
+              f"{c['measured_ms']:.1f} ms ({100 * c['error']:+.0f}%)")
+    for n, c in model["predictions"].items():
+        print(f"  N={n} on {model['network']['gbit']:.0f} Gbit/s: step "
+              f"{c['step_ms']:.1f} ms (compute {c['compute_ms']:.1f}, "
+              f"latency {c['latency_ms']:.1f}, wire {c['wire_ms']:.1f}), "
+              f"{c['samples_per_s'] / 1e6:.2f} M samples/s, efficiency "
+              f"{c['efficiency_vs_n1']:.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=0,
@@ -475,6 +496,13 @@ def main():
                       flush=True)
     load_after = os.getloadavg()
     summary = summarize(runs, args)
+    model = None
+    if 1 in summary and 2 in summary:
+        import scaling_model
+        stats = scaling_model.workload_stats(
+            args.cap, args.batch, [1, 2, 3, 8, 16, 64])
+        model = scaling_model.fit(summary, stats, 26, args.dim,
+                                  len(os.sched_getaffinity(0)))
     eff = None
     if 1 in summary and 2 in summary:
         eff = summary[1]["median_step_ms"] / summary[2]["median_step_ms"]
@@ -491,6 +519,7 @@ def main():
                         if k.startswith("HOROVOD_")},
         "weak_scaling_efficiency_n2": eff,
         "results": summary,
+        "cost_model": model,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -519,6 +548,8 @@ def main():
                   f"{ex['grads_alltoall']}; loopback (all workers, incl. "
                   f"TCP/Gloo overhead) "
                   f"{s['loopback_bytes_per_step_all_workers']:.0f}")
+    if model is not None:
+        print_model(model)
     if eff is not None:
         print(f"weak-scaling efficiency step(1)/step(2) = {eff:.2f}")
     print(f"wrote {args.out}")

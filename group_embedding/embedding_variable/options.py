@@ -41,11 +41,13 @@ class BaseEvictOption(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class GlobalStepEvict(BaseEvictOption):
-    """Removes keys not updated in the last `steps_to_live` global steps.
+    """Removes keys not seen in the last `steps_to_live` global steps.
 
-    A key is removed when `current_step - last_update_step >
-    steps_to_live`, where steps are the optimizer's step counter
-    (`iterations` for `ge.optimizers`, `global_step` for `ge.train`).
+    A key is removed when `current_step - version > steps_to_live`, where
+    its version is the last step it was seen in training, admitted by the
+    filter or not (DeepRec's rule: keys still counting towards admission
+    stay), and steps are the optimizer's step counter (`iterations` for
+    `ge.optimizers`, `global_step` for `ge.train`).
 
     Args:
         steps_to_live: positive int, or None (default) for no eviction.

@@ -56,18 +56,20 @@ class EmbeddingVariable(tf.Module):
 
     Create it with `ge.get_embedding_variable`. Keys may be any value of
     the key dtype (negative, 0, 2**63-1). Storage is a C++ resource that
-    holds, per key, the value row, an occurrence count (`freq`), the step
-    of the last update (`version`) and every optimizer slot; it grows
-    without a fixed capacity and reuses the rows of evicted keys.
+    holds, per key, the value row, an occurrence count (`freq`), the last
+    step the key was seen in training (`version`) and every optimizer
+    slot; it grows up to 2**32 - 2 rows (then inserting fails with
+    `ResourceExhaustedError`) and reuses the rows of evicted keys.
 
     Training vs inference:
         `ge.group_embedding_lookup_sparse(..., training=True)` (the
         default) inserts keys seen for the first time (under a `CBFFilter`
         only once admitted), initialised from row `key mod
         default_value_dim` of the default matrix, counts occurrences and
-        stamps the key's version with the latest step applied. With `training=False` nothing is inserted or counted:
-        unknown keys read their default row (or
-        `default_value_no_permission` under a `CounterFilter`).
+        stamps the key's version with the latest step applied. With
+        `training=False` nothing is inserted or counted: unknown keys
+        read their default row (or `default_value_no_permission` under a
+        filter).
 
     Gradients: `tape.gradient(loss, ev)` is a `tf.IndexedSlices` whose
     `indices` are keys (not row numbers) and whose `dense_shape` is None.

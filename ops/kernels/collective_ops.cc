@@ -89,6 +89,13 @@ class HashedIds {
     keys_.reserve(expected);
   }
 
+  // Fetches the cache lines `Insert(id)` will probe first.
+  void Prefetch(int64_t id) const {
+    const uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
+    __builtin_prefetch(&table_keys_[h]);
+    __builtin_prefetch(&table_slots_[h]);
+  }
+
   int64_t Insert(int64_t id) {
     uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
     while (true) {
@@ -121,15 +128,24 @@ class HashedIds {
 };
 
 // The same for ids known to lie in [0, bound) with a small bound: one
-// int32 slot per possible id, no hashing or probing (about 3x faster).
+// int32 slot per possible id, no hashing or probing. The slot array is
+// scratch kept by the kernel across steps (all -1 between uses: TakeKeys
+// resets only the touched entries), so a step neither allocates nor
+// clears `bound` entries.
 class DirectIds {
  public:
-  DirectIds(int64_t bound, int64_t expected) : slot_of_(bound, -1) {
+  DirectIds(std::vector<int32_t>* scratch, int64_t bound, int64_t expected)
+      : slot_of_(scratch) {
+    if (static_cast<int64_t>(slot_of_->size()) < bound) {
+      slot_of_->resize(bound, -1);
+    }
     keys_.reserve(expected);
   }
 
+  void Prefetch(int64_t id) const { __builtin_prefetch(&(*slot_of_)[id]); }
+
   int64_t Insert(int64_t id) {
-    int32_t& s = slot_of_[id];
+    int32_t& s = (*slot_of_)[id];
     if (s < 0) {
       s = static_cast<int32_t>(keys_.size());
       keys_.push_back(id);
@@ -138,26 +154,65 @@ class DirectIds {
   }
 
   // The distinct ids, in first-occurrence order; the map is spent.
-  std::vector<int64_t> TakeKeys() { return std::move(keys_); }
+  std::vector<int64_t> TakeKeys() {
+    for (int64_t id : keys_) (*slot_of_)[id] = -1;
+    return std::move(keys_);
+  }
 
  private:
-  std::vector<int32_t> slot_of_;
+  std::vector<int32_t>* slot_of_;
   std::vector<int64_t> keys_;
 };
 
-// Whether `DirectIds` suits n ids in [0, bound): filling its 4-byte
-// array costs far less per entry than hashing an id, so it wins up to a
-// bound of about 64 ids' worth (plus 1 MiB); slots must fit int32.
+// Whether `DirectIds` suits n ids in [0, bound): its 4-byte slots beat
+// hashing up to a bound of about 64 ids' worth (plus 1 MiB); slots must
+// fit int32.
 bool UseDirect(int64_t bound, int64_t n) {
   return n < std::numeric_limits<int32_t>::max() &&
          bound <= 64 * n + (int64_t{1} << 18);
 }
 
-// Calls `f(map)` with the map that suits `n` ids in [0, bound).
+// Per-kernel scratch of DirectIds, one slot array per table. A kernel
+// may run concurrently (two steps in flight): the first run takes the
+// scratch, any other allocates its own.
+class IdScratch {
+ public:
+  // Holds the slot arrays of `k` tables for one run, if free.
+  class Lease {
+   public:
+    Lease(IdScratch* owner, int k) : owner_(owner) {
+      if (!owner_->mu_.try_lock()) return;
+      if (static_cast<int>(owner_->slots_.size()) < k) {
+        owner_->slots_.resize(k);
+      }
+      slots_ = &owner_->slots_;
+    }
+    ~Lease() {
+      if (slots_ != nullptr) owner_->mu_.unlock();
+    }
+    // Table t's slot array, or nullptr (use a fresh one).
+    std::vector<int32_t>* For(int64_t t) const {
+      return slots_ ? &(*slots_)[t] : nullptr;
+    }
+
+   private:
+    IdScratch* owner_;
+    std::vector<std::vector<int32_t>>* slots_ = nullptr;
+  };
+
+ private:
+  tensorflow::mutex mu_;
+  std::vector<std::vector<int32_t>> slots_;
+};
+
+// Calls `f(map)` with the map that suits `n` ids in [0, bound); `scratch`
+// (nullptr: a fresh array) backs a DirectIds.
 template <typename F>
-void WithIdMap(int64_t bound, int64_t n, F f) {
+void WithIdMap(int64_t bound, int64_t n, std::vector<int32_t>* scratch,
+               F f) {
   if (UseDirect(bound, n)) {
-    DirectIds map(bound, n);
+    std::vector<int32_t> own;
+    DirectIds map(scratch ? scratch : &own, bound, n);
     f(map);
   } else {
     HashedIds map(n);
@@ -440,6 +495,7 @@ class CollectiveRouteIdsOp : public OpKernel {
       Status status;
     };
     std::vector<Route> routes(k);
+    const IdScratch::Lease scratch(&scratch_, k);
     int64_t total_ids = 0;
     for (int t = 0; t < k; ++t) total_ids += ids[t].NumElements();
     auto dedup = [&](int64_t begin, int64_t end) {
@@ -458,8 +514,14 @@ class CollectiveRouteIdsOp : public OpKernel {
           }
         }
         std::vector<int64_t> keys;
-        WithIdMap(vocab, nnz, [&](auto& map) {
-          for (int64_t j = 0; j < nnz; ++j) r.slot[j] = map.Insert(v[j]);
+        WithIdMap(vocab, nnz, scratch.For(t),
+                  [&](auto& map) {
+          // Slots are read at random: fetch a few ids ahead.
+          constexpr int64_t kAhead = 16;
+          for (int64_t j = 0; j < nnz; ++j) {
+            if (j + kAhead < nnz) map.Prefetch(v[j + kAhead]);
+            r.slot[j] = map.Insert(v[j]);
+          }
           keys = map.TakeKeys();
         });
         const int64_t u = static_cast<int64_t>(keys.size());
@@ -560,6 +622,7 @@ class CollectiveRouteIdsOp : public OpKernel {
   }
 
  private:
+  IdScratch scratch_;
   int64_t workers_;
   std::vector<int64_t> vocab_, dims_;
   std::vector<std::string> names_;
@@ -758,6 +821,7 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->output_list("indices", &idx_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("values", &val_out));
     std::vector<Status> status(k);
+    const IdScratch::Lease scratch(&scratch_, k);
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t dim = dims_[t];
@@ -779,7 +843,8 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
         }
         std::vector<int64_t> slot(total);
         std::vector<int64_t> keys;
-        WithIdMap(bound, total, [&](auto& map) {
+        WithIdMap(bound, total, scratch.For(t),
+                  [&](auto& map) {
           int64_t j = 0;
           for (int64_t s = 0; s < n; ++s) {
             const int64_t* ids = v + layout.id_begin[s * k + t];
@@ -824,6 +889,7 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
   }
 
  private:
+  IdScratch scratch_;
   std::vector<int64_t> dims_;
 };
 

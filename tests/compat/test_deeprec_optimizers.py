@@ -128,13 +128,15 @@ def _adagrad_decay_ref(table, ids_per_step, w, lr, init, decay_step, rate):
     return var
 
 
-def test_adagrad_decay_sparse_matches_numpy_rule():
+# EVs: supported since issue 9 (a per-key decay count slot), same rule.
+@pytest.mark.parametrize("ev", [False, True])
+def test_adagrad_decay_sparse_matches_numpy_rule(ev):
     table = np.random.default_rng(2).normal(size=[ROWS, DIM]).astype(
         np.float32)
     steps = IDS * 3
     out, w = _run(lambda gs: ge.train.AdagradDecayOptimizer(
         0.1, gs, initial_accumulator_value=0.5, accumulator_decay_step=2,
-        accumulator_decay_rate=0.5), table, steps)
+        accumulator_decay_rate=0.5), table, steps, ev=ev)
     ref = _adagrad_decay_ref(table, steps, w, 0.1, 0.5, 2, 0.5)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     # Not plain Adagrad: the decay changed the result.
@@ -142,12 +144,9 @@ def test_adagrad_decay_sparse_matches_numpy_rule():
     assert np.abs(ref - plain).max() > 1e-3
 
 
-def test_adagrad_decay_checks_arguments_and_rejects_evs():
+def test_adagrad_decay_checks_arguments():
     with pytest.raises(ValueError, match="accumulator_decay_rate"):
         ge.train.AdagradDecayOptimizer(0.1, None, accumulator_decay_rate=1.5)
-    with pytest.raises(NotImplementedError, match="AdagradDecay.*'ev'"):
-        _run(lambda gs: ge.train.AdagradDecayOptimizer(0.1, gs),
-             np.zeros([ROWS, DIM], np.float32), IDS, ev=True)
 
 
 def test_compat_installs_deeprec_optimizers():

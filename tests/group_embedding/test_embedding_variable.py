@@ -271,12 +271,15 @@ class TestBadInput:
         with pytest.raises(TypeError, match="small_keys.*int64.*int32"):
             _lookup([ev], [tf.ragged.constant([[1]], tf.int64)], "sum")
 
-    def test_conflicting_initializers_fail(self):
+    def test_conflicting_initializers_option_wins(self, caplog):
+        # DeepRec's precedence (issue 9): the InitializerOption's
+        # initializer wins, with a warning; this was a ValueError before.
         opt = ge.EmbeddingVariableOption(init_option=ge.InitializerOption(
             initializer=tf.keras.initializers.Zeros()))
-        with pytest.raises(ValueError, match="clash.*initializer"):
-            ge.get_embedding_variable("clash", 4, initializer=tf.ones,
-                                      ev_option=opt)
+        ev = ge.get_embedding_variable("clash", 4, initializer=tf.ones,
+                                       ev_option=opt)
+        assert "clash" in caplog.text and "initializer" in caplog.text
+        np.testing.assert_array_equal(ev.lookup_rows([3]), np.zeros([1, 4]))
 
     def test_bad_dim_and_dtype_fail(self):
         with pytest.raises(ValueError, match="bad_dim.*embedding_dim"):
