@@ -18,3 +18,19 @@ def kernel_mode(request, monkeypatch):
     """
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", request.param)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _compat_left_installed():
+    """Fails a test that leaves DeepRec's names patched into `tf`: every
+    later test comparing against stock `tf.feature_column` would then
+    compare against this library instead."""
+    import sys
+    compat = sys.modules.get("group_embedding.compat")
+    before = compat is not None and compat.is_installed()
+    yield
+    compat = sys.modules.get("group_embedding.compat")
+    if compat is not None and compat.is_installed() and not before:
+        compat.uninstall()
+        pytest.fail("test left group_embedding.compat installed; "
+                    "call compat.uninstall() when done")

@@ -198,10 +198,12 @@ def test_compat_installs_estimator():
     import group_embedding.compat as compat
 
     compat.install()
-    assert tf.estimator is ge_estimator
-    assert tf.compat.v1.estimator.Estimator is Estimator
-    assert tf.estimator.export.ServingInputReceiver is \
-        ge_estimator.export.ServingInputReceiver
-    compat.uninstall()
+    try:
+        assert tf.estimator is ge_estimator
+        assert tf.compat.v1.estimator.Estimator is Estimator
+        assert tf.estimator.export.ServingInputReceiver is \
+            ge_estimator.export.ServingInputReceiver
+    finally:
+        # Later test files compare against stock tf.feature_column.
+        compat.uninstall()
     assert not hasattr(tf, "estimator")
-    compat.install()  # leave it as importing compat does
