@@ -34,3 +34,14 @@ def _compat_left_installed():
         compat.uninstall()
         pytest.fail("test left group_embedding.compat installed; "
                     "call compat.uninstall() when done")
+
+
+@pytest.fixture
+def compat():
+    """`group_embedding.compat` with DeepRec's names installed into `tf`,
+    uninstalled after the test so later tests see stock TF."""
+    import importlib
+    module = importlib.import_module("group_embedding.compat")
+    module.install()
+    yield module
+    module.uninstall()

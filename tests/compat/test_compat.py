@@ -4,7 +4,6 @@ Every test installs the names and uninstalls them afterwards, so no other
 test sees a patched `tf`.
 """
 
-import importlib
 import json
 import os
 import subprocess
@@ -26,14 +25,6 @@ V1 = tf.compat.v1
 STOCK_INPUT_LAYER = V1.feature_column.input_layer
 STOCK_EMBEDDING_COLUMN = tf.feature_column.embedding_column
 STOCK_ADAGRAD = V1.train.AdagradOptimizer
-
-
-@pytest.fixture
-def compat():
-    module = importlib.import_module("group_embedding.compat")
-    module.install()
-    yield module
-    module.uninstall()
 
 
 def test_install_adds_deeprec_names_to_both_namespaces(compat):

@@ -6,7 +6,6 @@ and the steps run (numpy), and `ev.export()`.
 """
 
 import collections
-import importlib
 
 import numpy as np
 import pytest
@@ -16,14 +15,6 @@ from tensorflow.core.protobuf import config_pb2
 import group_embedding as ge
 
 V1 = tf.compat.v1
-
-
-@pytest.fixture
-def compat():
-    module = importlib.import_module("group_embedding.compat")
-    module.install()
-    yield module
-    module.uninstall()
 
 
 def test_total_count_frequency_and_version_follow_lookups_and_updates():

@@ -6,7 +6,6 @@ for key k (built from `ev.export()`), and stock optimizers on that
 variable for the gradients.
 """
 
-import importlib
 
 import keras
 import numpy as np
@@ -28,14 +27,6 @@ STOCK = {
     "v1_gather": V1.gather,
     "v2_gather": tf.gather,
 }
-
-
-@pytest.fixture
-def compat():
-    module = importlib.import_module("group_embedding.compat")
-    module.install()
-    yield module
-    module.uninstall()
 
 
 def _ev_and_oracle(name):

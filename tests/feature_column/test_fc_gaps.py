@@ -18,7 +18,6 @@ initialised with M.
 """
 
 import contextlib
-import importlib
 
 import numpy as np
 import pytest
@@ -492,14 +491,6 @@ def test_sequence_ev_column_is_deeprecs_wrapper():
 
 
 # --- DeepRec names through `group_embedding.compat` -------------------------
-
-@pytest.fixture
-def compat():
-    module = importlib.import_module("group_embedding.compat")
-    module.install()
-    yield module
-    module.uninstall()
-
 
 def test_compat_runs_deeprecs_sequence_script_lines(compat):
     """BST-style lines: stock and EV sequence columns in one scope, read

@@ -1,15 +1,10 @@
 """Every ported DeepRec case runs with DeepRec's names installed."""
 
-import importlib
-
 import pytest
 
 
 @pytest.fixture(autouse=True)
-def compat():
-    """`import group_embedding.compat` for the test, undone afterwards
-    (as the other compat tests do)."""
-    module = importlib.import_module("group_embedding.compat")
-    module.install()
-    yield module
-    module.uninstall()
+def _deeprec_names(compat):
+    """Installs `group_embedding.compat` around every ported case (the
+    `compat` fixture of tests/conftest.py)."""
+    yield compat
