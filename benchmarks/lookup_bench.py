@@ -1,24 +1,34 @@
-"""Training-step benchmark of grouped lookups on the criteo-like workload.
+"""Benchmark of grouped lookups on the criteo-like workload, every path.
 
-One step = lookup of the 26 features, concat, loss = mean of squares,
-backward, sparse Adagrad (lr 0.01, initial accumulator 0.1). Variants:
+Pooled training step = lookup of the 26 features, concat, loss = mean of
+squares, backward, sparse Adagrad (lr 0.01, initial accumulator 0.1).
+Variants come in families; each `ge` variant is compared with the stock-TF
+variant of its family measured in the same run (see benchmarks/README.md):
 
-* stock_keras: per-table `tf.nn.embedding_lookup_sparse` +
-  `keras.optimizers.Adagrad` (what a TF user writes today);
-* ge: `ge.group_embedding_lookup_sparse` + `ge.optimizers.Adagrad`;
-* stock_raw_adagrad: per-table `tf.nn.embedding_lookup_sparse` + the raw
-  `ResourceSparseApplyAdagradV2` op on each IndexedSlices gradient;
-* ge_pure_tf: `ge` with `GROUP_EMBEDDING_KERNELS=tf` (informational).
+* pooled: stock_keras, stock_raw_adagrad, ge, ge_pure_tf;
+* seq (`is_sequence=True`): stock_seq, ge_seq, ge_seq_pure_tf;
+* max_norm: stock_max_norm, ge_max_norm (C++ optimizer, TF lookup),
+  ge_max_norm_pure_tf;
+* weighted multi-hot: stock_weighted, ge_weighted, ge_weighted_pure_tf;
+* ev (EmbeddingVariable tables, pooled and sequence): stock_ev (a plain
+  tf.Variable of the same size), ge_ev, stock_ev_seq, ge_ev_seq;
+* infer (`training=False`, forward only): stock_infer, ge_infer,
+  ge_infer_pure_tf;
+* tf1 (graph, feature columns, `MonitoredTrainingSession`): stock_tf1,
+  ge_tf1;
+* peers (`--peers`): fbgemm_tbe, FBGEMM TBE with exact Adagrad.
 
 Every variant owns freshly initialised, identical tables and runs inside
-`tf.function` (no XLA). Variants are timed round-robin (a few steps of
-each, several rounds) so that load changes on a shared machine hit all of
-them alike; the median step time per variant is reported.
+`tf.function` (no XLA) or its own graph. Variants are timed round-robin
+(a few steps of each, several rounds) so that load changes on a shared
+machine hit all of them alike; the median step time per variant is
+reported.
 
 Usage::
 
     python benchmarks/lookup_bench.py --quick        # smoke test
     python benchmarks/lookup_bench.py --dim 64
+    python benchmarks/lookup_bench.py --variants ge,stock_raw_adagrad
 """
 
 import argparse
@@ -26,8 +36,12 @@ import contextlib
 import json
 import os
 import statistics
+import dataclasses
+import functools
+import resource
 import time
 from collections.abc import Callable
+from typing import Optional
 
 # criteo_like is the sibling script module: `python
 # benchmarks/lookup_bench.py` puts this folder first on sys.path.
@@ -43,20 +57,42 @@ INITIAL_ACCUMULATOR = 0.1
 EPSILON = 1e-7
 NUM_BATCHES = 8
 LOSS_RTOL = 1e-4
-VARIANTS = ("stock_keras", "ge", "stock_raw_adagrad", "ge_pure_tf")
+MAX_NORM = 0.05
 QUICK = {"cap": 20000, "batch": 512, "rounds": 2}
 DEFAULTS = {"cap": 200000, "batch": 4096, "rounds": 5}
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "results")
+PURE_TF = {"GROUP_EMBEDDING_KERNELS": "tf"}
 
 
-def _stock_lookup(tables, sp_ids):
-    return [tf.nn.embedding_lookup_sparse(t, sp, None, combiner="sum")
-            for t, sp in zip(tables, sp_ids)]
+def _stock_lookup(tables, batch, weighted=False, max_norm=None):
+    weights = batch["weights"] if weighted else [None] * len(tables)
+    return [tf.nn.embedding_lookup_sparse(t, sp, w, combiner="sum",
+                                          max_norm=max_norm)
+            for t, sp, w in zip(tables, batch["ids"], weights)]
 
 
-def _ge_lookup(tables, sp_ids):
-    return ge.group_embedding_lookup_sparse(tables, sp_ids, "sum")
+def _stock_sequence(tables, batch):
+    """Per table: rows of the distinct ids, scattered to `[B, T, D]`.
+
+    Gathering distinct ids (as `embedding_lookup_sparse` does) gives a
+    gradient with unique indices, which sparse Adagrad needs.
+    """
+    out = []
+    for t, sp in zip(tables, batch["ids"]):
+        uniq, slot = tf.unique(sp.values)
+        rows = tf.gather(tf.nn.embedding_lookup(t, uniq), slot)
+        shape = tf.concat([sp.dense_shape, [t.shape[1]]], 0)
+        out.append(tf.scatter_nd(sp.indices, rows, shape))
+    return out
+
+
+def _ge_lookup(tables, batch, weighted=False, max_norm=None,
+               is_sequence=False, training=True):
+    return ge.group_embedding_lookup_sparse(
+        tables, batch["ids"], "sum",
+        sp_weights=batch["weights"] if weighted else None,
+        is_sequence=is_sequence, max_norm=max_norm, training=training)
 
 
 def _optimizer_update(optimizer_cls) -> Callable:
@@ -89,15 +125,69 @@ def _raw_adagrad_update(tables):
     return update
 
 
-# name -> (lookup, update factory, environment while tracing/running).
-_SETUPS = {
-    "stock_keras": (_stock_lookup,
-                    _optimizer_update(keras.optimizers.Adagrad), {}),
-    "ge": (_ge_lookup, _optimizer_update(ge.optimizers.Adagrad), {}),
-    "stock_raw_adagrad": (_stock_lookup, _raw_adagrad_update, {}),
-    "ge_pure_tf": (_ge_lookup, _optimizer_update(ge.optimizers.Adagrad),
-                   {"GROUP_EMBEDDING_KERNELS": "tf"}),
+_GE_ADAGRAD = _optimizer_update(ge.optimizers.Adagrad)
+_RAW = _raw_adagrad_update
+_p = functools.partial
+
+
+@dataclasses.dataclass
+class Setup:
+    """How a variant runs: its family, lookup, update and environment.
+
+    `update` None means forward only (inference); `tables` is "variable"
+    or "ev"; `stock` marks the stock-TF baselines of the family.
+    """
+
+    family: str
+    lookup: Callable = None
+    update: Optional[Callable] = None
+    env: dict = dataclasses.field(default_factory=dict)
+    tables: str = "variable"
+    stock: bool = False
+    kind: str = "tf2"
+
+
+SETUPS = {
+    "stock_keras": Setup("pooled", _stock_lookup,
+                         _optimizer_update(keras.optimizers.Adagrad),
+                         stock=True),
+    "stock_raw_adagrad": Setup("pooled", _stock_lookup, _RAW, stock=True),
+    "ge": Setup("pooled", _ge_lookup, _GE_ADAGRAD),
+    "ge_pure_tf": Setup("pooled", _ge_lookup, _GE_ADAGRAD, PURE_TF),
+    "stock_seq": Setup("seq", _stock_sequence, _RAW, stock=True),
+    "ge_seq": Setup("seq", _p(_ge_lookup, is_sequence=True), _GE_ADAGRAD),
+    "ge_seq_pure_tf": Setup("seq", _p(_ge_lookup, is_sequence=True),
+                            _GE_ADAGRAD, PURE_TF),
+    "stock_max_norm": Setup("max_norm", _p(_stock_lookup, max_norm=MAX_NORM),
+                            _RAW, stock=True),
+    "ge_max_norm": Setup("max_norm", _p(_ge_lookup, max_norm=MAX_NORM),
+                         _GE_ADAGRAD),
+    "ge_max_norm_pure_tf": Setup("max_norm",
+                                 _p(_ge_lookup, max_norm=MAX_NORM),
+                                 _GE_ADAGRAD, PURE_TF),
+    "stock_weighted": Setup("weighted", _p(_stock_lookup, weighted=True),
+                            _RAW, stock=True),
+    "ge_weighted": Setup("weighted", _p(_ge_lookup, weighted=True),
+                         _GE_ADAGRAD),
+    "ge_weighted_pure_tf": Setup("weighted", _p(_ge_lookup, weighted=True),
+                                 _GE_ADAGRAD, PURE_TF),
+    "stock_ev": Setup("ev", _stock_lookup, _RAW, stock=True),
+    "ge_ev": Setup("ev", _ge_lookup, _GE_ADAGRAD, tables="ev"),
+    "stock_ev_seq": Setup("ev_seq", _stock_sequence, _RAW, stock=True),
+    "ge_ev_seq": Setup("ev_seq", _p(_ge_lookup, is_sequence=True),
+                       _GE_ADAGRAD, tables="ev"),
+    "stock_infer": Setup("infer", _stock_lookup, stock=True),
+    "ge_infer": Setup("infer", _p(_ge_lookup, training=False)),
+    "ge_infer_pure_tf": Setup("infer", _p(_ge_lookup, training=False),
+                              env=PURE_TF),
+    "stock_tf1": Setup("tf1", stock=True, kind="tf1"),
+    "ge_tf1": Setup("tf1", kind="tf1"),
+    "fbgemm_tbe": Setup("pooled", stock=False, kind="peer"),
 }
+VARIANTS = tuple(n for n in SETUPS if n != "fbgemm_tbe")
+# Families whose losses cannot agree with stock: EVs create rows on first
+# sight with their own initializer.
+UNCHECKED_FAMILIES = ("ev", "ev_seq")
 
 
 @contextlib.contextmanager
@@ -115,22 +205,37 @@ def _environ(overrides: dict[str, str]):
                 os.environ[k] = v
 
 
-class Variant:
-    """One way to run the training step, on its own copy of the tables."""
+def _ev_tables(name, dim, seed):
+    init = keras.initializers.RandomUniform(-0.05, 0.05, seed=seed)
+    return [ge.get_embedding_variable(f"{name}_ev{i}", dim,
+                                      initializer=init)
+            for i in range(len(criteo_like.CARDINALITIES))]
 
-    def __init__(self, name: str, initial: list[np.ndarray]):
-        lookup, make_update, self.env = _SETUPS[name]
-        self.name = name
-        self.tables = [tf.Variable(x, name=f"{name}_table{i}")
-                       for i, x in enumerate(initial)]
-        update = make_update(self.tables)
+
+class Variant:
+    """One way to run the step (TF2 `tf.function`), on its own tables."""
+
+    def __init__(self, name: str, initial: list[np.ndarray], seed: int):
+        setup = SETUPS[name]
+        self.name, self.family, self.env = name, setup.family, setup.env
+        self.stock = setup.stock
+        if setup.tables == "ev":
+            self.tables = _ev_tables(name, initial[0].shape[1], seed)
+        else:
+            self.tables = [tf.Variable(x, name=f"{name}_table{i}")
+                           for i, x in enumerate(initial)]
+        update = setup.update(self.tables) if setup.update else None
+        lookup = setup.lookup
         self.steps_done = 0
         tables = self.tables
 
         @tf.function(jit_compile=False)
-        def step(sp_ids):
+        def step(batch):
+            if update is None:
+                emb = tf.concat(lookup(tables, batch), axis=1)
+                return tf.reduce_mean(tf.square(emb))
             with tf.GradientTape() as tape:
-                emb = tf.concat(lookup(tables, sp_ids), axis=1)
+                emb = tf.concat(lookup(tables, batch), axis=1)
                 loss = tf.reduce_mean(tf.square(emb))
             update(tape.gradient(loss, tables))
             return loss
@@ -153,31 +258,208 @@ class Variant:
         """Number of group-embedding C++ ops in the traced step graph."""
         with self.environ():
             graph = self.step_fn.get_concrete_function(batch).graph
-        return sum(op.type.startswith("Group")
+        return sum(op.type.startswith(("Group", "EV"))
                    for op in graph.get_operations())
 
+    def traces(self) -> int:
+        return self.step_fn.experimental_get_tracing_count()
 
-def _check_losses(losses: dict[str, list[float]], warmup: int) -> float:
-    """Asserts all variants saw the same losses; returns max rel diff.
+
+class TF1Variant:
+    """The TF1 graph path: feature columns + v1 Adagrad, monitored session.
+
+    Both variants read the same pre-built batches from a tf.data pipeline
+    in their own graph, and initialise their tables with the same seeded
+    v1 initializer, so their losses agree.
+    """
+
+    def __init__(self, name: str, batches, cap: int, dim: int, seed: int):
+        from group_embedding import feature_column as ge_fc
+        v1 = tf.compat.v1
+        self.name, self.family, self.env = name, "tf1", {}
+        self.stock = SETUPS[name].stock
+        self.steps_done = 0
+        use_ge = not self.stock
+        keys = [f"f{i:02d}" for i in range(len(batches[0]["ids"]))]
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            v1.set_random_seed(seed)
+            data = None
+            for b in batches:
+                feats = {k: tf.SparseTensor(sp.indices.numpy(),
+                                            sp.values.numpy(),
+                                            sp.dense_shape.numpy())
+                         for k, sp in zip(keys, b["ids"])}
+                ds = tf.data.Dataset.from_tensors(feats)
+                data = ds if data is None else data.concatenate(ds)
+            features = v1.data.make_one_shot_iterator(
+                data.repeat()).get_next()
+            columns = []
+            for i, (k, vocab) in enumerate(zip(
+                    keys, criteo_like.vocab_sizes(cap))):
+                cat = tf.feature_column.categorical_column_with_identity(
+                    k, vocab)
+                init = v1.random_uniform_initializer(-0.05, 0.05,
+                                                     seed=seed + i)
+                columns.append(
+                    ge_fc.embedding_column(cat, dim, "sum", initializer=init)
+                    if use_ge else tf.feature_column.embedding_column(
+                        cat, dim, combiner="sum", initializer=init))
+            if use_ge:
+                x = ge_fc.input_layer(features, columns)
+                opt = ge.train.AdagradOptimizer(
+                    LEARNING_RATE, initial_accumulator_value=INITIAL_ACCUMULATOR)
+            else:
+                x = v1.feature_column.input_layer(features, columns)
+                opt = v1.train.AdagradOptimizer(
+                    LEARNING_RATE,
+                    initial_accumulator_value=INITIAL_ACCUMULATOR)
+            self.loss = tf.reduce_mean(tf.square(x))
+            self.train_op = opt.minimize(
+                self.loss, global_step=v1.train.get_or_create_global_step())
+            self.sess = v1.train.MonitoredTrainingSession(
+                save_checkpoint_steps=None, save_checkpoint_secs=None,
+                save_summaries_steps=None, save_summaries_secs=None,
+                log_step_count_steps=None)
+
+    def run(self, batches) -> float:
+        self.steps_done += 1
+        return float(self.sess.run([self.loss, self.train_op])[0])
+
+    def environ(self):
+        return _environ({})
+
+    def custom_op_count(self, batch) -> int:
+        return sum(op.type.startswith(("Group", "EV"))
+                   for op in self.graph.get_operations())
+
+    def traces(self) -> int:
+        return 1
+
+
+class TBEVariant:
+    """FBGEMM TBE (CPU) with exact row-wise-free Adagrad, same tables."""
+
+    def __init__(self, initial, batches):
+        import torch
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation, PoolingMode)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+        self.name, self.family, self.env, self.stock = (
+            "fbgemm_tbe", "pooled", {}, False)
+        self.steps_done = 0
+        self._torch = torch
+        dim = initial[0].shape[1]
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(x.shape[0], dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+             for x in initial],
+            optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=LEARNING_RATE,
+            eps=EPSILON, pooling_mode=PoolingMode.SUM)
+        with torch.no_grad():
+            for w, x in zip(self.tbe.split_embedding_weights(), initial):
+                w.copy_(torch.from_numpy(x))
+        self.inputs = []
+        for b in batches:
+            lengths = [np.diff(np.searchsorted(
+                sp.indices.numpy()[:, 0],
+                np.arange(sp.dense_shape.numpy()[0] + 1))) for sp in b["ids"]]
+            ids = np.concatenate([sp.values.numpy() for sp in b["ids"]])
+            offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
+            self.inputs.append((torch.from_numpy(ids),
+                                torch.from_numpy(offsets.astype(np.int64))))
+
+    def run(self, batches) -> float:
+        ids, offsets = self.inputs[self.steps_done % len(self.inputs)]
+        self.steps_done += 1
+        out = self.tbe(ids, offsets)
+        loss = (out * out).mean()
+        loss.backward()
+        return float(loss)
+
+    def environ(self):
+        return _environ({})
+
+    def custom_op_count(self, batch) -> int:
+        return 0
+
+    def traces(self) -> int:
+        return 1
+
+
+def _check_losses(variants, losses: dict[str, list[float]],
+                 warmup: int) -> float:
+    """Asserts each family's variants saw the same losses; max rel diff.
 
     Warmup steps cycle the same batches in the same order for every
     variant, so equal losses at every step also check backward + update.
+    EV families and FBGEMM (other initial rows / accumulators) are only
+    reported.
     """
-    names = list(losses)
-    ref = np.asarray(losses[names[0]])
     worst = 0.0
-    for name in names[1:]:
-        got = np.asarray(losses[name])
-        rel = np.abs(got - ref) / np.abs(ref)
-        worst = max(worst, float(rel.max()))
-        if not np.allclose(got, ref, rtol=LOSS_RTOL, atol=0):
-            raise AssertionError(
-                f"Loss mismatch {name} vs {names[0]} (rtol {LOSS_RTOL}): "
-                f"{got.tolist()} vs {ref.tolist()}")
-    print(f"correctness: losses of {', '.join(names)} agree (rtol "
-          f"{LOSS_RTOL}) on the first step and on the step after {warmup} "
-          f"warmup steps (max rel diff {worst:.2e})")
+    by_family = {}
+    for v in variants:
+        by_family.setdefault(v.family, []).append(v)
+    for family, members in by_family.items():
+        checked = [v for v in members if v.name != "fbgemm_tbe"]
+        if family in UNCHECKED_FAMILIES or len(checked) < 2:
+            continue
+        ref_name = checked[0].name
+        ref = np.asarray(losses[ref_name])
+        for v in checked[1:]:
+            got = np.asarray(losses[v.name])
+            rel = np.abs(got - ref) / np.abs(ref)
+            worst = max(worst, float(rel.max()))
+            if not np.allclose(got, ref, rtol=LOSS_RTOL, atol=0):
+                raise AssertionError(
+                    f"Loss mismatch {v.name} vs {ref_name} (rtol "
+                    f"{LOSS_RTOL}): {got.tolist()} vs {ref.tolist()}")
+        print(f"correctness [{family}]: losses of "
+              f"{', '.join(v.name for v in checked)} agree (rtol "
+              f"{LOSS_RTOL}) on the first step and after {warmup} warmup "
+              "steps")
     return worst
+
+
+def _gather_bandwidth(dim: int, rows: int = 2_000_000,
+                      take: int = 1_000_000) -> float:
+    """Bytes/s of a numpy gather of random rows (read + write counted)."""
+    rng = np.random.default_rng(0)
+    table = rng.random((rows, dim), dtype=np.float32)
+    idx = rng.integers(0, rows, take)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        np.take(table, idx, axis=0)
+        best = min(best, time.perf_counter() - start)
+    return 2 * take * dim * 4 / best
+
+
+def _step_bytes(batches, dim: int) -> float:
+    """Bytes the pooled training step must move, averaged over batches.
+
+    Forward reads one row per id; the optimizer reads and writes each
+    distinct row and its accumulator once.
+    """
+    total = 0
+    for b in batches:
+        nnz = sum(int(sp.values.shape[0]) for sp in b["ids"])
+        distinct = sum(len(np.unique(sp.values.numpy())) for sp in b["ids"])
+        total += (nnz + 4 * distinct) * dim * 4
+    return total / len(batches)
+
+
+def _with_weights(batches, seed):
+    """Adds per-id float weights in [0.5, 1.5) to every batch."""
+    rng = np.random.default_rng(seed + 2)
+    out = []
+    for ids in batches:
+        weights = [tf.SparseTensor(sp.indices, rng.uniform(
+            0.5, 1.5, sp.values.shape[0]).astype(np.float32),
+            sp.dense_shape) for sp in ids]
+        out.append({"ids": ids, "weights": weights})
+    return out
 
 
 def _time_rounds(variants: list[Variant], batches, rounds: int,
@@ -205,20 +487,23 @@ def _time_rounds(variants: list[Variant], batches, rounds: int,
     return times
 
 
-def _plot(path: str, samples_per_s: dict[str, float], title: str):
+def _plot(path: str, ratios: dict[str, float], title: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(samples_per_s)
-    bars = ax.bar(names, [samples_per_s[n] for n in names],
-                  color=["#d62728" if n.startswith("ge") else "#7f7f7f"
+    names = list(ratios)
+    fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(names)), 4.5))
+    bars = ax.bar(names, [ratios[n] for n in names],
+                  color=["#7f7f7f" if n.startswith("fbgemm") else
+                         "#1f77b4" if "pure_tf" in n else "#d62728"
                          for n in names])
-    ax.bar_label(bars, fmt="%.0f")
+    ax.bar_label(bars, fmt="%.2f")
+    ax.axhline(1.0, color="black", linewidth=0.8)
     ax.margins(y=0.12)  # Room for the labels above the tallest bar.
-    ax.set_ylabel("samples/s (median step)")
-    ax.set_title(title)
+    ax.set_ylabel("speedup over the family's best stock TF")
+    ax.set_title(title, fontsize=9)
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -235,6 +520,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--peers", action="store_true",
+                   help="add FBGEMM TBE (pip install -e .[bench]) to the "
+                        "pooled family, skipped with a reason if missing")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke-test sizes (explicit flags still win)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/"
@@ -257,17 +545,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _make_variants(args, batches):
+    initial = criteo_like.initial_tables(args.cap, args.dim, args.seed)
+    variants = []
+    for n in args.variants:
+        if SETUPS[n].kind == "tf1":
+            variants.append(TF1Variant(n, batches, args.cap, args.dim,
+                                       args.seed))
+        else:
+            variants.append(Variant(n, initial, args.seed))
+    if args.peers:
+        try:
+            variants.append(TBEVariant(initial, batches))
+        except Exception as e:  # noqa: BLE001 - any failure skips the peer
+            print(f"--peers: FBGEMM TBE skipped: {type(e).__name__}: {e}")
+    return variants
+
+
+def _family_ratios(variants, results):
+    """Per non-stock variant: best stock median of its family / its own."""
+    ratios = {}
+    for v in variants:
+        if v.stock:
+            continue
+        stock = [results[s.name]["median_step_s"] for s in variants
+                 if s.stock and s.family == v.family]
+        if stock:
+            ratios[v.name] = min(stock) / results[v.name]["median_step_s"]
+    return ratios
+
+
 def main(argv=None):
     args = parse_args(argv)
     config = {k: getattr(args, k) for k in (
         "dim", "batch", "cap", "rounds", "steps_per_round", "warmup",
-        "variants", "quick", "seed")}
+        "variants", "quick", "seed", "peers")}
     print(f"config: {config}")
-    batches = criteo_like.make_batches(args.cap, args.batch, NUM_BATCHES,
-                                       args.seed)
-    initial = criteo_like.initial_tables(args.cap, args.dim, args.seed)
-    variants = [Variant(n, initial) for n in args.variants]
-    del initial
+    started = time.perf_counter()
+    batches = _with_weights(criteo_like.make_batches(
+        args.cap, args.batch, NUM_BATCHES, args.seed), args.seed)
+    variants = _make_variants(args, batches)
 
     # Warmup traces each step function and runs a few untimed steps; one
     # more step then gives every variant's loss on the same batch.
@@ -276,12 +593,14 @@ def main(argv=None):
         with v.environ():
             losses[v.name] = [v.run(batches) for _ in range(args.warmup + 1)]
     checked = {n: [ls[0], ls[-1]] for n, ls in losses.items()}
-    max_rel_diff = _check_losses(checked, args.warmup)
+    max_rel_diff = _check_losses(variants, checked, args.warmup)
     custom_ops = {v.name: v.custom_op_count(batches[0]) for v in variants}
     print(f"group-embedding C++ ops per step graph: {custom_ops}")
-    if custom_ops.get("ge_pure_tf"):
-        raise AssertionError("ge_pure_tf traced C++ kernels; the "
-                             "GROUP_EMBEDDING_KERNELS override failed.")
+    for v in variants:
+        if v.env.get("GROUP_EMBEDDING_KERNELS") == "tf" and \
+                custom_ops[v.name]:
+            raise AssertionError(f"{v.name} traced C++ kernels; the "
+                                 "GROUP_EMBEDDING_KERNELS override failed.")
 
     times = _time_rounds(variants, batches, args.rounds,
                          args.steps_per_round)
@@ -290,23 +609,53 @@ def main(argv=None):
         flat = [t for r in times[v.name] for t in r]
         median = statistics.median(flat)
         results[v.name] = {
+            "family": v.family,
+            "stock": v.stock,
             "step_times_s": times[v.name],
             "median_step_s": median,
             "samples_per_s": args.batch / median,
-            "traces": v.step_fn.experimental_get_tracing_count(),
+            "traces": v.traces(),
         }
-    ratios = {f"ge_over_{base}": results[base]["median_step_s"]
-              / results["ge"]["median_step_s"]
-              for base in ("stock_keras", "stock_raw_adagrad")
-              if "ge" in results and base in results}
+    ratios = _family_ratios(variants, results)
+    ratios.update({f"ge_over_{base}": results[base]["median_step_s"]
+                   / results["ge"]["median_step_s"]
+                   for base in ("stock_keras", "stock_raw_adagrad")
+                   if "ge" in results and base in results})
+    if "ge" in results and "fbgemm_tbe" in results:
+        ratios["ge_over_fbgemm_tbe"] = (results["fbgemm_tbe"]["median_step_s"]
+                                        / results["ge"]["median_step_s"])
+
+    bandwidth = _gather_bandwidth(args.dim)
+    step_bytes = _step_bytes(batches, args.dim)
+    floor_s = step_bytes / bandwidth
+    memory_floor = {"step_bytes": step_bytes,
+                    "gather_bandwidth_bytes_per_s": bandwidth,
+                    "floor_step_s": floor_s}
+    if "ge" in results:
+        memory_floor["ge_step_over_floor"] = (
+            results["ge"]["median_step_s"] / floor_s)
+    # ru_maxrss is in KiB on Linux: the whole run's peak, all variants.
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     print(f"\nmedian over {args.rounds} rounds x {args.steps_per_round} "
           f"steps (dim {args.dim}, batch {args.batch}, cap {args.cap}):")
     for name, r in results.items():
-        print(f"  {name:18s} {1e3 * r['median_step_s']:9.2f} ms/step "
-              f"{r['samples_per_s']:12.0f} samples/s")
+        ratio = ratios.get(name)
+        tag = "stock" if r["stock"] else (
+            f"{ratio:.2f}x stock" if ratio else "")
+        print(f"  {r['family']:9s} {name:20s} "
+              f"{1e3 * r['median_step_s']:9.2f} ms/step "
+              f"{r['samples_per_s']:10.0f} samples/s  {tag}")
     for name, ratio in ratios.items():
-        print(f"  speedup {name}: {ratio:.2f}x")
+        if name.startswith("ge_over_"):
+            print(f"  speedup {name}: {ratio:.2f}x")
+    print(f"memory floor: the pooled step moves {step_bytes / 1e6:.1f} MB; "
+          f"numpy random-row gather runs at {bandwidth / 1e9:.1f} GB/s, so "
+          f"the floor is {1e3 * floor_s:.2f} ms"
+          + (f"; ge takes {memory_floor['ge_step_over_floor']:.1f}x that"
+             if "ge_step_over_floor" in memory_floor else ""))
+    print(f"peak RSS of the run: {peak_rss / 2**20:.0f} MiB")
+    elapsed = time.perf_counter() - started
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     report = {
@@ -314,19 +663,24 @@ def main(argv=None):
         "tf_version": tf.__version__,
         "keras_version": keras.__version__,
         "cpu_count": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
+        "elapsed_s": elapsed,
         "losses": losses,
         "max_loss_rel_diff": max_rel_diff,
         "custom_ops": custom_ops,
         "results": results,
-        "ratios": ratios,
+        "ratios_over_best_stock": ratios,
+        "memory_floor": memory_floor,
+        "peak_rss_bytes": peak_rss,
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     png = os.path.splitext(args.out)[0] + ".png"
-    _plot(png, {n: r["samples_per_s"] for n, r in results.items()},
+    _plot(png, {n: r for n, r in ratios.items()
+                if not n.startswith("ge_over_")},
           f"criteo-like, dim {args.dim}, batch {args.batch}, cap "
           f"{args.cap} (TF {tf.__version__}, {os.cpu_count()} CPUs)")
-    print(f"wrote {args.out} and {png}")
+    print(f"wrote {args.out} and {png} ({elapsed:.0f} s)")
 
 
 if __name__ == "__main__":

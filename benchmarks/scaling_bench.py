@@ -244,14 +244,21 @@ def worker(args):
     batches = criteo_like.make_batches(args.cap, args.batch,
                                        args.num_batches, seed=100 + rank)
 
-    @tf.function(reduce_retracing=True)
-    def step(sp_ids):
+    def train(sp_ids, exchanged, next_ids=None):
         vs = variables + [dense]
         with tf.GradientTape() as tape:
-            with tf.name_scope("forward"):
+            with tf.name_scope("forward"), \
+                    ge.distributed.use_exchanged_ids(exchanged):
                 emb = tf.concat(ge.group_embedding_lookup_sparse(
                     tables, sp_ids, "sum"), 1)
                 loss = tf.reduce_mean(tf.square(tf.matmul(emb, dense)))
+        nxt = {}
+        if next_ids is not None:
+            # After the loss: the next batch's exchange overlaps the
+            # backward (see ge.distributed.exchange_ids).
+            with tf.name_scope("next_batch"):
+                nxt = ge.distributed.exchange_ids(tables, next_ids,
+                                                  after=loss)
         with tf.name_scope("backward"):
             grads = tape.gradient(loss, vs)
         # What ge.DistributedGradientTape does after tape.gradient.
@@ -259,7 +266,31 @@ def worker(args):
             grads = ge.allreduce_gradients(grads, vs)
         with tf.name_scope("optimizer"):
             opt.apply_gradients(zip(grads, vs))
-        return loss
+        return loss, nxt
+
+    if args.pipeline:
+        # The next batch's ids are routed and sent during this step.
+        @tf.function(reduce_retracing=True)
+        def pipelined(sp_ids, exchanged, next_ids):
+            return train(sp_ids, exchanged, next_ids)
+
+        state = {"i": 0, "exchanged": ge.distributed.exchange_ids(
+            tables, batches[0])}
+
+        def step(sp_ids):
+            del sp_ids  # the loop below feeds batches in order
+            i = state["i"]
+            loss, state["exchanged"] = pipelined(
+                batches[i % len(batches)], state["exchanged"],
+                batches[(i + 1) % len(batches)])
+            state["i"] = i + 1
+            return loss
+    else:
+        @tf.function(reduce_retracing=True)
+        def plain(sp_ids):
+            return train(sp_ids, {})[0]
+
+        step = plain
 
     def barrier():
         if hvd is not None:
@@ -322,10 +353,12 @@ def worker(args):
             json.dump(records, f)
 
 
-def launch(n, args, record):
+def launch(n, args, record, pipeline=False):
     """Runs `n` workers (N=1 without Horovod); returns their records."""
     me = [sys.executable, os.path.abspath(__file__), "--worker",
           "--workers", str(n), "--record", record]
+    if pipeline:
+        me.append("--pipeline")
     for key in ("batch", "dim", "cap", "steps", "rounds", "warmup",
                 "num_batches", "profile_steps"):
         me += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -397,7 +430,7 @@ def summarize(runs, args):
     return summary
 
 
-def plot(summary, path):
+def plot(summary, summary_pipelined, path):
     """Stacked bars of the step breakdown, one bar per (N, worker)."""
     try:
         import matplotlib
@@ -407,9 +440,11 @@ def plot(summary, path):
         print("matplotlib missing: no PNG (pip install -e .[demo])")
         return
     labels, stacks = [], []
-    for n, s in sorted(summary.items(), key=lambda kv: int(kv[0])):
+    shown = [(n, "", s) for n, s in sorted(summary.items())] + [
+        (n, " pipe", s) for n, s in sorted(summary_pipelined.items())]
+    for n, label, s in shown:
         for w in s["breakdown_per_worker"]:
-            labels.append(f"N={n}\nworker {w['rank']}")
+            labels.append(f"N={n}{label}\nworker {w['rank']}")
             stacks.append([w["phases_ms"][p] for p in PHASES])
     fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 4, 5))
     bottom = [0.0] * len(labels)
@@ -446,7 +481,9 @@ def print_model(model):
               f"{c['step_ms']:.1f} ms (compute {c['compute_ms']:.1f}, "
               f"latency {c['latency_ms']:.1f}, wire {c['wire_ms']:.1f}), "
               f"{c['samples_per_s'] / 1e6:.2f} M samples/s, efficiency "
-              f"{c['efficiency_vs_n1']:.2f}")
+              f"{c['efficiency_vs_n1']:.2f} (pipelined "
+              f"{c['efficiency_vs_n1_pipelined']:.2f}), "
+              f"{c['bytes_per_worker'] / 2**20:.2f} MiB sent per worker")
 
 
 def main():
@@ -456,7 +493,12 @@ def main():
     parser.add_argument("--worker", action="store_true",
                         help="(internal) run as one worker")
     parser.add_argument("--record", help="(internal) where rank 0 writes")
-    parser.add_argument("--sizes", default="1,2,3")
+    parser.add_argument("--sizes", default="1,2,2p,3",
+                        help="runs, in launch order: N, or Np for N "
+                             "workers with ge.distributed.exchange_ids "
+                             "pipelining")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="(internal, with --worker) pipelined loop")
     parser.add_argument("--launches", type=int, default=2,
                         help="times each N is launched, alternating")
     parser.add_argument("--batch", type=int, default=4096,
@@ -478,34 +520,44 @@ def main():
     if args.quick:
         args.steps, args.rounds, args.warmup, args.launches = 3, 2, 2, 1
         args.profile_steps = 2
-    sizes = [int(x) for x in args.sizes.split(",")]
+    specs = [x.strip() for x in args.sizes.split(",") if x.strip()]
     load_before = os.getloadavg()
     started = time.time()
-    runs = []
+    runs, runs_pipelined = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for launch_i in range(args.launches):
-            for n in sizes:
-                if n == 3 and launch_i > 0:
+            for spec in specs:
+                n, pipe = int(spec.rstrip("p")), spec.endswith("p")
+                if n >= 3 and launch_i > 0:
                     continue  # informational: once is enough
-                records = launch(n, args, os.path.join(tmp, f"{n}.json"))
-                runs.append((n, records))
+                if pipe and n == 1:
+                    continue  # nothing is exchanged at N=1
+                records = launch(n, args, os.path.join(tmp, f"{spec}.json"),
+                                 pipeline=pipe)
+                (runs_pipelined if pipe else runs).append((n, records))
                 med = 1e3 * statistics.median(
                     max(r["round_step_s"][i] for r in records)
                     for i in range(args.rounds))
-                print(f"launch {launch_i}: N={n} step {med:.1f} ms",
+                print(f"launch {launch_i}: N={n}"
+                      f"{' pipelined' if pipe else ''} step {med:.1f} ms",
                       flush=True)
     load_after = os.getloadavg()
     summary = summarize(runs, args)
+    summary_pipelined = summarize(runs_pipelined, args)
     model = None
     if 1 in summary and 2 in summary:
         import scaling_model
         stats = scaling_model.workload_stats(
             args.cap, args.batch, [1, 2, 3, 8, 16, 64])
         model = scaling_model.fit(summary, stats, 26, args.dim,
-                                  len(os.sched_getaffinity(0)))
-    eff = None
+                                  len(os.sched_getaffinity(0)),
+                                  summary_pipelined, 26 * args.dim)
+    eff = eff_pipelined = None
     if 1 in summary and 2 in summary:
         eff = summary[1]["median_step_ms"] / summary[2]["median_step_ms"]
+    if 1 in summary and 2 in summary_pipelined:
+        eff_pipelined = (summary[1]["median_step_ms"]
+                         / summary_pipelined[2]["median_step_ms"])
     result = {
         "config": {k: getattr(args, k) for k in (
             "batch", "dim", "cap", "steps", "rounds", "warmup", "launches",
@@ -518,19 +570,24 @@ def main():
         "horovod_env": {k: v for k, v in os.environ.items()
                         if k.startswith("HOROVOD_")},
         "weak_scaling_efficiency_n2": eff,
+        "weak_scaling_efficiency_n2_pipelined": eff_pipelined,
         "results": summary,
+        "results_pipelined": summary_pipelined,
         "cost_model": model,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    plot(summary, args.out[:-len(".json")] + ".png")
+    plot(summary, summary_pipelined, args.out[:-len(".json")] + ".png")
     print(f"N=1 runs the {SINGLE_PROCESS}.")
     print(f"load average before {load_before[0]:.2f}, after "
           f"{load_after[0]:.2f} (1 min)")
-    for n, s in sorted(summary.items()):
-        note = " (oversubscribed: 2 ranks share core 0)" if n == 3 else ""
-        print(f"N={n}: median step {s['median_step_ms']:.1f} ms, "
+    shown = [(n, "", s) for n, s in sorted(summary.items())] + [
+        (n, " pipelined", s) for n, s in sorted(summary_pipelined.items())]
+    for n, label, s in shown:
+        note = (" (oversubscribed: ranks share cores)"
+                if n > len(os.sched_getaffinity(0)) else "")
+        print(f"N={n}{label}: median step {s['median_step_ms']:.1f} ms, "
               f"{s['samples_per_s_global']:.0f} samples/s global{note}")
         for w in s["breakdown_per_worker"]:
             parts = ", ".join(f"{p} {ms:.2f}" for p, ms in
@@ -552,6 +609,9 @@ def main():
         print_model(model)
     if eff is not None:
         print(f"weak-scaling efficiency step(1)/step(2) = {eff:.2f}")
+    if eff_pipelined is not None:
+        print(f"weak-scaling efficiency step(1)/step(2 pipelined) = "
+              f"{eff_pipelined:.2f}")
     print(f"wrote {args.out}")
 
 

@@ -8,7 +8,12 @@ dim D, N workers on `cores` cores:
     U_own(N) rows an owner updates: its share of the union of all
              workers' distinct ids, |U_1 + ... + U_N| / N (Zipf: < U)
     bytes(N) sent per worker: ids 8 (U (N-1)/N + K (N-1)), rows and
-             gradients 4 D U (N-1)/N each (the own share stays local)
+             gradients 4 D U (N-1)/N each (the own share stays local),
+             dense gradients 2 x 4 P (N-1)/N (ring allreduce, P floats)
+    n_coll   collectives on a step's critical path: 3 alltoalls (ids,
+             rows, gradients) + 1 dense allreduce = 4; 3 with
+             `ge.distributed.exchange_ids` pipelining (the ids alltoall of
+             the next batch overlaps the backward)
 
     C(N) = dense + conversion + r I + o U + a U_own(N)       (N >= 2)
     C(1) = measured single-process compute (fused lookup)
@@ -64,12 +69,15 @@ def workload_stats(cap: int, batch: int, workers: List[int],
             "batch": batch}
 
 
-def exchange_bytes(n: int, distinct: float, k: int, dim: int) -> float:
-    """Bytes one worker sends per step (ids, rows back, gradients)."""
+def exchange_bytes(n: int, distinct: float, k: int, dim: int,
+                   dense_params: int = 0) -> float:
+    """Bytes one worker sends per step (ids, rows back, gradients, and the
+    ring allreduce of `dense_params` float32 dense gradients)."""
     if n == 1:
         return 0.0
     remote = distinct * (n - 1) / n
-    return 8 * (remote + k * (n - 1)) + 2 * 4 * dim * remote
+    return (8 * (remote + k * (n - 1)) + 2 * 4 * dim * remote
+            + 2 * 4 * dense_params * (n - 1) / n)
 
 
 def _mean_phases(summary_n) -> Dict[str, float]:
@@ -88,8 +96,16 @@ def _coll_count(summary_n) -> float:
     return sum(c["count"] for c in summary_n["collectives_per_step"].values())
 
 
-def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int) -> Dict:
-    """Fits the model on N=1, 2 (and 3 if present) and predicts."""
+def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
+        summary_pipelined: Dict = None, dense_params: int = 0) -> Dict:
+    """Fits the model on N=1, 2 (and 3 if present) and predicts.
+
+    `summary_pipelined` (runs with `exchange_ids` pipelining) is only
+    checked against the prediction, not fitted on.
+    """
+    def nbytes(n):
+        return exchange_bytes(n, u, k, dim, dense_params)
+
     s1, s2 = summary[1], summary[2]
     p1, p2 = _mean_phases(s1), _mean_phases(s2)
     i, u = stats["ids"], stats["distinct"]
@@ -106,14 +122,14 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int) -> Dict:
     t1 = s1["median_step_ms"]
     # Communication: one latency per collective plus bytes / beta.
     n_coll = _coll_count(s2)
-    bytes2 = exchange_bytes(2, u, k, dim)
+    bytes2 = nbytes(2)
     transfer2 = sum(c["transfer_ms"]
                     for c in s2["collectives_per_step"].values())
     beta = bytes2 / max(transfer2, 1e-6)  # loopback bytes per ms
     lat2 = (_comm_ms(s2) - bytes2 / beta) / n_coll
     lat3 = lat2
     if 3 in summary:
-        bytes3 = exchange_bytes(3, u, k, dim)
+        bytes3 = nbytes(3)
         lat3 = (_comm_ms(summary[3]) - bytes3 / beta) / _coll_count(
             summary[3])
     lambda1 = lat3 - lat2
@@ -124,17 +140,21 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int) -> Dict:
             n, stats["u_own"][max(stats["u_own"])])
 
     checks = {}
-    for n in sorted(summary):
+    runs = [(n, str(n), summary[n], n_coll) for n in sorted(summary)]
+    runs += [(n, f"{n}p", s, n_coll - 1)
+             for n, s in sorted((summary_pipelined or {}).items())]
+    for n, label, s, on_path in runs:
         if n == 1:
             continue
         over = max(1.0, n / cores)
-        comm = n_coll * (lambda0 + lambda1 * (n - 1)) + exchange_bytes(
-            n, u, k, dim) / beta
+        comm = on_path * (lambda0 + lambda1 * (n - 1)) + nbytes(n) / beta
         pred = over * compute(n) + comm
-        meas = summary[n]["median_step_ms"]
-        checks[n] = {"predicted_ms": pred, "measured_ms": meas,
-                     "error": pred / meas - 1, "compute_ms": over * compute(n),
-                     "communication_ms": comm}
+        meas = s["median_step_ms"]
+        checks[label] = {"predicted_ms": pred, "measured_ms": meas,
+                         "error": pred / meas - 1,
+                         "compute_ms": over * compute(n),
+                         "communication_ms": comm,
+                         "collectives_on_path": on_path}
     beta_net = NET_GBIT * 1e9 / 8 / 1e3  # bytes per ms
     predictions = {}
     for n in PREDICT_N:
@@ -143,13 +163,17 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int) -> Dict:
         per_coll = (CYCLE_MS / 2 + 2 * ALPHA_NET_MS * math.ceil(math.log2(n))
                     + PER_PEER_MS * n          # negotiation at rank 0
                     + ALPHA_NET_MS + PER_PEER_MS * (n - 1))  # alltoallv
-        wire = exchange_bytes(n, u, k, dim) / beta_net
+        wire = nbytes(n) / beta_net
         step = comp + n_coll * per_coll + wire
+        step_pipe = comp + (n_coll - 1) * per_coll + wire
         predictions[n] = {"step_ms": step, "compute_ms": comp,
                           "latency_ms": n_coll * per_coll, "wire_ms": wire,
-                          "bytes_per_worker": exchange_bytes(n, u, k, dim),
+                          "bytes_per_worker": nbytes(n),
+                          "collectives_per_step": n_coll,
                           "samples_per_s": n * stats["batch"] / step * 1e3,
-                          "efficiency_vs_n1": t1 / step}
+                          "efficiency_vs_n1": t1 / step,
+                          "step_ms_pipelined": step_pipe,
+                          "efficiency_vs_n1_pipelined": t1 / step_pipe}
     return {
         "params": {"dense_ms": dense, "route_ns_per_id": 1e6 * r,
                    "owner_ns_per_distinct_id": 1e6 * o,

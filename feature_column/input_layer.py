@@ -182,7 +182,8 @@ def input_layer(features, feature_columns, weight_collections=None,
             shards of a partitioned table, as stock lists them).
         cols_to_output_tensors: None, or a dict filled with column ->
             `[B, D]` output.
-        scope: (keyword only) variable scope of the tables, default
+        scope: (keyword only) variable scope (name or
+            `tf.compat.v1.VariableScope`) of the tables, default
             "input_layer"; calls with the same scope share tables.
         training: (keyword only) Python or tensor bool, default True;
             False stops EV tables from inserting new keys.

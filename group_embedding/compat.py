@@ -185,6 +185,14 @@ def _handled_by_ge(column) -> bool:
     return True
 
 
+def _stock_input_layer_scope():
+    """The variable scope stock `input_layer` would open for this call:
+    "input_layer", then "input_layer_1", ... (TF's default-name counters,
+    reset when an enclosing named scope is re-entered)."""
+    with tf.compat.v1.variable_scope(None, default_name="input_layer") as vs:
+        return vs
+
+
 def input_layer(features, feature_columns, weight_collections=None,
                 trainable=True, cols_to_vars=None,
                 cols_to_output_tensors=None):
@@ -196,6 +204,13 @@ def input_layer(features, feature_columns, weight_collections=None,
     scope); stock embedding columns, if any, are computed by the stock
     function; the outputs are concatenated sorted by column name, as stock
     does.
+
+    Tables are named and shared as stock (and DeepRec) do: each call opens
+    `variable_scope(None, default_name="input_layer")`, so a second call
+    gets tables of its own under `input_layer_1/` (DeepRec's DeepFM feeds
+    its wide and deep parts from two calls, i.e. two sets of tables), and
+    calls share tables only where the TF1 idiom makes stock share them: a
+    re-entered named `variable_scope`, whose default names start afresh.
 
     Args:
         As stock `tf.compat.v1.feature_column.input_layer`.
@@ -213,13 +228,13 @@ def input_layer(features, feature_columns, weight_collections=None,
     if not rest:
         return ge_input_layer(
             features, columns, weight_collections, trainable, cols_to_vars,
-            cols_to_output_tensors)
+            cols_to_output_tensors, scope=_stock_input_layer_scope())
     ours = [c for c in columns if _handled_by_ge(c)]
     outputs: Dict[Any, tf.Tensor] = {}
     stock(features, rest, weight_collections, trainable, cols_to_vars,
           outputs)
-    ge_input_layer(features, ours, weight_collections,
-                                trainable, cols_to_vars, outputs)
+    ge_input_layer(features, ours, weight_collections, trainable,
+                   cols_to_vars, outputs, scope=_stock_input_layer_scope())
     ordered = sorted(outputs.items(), key=lambda item: item[0].name)
     if cols_to_output_tensors is not None:
         cols_to_output_tensors.update(ordered)

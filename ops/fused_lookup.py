@@ -5,11 +5,19 @@ Two interchangeable paths compute the same numbers:
 * the C++ kernel `GroupEmbeddingVariableLookup`: ONE op pools all tables of
   the group straight into `[B, D]` outputs (no `[nnz, D]` intermediate);
   its gradient op returns, per table, the unique ids and their summed
-  gradients as IndexedSlices. CPU, float32 resource variables, no max_norm.
-* pure TF (GPU, other dtypes, `max_norm`, or when the kernels are not
-  built): one gather per table, then ONE `unsorted_segment_sum` for the
-  whole group. Stock TF has no op that gathers from several variables, so
-  this path cannot fuse the gathers without copying the tables.
+  gradients as IndexedSlices. CPU, float32 resource variables. `max_norm`
+  (a number >= 0) clips each row as it is read, and
+  `GroupEmbeddingSequenceLookup` writes each row into its `[B, T, D]` slot
+  for sequences; the backward of both stays per unique id.
+* pure TF (GPU, other dtypes, a tensor or negative `max_norm`, EV
+  sequences, or when the kernels are not built): per table a `unique` and a gather of the distinct rows
+  (as stock does), ONE fused range check for the group, then ONE
+  `sparse_segment_sum` over the concatenated distinct rows: no `[nnz, D]`
+  tensor unless weights scale single ids. Its gradient is ONE
+  `SparseSegmentSumGrad` for the group, split into per-table IndexedSlices
+  with unique indices. Stock TF has no op that gathers from several
+  variables, so this path cannot fuse the gathers without copying the
+  tables.
 
 EmbeddingVariable groups follow the same split: the C++ kernel
 `EVGroupLookup` resolves keys (inserting new ones in training, counting
@@ -76,6 +84,12 @@ def checked_ids(ids_list: List[tf.Tensor], vocabs, table_names
     so one bad table stops the gradients (and so the optimizer updates) of
     every table of the group, not only its own forward gather.
     """
+    checks = _range_asserts(ids_list, vocabs, table_names)
+    with tf.control_dependencies(checks):
+        return [tf.identity(ids) for ids in ids_list]
+
+
+def _range_asserts(ids_list, vocabs, table_names):
     checks = []
     for ids, vocab, name in zip(ids_list, vocabs, table_names):
         vocab = tf.cast(vocab, tf.int64)
@@ -84,8 +98,130 @@ def checked_ids(ids_list: List[tf.Tensor], vocabs, table_names
             [f"{name}: ids must lie in [0, vocabulary size); min id, max "
              "id, vocabulary size:",
              tf.reduce_min(ids), tf.reduce_max(ids), vocab]))
-    with tf.control_dependencies(checks):
-        return [tf.identity(ids) for ids in ids_list]
+    return checks
+
+
+def _checked_unique(tables, feats, table_names):
+    """Per table the distinct ids and each id's slot among them.
+
+    ONE fused range check covers the whole group (on the distinct ids,
+    fewer than the ids); the per-table asserts that name the bad table are
+    built only in the branch taken when it fails. Every distinct-id tensor
+    waits for the check, so a bad table stops the whole group's gathers,
+    gradients and optimizer updates.
+    """
+    uniq, slots = [], []
+    for f in feats:
+        u, slot = tf.unique(f.values, out_idx=tf.int64)
+        uniq.append(u)
+        slots.append(slot)
+    vocabs = [tf.shape(t, out_type=tf.int64)[0] for t in tables]
+    if len(uniq) == 1:
+        ok = tf.reduce_all((uniq[0] >= 0) & (uniq[0] < vocabs[0]))
+    else:
+        limit = tf.repeat(tf.stack(vocabs), tf.stack(
+            [tf.size(u, out_type=tf.int64) for u in uniq]))
+        every = tf.concat(uniq, 0)
+        ok = tf.reduce_all((every >= 0) & (every < limit))
+
+    def _fail():
+        with tf.control_dependencies(_range_asserts(uniq, vocabs,
+                                                    table_names)):
+            return tf.constant(False)
+
+    valid = tf.cond(ok, lambda: tf.constant(True), _fail)
+    with tf.control_dependencies([valid]):
+        return [tf.identity(u) for u in uniq], slots
+
+
+def _distinct_rows(tables, feats, table_names, max_norm):
+    """Distinct rows of the group `[sum n_unique, D]` and each id's index.
+
+    Clipping distinct rows equals clipping every looked-up row (stock
+    `embedding_lookup_sparse` clips after its own `unique` too).
+    """
+    uniq, slots = _checked_unique(tables, feats, table_names)
+    rows = [tf.gather(t, u) for t, u in zip(tables, uniq)]
+    if len(rows) == 1:
+        rows, idx = rows[0], slots[0]
+    else:
+        starts = tf.cumsum(tf.stack(
+            [tf.size(u, out_type=tf.int64) for u in uniq]), exclusive=True)
+        rows = tf.concat(rows, 0)
+        idx = tf.concat([s + starts[i] for i, s in enumerate(slots)], 0)
+    if max_norm is not None:
+        rows = clip_rows(rows, max_norm)
+    return rows, idx
+
+
+def _feature_rows(feat: FeatureIds) -> tf.Tensor:
+    return (feat.row_ids if feat.row_ids is not None
+            else _row_ids(feat.row_splits))
+
+
+def _batch_size(feat: FeatureIds) -> tf.Tensor:
+    return tf.shape(feat.row_splits, out_type=tf.int64)[0] - 1
+
+
+def _pooled_variables_tf(tables, feats, combiners, table_names, max_norm):
+    """Pure-TF pooled lookup of a group of plain variables."""
+    rows, idx = _distinct_rows(tables, feats, table_names, max_norm)
+    if any(f.weights is not None for f in feats):
+        # Per-id weights scale single ids before the sum, so the ids' rows
+        # are materialised, as in stock `embedding_lookup_sparse`.
+        return pool_rows(tf.gather(rows, idx), feats, combiners)
+    k = len(feats)
+    sizes = [_batch_size(f) for f in feats]
+    if k == 1:
+        segments, total = _feature_rows(feats[0]), sizes[0]
+    else:
+        offsets = tf.cumsum(tf.stack(sizes), exclusive=True)
+        segments = tf.concat([_feature_rows(f) + offsets[i]
+                              for i, f in enumerate(feats)], 0)
+        total = tf.reduce_sum(tf.stack(sizes))
+    # Segments are sorted: ids come grouped by row, features in order.
+    pooled = tf.sparse.segment_sum(rows, idx, segments, num_segments=total)
+    if any(c != "sum" for c in combiners):
+        norms = []
+        for f, c in zip(feats, combiners):
+            n = tf.cast(f.row_splits[1:] - f.row_splits[:-1], rows.dtype)
+            norms.append(tf.ones_like(n) if c == "sum"
+                         else n if c == "mean" else tf.sqrt(n))
+        # Dividing the sum (not scaling ids) matches stock's mean/sqrtn.
+        pooled = tf.math.divide_no_nan(pooled, tf.concat(norms, 0)[:, None])
+    if k == 1:
+        return [pooled]
+    return tf.split(pooled, tf.stack(sizes), num=k)
+
+
+def _sequence_variables_tf(tables, feats, table_names, max_norm):
+    """Pure-TF `[B, T, D]` lookup of a group of plain variables."""
+    rows, idx = _distinct_rows(tables, feats, table_names, max_norm)
+    if any(f.weights is not None for f in feats):
+        return sequence_rows(tf.gather(rows, idx), feats)
+    keys, sizes, offset = [], [], tf.constant(0, tf.int64)
+    for f in feats:
+        t = tf.cast(f.max_len, tf.int64)
+        keys.append(offset + _feature_rows(f) * t + f.positions)
+        sizes.append(_batch_size(f) * t)
+        offset += sizes[-1]
+    keys = keys[0] if len(keys) == 1 else tf.concat(keys, 0)
+    ordered = tf.reduce_all(keys[1:] >= keys[:-1])
+
+    def _sort():
+        # Columns out of order inside a row: sort the (small) index
+        # vectors, never the rows.
+        order = tf.argsort(keys, stable=True)
+        return tf.gather(idx, order), tf.gather(keys, order)
+
+    idx, keys = tf.cond(ordered, lambda: (idx, keys), _sort)
+    flat = tf.sparse.segment_sum(rows, idx, keys, num_segments=offset)
+    outs = [flat] if len(feats) == 1 else tf.split(
+        flat, tf.stack(sizes), num=len(feats))
+    dim = rows.shape[1]
+    return [tf.reshape(o, tf.stack([_batch_size(f),
+                                    tf.cast(f.max_len, tf.int64), dim]))
+            for o, f in zip(outs, feats)]
 
 
 def _gather_rows(tables, feats, table_names, max_norm, training=True):
@@ -112,6 +248,9 @@ def _gather_rows(tables, feats, table_names, max_norm, training=True):
 
 def _pooled_tf(tables, feats, combiners, table_names, max_norm,
                training=True):
+    if not hasattr(tables[0], "lookup_rows"):
+        return _pooled_variables_tf(tables, feats, combiners, table_names,
+                                    max_norm)
     rows = _gather_rows(tables, feats, table_names, max_norm, training)
     return pool_rows(rows, feats, combiners)
 
@@ -140,8 +279,20 @@ def pool_rows(rows: tf.Tensor, feats: List[FeatureIds],
     return tf.split(pooled, tf.stack(sizes), num=k)
 
 
+def _kernel_max_norm(max_norm) -> Optional[float]:
+    """`max_norm` as the kernels' attr (-1: off), or None when only the TF
+    path can apply it (a tensor, or a negative bound, which stock applies
+    as a sign flip)."""
+    if max_norm is None:
+        return -1.0
+    if (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+            and max_norm >= 0):
+        return float(max_norm)
+    return None
+
+
 def _can_use_kernel(tables, max_norm):
-    if max_norm is not None:
+    if _kernel_max_norm(max_norm) is None:
         return False
     if tf.config.list_logical_devices("GPU"):
         return False
@@ -184,7 +335,8 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
         row_splits=[f.row_splits for f in feats],
         weights=_kernel_weights(feats),
         combiners=combiners, table_names=table_names,
-        embedding_dim=int(tables[0].shape[1]))
+        embedding_dim=int(tables[0].shape[1]),
+        max_norm=_kernel_max_norm(max_norm))
 
 
 def _watch(tables):
@@ -230,8 +382,31 @@ def sequence_lookup(tables, feats: List[FeatureIds], table_names,
     Each id lands at its position inside its row, multiplied by its weight
     when weights are given. One gather per table, one segment sum in all.
     """
+    if not hasattr(tables[0], "lookup_rows"):
+        lib = kernel_library.load()
+        if lib is not None and _can_use_kernel(tables, max_norm):
+            return _sequence_kernel(lib, tables, feats, table_names,
+                                    max_norm)
+        return _sequence_variables_tf(tables, feats, table_names, max_norm)
     rows = _gather_rows(tables, feats, table_names, max_norm, training)
     return sequence_rows(rows, feats)
+
+
+def _sequence_kernel(lib, tables, feats, table_names, max_norm):
+    """`GroupEmbeddingSequenceLookup`: each id's (clipped, weighted) row
+    written straight into its `[B, T, D]` slot; its gradient sums per
+    unique id, so no `[nnz, D]` tensor exists either way."""
+    _watch(tables)
+    return lib.group_embedding_sequence_lookup(
+        tables=[t.handle for t in tables],
+        ids=[f.values for f in feats],
+        row_splits=[f.row_splits for f in feats],
+        positions=[f.positions for f in feats],
+        max_lens=[tf.cast(f.max_len, tf.int64) for f in feats],
+        weights=_kernel_weights(feats),
+        table_names=table_names,
+        embedding_dim=int(tables[0].shape[1]),
+        max_norm=_kernel_max_norm(max_norm))
 
 
 def sequence_rows(rows: tf.Tensor,
@@ -256,6 +431,18 @@ def sequence_rows(rows: tf.Tensor,
             for o, f in zip(outs, feats)]
 
 
+def _table_slices(lib, handles, uniq, sums, max_norm):
+    """Per-table IndexedSlices of the kernels' per-unique-id gradients,
+    taken through the max_norm clip when there is one."""
+    if max_norm >= 0:
+        sums = lib.group_embedding_clip_grad(
+            tables=list(handles), unique_ids=list(uniq), id_grads=list(sums),
+            max_norm=max_norm)
+    return [tf.IndexedSlices(s, u, tf.raw_ops.VariableShape(
+                input=h, out_type=tf.int64))
+            for s, u, h in zip(sums, uniq, handles)]
+
+
 def _register_gradient():
     @tf.RegisterGradient("GroupEmbeddingVariableLookup")
     def _lookup_grad(op, *grads):
@@ -271,15 +458,31 @@ def _register_gradient():
             grads=list(grads), ids=list(ids), row_splits=list(splits),
             weights=list(weights), combiners=combiners,
             embedding_dim=op.get_attr("embedding_dim"))
-        table_grads = [
-            tf.IndexedSlices(s, u, tf.raw_ops.VariableShape(
-                input=h, out_type=tf.int64))
-            for s, u, h in zip(sums, uniq, handles)]
+        max_norm = op.get_attr("max_norm")
+        table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
         weight_grads = lib.group_embedding_weight_grad(
             tables=list(handles), ids=list(ids), row_splits=list(splits),
             weights=list(weights), grads=list(grads),
-            pooled=list(op.outputs), combiners=combiners)
+            pooled=list(op.outputs), combiners=combiners, max_norm=max_norm)
         return table_grads + [None] * (2 * k) + list(weight_grads)
+
+    @tf.RegisterGradient("GroupEmbeddingSequenceLookup")
+    def _sequence_grad(op, *grads):
+        k = op.get_attr("num_tables")
+        handles, ids, splits, positions, _, weights = (
+            list(op.inputs[i * k:(i + 1) * k]) for i in range(6))
+        grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
+                 for g, o in zip(grads, op.outputs)]
+        lib = kernel_library.library()
+        uniq, sums = lib.group_embedding_sequence_lookup_grad(
+            grads=grads, ids=ids, row_splits=splits, positions=positions,
+            weights=weights, embedding_dim=op.get_attr("embedding_dim"))
+        max_norm = op.get_attr("max_norm")
+        table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
+        weight_grads = lib.group_embedding_sequence_weight_grad(
+            tables=handles, ids=ids, row_splits=splits, positions=positions,
+            weights=weights, grads=grads, max_norm=max_norm)
+        return table_grads + [None] * (4 * k) + list(weight_grads)
 
     @tf.RegisterGradient("EVGroupLookup")
     def _ev_lookup_grad(op, *grads):

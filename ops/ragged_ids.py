@@ -2,7 +2,9 @@
 
 SparseTensor ids may come in any index order with duplicates; they are
 grouped by row with a stable O(nnz) counting sort (one C++ op for all
-features), or with a stable argsort on the pure-TF path.
+features). The pure-TF path converts all features together: one fused
+validity check, and a stable argsort only when some feature's indices are
+out of row order (tf.data and `tf.sparse` ops emit them ordered).
 """
 
 import dataclasses
@@ -36,6 +38,9 @@ class FeatureIds:
     positions: Optional[tf.Tensor]
     max_len: Optional[tf.Tensor]
     name: str
+    # int64 `[nnz]` row of each id, when the conversion had it for free
+    # (pure-TF SparseTensor path); else derived from `row_splits`.
+    row_ids: Optional[tf.Tensor] = None
 
 
 def _float_weights(weights):
@@ -72,8 +77,7 @@ def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
     """Converts rank-2 SparseTensors to `FeatureIds`, once per feature."""
     lib = kernel_library.load()
     if lib is None or need_positions:
-        return [_from_sparse_tf(s, w, n, need_positions)
-                for s, w, n in zip(sp_ids, sp_weights, names)]
+        return _from_sparse_tf(sp_ids, sp_weights, names, need_positions)
     weights = [tf.zeros([0], tf.float32) if w is None
                else _float_weights(w.values) for w in sp_weights]
     values, splits, row_w, _ = lib.group_sparse_to_ragged(
@@ -114,7 +118,12 @@ _register_gradient()
 MAX_BATCH = 2 ** 48
 
 
-def _from_sparse_tf(ids, weights, name, need_positions):
+def _rank_checked(ids, name):
+    """(indices, dense_shape), behind a rank check unless shapes prove it."""
+    if (ids.indices.shape.rank == 2
+            and tf.compat.dimension_value(ids.indices.shape[1]) == 2
+            and ids.dense_shape.shape.as_list() == [2]):
+        return ids.indices, ids.dense_shape
     shape_ok = tf.debugging.Assert(
         tf.equal(tf.size(ids.dense_shape), 2)
         & tf.equal(tf.shape(ids.indices, out_type=tf.int64)[-1], 2),
@@ -123,44 +132,118 @@ def _from_sparse_tf(ids, weights, name, need_positions):
          ids.dense_shape, tf.shape(ids.indices)])
     # Slicing waits for the rank check, so a bad rank is reported as such.
     with tf.control_dependencies([shape_ok]):
-        indices = tf.identity(ids.indices)
-        dense_shape = tf.identity(ids.dense_shape)
-    rows = indices[:, 0]
-    batch = dense_shape[0]
-    checks = [tf.debugging.Assert(
-                  (batch >= 0) & (batch <= MAX_BATCH),
-                  [f"`{name}`: dense_shape[0] (the batch size) must lie in "
-                   f"[0, {MAX_BATCH}]; got", batch]),
-              tf.debugging.Assert(
-                  tf.reduce_all((rows >= 0) & (rows < batch)),
-                  [f"`{name}`: row index outside the batch [0, batch)."])]
-    if need_positions:
-        # Each id lands at [row, column] of a [batch, dense_shape[1]]
-        # output; a column outside it would land in another row.
-        cols = indices[:, 1]
+        return tf.identity(ids.indices), tf.identity(ids.dense_shape)
+
+
+def _failing_checks(parts, need_positions):
+    """Per-feature asserts, built only in the branch taken on bad input.
+
+    They name the offending feature; the hot path runs one fused check.
+    """
+    checks = []
+    for p in parts:
+        name, rows, batch = p["name"], p["rows"], p["batch"]
         checks.append(tf.debugging.Assert(
-            tf.reduce_all((cols >= 0) & (cols < dense_shape[1])),
-            [f"`{name}`: column index outside [0, dense_shape[1]); min "
-             "column, max column, dense_shape[1]:",
-             tf.reduce_min(cols), tf.reduce_max(cols), dense_shape[1]]))
-    if weights is not None:
+            (batch >= 0) & (batch <= MAX_BATCH),
+            [f"`{name}`: dense_shape[0] (the batch size) must lie in "
+             f"[0, {MAX_BATCH}]; got", batch]))
         checks.append(tf.debugging.Assert(
-            tf.equal(tf.size(weights.values), tf.size(ids.values)),
-            [f"`{name}`: weights and ids differ in count:",
-             tf.size(weights.values), tf.size(ids.values)]))
+            tf.reduce_all((rows >= 0) & (rows < batch)),
+            [f"`{name}`: row index outside the batch [0, batch)."]))
+        if need_positions:
+            # Each id lands at [row, column] of a [batch, dense_shape[1]]
+            # output; a column outside it would land in another row.
+            cols = p["cols"]
+            checks.append(tf.debugging.Assert(
+                tf.reduce_all((cols >= 0) & (cols < p["width"])),
+                [f"`{name}`: column index outside [0, dense_shape[1]); min "
+                 "column, max column, dense_shape[1]:",
+                 tf.reduce_min(cols), tf.reduce_max(cols), p["width"]]))
+        if p["weights"] is not None:
+            checks.append(tf.debugging.Assert(
+                tf.equal(tf.size(p["weights"]), tf.size(rows)),
+                [f"`{name}`: weights and ids differ in count:",
+                 tf.size(p["weights"]), tf.size(rows)]))
     with tf.control_dependencies(checks):
-        rows = tf.identity(rows)
-        batch = tf.identity(batch)
-        order = tf.argsort(rows, stable=True)
-    sorted_rows = tf.gather(rows, order)
-    splits = tf.searchsorted(sorted_rows,
-                             tf.range(batch + 1, dtype=tf.int64),
-                             side="left", out_type=tf.int64)
-    values = tf.gather(tf.cast(ids.values, tf.int64), order)
-    w = (None if weights is None
-         else tf.gather(_float_weights(weights.values), order))
-    positions = max_len = None
+        return tf.constant(False)
+
+
+def _from_sparse_tf(sp_ids, sp_weights, names, need_positions):
+    """All SparseTensor features at once, in pure TF.
+
+    Every id gets a global key `row + (rows of the features before)`, so
+    one comparison checks all row indices and one tells whether every
+    feature is in row order; only then is anything sorted.
+    """
+    parts = []
+    for ids, weights, name in zip(sp_ids, sp_weights, names):
+        indices, dense_shape = _rank_checked(ids, name)
+        parts.append({
+            "name": name, "rows": indices[:, 0], "batch": dense_shape[0],
+            "values": tf.cast(ids.values, tf.int64),
+            "weights": (None if weights is None
+                        else _float_weights(weights.values)),
+            "cols": indices[:, 1] if need_positions else None,
+            "width": dense_shape[1] if need_positions else None})
+    k = len(parts)
+    sizes = tf.stack([tf.size(p["rows"], out_type=tf.int64) for p in parts])
+    batches = tf.stack([p["batch"] for p in parts])
+    offsets = tf.cumsum(batches, exclusive=True)
+    rows = tf.concat([p["rows"] for p in parts], 0)
+    if k == 1:
+        row_batch, keys = batches[0], rows
+    else:
+        feature = tf.repeat(tf.range(k, dtype=tf.int64), sizes)
+        row_batch = tf.gather(batches, feature)
+        keys = rows + tf.gather(offsets, feature)
+    ok = tf.reduce_all((rows >= 0) & (rows < row_batch))
+    ok &= tf.reduce_all((batches >= 0) & (batches <= MAX_BATCH))
     if need_positions:
-        positions = tf.gather(indices[:, 1], order)
-        max_len = dense_shape[1]
-    return FeatureIds(values, splits, w, positions, max_len, name)
+        cols = tf.concat([p["cols"] for p in parts], 0)
+        widths = tf.stack([p["width"] for p in parts])
+        width = widths[0] if k == 1 else tf.gather(widths, feature)
+        ok &= tf.reduce_all((cols >= 0) & (cols < width))
+    weighted = [p for p in parts if p["weights"] is not None]
+    if weighted:
+        ok &= tf.reduce_all(tf.equal(
+            tf.stack([tf.size(p["weights"], out_type=tf.int64)
+                      for p in weighted]),
+            tf.stack([tf.size(p["rows"], out_type=tf.int64)
+                      for p in weighted])))
+    valid = tf.cond(ok, lambda: tf.constant(True),
+                    lambda: _failing_checks(parts, need_positions))
+    with tf.control_dependencies([valid]):
+        keys = tf.identity(keys)
+        # The splits below allocate `batch + 1` entries: only once checked.
+        total = tf.identity(tf.reduce_sum(batches))
+    # Everything that must follow the ids when they are sorted by row.
+    carried = {"values": tf.concat([p["values"] for p in parts], 0),
+               "rows": rows}
+    if weighted:
+        carried["weights"] = tf.concat(
+            [tf.zeros(tf.shape(p["values"]), tf.float32)
+             if p["weights"] is None else p["weights"] for p in parts], 0)
+    if need_positions:
+        carried["cols"] = cols
+    ordered = tf.reduce_all(keys[1:] >= keys[:-1])
+
+    def _sort():
+        order = tf.argsort(keys, stable=True)
+        return {n: tf.gather(t, order) for n, t in carried.items()}, \
+            tf.gather(keys, order)
+
+    carried, keys = tf.cond(ordered, lambda: (carried, keys), _sort)
+    splits = tf.searchsorted(keys, tf.range(total + 1, dtype=tf.int64),
+                             side="left", out_type=tf.int64)
+    split = {n: tf.split(t, sizes, num=k) for n, t in carried.items()}
+    feats = []
+    for i, p in enumerate(parts):
+        s = tf.slice(splits, [offsets[i]], [p["batch"] + 1])
+        feats.append(FeatureIds(
+            values=split["values"][i], row_splits=s - s[0],
+            weights=(split["weights"][i] if p["weights"] is not None
+                     else None),
+            positions=split["cols"][i] if need_positions else None,
+            max_len=p["width"], name=p["name"],
+            row_ids=split["rows"][i]))
+    return feats

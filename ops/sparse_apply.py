@@ -17,8 +17,36 @@ def _resource(variable):
     return variable
 
 
+# Ops that keep a 1-D index tensor duplicate-free.
+_KEEPS_UNIQUE = ("Identity", "Reshape")
+
+
+def known_unique(indices) -> bool:
+    """True if graph structure proves `indices` duplicate-free.
+
+    That is, they are output 0 of a `Unique` op, possibly through
+    identities and reshapes: the gradient of a gather of `tf.unique` ids
+    (stock `embedding_lookup_sparse`, the pure-TF grouped lookup). Eager
+    tensors have no producer to inspect: False.
+    """
+    if tf.executing_eagerly() or not hasattr(indices, "op"):
+        return False
+    t = indices
+    for _ in range(8):
+        op = t.op
+        if op.type in ("Unique", "UniqueV2"):
+            return t.value_index == 0
+        if op.type not in _KEEPS_UNIQUE:
+            return False
+        t = op.inputs[0]
+    return False
+
+
 def dedup(indices, values):
     """Sums the rows of `values` that share an index: (unique, summed)."""
+    if known_unique(indices):
+        # Nothing to sum: skip a second hash pass and a segment sum.
+        return tf.cast(indices, tf.int64), values
     unique, slot = tf.unique(tf.cast(indices, tf.int64))
     summed = tf.math.unsorted_segment_sum(values, slot, tf.size(unique))
     return unique, summed

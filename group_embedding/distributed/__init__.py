@@ -3,7 +3,9 @@
 `strategy` starts Horovod and knows the world; `sharded_variable` splits
 tables over workers; `collective_lookup` routes ids to their owners and
 rows back; `training` reduces gradients and broadcasts dense weights;
-`checkpoint` saves per-worker shards that restore at any worker count.
+`checkpoint` saves per-worker shards that restore at any worker count;
+`pipeline` lets a custom loop exchange the next batch's ids during the
+current step (`exchange_ids`, `use_exchanged_ids`).
 """
 
 from group_embedding.distributed.strategy import enable_distributed_strategy
@@ -15,6 +17,8 @@ from group_embedding.distributed.training import broadcast_variables
 from group_embedding.distributed.checkpoint import latest_checkpoint
 from group_embedding.distributed.checkpoint import restore_tables
 from group_embedding.distributed.checkpoint import save_tables
+from group_embedding.distributed.pipeline import exchange_ids
+from group_embedding.distributed.pipeline import use_exchanged_ids
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import get_embedding_table
 
@@ -26,8 +30,10 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_variables",
     "enable_distributed_strategy",
+    "exchange_ids",
     "get_embedding_table",
     "latest_checkpoint",
     "restore_tables",
     "save_tables",
+    "use_exchanged_ids",
 ]

@@ -19,7 +19,7 @@ no second dedup). Everything else (EVs, sequences, `max_norm`, GPU,
 the same numbers.
 """
 
-from typing import List
+from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -156,12 +156,67 @@ def _is_kernel_path(tables, max_norm) -> bool:
                and tf.as_dtype(t.dtype) == tf.float32 for t in tables)
 
 
+# Id exchanges done ahead of their lookup (`ge.distributed.exchange_ids`),
+# innermost last; read while a lookup is traced or run eagerly.
+_exchanged_stack: List[Dict[str, Dict]] = []
+
+
+def group_key(names) -> str:
+    """Key of one lookup group in an `exchange_ids` result."""
+    return "|".join(names)
+
+
+def exchange_group_ids(tables, feats, names) -> Dict[str, Any]:
+    """Routes one kernel-path group's ids and sends them to their owners.
+
+    The part of the lookup that depends only on the ids (not on any
+    variable), so it may run a step ahead.
+
+    Returns:
+        {"received": int64 ids that this worker owns and was asked for,
+        "received_splits": int32 `[N]`, "offsets": K int64 `[nnz_t]`}.
+    """
+    hvd = distributed_strategy.horovod()
+    send, send_splits, offsets = collective_routing.route_ids(
+        [f.values for f in feats], [t.vocab_size for t in tables],
+        [t.embedding_dim for t in tables],
+        [t.partition_strategy for t in tables], hvd.size(), names)
+    received, received_splits = hvd.alltoall(send, splits=send_splits)
+    return {"received": received, "received_splits": received_splits,
+            "offsets": tuple(offsets)}
+
+
+def _prefetched(feats, names) -> Optional[Dict[str, Any]]:
+    """The exchange `use_exchanged_ids` holds for this group, checked."""
+    key = group_key(names)
+    found = next((e[key] for e in reversed(_exchanged_stack) if key in e),
+                 None)
+    if found is None:
+        return None
+    offsets = list(found["offsets"])
+    checks = []
+    for f, o, n in zip(feats, offsets, names):
+        # Cheap guard against a batch other than the exchanged one.
+        checks.append(tf.debugging.assert_equal(
+            tf.size(o, out_type=tf.int64),
+            tf.size(f.values, out_type=tf.int64),
+            message=f"{n}: the ids exchanged ahead (ge.distributed."
+                    f"exchange_ids) are not those of this lookup's batch"))
+    with tf.control_dependencies(checks):
+        offsets = [tf.identity(o) for o in offsets]
+    return {"received": found["received"],
+            "received_splits": found["received_splits"],
+            "offsets": offsets}
+
+
 def kernel_pooled_lookup(tables, feats, combiners, names) -> List[tf.Tensor]:
     """Pooled lookups of sharded float32 tables with the C++ routing.
 
     Two `alltoall`s forward (ids out, rows back) and one backward (the
     gradient rows), whatever the number of tables; the tables may have
-    different dims, so one call can serve several groups.
+    different dims, so one call can serve several groups. Inside
+    `ge.distributed.use_exchanged_ids` the ids alltoall (and the routing)
+    done ahead for this group is reused.
 
     Args:
         tables: K `ShardedVariable`s (float32), any dims.
@@ -174,10 +229,12 @@ def kernel_pooled_lookup(tables, feats, combiners, names) -> List[tf.Tensor]:
     """
     hvd = distributed_strategy.horovod()
     dims = [t.embedding_dim for t in tables]
-    send, send_splits, offsets = collective_routing.route_ids(
-        [f.values for f in feats], [t.vocab_size for t in tables], dims,
-        [t.partition_strategy for t in tables], hvd.size(), names)
-    received, received_splits = hvd.alltoall(send, splits=send_splits)
+    exchanged = _prefetched(feats, names)
+    if exchanged is None:
+        exchanged = exchange_group_ids(tables, feats, names)
+    received = exchanged["received"]
+    received_splits = exchanged["received_splits"]
+    offsets = list(exchanged["offsets"])
     rows, row_splits = collective_routing.owner_gather(
         [t.shard_variable for t in tables], received, received_splits, dims,
         names)

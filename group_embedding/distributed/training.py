@@ -33,10 +33,12 @@ def allreduce_gradients(gradients, variables):
     """
     if not distributed_strategy.is_collective():
         return list(gradients)
+    gradients, variables = list(gradients), list(variables)
     hvd = distributed_strategy.horovod()
     size = hvd.size()
     reduced = []
-    for g, v in zip(gradients, variables):
+    dense_at = []
+    for i, (g, v) in enumerate(zip(gradients, variables)):
         if g is None:
             reduced.append(None)
         elif (distributed_strategy.is_shard(v)
@@ -49,8 +51,19 @@ def allreduce_gradients(gradients, variables):
             else:
                 g = g / size
             reduced.append(_unique_rows(g))
-        else:
+        elif isinstance(g, tf.IndexedSlices):
             reduced.append(_unique_rows(hvd.allreduce(g, op=hvd.Average)))
+        else:
+            reduced.append(None)
+            dense_at.append(i)
+    if dense_at:
+        # One grouped request for all dense gradients: Horovod negotiates
+        # and reduces them together instead of one collective each.
+        averaged = hvd.grouped_allreduce(
+            [tf.convert_to_tensor(gradients[i]) for i in dense_at],
+            op=hvd.Average)
+        for i, g in zip(dense_at, averaged):
+            reduced[i] = g
     return reduced
 
 

@@ -1,14 +1,19 @@
 """EmbeddingVariable: an embedding table keyed by arbitrary int64 keys,
 growing as new keys arrive (DeepRec's `get_embedding_variable`)."""
 
+import copy
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import math
 from typing import Optional
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.framework import variable_pb2
+from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.training.saving import saveable_object_util
@@ -122,13 +127,42 @@ class EmbeddingVariable(tf.Module):
             self.default_values = tf.Variable(
                 lambda: tf.cast(init(shape, dtype=tf.float32), tf.float32),
                 trainable=False, name=f"{name}/default_values")
+            if not tf.executing_eagerly():
+                self._make_defaults_init_idempotent()
             self._handle = self._create_handle()
             if tf.executing_eagerly():
                 self._deleter = resource_variable_ops.EagerResourceDeleter(
                     self._handle, self._handle.device)
             else:
+                # The default Saver takes GLOBAL_VARIABLES (which hold
+                # default_values) plus SAVEABLE_OBJECTS: the collection gets
+                # a view of this EV that saves the table alone, else the
+                # default matrix would be written twice under one name.
+                view = copy.copy(self)
+                view._saves_default_values = False
                 tf.compat.v1.add_to_collection(
-                    tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS, self)
+                    tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS, view)
+
+    def _make_defaults_init_idempotent(self):
+        """Makes `default_values.initializer` assign only while the
+        variable is uninitialized.
+
+        DeepRec's init sequence runs `EV_INIT_VAR_OPS` and then
+        `global_variables_initializer()`, and both hold this initializer;
+        DeepRec initializes an EV once, so the second run must not redraw
+        a seeded random matrix. The initial value stays outside the cond
+        so that its op seed is the one a stock variable would get.
+        """
+        var = self.default_values
+        initial = var.initial_value
+        with tf.name_scope(var.op.name + "/"), tf.name_scope("InitOnce"):
+            done = tf.cond(
+                resource_variable_ops.var_is_initialized_op(var.handle),
+                lambda: tf.constant(False),
+                lambda: _assign_true(var, initial))
+        # Both EV_INIT_VAR_OPS and the global initializer take this op;
+        # a MetaGraph export records it as the variable's initializer.
+        var._initializer_op = done.op  # pylint: disable=protected-access
 
     def _create_handle(self):
         opt = self.ev_option
@@ -152,6 +186,10 @@ class EmbeddingVariable(tf.Module):
             cbf_hashes=cbf.num_hashes if cbf else 0,
             cbf_counter_bytes=cbf.counter_bytes if cbf else 8,
             max_rows=self._max_rows_for_testing)
+
+    # False for the SAVEABLE_OBJECTS view (see __init__): a Saver given
+    # the EV in `var_list` saves its default matrix too.
+    _saves_default_values = True
 
     # > 0: the row limit of tables created from now on (the real one,
     # 2**32 - 2, cannot be reached in a test).
@@ -324,8 +362,15 @@ class EmbeddingVariable(tf.Module):
         # and TF's MutableHashTable.
         factory = saveable_object_util.saveable_objects_from_trackable(
             self)[trackable_utils.SERIALIZE_TO_TENSORS_NAME]
-        return {trackable_utils.SERIALIZE_TO_TENSORS_NAME:
-                functools.partial(factory, name=f"{self._ev_name}-")}
+        out = {trackable_utils.SERIALIZE_TO_TENSORS_NAME:
+               functools.partial(factory, name=f"{self._ev_name}-")}
+        if self._saves_default_values:
+            # `Saver(var_list=[ev])`: the default matrix goes with the
+            # table, under the key the default Saver gives it
+            # (`<name>/default_values`), so both Savers read each other's
+            # checkpoints.
+            out["default_values"] = lambda: self.default_values
+        return out
 
     def _restore_from_tensors(self, restored_tensors):
         t = restored_tensors
@@ -361,6 +406,105 @@ class EmbeddingVariable(tf.Module):
             tf.logical_not(tf.reduce_any(outside)),
             [message + "; first such keys:", tf.boolean_mask(keys, outside)],
             summarize=3)]
+
+
+    # --- MetaGraph export / import (SAVEABLE_OBJECTS) ------------------
+    def _to_proto(self, export_scope=None):
+        """Describes this EV for a MetaGraphDef: names of its graph
+        elements and its options (the initializer is left out: the
+        default matrix is a variable of the graph)."""
+        def strip(name):
+            return tf_ops.strip_name_scope(name, export_scope)
+
+        option = dataclasses.replace(
+            self.ev_option, init_option=dataclasses.replace(
+                self.ev_option.init_option, initializer=None))
+        attrs = {
+            "name": attr_value_pb2.AttrValue(s=strip(self._ev_name).encode()),
+            "handle": attr_value_pb2.AttrValue(
+                s=strip(self._handle.name).encode()),
+            "default_values": attr_value_pb2.AttrValue(
+                s=self.default_values.to_proto(
+                    export_scope=export_scope).SerializeToString()),
+            "embedding_dim": attr_value_pb2.AttrValue(i=self.embedding_dim),
+            "key_dtype": attr_value_pb2.AttrValue(
+                type=self.key_dtype.as_datatype_enum),
+            "trainable": attr_value_pb2.AttrValue(b=self._trainable),
+            "saves_default_values": attr_value_pb2.AttrValue(
+                b=self._saves_default_values),
+            "ev_option": attr_value_pb2.AttrValue(s=json.dumps(
+                option.get_config(),
+                default=lambda x: getattr(x, "name", str(x))).encode()),
+        }
+        return attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(
+            name=_EV_PROTO_NAME, attr=attrs))
+
+    @classmethod
+    def _from_proto(cls, func, import_scope=None):
+        """Rebinds an EV to the graph elements an imported MetaGraphDef
+        created (the inverse of `_to_proto`)."""
+        attrs = func.attr
+        graph = tf.compat.v1.get_default_graph()
+
+        def scoped(key):
+            return tf_ops.prepend_name_scope(attrs[key].s.decode(),
+                                             import_scope)
+
+        ev = cls.__new__(cls)
+        tf.Module.__init__(ev)
+        ev._ev_name = ev._shared_name = scoped("name")
+        ev.embedding_dim = int(attrs["embedding_dim"].i)
+        ev.key_dtype = tf.as_dtype(attrs["key_dtype"].type)
+        ev._dtype = tf.float32
+        ev._trainable = bool(attrs["trainable"].b)
+        ev._saves_default_values = bool(attrs["saves_default_values"].b)
+        ev.ev_option = EmbeddingVariableOption.from_config(
+            json.loads(attrs["ev_option"].s.decode()))
+        variable_def = variable_pb2.VariableDef()
+        variable_def.ParseFromString(attrs["default_values"].s)
+        ev.default_values = resource_variable_ops.ResourceVariable(
+            variable_def=variable_def, import_scope=import_scope)
+        ev._handle = graph.as_graph_element(scoped("handle"))
+        return ev
+
+
+_EV_PROTO_NAME = "EmbeddingVariable"
+
+
+def _saveable_to_proto(item, export_scope=None):
+    """SAVEABLE_OBJECTS exporter: EVs as a description, anything else by
+    its node name, as TF exports it without a registered function."""
+    if isinstance(item, EmbeddingVariable):
+        return item._to_proto(export_scope)  # pylint: disable=protected-access
+    if export_scope and not item.name.startswith(export_scope):
+        return None
+    return attr_value_pb2.AttrValue(
+        s=tf_ops.strip_name_scope(item.name, export_scope).encode())
+
+
+def _saveable_from_proto(proto, import_scope=None):
+    """SAVEABLE_OBJECTS importer (inverse of `_saveable_to_proto`)."""
+    if proto.WhichOneof("value") == "func":
+        return EmbeddingVariable._from_proto(  # pylint: disable=protected-access
+            proto.func, import_scope)
+    return tf.compat.v1.get_default_graph().as_graph_element(
+        tf_ops.prepend_name_scope(proto.s.decode(), import_scope))
+
+
+def _register_saveable_proto_functions():
+    """Makes MetaGraph export/import carry EVs: without it an EV is
+    exported by its name, which is no op, and the import fails."""
+    key = tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS
+    if tf_ops.get_to_proto_function(key) is None:
+        tf_ops.register_proto_function(
+            key, proto_type=attr_value_pb2.AttrValue,
+            to_proto=_saveable_to_proto, from_proto=_saveable_from_proto)
+
+
+def _assign_true(var, value):
+    """Assigns `value` to `var`; returns True once assigned."""
+    with tf.control_dependencies([var.assign(value, read_value=False)]):
+        return tf.constant(True)
 
 
 def is_embedding_variable(x) -> bool:
@@ -498,3 +642,6 @@ def _with_steps_to_live(name, ev_option, steps_to_live):
             f"conflicts with ev_option.evict_option="
             f"{ev_option.evict_option!r}; give one of them.")
     return dataclasses.replace(ev_option, evict_option=evict)
+
+
+_register_saveable_proto_functions()

@@ -273,6 +273,22 @@ class AdamAsyncOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
             use_locking=self._use_locking)
         return self._advance_powers(var, [update])
 
+    def _apply_dense(self, grad, var):
+        # Reference variables (`tf.compat.v1.disable_v2_behavior()`, as
+        # DeepRec's TF1 scripts run): the ref kernel of the same update.
+        lr, beta1, beta2, eps = self._constants(var.dtype.base_dtype)
+        update = tf.raw_ops.ApplyAdam(
+            var=var, m=self.get_slot(var, "m"), v=self.get_slot(var, "v"),
+            beta1_power=self.get_slot(var, "beta1_power").read_value(),
+            beta2_power=self.get_slot(var, "beta2_power").read_value(),
+            lr=lr, beta1=beta1, beta2=beta2, epsilon=eps, grad=grad,
+            use_locking=self._use_locking)
+        return self._advance_powers(var, [update])
+
+    def _apply_sparse(self, grad, var):
+        # Reference variables; `grad` is IndexedSlices, duplicates summed.
+        return self._resource_apply_sparse(grad.values, var, grad.indices)
+
     def _resource_apply_sparse(self, grad, var, indices):
         # The base class has summed duplicate indices already.
         lr, beta1, beta2, eps = self._constants(var.dtype.base_dtype)
@@ -423,6 +439,14 @@ class AdagradDecayOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
     def _resource_apply_sparse(self, grad, var, indices):
         # The base class has summed duplicate indices already.
         return self._update_rows(var, grad, indices)
+
+    # Reference variables (`tf.compat.v1.disable_v2_behavior()`): the same
+    # rule, their assign / scatter methods are the resource ones' names.
+    def _apply_dense(self, grad, var):
+        return self._update_rows(var, grad, None)
+
+    def _apply_sparse(self, grad, var):
+        return self._update_rows(var, grad.values, grad.indices)
 
     def _ev_slots(self):
         return [("adagrad_decay/accumulator",

@@ -23,6 +23,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "pooling.h"
+#include "table_access.h"
 
 namespace group_embedding {
 
@@ -41,26 +42,6 @@ using ::tensorflow::core::RefCountPtr;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
-// Shared locks on several variables, taken once each in address order so
-// that they cannot deadlock with writers that lock in the same order.
-class SharedVarLocks {
- public:
-  explicit SharedVarLocks(const std::vector<Var*>& vars) {
-    for (Var* v : vars) mus_.push_back(v->mu());
-    std::sort(mus_.begin(), mus_.end());
-    mus_.erase(std::unique(mus_.begin(), mus_.end()), mus_.end());
-    for (auto* m : mus_) m->lock_shared();
-  }
-  ~SharedVarLocks() {
-    for (auto it = mus_.rbegin(); it != mus_.rend(); ++it) {
-      (*it)->unlock_shared();
-    }
-  }
-
- private:
-  std::vector<tensorflow::mutex*> mus_;
-};
-
 // ---------------------------------------------------------------------------
 // Forward: pooled lookup of K ragged id batches from K tables.
 // ---------------------------------------------------------------------------
@@ -75,11 +56,14 @@ REGISTER_OP("GroupEmbeddingVariableLookup")
     .Attr("table_names: list(string)")
     // 0 is allowed: a [vocab, 0] table pools to [B, 0], as stock does.
     .Attr("embedding_dim: int >= 0")
+    // Rows are clipped to this L2 norm before pooling; < 0: no clipping.
+    .Attr("max_norm: float = -1")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
       TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
       for (int i = 0; i < n; ++i) {
         auto splits = c->input(2 * n + i);
@@ -100,6 +84,7 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &table_names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -155,6 +140,7 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
     if (total_rows == 0) return;
 
     const int64_t dim = dim_;
+    const float max_norm = max_norm_;
     auto work = [&](int64_t begin, int64_t end) {
       int t = static_cast<int>(
           std::upper_bound(first_row.begin(), first_row.end(), begin) -
@@ -178,7 +164,7 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
             PrefetchRow(table + v[j + kPrefetchDistance] * dim, dim);
           }
           const float* row = table + v[j] * dim;
-          const float wj = w ? w[j] : 1.0f;
+          const float wj = (w ? w[j] : 1.0f) * ClipFactor(row, dim, max_norm);
           for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
         }
         const float scale = RowScale(combiners_[t], w, lo, hi);
@@ -197,51 +183,12 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
   std::vector<Combiner> combiners_;
   std::vector<std::string> table_names_;
   int64_t dim_;
+  float max_norm_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookup")
                             .Device(DEVICE_CPU),
                         GroupEmbeddingVariableLookupOp);
-
-// ---------------------------------------------------------------------------
-// Open-addressing id -> slot map used to deduplicate ids in O(nnz).
-// ---------------------------------------------------------------------------
-class IdSlotMap {
- public:
-  explicit IdSlotMap(int64_t expected) {
-    int64_t cap = 16;
-    while (cap < 2 * expected) cap <<= 1;
-    mask_ = cap - 1;
-    keys_.resize(cap);
-    slots_.assign(cap, -1);
-  }
-  // Returns the slot of `id`, assigning the next free slot if new.
-  int64_t Insert(int64_t id) {
-    uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
-    while (true) {
-      if (slots_[h] < 0) {
-        keys_[h] = id;
-        slots_[h] = size_;
-        return size_++;
-      }
-      if (keys_[h] == id) return slots_[h];
-      h = (h + 1) & mask_;
-    }
-  }
-  int64_t size() const { return size_; }
-
- private:
-  static uint64_t Mix(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    return x;
-  }
-  uint64_t mask_;
-  std::vector<int64_t> keys_;
-  std::vector<int64_t> slots_;
-  int64_t size_ = 0;
-};
 
 // ---------------------------------------------------------------------------
 // Backward: per table, unique ids (first-occurrence order) and the summed
@@ -377,9 +324,11 @@ REGISTER_OP("GroupEmbeddingWeightGrad")
     .Output("weight_grads: num_tables * float")
     .Attr("num_tables: int >= 1")
     .Attr("combiners: list(string)")
+    .Attr("max_norm: float = -1")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, 2 * n, 2));
       for (int i = 0; i < n; ++i) c->set_output(i, c->input(3 * n + i));
@@ -393,6 +342,7 @@ class GroupEmbeddingWeightGradOp : public OpKernel {
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -441,16 +391,125 @@ class GroupEmbeddingWeightGradOp : public OpKernel {
       const float* p = pooled[t].flat<float>().data();
       WeightGradRows(combiners_[t], dim, splits[t].NumElements() - 1, s, w,
                      g, p, [e, v, dim](int64_t j) { return e + v[j] * dim; },
-                     o->flat<float>().data());
+                     o->flat<float>().data(), max_norm_);
     }
   }
 
  private:
   std::vector<Combiner> combiners_;
+  float max_norm_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingWeightGrad").Device(DEVICE_CPU),
                         GroupEmbeddingWeightGradOp);
+
+// ---------------------------------------------------------------------------
+// Backward of max_norm clipping: the per-unique-id gradients of the
+// clipped rows (from the lookup grads) -> those of the table rows, read
+// again here (the forward keeps no [nnz, D] copy of them).
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingClipGrad")
+    .Input("tables: num_tables * resource")
+    .Input("unique_ids: num_tables * int64")
+    .Input("id_grads: num_tables * float")
+    .Output("clipped_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("max_norm: float")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, n, 2));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(2 * n + i));
+      return Status();
+    });
+
+class GroupEmbeddingClipGradOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingClipGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList uniq, grads;
+    OP_REQUIRES_OK(ctx, ctx->input_list("unique_ids", &uniq));
+    OP_REQUIRES_OK(ctx, ctx->input_list("id_grads", &grads));
+    const int k = uniq.size();
+    std::vector<RefCountPtr<Var>> refs(k);
+    std::vector<Var*> vars(k);
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
+                                         &refs[t]));
+      vars[t] = refs[t].get();
+    }
+    SharedVarLocks locks(vars);
+    std::vector<const float*> tables(k);
+    std::vector<const int64_t*> ids(k);
+    std::vector<float*> outs(k);
+    std::vector<int64_t> first(k + 1, 0);
+    int64_t dim = -1;
+    for (int t = 0; t < k; ++t) {
+      const std::string name = absl::StrCat("table ", t);
+      const Tensor* table = vars[t]->tensor();
+      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                           table->dims() == 2 &&
+                           (dim < 0 || table->dim_size(1) == dim),
+                  InvalidArgument(name, ": expected a float32 [vocab, dim] "
+                                  "table of the group's dim, got ",
+                                  table->shape().DebugString()));
+      dim = table->dim_size(1);
+      OP_REQUIRES(ctx, uniq[t].dims() == 1,
+                  InvalidArgument(name, ": unique_ids must be a vector, got "
+                                  "shape ", uniq[t].shape().DebugString()));
+      const int64_t u = uniq[t].NumElements();
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": id_grads", grads[t], u, dim));
+      const int64_t* v = uniq[t].flat<int64_t>().data();
+      const int64_t vocab = table->dim_size(0);
+      for (int64_t j = 0; j < u; ++j) {
+        OP_REQUIRES(ctx, v[j] >= 0 && v[j] < vocab,
+                    InvalidArgument(name, ": unique_ids ", v[j],
+                                    " is out of range [0, ", vocab, ")."));
+      }
+      Tensor* o = nullptr;
+      // The incoming gradients are dead after this op: rewrite them in
+      // place when TF lets us.
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
+                              {2 * k + t}, t, grads[t].shape(), &o));
+      if (o->data() != grads[t].data() && u * dim > 0) {
+        std::memcpy(o->data(), grads[t].data(), grads[t].TotalBytes());
+      }
+      tables[t] = table->flat<float>().data();
+      ids[t] = v;
+      outs[t] = o->flat<float>().data();
+      first[t + 1] = first[t] + u;
+    }
+    if (first[k] == 0 || dim <= 0) return;
+    const float max_norm = max_norm_;
+    auto work = [&](int64_t begin, int64_t end) {
+      int t = static_cast<int>(
+          std::upper_bound(first.begin(), first.end(), begin) -
+          first.begin() - 1);
+      for (int64_t r = begin; r < end; ++r) {
+        while (r >= first[t + 1]) ++t;
+        const int64_t j = r - first[t];
+        ClipGradRow(tables[t] + ids[t][j] * dim, dim, max_norm,
+                    outs[t] + j * dim);
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    // Locks are held across the shard, but work items take none.
+    tensorflow::Shard(pool->num_threads, pool->workers, first[k], dim * 6,
+                      work);
+  }
+
+ private:
+  float max_norm_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingClipGrad").Device(DEVICE_CPU),
+                        GroupEmbeddingClipGradOp);
 
 // ---------------------------------------------------------------------------
 // SparseTensor ids -> ragged (values grouped by row, row_splits) with a

@@ -5,6 +5,7 @@
 // (group_embedding_ops.cc) and of EmbeddingVariables (ev_lookup_ops.cc),
 // so that both pool with exactly the same arithmetic.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -55,6 +56,50 @@ inline float RowScale(Combiner c, const float* w, int64_t begin,
     s = std::sqrt(s);
   }
   return s == 0.0 ? 0.0f : static_cast<float>(1.0 / s);
+}
+
+// Reads the `max_norm` attr of a kernel: < 0 means no clipping.
+inline Status GetMaxNorm(::tensorflow::OpKernelConstruction* ctx,
+                         float* max_norm) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("max_norm", max_norm));
+  if (!std::isfinite(*max_norm)) {
+    return InvalidArgument("max_norm must be finite, got ", *max_norm, ".");
+  }
+  return Status();
+}
+
+// max_norm clipping, as stock embedding_lookup(max_norm=c) applies it to
+// each looked-up row e before pooling (clip_by_norm):
+//   clip(e) = e * c / max(|e|, c)
+// Returns that factor c / max(|e|, c); 1 when clipping is off (c < 0).
+// float32 sums of squares, as stock's reduce_sum.
+inline float ClipFactor(const float* row, int64_t dim, float max_norm) {
+  if (max_norm < 0.0f) return 1.0f;
+  float ss = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) ss += row[d] * row[d];
+  return max_norm / std::max(std::sqrt(ss), max_norm);
+}
+
+// Backward of the clip for one row e with incoming gradient g (the sum of
+// its occurrences' gradients: the clip is linear in g), differentiating
+// as stock does through e * c / maximum(|e|, c). TF's Maximum gradient
+// goes to |e| when |e| >= c, so there
+//   g' = (c / n) * (g - e * (e.g) / n^2),  n = |e|,
+// and below it the clip is the identity (g' = g). Rewrites g in place.
+inline void ClipGradRow(const float* e, int64_t dim, float max_norm,
+                        float* g) {
+  if (max_norm < 0.0f) return;
+  float ss = 0.0f, eg = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) {
+    ss += e[d] * e[d];
+    eg += e[d] * g[d];
+  }
+  const float n = std::sqrt(ss);
+  // A zero row (n = 0 < c) takes the identity branch, as stock's.
+  if (!(n >= max_norm) || n == 0.0f) return;
+  const float a = max_norm / n;
+  const float b = eg / ss;
+  for (int64_t d = 0; d < dim; ++d) g[d] = a * (g[d] - e[d] * b);
 }
 
 // Issues prefetches for every cache line of a `dim`-float row. Lookups
@@ -150,10 +195,13 @@ inline Status CheckMatrix(const std::string& what, const Tensor& t,
 // pooled rows `p` ([B, dim] each) and `row_of(j)`, the row id j read:
 //   pooled_b = sum_j w_j e_j / n_b,  n_b = 1 | sum_j w_j | sqrt(sum_j w_j^2)
 //   d/dw_j = (e_j.g_b - pooled_b.g_b * dn_b/dw_j) / n_b
+// With max_norm >= 0, e_j is the clipped row (as pooled), and so is the
+// row it multiplies here.
 template <typename RowOf>
 void WeightGradRows(Combiner c, int64_t dim, int64_t batch,
                     const int64_t* s, const float* w, const float* g,
-                    const float* p, RowOf row_of, float* dw) {
+                    const float* p, RowOf row_of, float* dw,
+                    float max_norm = -1.0f) {
   for (int64_t b = 0; b < batch; ++b) {
     const float* gb = g + b * dim;
     const float scale = RowScale(c, w, s[b], s[b + 1]);
@@ -163,6 +211,7 @@ void WeightGradRows(Combiner c, int64_t dim, int64_t batch,
       const float* row = row_of(j);
       float eg = 0.0f;
       for (int64_t d = 0; d < dim; ++d) eg += row[d] * gb[d];
+      eg *= ClipFactor(row, dim, max_norm);
       switch (c) {
         case kSum:
           dw[j] = eg;

@@ -83,13 +83,14 @@ class Model:
         self.tables = tables
         self.dense_w = dense_w
 
-    def loss(self, ids, weights, dense, label, partition):
+    def loss(self, ids, weights, dense, label, partition, exchanged=None):
         if not isinstance(self.tables[EV_TABLE], tf.Variable):
             ids = list(ids)
             ids[EV_TABLE] = tf.ragged.map_flat_values(ev_keys, ids[EV_TABLE])
-        embedded = ge.group_embedding_lookup_sparse(
-            self.tables, ids, COMBINERS, sp_weights=weights,
-            partition_strategy=partition)
+        with ge.distributed.use_exchanged_ids(exchanged or {}):
+            embedded = ge.group_embedding_lookup_sparse(
+                self.tables, ids, COMBINERS, sp_weights=weights,
+                partition_strategy=partition)
         x = tf.concat(embedded + [dense], 1)
         pred = tf.matmul(x, self.dense_w)
         return tf.reduce_mean(tf.square(pred - label))
@@ -106,6 +107,9 @@ def main():
     parser.add_argument("--partition", default="mod")
     parser.add_argument("--optimizer", default="adagrad")
     parser.add_argument("--uneven", action="store_true")
+    # The next batch's ids go out during the step (ge.distributed
+    # .exchange_ids), which must not change any number.
+    parser.add_argument("--pipeline", action="store_true")
     args = parser.parse_args()
 
     hvd = ge.enable_distributed_strategy("collective")
@@ -151,10 +155,14 @@ def main():
         cuts[1] = 0  # worker 0 gets an empty slice
     
 
+    def exchange(ids):
+        return ge.distributed.exchange_ids(
+            model.tables, ids, partition_strategy=args.partition)
+
     @tf.function(reduce_retracing=True)
-    def step(ids, weights, d, y, share):
+    def step(ids, weights, d, y, share, exchanged, next_ids):
         with tf.GradientTape() as tape:
-            loss = model.loss(ids, weights, d, y, args.partition)
+            loss = model.loss(ids, weights, d, y, args.partition, exchanged)
             # Gradients are averaged over workers (Horovod's convention):
             # weigh this slice's mean loss by its share of the global batch
             # so that uneven slices still give the global-batch gradient.
@@ -162,7 +170,7 @@ def main():
         variables = model.variables()
         grads = ge.DistributedGradientTape(tape).gradient(scaled, variables)
         opt.apply_gradients(zip(grads, variables))
-        return loss
+        return loss, (exchange(next_ids) if args.pipeline else {})
 
     @tf.function(reduce_retracing=True)
     def ref_step(ids, weights, d, y):
@@ -173,10 +181,17 @@ def main():
                                     variables))
         return loss
 
-    for batch in make_batches(3, STEPS, size):
-        local = rows_of(batch, cuts[rank], cuts[rank + 1])
+    batches = make_batches(3, STEPS, size)
+    locals_ = [rows_of(b, cuts[rank], cuts[rank + 1]) for b in batches]
+    exchanged = exchange(locals_[0][0]) if args.pipeline else {}
+    if args.pipeline and size > 1:
+        assert len(exchanged) == 2, exchanged.keys()  # dims 8 and 4
+    for i, batch in enumerate(batches):
+        local = locals_[i]
         n = cuts[rank + 1] - cuts[rank]
-        loss = step(*local, tf.constant(n * size / GLOBAL_BATCH, tf.float32))
+        loss, exchanged = step(
+            *local, tf.constant(n * size / GLOBAL_BATCH, tf.float32),
+            exchanged, locals_[(i + 1) % len(locals_)][0])
         loss = tf.where(n > 0, loss, 0.0)  # an empty slice's mean is NaN
         global_loss = hvd.allreduce(loss * n, op=hvd.Sum) / GLOBAL_BATCH
         ref_loss = ref_step(*rows_of(batch, 0, GLOBAL_BATCH))
@@ -199,7 +214,8 @@ def main():
     np.testing.assert_allclose(dense.numpy(), ref.dense_w.numpy(),
                                rtol=2e-5, atol=2e-6)
     print(f"worker {rank}/{size}: {STEPS} steps equal the single-process "
-          f"run ({args.partition}, {args.optimizer})", flush=True)
+          f"run ({args.partition}, {args.optimizer}"
+          f"{', pipelined' if args.pipeline else ''})", flush=True)
 
 
 if __name__ == "__main__":

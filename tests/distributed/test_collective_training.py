@@ -20,6 +20,12 @@ CASES = [
     pytest.param(3, "mod", "adam", True, id="np3-mod-adam-uneven"),
     pytest.param(3, "div", "adagrad", True, id="np3-div-adagrad-uneven"),
 ]
+# ge.distributed.exchange_ids pipelining: the next batch's ids travel
+# during the step; every number must stay the same.
+PIPELINE_CASES = [
+    pytest.param(2, "mod", "adagrad", False, id="np2-mod-adagrad-pipeline"),
+    pytest.param(3, "div", "adam", True, id="np3-div-adam-uneven-pipeline"),
+]
 
 
 def run_workers(workers, script, *args, timeout=300):
@@ -34,6 +40,19 @@ def run_workers(workers, script, *args, timeout=300):
 @pytest.mark.parametrize("workers,partition,optimizer,uneven", CASES)
 def test_equals_single_process(workers, partition, optimizer, uneven):
     args = ["--partition", partition, "--optimizer", optimizer]
+    if uneven:
+        args.append("--uneven")
+    result = run_workers(workers, "collective_train.py", *args)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("equal the single-process run") == workers, out[-4000:]
+
+
+@pytest.mark.parametrize("workers,partition,optimizer,uneven",
+                         PIPELINE_CASES)
+def test_pipelined_equals_single_process(workers, partition, optimizer,
+                                         uneven):
+    args = ["--partition", partition, "--optimizer", optimizer, "--pipeline"]
     if uneven:
         args.append("--uneven")
     result = run_workers(workers, "collective_train.py", *args)

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import ev_cases
 import group_embedding as ge
+from group_embedding.embedding_variable.variable import EV_INIT_VAR_OPS
 from group_embedding.ops import ev_storage
 
 DIM = 4
@@ -231,3 +232,116 @@ def test_checkpoint_keeps_two_evs_apart(tmp_path):
         got = _sorted([x.numpy() for x in ev_storage.export(ev.handle, DIM)])
         for a, b in zip(got, ev_want):
             np.testing.assert_array_equal(a, b)
+
+
+# --- issue 9 bugs: double draw, Saver(var_list), MetaGraph ---------------
+
+
+def _seeded_ev_and_variable():
+    """An EV and a plain [8, 3] variable with the same seeded glorot
+    initializer (DeepRec's testEVInitializer setup)."""
+    v1 = tf.compat.v1
+    var = v1.get_variable("plain", shape=[8, 3],
+                          initializer=v1.glorot_uniform_initializer(seed=1))
+    ev = ge.get_embedding_variable(
+        "seeded_ev", 3, initializer=v1.glorot_uniform_initializer(seed=1),
+        ev_option=ge.EmbeddingVariableOption(
+            init_option=ge.InitializerOption(default_value_dim=8)))
+    return ev, var
+
+
+def test_default_values_drawn_once_by_both_init_ops():
+    """Running the EV init collection, then the global initializer (and
+    it again), leaves the default matrix equal to a stock variable whose
+    initializer ran once with the same seed."""
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        ev, var = _seeded_ev_and_variable()
+        with v1.Session() as sess:
+            sess.run(v1.get_collection(EV_INIT_VAR_OPS))
+            first = sess.run(ev.default_values)
+            sess.run(v1.global_variables_initializer())
+            sess.run(v1.global_variables_initializer())
+            np.testing.assert_array_equal(sess.run(ev.default_values), first)
+            np.testing.assert_array_equal(first, sess.run(var))
+
+
+def _saved_graph(tmp_path, var_list):
+    """Trains nothing: initialises an EV, looks up 3 keys, saves with
+    `Saver(var_list)`; returns (path, rows, default matrix)."""
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        ev, _ = _seeded_ev_and_variable()
+        rows = ev.lookup_rows(tf.constant([1, 2, 9], tf.int64))
+        saver = v1.train.Saver([ev] if var_list else None)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            want = sess.run(rows)
+            defaults = sess.run(ev.default_values)
+            path = saver.save(sess, str(tmp_path / "model.ckpt"))
+    return path, want, defaults
+
+
+@pytest.mark.parametrize("save_var_list", [True, False])
+def test_saver_var_list_restores_default_values(tmp_path, save_var_list):
+    """`Saver(var_list=[ev])` saves and restores the default matrix
+    under the key the default Saver uses (`<name>/default_values`), so a
+    restored EV reads its saved rows and its saved defaults; each Saver
+    reads the other's checkpoint."""
+    v1 = tf.compat.v1
+    path, want, defaults = _saved_graph(tmp_path, save_var_list)
+    names = dict(tf.train.list_variables(path))
+    assert names["seeded_ev/default_values"] == [8, 3]
+    with tf.Graph().as_default():
+        ev = ge.get_embedding_variable("seeded_ev", 3)
+        rows = ev.lookup_rows(tf.constant([1, 2, 9, 12], tf.int64))
+        with v1.Session() as sess:
+            v1.train.Saver(var_list=[ev]).restore(sess, path)
+            got = sess.run(rows)
+            np.testing.assert_array_equal(sess.run(ev.default_values),
+                                          defaults)
+    np.testing.assert_array_equal(got[:3], want)
+    # A new key starts from its default row (12 mod 8).
+    np.testing.assert_array_equal(got[3], defaults[4])
+
+
+def test_saver_default_saves_default_values_once(tmp_path):
+    """The default Saver writes one `<name>/default_values` tensor and
+    nothing else named after the default matrix."""
+    path, _, _ = _saved_graph(tmp_path, var_list=False)
+    names = [n for n, _ in tf.train.list_variables(path)
+             if "default_values" in n]
+    assert names == ["seeded_ev/default_values"]
+
+
+def test_meta_graph_round_trip_restores_saved_values(tmp_path):
+    """export_meta_graph + import_meta_graph of a graph holding an EV:
+    the imported Saver restores the saved rows, the imported
+    SAVEABLE_OBJECTS hold an EV again, and a new default Saver built on
+    the imported graph restores as well (oracle: the rows fetched before
+    saving)."""
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        ev, _ = _seeded_ev_and_variable()
+        rows = tf.identity(ev.lookup_rows(tf.constant([1, 2, 9], tf.int64)),
+                           name="rows")
+        saver = v1.train.Saver()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            want = sess.run(rows)
+            path = saver.save(sess, str(tmp_path / "model.ckpt"))
+        meta = v1.train.export_meta_graph(saver_def=saver.as_saver_def())
+    with tf.Graph().as_default():
+        imported = v1.train.import_meta_graph(meta)
+        (restored_ev,) = v1.get_collection(v1.GraphKeys.SAVEABLE_OBJECTS)
+        assert isinstance(restored_ev, ge.EmbeddingVariable)
+        assert restored_ev.name == "seeded_ev"
+        fresh = v1.train.Saver()
+        with v1.Session() as sess:
+            imported.restore(sess, path)
+            np.testing.assert_array_equal(sess.run("rows:0"), want)
+        with v1.Session() as sess:
+            fresh.restore(sess, path)
+            np.testing.assert_array_equal(sess.run("rows:0"), want)
+            keys, _, _, _ = sess.run(restored_ev.export())
+    assert sorted(keys) == [1, 2, 9]

@@ -245,3 +245,163 @@ def test_keras_fit_matches_stock(kernel_mode, kind):
 def test_keras_fit_with_ge_adagrad_matches_stock(kernel_mode):
     _check_keras(*_fit("ge", "sparse", ge.optimizers.Adagrad(
         0.1, initial_accumulator_value=0.1, epsilon=1e-7)))
+
+
+# ---------------------------------------------------------------------------
+# is_sequence=True and max_norm against stock, in a TF1 Session and under
+# tf.function: forward values, table and weight gradients, trained tables
+# (C++ kernels on "custom", pure TF on "tf").
+# ---------------------------------------------------------------------------
+VARIANTS = {
+    "max_norm": dict(is_sequence=False, max_norm=1.2),
+    # Below every row's norm: all rows clip, the gradient is projected.
+    "max_norm_all_clipped": dict(is_sequence=False, max_norm=0.05),
+    "sequence": dict(is_sequence=True, max_norm=None),
+    "sequence_max_norm": dict(is_sequence=True, max_norm=1.2),
+}
+
+
+def _stock_sequence(table, sp_ids, sp_weights, max_norm):
+    """Stock unpooled lookup: each id's row (clipped by
+    `embedding_lookup(max_norm=)`) times its weight, scattered to its
+    [row, column] of a `[B, T, D]` tensor; zeros elsewhere."""
+    if isinstance(sp_ids, tf.RaggedTensor):
+        sp_ids = sp_ids.to_sparse()
+        sp_weights = None if sp_weights is None else sp_weights.to_sparse()
+    rows = tf.nn.embedding_lookup(table, sp_ids.values, max_norm=max_norm)
+    if sp_weights is not None:
+        rows = rows * sp_weights.values[:, None]
+    shape = tf.concat([sp_ids.dense_shape,
+                       tf.shape(table, out_type=tf.int64)[1:]], 0)
+    return tf.scatter_nd(sp_ids.indices, rows, shape)
+
+
+def _lookup_variant(use_ge, variant, tables, sp_ids, sp_weights,
+                    batch_size):
+    """The grouped lookup (use_ge) or its stock per-table equivalent."""
+    is_sequence = VARIANTS[variant]["is_sequence"]
+    max_norm = VARIANTS[variant]["max_norm"]
+    if use_ge:
+        return ge.group_embedding_lookup_sparse(
+            tables, sp_ids, COMBINERS, sp_weights=sp_weights,
+            is_sequence=is_sequence, max_norm=max_norm)
+    if is_sequence:
+        return [_stock_sequence(t, i, w, max_norm)
+                for t, i, w in zip(tables, sp_ids, sp_weights)]
+    return [stock_lookup(t, i, w, c, batch_size, max_norm)
+            for t, i, w, c in zip(tables, sp_ids, sp_weights, COMBINERS)]
+
+
+def _variant_tables():
+    tables = _initial_tables()
+    # A zero row: the clip's norm is 0 there (no division by it).
+    tables[1][0] = 0.0
+    return tables
+
+
+def _v1_variant_run(use_ge, variant, batches):
+    """Adagrad steps in a Session; per step the outputs and the gradient
+    of the weights of feature 0, then the final tables."""
+    with tf.Graph().as_default():
+        tables = [tf.compat.v1.get_variable(
+                      f"table{i}", initializer=v, use_resource=True)
+                  for i, v in enumerate(_variant_tables())]
+        ph = [dict(indices=tf.compat.v1.placeholder(tf.int64, [None, 2]),
+                   ids=tf.compat.v1.placeholder(tf.int64, [None]),
+                   weights=tf.compat.v1.placeholder(tf.float32, [None]),
+                   shape=tf.compat.v1.placeholder(tf.int64, [2]))
+              for _ in VOCABS]
+        sp_ids = [tf.SparseTensor(p["indices"], p["ids"], p["shape"])
+                  for p in ph]
+        sp_weights = [tf.SparseTensor(ph[0]["indices"], ph[0]["weights"],
+                                      ph[0]["shape"]), None, None]
+        outs = _lookup_variant(use_ge, variant, tables, sp_ids, sp_weights,
+                               ph[0]["shape"][0])
+        loss = tf.add_n([tf.reduce_sum(tf.square(o - 0.5)) for o in outs])
+        # Dense: stock's may come as IndexedSlices (its gather of weights).
+        w_grad = tf.convert_to_tensor(
+            tf.gradients(loss, ph[0]["weights"])[0])
+        train = tf.compat.v1.train.AdagradOptimizer(0.1).minimize(loss)
+        steps = []
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for features in batches:
+                feed = {}
+                for p, f in zip(ph, features):
+                    feed[p["indices"]] = f.indices()
+                    feed[p["ids"]] = f.flat_ids()
+                    feed[p["shape"]] = [f.batch_size, f.width]
+                    feed[p["weights"]] = (f.flat_weights() if f.weights
+                                          is not None
+                                          else np.zeros([f.nnz], np.float32))
+                # Outputs and gradients are read before the update runs.
+                steps.append(sess.run([outs, w_grad], feed))
+                sess.run(train, feed)
+            return steps, sess.run(tables)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_v1_session_sequence_and_max_norm_match_stock(kernel_mode, variant):
+    batches = _v1_batches()
+    got_steps, got_tables = _v1_variant_run(True, variant, batches)
+    want_steps, want_tables = _v1_variant_run(False, variant, batches)
+    for (got_outs, got_wg), (want_outs, want_wg) in zip(got_steps,
+                                                       want_steps):
+        for g, w in zip(got_outs, want_outs):
+            assert g.shape == w.shape
+            assert_close(g, w)
+        assert_close(got_wg, want_wg)
+    for i, (g, w, t0) in enumerate(zip(got_tables, want_tables,
+                                       _variant_tables())):
+        assert not np.allclose(w, t0), f"table {i} was not trained"
+        assert_close(g, w)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "ragged"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tf_function_sequence_and_max_norm_gradients_match_stock(
+        kernel_mode, variant, kind):
+    rng = np.random.default_rng(5)
+    batch = 7
+    feats = [random_feature(rng, kind=kind, batch_size=batch, vocab=v,
+                            max_len=4, weighted=True, empty_prob=0.3,
+                            trailing_empty=2 if i == 1 else 0)
+             for i, v in enumerate(VOCABS)]
+    tables = [tf.Variable(t) for t in _variant_tables()]
+    weights = [tf.Variable(f.flat_weights()) for f in feats]
+
+    @tf.function
+    def grads(use_ge):
+        with tf.GradientTape() as tape:
+            outs = _lookup_variant(
+                use_ge, variant, tables, [f.ids() for f in feats],
+                [f.sp_weights(w) for f, w in zip(feats, weights)], batch)
+            # Distinct upstream values per output entry.
+            loss = tf.add_n([
+                tf.reduce_sum(o * tf.reshape(
+                    tf.sin(tf.cast(tf.range(tf.size(o)), tf.float32) + i),
+                    tf.shape(o)))
+                for i, o in enumerate(outs)])
+        return outs, tape.gradient(loss, tables + weights)
+
+    got_outs, got_grads = grads(True)
+    want_outs, want_grads = grads(False)
+    for g, w in zip(got_outs, want_outs):
+        assert g.shape == w.shape
+        assert_close(g, w)
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        if i < len(tables):
+            assert isinstance(g, tf.IndexedSlices), f"table {i}"
+        assert_close(g, w)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sequence_and_max_norm_out_of_range_id_is_named(kernel_mode,
+                                                        variant):
+    tables = [tf.Variable(t) for t in _initial_tables(dims=[4, 4, 4])]
+    ok = tf.ragged.constant([[1], [0, 2]], tf.int64)
+    bad = tf.ragged.constant([[1], [0, 5]], tf.int64)  # table 2 has 5 rows
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"params\[2\].*(out of range|must lie in)"):
+        _lookup_variant(True, variant, tables, [ok, ok, bad], [None] * 3,
+                        2)

@@ -7,7 +7,6 @@ names `group_embedding.compat` installs into `tf.compat.v1`.
 """
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 V1 = tf.compat.v1
@@ -16,23 +15,6 @@ V1 = tf.compat.v1
 # for on EVs (AdagradDecayV2 and AdamW are not provided here).
 OPTIMIZERS = ("GradientDescent", "Adagrad", "AdagradDecay", "Adam",
               "AdamAsync", "FTRL")
-
-# Library bugs found by the ports (see README.md here).
-DOUBLE_DRAW = pytest.mark.xfail(
-    strict=True,
-    reason="bug: running EV_INIT_VAR_OPS and then "
-    "global_variables_initializer() (DeepRec's sequence) draws the EV's "
-    "default_values twice, so a seeded initializer no longer matches a "
-    "tf.Variable drawn once with the same seed")
-SAVER_VAR_LIST = pytest.mark.xfail(
-    strict=True,
-    reason="bug: Saver(var_list=[ev, ...]) leaves `<name>/default_values` "
-    "out; after restore every lookup fails (FailedPreconditionError)")
-META_GRAPH = pytest.mark.xfail(
-    strict=True, raises=KeyError,
-    reason="bug: import_meta_graph fails on a graph holding an EV (the EV "
-    "is exported by its name into SAVEABLE_OBJECTS; no such op)")
-
 
 def ones():
     return V1.ones_initializer()

@@ -15,9 +15,6 @@ from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 import group_embedding as ge
 
-from ported_util import DOUBLE_DRAW
-from ported_util import META_GRAPH
-from ported_util import SAVER_VAR_LIST
 from ported_util import V1
 from ported_util import checkpoint_rows
 from ported_util import checkpoint_table
@@ -320,7 +317,6 @@ def test_general_random_initializer():
     assert (value[0] != value[1]).all()
 
 
-@DOUBLE_DRAW
 @pytest.mark.parametrize("train", [False, True])
 def test_initializer_key_fetch(train):
     """testEVInitializerWithKeyFetch (older version: plain lookups; newer:
@@ -351,7 +347,6 @@ def test_initializer_key_fetch(train):
     np.testing.assert_array_equal(got, rows[[k % 8 for k in keys]])
 
 
-@DOUBLE_DRAW
 def test_initializer_with_counter_filter():
     """testEVInitializerWithCounterFeatureFilter (newer version, loss *
     0): key 3 reads zeros for three training lookups, then row 3 of the
@@ -380,7 +375,6 @@ def test_initializer_with_counter_filter():
             np.testing.assert_array_equal(sess.run(ev_emb), rows[[3]])
 
 
-@DOUBLE_DRAW
 def test_initializer_default_value_dim_8192_equals_plain_variable():
     """testEVInitializer: glorot(seed=3) over default_value_dim=8192 rows
     and an [8192, 6] variable drawn the same way train alike (Adagrad)."""
@@ -755,7 +749,7 @@ def test_counts_tensor(tmp_path, optimizer, dense_second):
 
 
 @pytest.mark.parametrize("saver_var_list", [
-    pytest.param(True, marks=SAVER_VAR_LIST, id="var_list"),
+    pytest.param(True, id="var_list"),
     pytest.param(False, id="all_variables")])
 def test_save_and_restore_single_tier(tmp_path, saver_var_list):
     """testEmbeddingVariableForSaveAndRestoreForSingleTier: two DRAM EVs,
@@ -827,7 +821,6 @@ def test_save_v3(tmp_path):
     assert sorted(rows) == [1, 2, 3]
 
 
-@META_GRAPH
 def test_init_from_meta_graph_proto():
     """testEmbeddingVariableForInitFromProto: a graph with a partitioned
     EV (steps_to_live=4) and FTRL exports to a MetaGraphDef that imports
@@ -848,7 +841,6 @@ def test_init_from_meta_graph_proto():
                    .get_operations())
 
 
-@META_GRAPH
 def test_restore_saved_model(tmp_path):
     """testEmbeddingVariableRestoreSavedModel: a string EV column in
     shared_embedding_columns (FTRL) saved with SavedModelBuilder and loaded
@@ -1061,7 +1053,6 @@ def test_bloom_filter(counter_type):
     assert (fourth != 1.0).all()
 
 
-@DOUBLE_DRAW
 def test_initializer_with_bloom_filter():
     """testEVInitializerWithBloomFeatureFilter (newer version)."""
     with tf.Graph().as_default():

@@ -1,0 +1,118 @@
+"""Opt-in pipelining for custom loops: the next batch's ids travel during
+the current step.
+
+In collective mode a grouped lookup first routes its ids (dedup, bucket by
+owner) and sends them to their owners with an `alltoall`, then fetches the
+rows with a second one. The first part depends only on the batch, not on
+any variable, so it can run one step ahead: the step that trains on batch
+t also routes and sends the ids of batch t+1, and that exchange waits in
+Horovod's background thread while this step computes. The results are
+exactly those of the plain loop (owners still read their rows after the
+previous update).
+
+    @tf.function(reduce_retracing=True)
+    def step(sp_ids, exchanged, next_sp_ids):
+        with tf.GradientTape() as tape:
+            with ge.distributed.use_exchanged_ids(exchanged):
+                emb = ge.group_embedding_lookup_sparse(tables, sp_ids, "sum")
+            loss = ...
+        # After the loss: the exchange overlaps the backward.
+        exchanged = ge.distributed.exchange_ids(tables, next_sp_ids,
+                                                after=loss)
+        ...  # gradients, ge.allreduce_gradients, optimizer, as usual
+        return loss, exchanged
+
+    exchanged = tf.function(ge.distributed.exchange_ids)(tables, batches[0])
+    for t in range(steps):
+        loss, exchanged = step(batches[t], exchanged, batches[t + 1])
+
+Pass `exchange_ids` the same tables, in the same order, as the lookup (and
+the same `params_num_per_group`). Outside collective mode both functions
+do nothing, so the same loop runs in a single process.
+"""
+
+import contextlib
+import sys
+from typing import Any, Dict, Iterator
+
+import tensorflow as tf
+
+from group_embedding.distributed import collective_lookup
+from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.distributed.sharded_variable import ShardedVariable
+
+
+def exchange_ids(params, sp_ids, partition_strategy="mod",
+                 params_num_per_group=sys.maxsize,
+                 after=None) -> Dict[str, Any]:
+    """Routes `sp_ids` and sends them to their owners, ahead of the lookup.
+
+    Args:
+        params: the tables of the later `group_embedding_lookup_sparse`
+            call, in the same order.
+        sp_ids: the id batch (SparseTensor or RaggedTensor per table) that
+            call will look up.
+        partition_strategy: as the lookup's.
+        params_num_per_group: as the lookup's.
+        after: optional tensors the routing waits for. Inside a step,
+            pass the forward's loss: the exchange then runs during the
+            backward, in the gap between the rows and the gradient
+            all-to-alls, instead of being queued with them (Horovod runs
+            collectives one at a time, so a late exchange delays the
+            step's end).
+
+    Returns:
+        A dict of tensors (pass it through `tf.function` arguments and
+        results), one entry per group of sharded float32 tables served by
+        the C++ routing; `{}` outside collective mode. Other groups (EVs,
+        replicated tables) are exchanged by the lookup itself as usual.
+
+    Raises:
+        ValueError: a table sharded with another partition strategy (the
+            error names it).
+    """
+    if not distributed_strategy.is_collective():
+        return {}
+    # Imported here: lookup imports this package.
+    from group_embedding import lookup
+    from group_embedding import lookup_inputs
+    params = list(params)
+    sp_ids = list(sp_ids)
+    tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
+    names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
+    out: Dict[str, Any] = {}
+    deps = [t for t in tf.nest.flatten(after, expand_composites=True)
+            if isinstance(t, (tf.Tensor, tf.Operation))] if after else []
+    with tf.name_scope("ge_exchange_ids"), tf.control_dependencies(deps):
+        feats = lookup_inputs.to_feature_ids(sp_ids, [None] * len(sp_ids))
+        for members in lookup.group_tables(tables, params_num_per_group):
+            g_tables = [tables[i] for i in members]
+            g_names = [names[i] for i in members]
+            if not all(isinstance(t, ShardedVariable) for t in g_tables):
+                continue
+            # Only the C++ path takes exchanged ids (max_norm is checked
+            # again by the lookup, which then ignores this entry).
+            if not collective_lookup._is_kernel_path(g_tables, None):
+                continue
+            collective_lookup._check_partition(g_tables, partition_strategy,
+                                               g_names)
+            out[collective_lookup.group_key(g_names)] = (
+                collective_lookup.exchange_group_ids(
+                    g_tables, [feats[i] for i in members], g_names))
+    return out
+
+
+@contextlib.contextmanager
+def use_exchanged_ids(exchanged: Dict[str, Any]) -> Iterator[None]:
+    """Lookups inside reuse `exchanged` (from `exchange_ids`) for their
+    groups instead of routing and sending their ids again.
+
+    A group whose ids were exchanged for another batch fails at run time
+    (the id counts differ, the error names the table) when the counts
+    differ; equal counts cannot be told apart, so pass the same batch.
+    """
+    collective_lookup._exchanged_stack.append(dict(exchanged or {}))
+    try:
+        yield
+    finally:
+        collective_lookup._exchanged_stack.pop()

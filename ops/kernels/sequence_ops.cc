@@ -1,0 +1,441 @@
+// CPU kernels of the unpooled (is_sequence=True) fused lookup of a group of
+// plain resource-variable tables: each id's row lands at [row, position]
+// of a padded [B, T, D] output, times its weight, clipped to max_norm when
+// asked. The backward returns per-unique-id gradients (IndexedSlices), so
+// neither direction materialises [nnz, D] (stock would gather [nnz, D]
+// rows and scatter them into the padded output).
+//
+// Gradients are registered in fused_lookup.py; max_norm's backward is the
+// GroupEmbeddingClipGrad op of group_embedding_ops.cc.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+#include "pooling.h"
+#include "table_access.h"
+
+namespace group_embedding {
+namespace {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::OpOutputList;
+using ::tensorflow::TensorShape;
+using ::tensorflow::core::RefCountPtr;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+
+// Checks that `positions` holds one slot in [0, max_len) per id.
+Status CheckPositions(const std::string& name, const Tensor& positions,
+                      int64_t nnz, int64_t max_len) {
+  if (positions.dims() != 1 || positions.NumElements() != nnz) {
+    return InvalidArgument(name, ": positions must be a vector of ", nnz,
+                           " entries (one per id), got shape ",
+                           positions.shape().DebugString(), ".");
+  }
+  const int64_t* p = positions.flat<int64_t>().data();
+  for (int64_t j = 0; j < nnz; ++j) {
+    if (p[j] < 0 || p[j] >= max_len) {
+      return InvalidArgument(name, ": position ", p[j], " of id ", j,
+                             " is outside the padded length [0, ", max_len,
+                             ").");
+    }
+  }
+  return Status();
+}
+
+// ---------------------------------------------------------------------------
+// Forward: out[t][b, positions[j], :] += w_j * clip(table_t[ids[j]]) for
+// every id j of row b; zeros elsewhere.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingSequenceLookup")
+    .Input("tables: num_tables * resource")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("positions: num_tables * int64")
+    .Input("max_lens: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("sequences: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("table_names: list(string)")
+    .Attr("embedding_dim: int >= 0")
+    // Rows are clipped to this L2 norm before weighting; < 0: no clipping.
+    .Attr("max_norm: float = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));      // tables
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // ids..positions
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, n, 0));  // max_lens
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 1));  // weights
+      for (int i = 0; i < n; ++i) {
+        DimensionHandle b, t;
+        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n + i), 0), 1,
+                                       &b));
+        TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(4 * n + i, &t));
+        c->set_output(i, c->MakeShape({b, t, c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
+class GroupEmbeddingSequenceLookupOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingSequenceLookupOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &table_names_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids, splits, positions, max_lens, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
+    OP_REQUIRES_OK(ctx, ctx->input_list("max_lens", &max_lens));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    const int k = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(table_names_.size()) == k,
+                InvalidArgument("table_names must have ", k, " entries, got ",
+                                table_names_.size(), "."));
+    std::vector<RefCountPtr<Var>> refs(k);
+    std::vector<Var*> vars(k);
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
+                                         &refs[t]));
+      vars[t] = refs[t].get();
+    }
+    // Taken before any work is handed to the pool; work items never lock.
+    SharedVarLocks locks(vars);
+
+    std::vector<const float*> tables(k);
+    std::vector<int64_t> lens(k);
+    std::vector<int64_t> first_row(k + 1, 0);
+    int64_t total_nnz = 0, total_slots = 0;
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("sequences", &out));
+    std::vector<float*> outs(k);
+    for (int t = 0; t < k; ++t) {
+      const std::string& name = table_names_[t];
+      const Tensor* table = vars[t]->tensor();
+      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                           table->dims() == 2 && table->dim_size(1) == dim_,
+                  InvalidArgument(name, ": expected a float32 [vocab, ", dim_,
+                                  "] table, got ",
+                                  table->shape().DebugString()));
+      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
+                                      table->dim_size(0)));
+      OP_REQUIRES_OK(ctx, CheckScalar(max_lens[t], "max_lens"));
+      const int64_t len = max_lens[t].scalar<int64_t>()();
+      OP_REQUIRES(ctx, len >= 0,
+                  InvalidArgument(name, ": max_lens (the padded length) must "
+                                  "be >= 0, got ", len, "."));
+      const int64_t nnz = ids[t].NumElements();
+      OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t], nnz, len));
+      const int64_t batch = splits[t].NumElements() - 1;
+      // BuildTensorShape refuses a [B, T, D] whose size overflows int64.
+      TensorShape shape;
+      OP_REQUIRES_OK(ctx, TensorShape::BuildTensorShape({batch, len, dim_},
+                                                        &shape));
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, shape, &o));
+      outs[t] = o->flat<float>().data();
+      tables[t] = table->flat<float>().data();
+      lens[t] = len;
+      first_row[t + 1] = first_row[t] + batch;
+      total_nnz += nnz;
+      total_slots += batch * len;
+    }
+    const int64_t total_rows = first_row[k];
+    if (total_rows == 0 || dim_ == 0) return;
+
+    const int64_t dim = dim_;
+    const float max_norm = max_norm_;
+    auto work = [&](int64_t begin, int64_t end) {
+      int t = static_cast<int>(
+          std::upper_bound(first_row.begin(), first_row.end(), begin) -
+          first_row.begin() - 1);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        while (unit >= first_row[t + 1]) ++t;
+        const int64_t b = unit - first_row[t];
+        const int64_t len = lens[t];
+        const int64_t* v = ids[t].flat<int64_t>().data();
+        const int64_t* s = splits[t].flat<int64_t>().data();
+        const int64_t* p = positions[t].flat<int64_t>().data();
+        const float* w = weights[t].NumElements()
+                             ? weights[t].flat<float>().data()
+                             : nullptr;
+        const float* table = tables[t];
+        float* o = outs[t] + b * len * dim;
+        std::fill(o, o + len * dim, 0.0f);
+        const int64_t hi = s[b + 1];
+        const int64_t nnz = s[first_row[t + 1] - first_row[t]];
+        for (int64_t j = s[b]; j < hi; ++j) {
+          if (j + kPrefetchDistance < nnz) {
+            PrefetchRow(table + v[j + kPrefetchDistance] * dim, dim);
+          }
+          const float* row = table + v[j] * dim;
+          const float f = (w ? w[j] : 1.0f) * ClipFactor(row, dim, max_norm);
+          // `+=`: a malformed SparseTensor may repeat a [row, column];
+          // its ids then add up, as in the pure-TF segment sum.
+          float* dst = o + p[j] * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] += f * row[d];
+        }
+      }
+    };
+    const int64_t cost = ((total_slots + total_nnz) / total_rows + 1) * dim * 3;
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, total_rows, cost,
+                      work);
+  }
+
+ private:
+  std::vector<std::string> table_names_;
+  int64_t dim_;
+  float max_norm_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceLookup")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingSequenceLookupOp);
+
+// ---------------------------------------------------------------------------
+// Backward: per table, the unique ids (first-occurrence order) and, for
+// each, sum_j w_j * grads[b_j, positions[j], :] over its occurrences j:
+// the gradient of the (clipped) rows, [unique, D], never [nnz, D].
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingSequenceLookupGrad")
+    .Input("grads: num_tables * float")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("positions: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("unique_ids: num_tables * int64")
+    .Output("id_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("embedding_dim: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 3));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 4 * n, 1));
+      for (int i = 0; i < n; ++i) {
+        c->set_output(i, c->Vector(c->UnknownDim()));
+        c->set_output(n + i,
+                      c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
+// Checks that `grads` is the [batch, T, dim] gradient of a sequence
+// output; returns T.
+Status CheckSequenceGrad(const std::string& name, const Tensor& grads,
+                         int64_t batch, int64_t dim, int64_t* len) {
+  if (grads.dims() != 3 || grads.dim_size(0) != batch ||
+      grads.dim_size(2) != dim) {
+    return InvalidArgument(name, ": grads must have shape [", batch,
+                           ", max_len, ", dim, "], got ",
+                           grads.shape().DebugString(), ".");
+  }
+  *len = grads.dim_size(1);
+  return Status();
+}
+
+class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingSequenceLookupGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList grads, ids, splits, positions, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    const int k = ids.size();
+    std::vector<int64_t> lens(k);
+    int64_t total = 0;
+    for (int t = 0; t < k; ++t) {
+      const std::string name = absl::StrCat("table ", t);
+      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
+                                      /*vocab=*/-1));
+      OP_REQUIRES_OK(ctx, CheckSequenceGrad(name, grads[t],
+                                            splits[t].NumElements() - 1,
+                                            dim_, &lens[t]));
+      OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
+                                         ids[t].NumElements(), lens[t]));
+      total += ids[t].NumElements();
+    }
+    OpOutputList uniq_out, grad_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
+    std::vector<Status> status(k);
+    const int64_t dim = dim_;
+    // Tables are independent, so shard over tables: no write conflicts.
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t nnz = ids[t].NumElements();
+        const int64_t batch = splits[t].NumElements() - 1;
+        const int64_t len = lens[t];
+        const int64_t* v = ids[t].flat<int64_t>().data();
+        const int64_t* s = splits[t].flat<int64_t>().data();
+        const int64_t* p = positions[t].flat<int64_t>().data();
+        const float* w = weights[t].NumElements()
+                             ? weights[t].flat<float>().data()
+                             : nullptr;
+        const float* g = grads[t].flat<float>().data();
+        IdSlotMap map(nnz);
+        std::vector<int64_t> slot(nnz);
+        for (int64_t j = 0; j < nnz; ++j) slot[j] = map.Insert(v[j]);
+        const int64_t u = map.size();
+        Tensor* uo = nullptr;
+        Tensor* go = nullptr;
+        status[t] = uniq_out.allocate(t, TensorShape({u}), &uo);
+        if (!status[t].ok()) continue;
+        status[t] = grad_out.allocate(t, TensorShape({u, dim}), &go);
+        if (!status[t].ok()) continue;
+        int64_t* uids = uo->flat<int64_t>().data();
+        float* gsum = go->flat<float>().data();
+        std::fill(gsum, gsum + u * dim, 0.0f);
+        for (int64_t j = 0; j < nnz; ++j) uids[slot[j]] = v[j];
+        for (int64_t b = 0; b < batch; ++b) {
+          for (int64_t j = s[b]; j < s[b + 1]; ++j) {
+            const float f = w ? w[j] : 1.0f;
+            const float* src = g + (b * len + p[j]) * dim;
+            float* dst = gsum + slot[j] * dim;
+            for (int64_t d = 0; d < dim; ++d) dst[d] += f * src[d];
+          }
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, k,
+                      (total / k + 1) * (dim + 1) * 8, work);
+    for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
+  }
+
+ private:
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceLookupGrad")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingSequenceLookupGradOp);
+
+// ---------------------------------------------------------------------------
+// Gradient w.r.t. the per-id weights of a sequence lookup:
+//   d/dw_j = clip(e_j) . grads[b_j, positions[j], :]
+// Not stateful: pruned from graphs that do not differentiate the weights.
+// Empty output for an unweighted table.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingSequenceWeightGrad")
+    .Input("tables: num_tables * resource")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("positions: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("grads: num_tables * float")
+    .Output("weight_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("max_norm: float = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 4 * n, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 3));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(4 * n + i));
+      return Status();
+    });
+
+class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingSequenceWeightGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids, splits, positions, weights, grads;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
+    for (int t = 0; t < ids.size(); ++t) {
+      const std::string name = absl::StrCat("table ", t);
+      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
+                                      /*vocab=*/-1));
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
+      if (weights[t].NumElements() == 0) continue;
+      RefCountPtr<Var> var;
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t), &var));
+      // One variable at a time and no thread pool: nothing can wait on
+      // this lock while it is held.
+      tensorflow::tf_shared_lock lock(*var->mu());
+      const Tensor* table = var->tensor();
+      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                           table->dims() == 2,
+                  InvalidArgument(name, ": expected a float32 [vocab, dim] "
+                                  "table, got ",
+                                  table->shape().DebugString()));
+      const int64_t dim = table->dim_size(1);
+      const int64_t batch = splits[t].NumElements() - 1;
+      int64_t len = 0;
+      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
+                                      table->dim_size(0)));
+      OP_REQUIRES_OK(ctx, CheckSequenceGrad(name, grads[t], batch, dim,
+                                            &len));
+      OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
+                                         ids[t].NumElements(), len));
+      const float* e = table->flat<float>().data();
+      const int64_t* v = ids[t].flat<int64_t>().data();
+      const int64_t* s = splits[t].flat<int64_t>().data();
+      const int64_t* p = positions[t].flat<int64_t>().data();
+      const float* g = grads[t].flat<float>().data();
+      float* dw = o->flat<float>().data();
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t j = s[b]; j < s[b + 1]; ++j) {
+          const float* row = e + v[j] * dim;
+          const float* gj = g + (b * len + p[j]) * dim;
+          float dot = 0.0f;
+          for (int64_t d = 0; d < dim; ++d) dot += row[d] * gj[d];
+          dw[j] = dot * ClipFactor(row, dim, max_norm_);
+        }
+      }
+    }
+  }
+
+ private:
+  float max_norm_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceWeightGrad")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingSequenceWeightGradOp);
+
+}  // namespace
+}  // namespace group_embedding
