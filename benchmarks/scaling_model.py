@@ -30,6 +30,7 @@ For a cluster the measured loopback latency is replaced by a network one
 """
 
 import math
+import os
 from typing import Dict
 from typing import List
 
@@ -39,7 +40,8 @@ import numpy as np
 NET_GBIT = 25.0
 ALPHA_NET_MS = 0.05      # one small TCP message through a 25 GbE switch
 PER_PEER_MS = 0.005      # per-peer cost inside one alltoallv / gather
-CYCLE_MS = 0.5           # HOROVOD_CYCLE_TIME set by collective mode
+# HOROVOD_CYCLE_TIME of the run (collective mode's default unless set).
+CYCLE_MS = float(os.environ.get("HOROVOD_CYCLE_TIME", "2"))
 PREDICT_N = (8, 16, 64, 256, 1024)
 
 

@@ -25,9 +25,12 @@ them, honouring the CounterFilter) and pools into `[B, D]` in one op; with `max_
 ONE `EVGroupGather` fetches the `[nnz, D]` rows, pooled in TF as above.
 """
 
+import math
+import numbers
 from typing import List
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib
 
@@ -154,6 +157,17 @@ def _distinct_rows(tables, feats, table_names, max_norm):
     return rows, idx
 
 
+@tf.custom_gradient
+def _dense_gradient(rows):
+    """Identity whose gradient is densified right here, in one scatter.
+
+    The gradient of `tf.gather(rows, idx)` is IndexedSlices over all ids;
+    left sparse, the concat of the tables' rows would split it with one
+    mask and gather per table over all ids.
+    """
+    return tf.identity(rows), tf.convert_to_tensor
+
+
 def _feature_rows(feat: FeatureIds) -> tf.Tensor:
     return (feat.row_ids if feat.row_ids is not None
             else _row_ids(feat.row_splits))
@@ -169,7 +183,8 @@ def _pooled_variables_tf(tables, feats, combiners, table_names, max_norm):
     if any(f.weights is not None for f in feats):
         # Per-id weights scale single ids before the sum, so the ids' rows
         # are materialised, as in stock `embedding_lookup_sparse`.
-        return pool_rows(tf.gather(rows, idx), feats, combiners)
+        return pool_rows(tf.gather(_dense_gradient(rows), idx), feats,
+                         combiners)
     k = len(feats)
     sizes = [_batch_size(f) for f in feats]
     if k == 1:
@@ -198,7 +213,7 @@ def _sequence_variables_tf(tables, feats, table_names, max_norm):
     """Pure-TF `[B, T, D]` lookup of a group of plain variables."""
     rows, idx = _distinct_rows(tables, feats, table_names, max_norm)
     if any(f.weights is not None for f in feats):
-        return sequence_rows(tf.gather(rows, idx), feats)
+        return sequence_rows(tf.gather(_dense_gradient(rows), idx), feats)
     keys, sizes, offset = [], [], tf.constant(0, tf.int64)
     for f in feats:
         t = tf.cast(f.max_len, tf.int64)
@@ -285,8 +300,10 @@ def _kernel_max_norm(max_norm) -> Optional[float]:
     as a sign flip)."""
     if max_norm is None:
         return -1.0
-    if (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-            and max_norm >= 0):
+    # numbers.Real also admits numpy scalars.
+    if (isinstance(max_norm, numbers.Real)
+            and not isinstance(max_norm, (bool, np.bool_)) and max_norm >= 0
+            and math.isfinite(max_norm)):
         return float(max_norm)
     return None
 

@@ -5,9 +5,14 @@ collectives (ids alltoall -> rows alltoall forward; gradient alltoall and
 dense allreduce backward). Horovod's background thread only starts a
 negotiation once per cycle (`HOROVOD_CYCLE_TIME`, default 1 ms), so every
 link of the chain waits on average half a cycle plus the negotiation
-itself; with steps of tens of milliseconds that latency matters more
-than bandwidth. A shorter cycle costs the background thread a little CPU
-per cycle even when idle (each cycle coordinates all ranks).
+itself. But every cycle, even an idle one, coordinates all ranks (a Gloo
+allreduce of the response-cache bits), and that thread runs on the
+worker's own core: measured with `benchmarks/alltoall_floor.py` (2
+workers, one core each), a 0.5 ms cycle made a worker's plain TF compute
+~20% slower than without Horovod and did not shorten the bare collective
+chain of a step; 2 ms cost ~0-5% and gave the shortest chain (10 ms was
+slower again). Those runs shared the machine with other jobs: re-check
+with `HOROVOD_CYCLE_TIME=... python benchmarks/scaling_bench.py`.
 
 `enable_distributed_strategy` calls `apply_defaults()` before
 `hvd.init()`; variables already in the environment (set by the user or
@@ -18,10 +23,12 @@ changed later in the process.
 import os
 from typing import Dict
 
-# Values chosen with benchmarks/scaling_bench.py (see benchmarks/README.md,
-# "Scaling"): the cycle time that gave the shortest N=2 step.
+# See the module docstring and benchmarks/README.md ("Scaling"). The
+# response cache (HOROVOD_CACHE_CAPACITY) and fusion threshold keep
+# Horovod's defaults: the lookup's all-to-alls change shape every step (no
+# cache hits) and a step has one dense allreduce request (nothing to fuse).
 DEFAULTS: Dict[str, str] = {
-    "HOROVOD_CYCLE_TIME": "0.5",
+    "HOROVOD_CYCLE_TIME": "2",
 }
 
 

@@ -42,6 +42,7 @@ from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.sharded_variable import ShardedVariable
 
 
+@tf.autograph.experimental.do_not_convert
 def exchange_ids(params, sp_ids, partition_strategy="mod",
                  params_num_per_group=sys.maxsize,
                  after=None) -> Dict[str, Any]:
@@ -81,8 +82,10 @@ def exchange_ids(params, sp_ids, partition_strategy="mod",
     tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
     names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
     out: Dict[str, Any] = {}
-    deps = [t for t in tf.nest.flatten(after, expand_composites=True)
-            if isinstance(t, (tf.Tensor, tf.Operation))] if after else []
+    deps = []
+    if after is not None:
+        deps = [t for t in tf.nest.flatten(after, expand_composites=True)
+                if isinstance(t, (tf.Tensor, tf.Operation))]
     with tf.name_scope("ge_exchange_ids"), tf.control_dependencies(deps):
         feats = lookup_inputs.to_feature_ids(sp_ids, [None] * len(sp_ids))
         for members in lookup.group_tables(tables, params_num_per_group):

@@ -40,7 +40,7 @@ def enable_distributed_strategy(strategy="collective", *,
     Initialises Horovod once (later calls are no-ops) and makes every
     embedding table created afterwards a row shard owned by this worker.
     Before `hvd.init()` it sets the Horovod variables of
-    `horovod_settings.DEFAULTS` (a shorter `HOROVOD_CYCLE_TIME`) that the
+    `horovod_settings.DEFAULTS` (`HOROVOD_CYCLE_TIME`) that the
     environment does not set already.
 
     Collective timeout: Horovod waits forever for a worker that stays

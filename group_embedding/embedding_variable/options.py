@@ -121,6 +121,7 @@ class CounterFilter(BaseFilterOption):
 
 
 SUPPORTED_COUNTER_TYPES = ("uint8", "uint16", "uint32", "uint64")
+_SIGNED_COUNTER_TYPES = ("int8", "int16", "int32", "int64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,8 @@ class CBFFilter(BaseFilterOption):
         max_element_size: distinct keys the filter is sized for, int >= 1.
         false_positive_probability: float in (0, 1).
         counter_type: tf.uint8, tf.uint16, tf.uint32 or tf.uint64
-            (default), or its name.
+            (default), or its name; a signed integer type counts in uint64
+            as in DeepRec (whose model zoo passes tf.int64).
 
     Raises:
         ValueError: an argument out of its range.
@@ -167,6 +169,10 @@ class CBFFilter(BaseFilterOption):
 
     def __post_init__(self):
         kind = getattr(self.counter_type, "name", self.counter_type)
+        if kind in _SIGNED_COUNTER_TYPES:
+            # DeepRec counts in uint64 for any type but the unsigned ones,
+            # and its model zoo passes counter_type=tf.int64.
+            kind = "uint64"
         if kind not in SUPPORTED_COUNTER_TYPES:
             raise ValueError("`counter_type` must be one of "
                              f"{', '.join(SUPPORTED_COUNTER_TYPES)}, got "

@@ -87,7 +87,17 @@ class EmbeddingVariable(tf.Module):
     The eviction policy runs just before each save. Saver keys are
     `<name>-keys`, `<name>-values`, ... (DeepRec's names); Checkpoint keys
     follow the object path (`<path>/.ATTRIBUTES/keys`), so restoring does
-    not depend on the variable's name.
+    not depend on the variable's name. The default matrix is saved as
+    `<name>/default_values` both by the default Saver (as a global
+    variable) and by `Saver(var_list=[ev, ...])` (with the EV), so either
+    Saver restores the other's checkpoints; do not list
+    `ev.default_values` next to `ev` (the Saver refuses the duplicate
+    name). Its initializer, in `EV_INIT_VAR_OPS` and in the global
+    initializer, assigns only once, as DeepRec initializes an EV once.
+
+    MetaGraphs: `export_meta_graph`/`import_meta_graph` (and SavedModel)
+    carry the EV; the imported graph's SAVEABLE_OBJECTS hold EVs bound to
+    the imported ops, so a new Saver there saves and restores them.
 
     Keras: wrap it in a `KerasEmbeddingVariable` inside the owning layer
     so that `model.fit` trains it with `ge.optimizers`.
@@ -138,10 +148,26 @@ class EmbeddingVariable(tf.Module):
                 # default_values) plus SAVEABLE_OBJECTS: the collection gets
                 # a view of this EV that saves the table alone, else the
                 # default matrix would be written twice under one name.
-                view = copy.copy(self)
-                view._saves_default_values = False
                 tf.compat.v1.add_to_collection(
-                    tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS, view)
+                    tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS,
+                    self.table_only())
+
+    def table_only(self) -> "EmbeddingVariable":
+        """This EV as a Saver entry that leaves the default matrix out.
+
+        `Saver(var_list=[ev])` saves and restores `<name>/default_values`
+        with the table. Checkpoints written by such a Saver before it did
+        so hold the table alone; restore them with
+        `Saver(var_list=[ev.table_only()])`, which restores what is there
+        and keeps the current default matrix (run
+        `ev.default_values.initializer` first in a fresh session). The
+        result shares all state with `ev`.
+        """
+        if not self._saves_default_values:
+            return self
+        view = copy.copy(self)
+        view._saves_default_values = False
+        return view
 
     def _make_defaults_init_idempotent(self):
         """Makes `default_values.initializer` assign only while the
@@ -362,14 +388,25 @@ class EmbeddingVariable(tf.Module):
         # and TF's MutableHashTable.
         factory = saveable_object_util.saveable_objects_from_trackable(
             self)[trackable_utils.SERIALIZE_TO_TENSORS_NAME]
-        out = {trackable_utils.SERIALIZE_TO_TENSORS_NAME:
-               functools.partial(factory, name=f"{self._ev_name}-")}
+
+        # The dict form `Saver({key: ev})` passes its key; the tensors keep
+        # DeepRec's names, which other readers of the checkpoint expect.
+        def table(name=None):
+            del name
+            return factory(name=f"{self._ev_name}-")
+
+        out = {trackable_utils.SERIALIZE_TO_TENSORS_NAME: table}
         if self._saves_default_values:
             # `Saver(var_list=[ev])`: the default matrix goes with the
-            # table, under the key the default Saver gives it
-            # (`<name>/default_values`), so both Savers read each other's
-            # checkpoints.
-            out["default_values"] = lambda: self.default_values
+            # table, under the key the default Saver gives the variable,
+            # so both Savers read each other's checkpoints.
+            def defaults(name=None):
+                del name
+                var = self.default_values
+                return saveable_object_util.ResourceVariableSaveable(
+                    var, "", var._shared_name)  # pylint: disable=protected-access
+
+            out["default_values"] = defaults
         return out
 
     def _restore_from_tensors(self, restored_tensors):

@@ -71,7 +71,11 @@ def dense_layer(x, units, name, activation=None):
 
 
 def model_fn(features, columns):
-    net = tf.feature_column.input_layer(features, columns)
+    # Train and eval towers share tables the TF1 way: re-entering a named
+    # scope restarts its default names, so both calls use
+    # "model/input_layer" (two bare calls would make two sets, as stock).
+    with tf.variable_scope("model", reuse=tf.AUTO_REUSE):
+        net = tf.feature_column.input_layer(features, columns)
     for i, units in enumerate([64, 32]):
         net = dense_layer(net, units, "dnn_%d" % i, tf.nn.relu)
     return tf.squeeze(dense_layer(net, 1, "logits"), 1)

@@ -420,9 +420,12 @@ def test_sequence_input_layer_matches_stock(scoped, kind):
     np.testing.assert_array_equal(n, [3, 0, 2, 3])
     for a, b in zip(go, gs):
         assert_close(a, b)
-    # One unpooled lookup (one segment sum) per scope, else per column.
+    # One unpooled lookup per scope, else per column: the C++ sequence op,
+    # or the one segment sum of the pure-TF path (sorted or unsorted ids).
+    fused = ("GroupEmbeddingSequenceLookup", "UnsortedSegmentSum",
+             "SparseSegmentSumWithNumSegments")
     ours_sums = [op for op in graph.get_operations()
-                 if op.type == "UnsortedSegmentSum"
+                 if op.type in fused
                  and op.name.startswith("sequence_input_layer/")]
     assert len(ours_sums) == (1 if scoped else 3)
 

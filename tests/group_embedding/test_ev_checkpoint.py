@@ -253,7 +253,7 @@ def _seeded_ev_and_variable():
 def test_default_values_drawn_once_by_both_init_ops():
     """Running the EV init collection, then the global initializer (and
     it again), leaves the default matrix equal to a stock variable whose
-    initializer ran once with the same seed."""
+    initializer ran once with the same seed, and never redraws it."""
     v1 = tf.compat.v1
     with tf.Graph().as_default():
         ev, var = _seeded_ev_and_variable()
@@ -261,19 +261,22 @@ def test_default_values_drawn_once_by_both_init_ops():
             sess.run(v1.get_collection(EV_INIT_VAR_OPS))
             first = sess.run(ev.default_values)
             sess.run(v1.global_variables_initializer())
+            # The plain variable has been drawn once, by this run.
+            np.testing.assert_array_equal(first, sess.run(var))
             sess.run(v1.global_variables_initializer())
             np.testing.assert_array_equal(sess.run(ev.default_values), first)
-            np.testing.assert_array_equal(first, sess.run(var))
 
 
 def _saved_graph(tmp_path, var_list):
-    """Trains nothing: initialises an EV, looks up 3 keys, saves with
-    `Saver(var_list)`; returns (path, rows, default matrix)."""
+    """Trains nothing: initialises an EV, looks up 3 keys, saves with a
+    Saver given `var_list` "list" ([ev]), "dict" ({key: ev}) or None;
+    returns (path, rows, default matrix)."""
     v1 = tf.compat.v1
     with tf.Graph().as_default():
         ev, _ = _seeded_ev_and_variable()
         rows = ev.lookup_rows(tf.constant([1, 2, 9], tf.int64))
-        saver = v1.train.Saver([ev] if var_list else None)
+        saver = v1.train.Saver(
+            {"list": [ev], "dict": {"any_key": ev}, None: None}[var_list])
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             want = sess.run(rows)
@@ -282,12 +285,13 @@ def _saved_graph(tmp_path, var_list):
     return path, want, defaults
 
 
-@pytest.mark.parametrize("save_var_list", [True, False])
+@pytest.mark.parametrize("save_var_list", ["list", "dict", None])
 def test_saver_var_list_restores_default_values(tmp_path, save_var_list):
     """`Saver(var_list=[ev])` saves and restores the default matrix
     under the key the default Saver uses (`<name>/default_values`), so a
     restored EV reads its saved rows and its saved defaults; each Saver
-    reads the other's checkpoint."""
+    reads the other's checkpoint, and the dict form writes the same
+    keys."""
     v1 = tf.compat.v1
     path, want, defaults = _saved_graph(tmp_path, save_var_list)
     names = dict(tf.train.list_variables(path))
@@ -308,7 +312,7 @@ def test_saver_var_list_restores_default_values(tmp_path, save_var_list):
 def test_saver_default_saves_default_values_once(tmp_path):
     """The default Saver writes one `<name>/default_values` tensor and
     nothing else named after the default matrix."""
-    path, _, _ = _saved_graph(tmp_path, var_list=False)
+    path, _, _ = _saved_graph(tmp_path, var_list=None)
     names = [n for n, _ in tf.train.list_variables(path)
              if "default_values" in n]
     assert names == ["seeded_ev/default_values"]
@@ -345,3 +349,37 @@ def test_meta_graph_round_trip_restores_saved_values(tmp_path):
             np.testing.assert_array_equal(sess.run("rows:0"), want)
             keys, _, _, _ = sess.run(restored_ev.export())
     assert sorted(keys) == [1, 2, 9]
+
+
+def test_table_only_checkpoint_restores_with_fallback(tmp_path):
+    """A checkpoint without `<name>/default_values` (what
+    `Saver(var_list=[ev])` wrote before it saved them): `Saver([ev])`
+    fails naming the missing key, `Saver([ev.table_only()])` restores the
+    table and keeps the current default matrix."""
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        ev, _ = _seeded_ev_and_variable()
+        rows = ev.lookup_rows(tf.constant([1, 2, 9], tf.int64))
+        saver = v1.train.Saver([ev.table_only()])
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            want = sess.run(rows)
+            path = saver.save(sess, str(tmp_path / "model.ckpt"))
+    assert "seeded_ev/default_values" not in dict(
+        tf.train.list_variables(path))
+    with tf.Graph().as_default():
+        ev, _ = _seeded_ev_and_variable()
+        rows = ev.lookup_rows(tf.constant([1, 2, 9, 12], tf.int64))
+        with v1.Session() as sess:
+            with pytest.raises(tf.errors.NotFoundError,
+                               match="seeded_ev/default_values"):
+                v1.train.Saver([ev]).restore(sess, path)
+        with v1.Session() as sess:
+            sess.run(ev.default_values.initializer)
+            current = sess.run(ev.default_values)
+            v1.train.Saver([ev.table_only()]).restore(sess, path)
+            got = sess.run(rows)
+            np.testing.assert_array_equal(sess.run(ev.default_values),
+                                          current)
+    np.testing.assert_array_equal(got[:3], want)
+    np.testing.assert_array_equal(got[3], current[4])

@@ -249,7 +249,14 @@ class TestCBFFilter:
         with pytest.raises(ValueError, match="false_positive_probability"):
             ge.CBFFilter(2, 10, 1.5)
         with pytest.raises(ValueError, match="counter_type"):
-            ge.CBFFilter(2, 10, 0.01, tf.int32)
+            ge.CBFFilter(2, 10, 0.01, tf.float32)
+
+    @pytest.mark.parametrize("dtype", [tf.int64, tf.int32, "int8"])
+    def test_signed_counter_type_counts_in_uint64(self, dtype):
+        # DeepRec's model zoo passes counter_type=tf.int64; DeepRec counts
+        # in uint64 for every type but the unsigned ones.
+        f = ge.CBFFilter(3, 2 ** 10, 0.01, counter_type=dtype)
+        assert f.counter_type == "uint64" and f.counter_bytes == 8
 
     def test_admission_and_no_memory_before(self):
         # DeepRec's testEVInitializerWithBloomFeatureFilter: filter_freq=3,

@@ -321,7 +321,7 @@ def session_config(tf, args):
     return config
 
 
-def report(args, model, auc, first_loss, last_loss, steps):
+def report(args, model, auc, first_loss, last_loss, steps, optimizer=None):
     """Prints the one JSON line the test reads."""
     print(json.dumps({
         "model": model, "auc": auc, "first_loss": first_loss,
@@ -329,7 +329,7 @@ def report(args, model, auc, first_loss, last_loss, steps):
         "ev": args.ev, "ev_filter": args.ev_filter,
         "ev_elimination": args.ev_elimination,
         "group_embedding": args.group_embedding,
-        "optimizer": "adam" if args.tf else args.optimizer}))
+        "optimizer": optimizer or ("adam" if args.tf else args.optimizer)}))
 
 
 def write_criteo_csv(directory, rows=30000, eval_fraction=0.2, seed=0,

@@ -1,0 +1,205 @@
+"""DeepRec's model zoo scripts (DLRM, DeepFM, DCNv2; our compact versions
+in `modelzoo/`) with their DeepRec embedding flags reach the AUC of the same
+script run as the stock-TF baseline (`--tf`).
+
+Each script runs in a subprocess on a generated Criteo CSV (30k rows,
+`tutorials/data.py`), `TF_USE_LEGACY_KERAS=1` for `tf.layers`. The stock AUC
+of each script is computed once per session. Thresholds: ours within
+`AUC_TOLERANCE` of stock (the issue's "Done when"), and above `AUC_FLOOR`
+so that two broken runs cannot pass together (the generator's Bayes AUC is
+about 0.8; stock reaches 0.65-0.77 here).
+
+Also the regressions found on the way: AdamAsync / AdagradDecay on TF1
+reference variables, and `tf.feature_column.input_layer` called twice
+making two sets of tables as stock does.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ZOO = os.path.join(_HERE, "modelzoo")
+sys.path.insert(0, _ZOO)
+import common  # noqa: E402
+
+AUC_TOLERANCE = 0.02
+AUC_FLOOR = 0.6
+V1 = tf.compat.v1
+
+# Per script: extra flags of every run (stock included), so that a run
+# learns within seconds: a fixed step count, and for DCNv2 a larger
+# Adagrad rate than DeepRec's 0.01 (which barely moves in 150 steps).
+SCRIPT_FLAGS = {
+    "dlrm": [],                       # one epoch, DeepRec's defaults
+    "deepfm": ["--steps", "150"],
+    "dcnv2": ["--steps", "150", "--learning_rate", "0.3"],
+}
+DEEPREC_DEFAULTS = ["--ev", "True", "--ev_filter", "counter",
+                    "--ev_elimination", "gstep",
+                    "--group_embedding", "localized"]
+# The model zoo's CBFFilter(max_element_size=2**30) sizes 10**10 counters
+# per column (82 GB of uint64); 2**16 keys is what the data needs.
+CBF_L2 = ["--ev", "True", "--ev_filter", "cbf", "--cbf_max_element_size",
+          str(2 ** 16), "--ev_elimination", "l2",
+          "--group_embedding", "localized"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("criteo"))
+    common.write_criteo_csv(directory, rows=30000, seed=0)
+    return directory
+
+
+def run_script(model, data_dir, flags, tmp_path_factory):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_USE_LEGACY_KERAS="1")
+    checkpoint = str(tmp_path_factory.mktemp("ckpt_" + model))
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore",
+         os.path.join(_ZOO, model + "_script.py"),
+         "--data_location", data_dir, "--checkpoint", checkpoint]
+        + SCRIPT_FLAGS[model] + flags,
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, (model, flags, proc.stderr[-4000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def stock_auc(data_dir, tmp_path_factory):
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            result = run_script(model, data_dir, ["--tf"], tmp_path_factory)
+            assert result["stock"] and result["last_loss"] < \
+                result["first_loss"], result
+            cache[model] = result["auc"]
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.parametrize("model,flags", [
+    ("dlrm", DEEPREC_DEFAULTS),
+    ("dlrm", CBF_L2),
+    ("deepfm", DEEPREC_DEFAULTS),
+    ("deepfm", CBF_L2),
+    ("dcnv2", DEEPREC_DEFAULTS),
+    ("dcnv2", DEEPREC_DEFAULTS + ["--use_feature_columns"]),
+], ids=["dlrm-counter-gstep", "dlrm-cbf-l2", "deepfm-counter-gstep",
+        "deepfm-cbf-l2", "dcnv2-counter-gstep", "dcnv2-feature-columns"])
+def test_deeprec_flags_reach_stock_auc(model, flags, data_dir, stock_auc,
+                                       tmp_path_factory):
+    ours = run_script(model, data_dir, flags, tmp_path_factory)
+    stock = stock_auc(model)
+    assert not ours["stock"] and ours["ev"], ours
+    assert ours["auc"] > AUC_FLOOR, (ours, stock)
+    assert abs(ours["auc"] - stock) <= AUC_TOLERANCE, (ours, stock)
+
+
+# --- regressions ---------------------------------------------------------
+
+
+@pytest.fixture
+def compat():
+    module = importlib.import_module("group_embedding.compat")
+    module.install()
+    yield module
+    module.uninstall()
+
+
+@pytest.mark.parametrize("name", ["AdamAsyncOptimizer",
+                                  "AdagradDecayOptimizer"])
+def test_deeprec_optimizers_train_reference_variables(name):
+    # DeepRec scripts run `disable_v2_behavior()`: plain variables are
+    # RefVariables, which the TF1 base class updates through `_apply_dense`
+    # / `_apply_sparse` (NotImplementedError before). Same numbers as on
+    # resource variables.
+    import group_embedding as ge
+    results = []
+    for use_resource in (False, True):
+        with tf.Graph().as_default():
+            dense = V1.get_variable("dense", initializer=[[1.0, 2.0]],
+                                    use_resource=use_resource)
+            table = V1.get_variable("table", initializer=np.arange(
+                12, dtype=np.float32).reshape(4, 3),
+                use_resource=use_resource)
+            assert (dense.op.type == "VarHandleOp") == use_resource
+            emb = tf.gather(table, [0, 2, 2])
+            loss = tf.reduce_sum(emb * emb) + tf.reduce_sum(dense * dense)
+            step = V1.train.get_or_create_global_step()
+            opt = (ge.train.AdamAsyncOptimizer(0.1)
+                   if name == "AdamAsyncOptimizer"
+                   else ge.train.AdagradDecayOptimizer(0.1, step))
+            train = opt.minimize(loss, global_step=step)
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                for _ in range(3):
+                    sess.run(train)
+                results.append(sess.run([dense, table]))
+    (ref_dense, ref_table), (res_dense, res_table) = results
+    np.testing.assert_allclose(ref_dense, res_dense, rtol=1e-6)
+    np.testing.assert_allclose(ref_table, res_table, rtol=1e-6)
+    assert not np.allclose(ref_table[2], np.arange(6, 9))  # it trained
+    np.testing.assert_array_equal(ref_table[1], np.arange(3, 6))
+
+
+def _embedding_tables(columns_fn, calls):
+    with tf.Graph().as_default():
+        features = {"a": tf.constant([["x"], ["y"]])}
+        columns = columns_fn()
+        for scope in calls:
+            if scope is None:
+                V1.feature_column.input_layer(features, columns)
+            else:
+                with V1.variable_scope(scope, reuse=V1.AUTO_REUSE):
+                    V1.feature_column.input_layer(features, columns)
+        return sorted(v.name for v in V1.global_variables())
+
+
+def _columns():
+    return [V1.feature_column.embedding_column(
+        V1.feature_column.categorical_column_with_hash_bucket("a", 10), 4)]
+
+
+def test_input_layer_twice_makes_tables_as_stock(compat):
+    # DeepRec's DeepFM builds its wide and deep inputs with two
+    # input_layer calls: stock (and DeepRec) give each call its own
+    # tables, input_layer/ and input_layer_1/; re-entering a named scope
+    # shares them (the TF1 idiom for train / eval towers).
+    for calls in ([None, None], ["model", "model"]):
+        ours = _embedding_tables(_columns, calls)
+        compat.uninstall()
+        stock = _embedding_tables(_columns, calls)
+        compat.install()
+        assert ours == stock, (calls, ours, stock)
+    assert len(_embedding_tables(_columns, [None, None])) == 2
+    assert len(_embedding_tables(_columns, ["model", "model"])) == 1
+
+
+def test_input_layer_twice_makes_two_evs(compat):
+    def ev_columns():
+        with V1.feature_column.group_embedding_column_scope(name="g"):
+            return [V1.feature_column.embedding_column(
+                V1.feature_column.categorical_column_with_embedding(
+                    "a", dtype=tf.string), 4)]
+
+    # The module (the package re-exports the function under its name).
+    il = sys.modules["group_embedding.feature_column.input_layer"]
+    with tf.Graph().as_default() as graph:
+        features = {"a": tf.constant([["x"], ["y"]])}
+        columns = ev_columns()
+        V1.feature_column.input_layer(features, columns)
+        V1.feature_column.input_layer(features, columns)
+        evs = il._graph_state(graph).evs
+    assert len(evs) == 2, sorted(evs)
+    assert sorted(evs) == ["input_layer/a_embedding/embedding_weights",
+                           "input_layer_1/a_embedding/embedding_weights"]
