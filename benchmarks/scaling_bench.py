@@ -14,10 +14,15 @@ no Horovod), pinned to core 0 with one TF thread. N=2 runs
 oversubscribed on a 2-core machine (two ranks share core 0) and is shown
 for information only.
 
-    python benchmarks/scaling_bench.py                  # N=1,2,3; ~5 min
+    python benchmarks/scaling_bench.py                  # N=1,2,2p,3; ~7 min
     python benchmarks/scaling_bench.py --quick          # smoke run
+    python benchmarks/scaling_bench.py --sizes 1,2,2p   # skip N=3
 
-Launches alternate N=1, N=2, N=3 `--launches` times; each launch times
+`2p` is N=2 with `ge.distributed.exchange_ids` pipelining (the next
+batch's ids are routed and sent during the step). Horovod variables in the
+environment (e.g. HOROVOD_CYCLE_TIME) reach the workers and are recorded.
+
+Launches alternate the runs `--launches` times (N>=3 once); each launch times
 `--rounds` rounds of `--steps` back-to-back steps after a barrier (a
 round's step time is its slowest worker's). Efficiency = median step(N=1)
 / median step(N=2), both from this run. Then, per N, a few extra steps run
@@ -254,11 +259,8 @@ def worker(args):
                 loss = tf.reduce_mean(tf.square(tf.matmul(emb, dense)))
         nxt = {}
         if next_ids is not None:
-            # After the loss: the next batch's exchange overlaps the
-            # backward (see ge.distributed.exchange_ids).
             with tf.name_scope("next_batch"):
-                nxt = ge.distributed.exchange_ids(tables, next_ids,
-                                                  after=loss)
+                nxt = ge.distributed.exchange_ids(tables, next_ids)
         with tf.name_scope("backward"):
             grads = tape.gradient(loss, vs)
         # What ge.DistributedGradientTape does after tape.gradient.

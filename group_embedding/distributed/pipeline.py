@@ -5,8 +5,8 @@ In collective mode a grouped lookup first routes its ids (dedup, bucket by
 owner) and sends them to their owners with an `alltoall`, then fetches the
 rows with a second one. The first part depends only on the batch, not on
 any variable, so it can run one step ahead: the step that trains on batch
-t also routes and sends the ids of batch t+1, and that exchange waits in
-Horovod's background thread while this step computes. The results are
+t also routes and sends the ids of batch t+1, and that exchange can wait
+in Horovod's background thread while this step computes. The results are
 exactly those of the plain loop (owners still read their rows after the
 previous update).
 
@@ -16,11 +16,8 @@ previous update).
             with ge.distributed.use_exchanged_ids(exchanged):
                 emb = ge.group_embedding_lookup_sparse(tables, sp_ids, "sum")
             loss = ...
-        # After the loss: the exchange overlaps the backward.
-        exchanged = ge.distributed.exchange_ids(tables, next_sp_ids,
-                                                after=loss)
         ...  # gradients, ge.allreduce_gradients, optimizer, as usual
-        return loss, exchanged
+        return loss, ge.distributed.exchange_ids(tables, next_sp_ids)
 
     exchanged = tf.function(ge.distributed.exchange_ids)(tables, batches[0])
     for t in range(steps):
@@ -29,6 +26,13 @@ previous update).
 Pass `exchange_ids` the same tables, in the same order, as the lookup (and
 the same `params_num_per_group`). Outside collective mode both functions
 do nothing, so the same loop runs in a single process.
+
+Limit (seen in the Horovod timeline of benchmarks/scaling_bench.py): TF
+issues the next batch's alltoall late in the step, in the same Horovod
+cycle as the gradient alltoall, and Horovod's background thread runs
+collectives one at a time, so the exchange often runs after the gradient
+alltoall instead of during compute. Measure (`--sizes 1,2,2p`) before
+relying on it.
 """
 
 import contextlib
@@ -44,8 +48,7 @@ from group_embedding.distributed.sharded_variable import ShardedVariable
 
 @tf.autograph.experimental.do_not_convert
 def exchange_ids(params, sp_ids, partition_strategy="mod",
-                 params_num_per_group=sys.maxsize,
-                 after=None) -> Dict[str, Any]:
+                 params_num_per_group=sys.maxsize) -> Dict[str, Any]:
     """Routes `sp_ids` and sends them to their owners, ahead of the lookup.
 
     Args:
@@ -55,12 +58,6 @@ def exchange_ids(params, sp_ids, partition_strategy="mod",
             call will look up.
         partition_strategy: as the lookup's.
         params_num_per_group: as the lookup's.
-        after: optional tensors the routing waits for. Inside a step,
-            pass the forward's loss: the exchange then runs during the
-            backward, in the gap between the rows and the gradient
-            all-to-alls, instead of being queued with them (Horovod runs
-            collectives one at a time, so a late exchange delays the
-            step's end).
 
     Returns:
         A dict of tensors (pass it through `tf.function` arguments and
@@ -82,11 +79,7 @@ def exchange_ids(params, sp_ids, partition_strategy="mod",
     tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
     names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
     out: Dict[str, Any] = {}
-    deps = []
-    if after is not None:
-        deps = [t for t in tf.nest.flatten(after, expand_composites=True)
-                if isinstance(t, (tf.Tensor, tf.Operation))]
-    with tf.name_scope("ge_exchange_ids"), tf.control_dependencies(deps):
+    with tf.name_scope("ge_exchange_ids"):
         feats = lookup_inputs.to_feature_ids(sp_ids, [None] * len(sp_ids))
         for members in lookup.group_tables(tables, params_num_per_group):
             g_tables = [tables[i] for i in members]
