@@ -251,6 +251,17 @@ class TestCBFFilter:
         with pytest.raises(ValueError, match="counter_type"):
             ge.CBFFilter(2, 10, 0.01, tf.float32)
 
+    def test_oversized_filter_is_refused_naming_the_ev(self):
+        # DeepRec's model zoo asks for max_element_size=2**30 at p=0.01:
+        # about 10**10 uint64 counters, more than any test machine holds.
+        # It must be a clear error at creation, not an allocation failure.
+        option = ge.EmbeddingVariableOption(filter_option=ge.CBFFilter(
+            3, 2 ** 30, 0.01, counter_type=tf.int64))
+        with pytest.raises(ValueError,
+                           match=r"'cbf_huge'.*CBFFilter.*GiB.*"
+                                 r"max_element_size"):
+            ge.get_embedding_variable("cbf_huge", 4, ev_option=option)
+
     @pytest.mark.parametrize("dtype", [tf.int64, tf.int32, "int8"])
     def test_signed_counter_type_counts_in_uint64(self, dtype):
         # DeepRec's model zoo passes counter_type=tf.int64; DeepRec counts
