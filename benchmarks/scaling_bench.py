@@ -108,6 +108,8 @@ def classify(name, op_type):
         return by_type[op_type]
     if op_type.startswith("Horovod"):
         return "collective enqueue"
+    if op_type == "PeerAllToAll":
+        return "peer exchange"
     if "optimizer/" in name:
         return PHASES[8]
     if "gradient_reduction/" in name:
@@ -143,6 +145,9 @@ def profile_phases(logdir):
                 name, _, op_type = label.rpartition(":")
                 phase = classify(name, op_type)
                 phases[phase] = phases.get(phase, 0.0) + ms
+                if op_type == "PeerAllToAll":
+                    phases["peer exchange count"] = phases.get(
+                        "peer exchange count", 0.0) + 1
                 key = f"{phase} | {op_type}"
                 ops[key] = ops.get(key, 0.0) + ms
     return phases, ops, wall
@@ -157,6 +162,8 @@ def timeline_collectives(path, steps):
     """
     with open(path) as f:
         text = f.read().strip()
+    if not text:
+        return {}  # no Horovod collective ran (peer-socket transport)
     if not text.endswith("]"):
         text = text.rstrip(",") + "]"
     events = json.loads(text)
@@ -222,6 +229,36 @@ def exchange_bytes(batch, vocabs, dim, rank, size):
                 sum(to_owner[o] for o in remote))}
 
 
+def probe_peer_exchange(row_bytes, reps=30):
+    """Latency (tiny exchange) and bandwidth (an exchange of `row_bytes`
+    per peer) of the peer-socket transport, on the benchmark's cores."""
+    import tensorflow as tf
+    from group_embedding.distributed import transport
+    size = transport.world_size()
+    tiny = tf.zeros([size, 1])
+    rows = max(1, int(row_bytes // 64 // max(size - 1, 1)))
+    big = tf.zeros([size * rows, 16])
+
+    @tf.function
+    def exchange(x, n):
+        got, _ = transport.alltoall(x, tf.fill([size], n), "probe")
+        return tf.reduce_sum(got)
+
+    def timed(x, n):
+        exchange(x, n).numpy()
+        start = time.perf_counter()
+        for _ in range(reps):
+            exchange(x, n).numpy()
+        return (time.perf_counter() - start) / reps * 1e3
+
+    latency = timed(tiny, 1)
+    big_ms = timed(big, rows)
+    sent = 64 * rows * (size - 1)
+    return {"latency_ms": latency,
+            "bytes_per_ms": sent / max(big_ms - latency, 1e-6),
+            "exchange_ms": big_ms, "exchange_bytes": sent}
+
+
 def worker(args):
     """One worker: time the rounds, profile a few steps, print a record."""
     rank, core = _pin_and_limit_threads()
@@ -232,6 +269,7 @@ def worker(args):
     sys.path.insert(0, HERE)
     import criteo_like
     import group_embedding as ge
+    from group_embedding.distributed import transport
 
     size = args.workers
     hvd = None
@@ -346,6 +384,9 @@ def worker(args):
     if hvd is not None and rank == 0:
         time.sleep(0.2)  # the timeline writer thread flushes
         record["collectives"] = timeline_collectives(timeline, n)
+    if hvd is not None and transport.active():
+        record["peer_probe"] = probe_peer_exchange(
+            record["exchange_bytes"]["rows_alltoall"])
     if hvd is not None:
         records = hvd.allgather_object(record)
     else:
@@ -391,6 +432,25 @@ def breakdown(records):
     coll = next((r["collectives"] for r in records if "collectives" in r),
                 {})
     transfer = sum(c["transfer_ms"] for c in coll.values())
+    peer = [r for r in records if r["phases_ms"].get("peer exchange count")]
+    if peer:
+        # Peer-socket transport: no negotiation; each exchange op's time
+        # is its transfer plus the wait for the slower worker. Split it
+        # with the latency and bandwidth probed in the same run.
+        probe = next(r["peer_probe"] for r in peer if "peer_probe" in r)
+        count = statistics.mean(r["phases_ms"]["peer exchange count"]
+                                for r in peer)
+        op_ms = statistics.mean(r["phases_ms"]["peer exchange"]
+                                for r in peer)
+        ex = records[0]["exchange_bytes"]
+        nbytes = ex["ids_alltoall"] + ex["rows_alltoall"] + ex["grads_alltoall"]
+        wire = count * probe["latency_ms"] + nbytes / probe["bytes_per_ms"]
+        coll = {"peer_alltoall": {
+            "count": count, "negotiate_ms": 0.0,
+            "transfer_ms": min(wire, op_ms), "allreduce_bytes": 0,
+            "op_ms": op_ms, "latency_ms": probe["latency_ms"],
+            "bytes_per_ms": probe["bytes_per_ms"]}}
+        transfer = coll["peer_alltoall"]["transfer_ms"]
     out = []
     for r in sorted(records, key=lambda r: r["rank"]):
         phases = {p: r["phases_ms"].get(p, 0.0) for p in PHASES[:-2]}

@@ -7,7 +7,7 @@ keys are owned by worker `key mod N`), every worker:
 3. looks up what it received in its own shards (one fused op);
 4. returns the rows with a second `alltoall`;
 5. pools the rows of its own batch locally.
-Autodiff runs the same path backwards (Horovod's alltoall gradient), so
+Autodiff runs the same path backwards (the alltoall's gradient), so
 each owner receives exactly the gradient rows of the ids it owns and its
 optimizer updates only those rows of its shard.
 
@@ -24,11 +24,22 @@ from typing import Any, Dict, List, Optional
 import tensorflow as tf
 
 from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.distributed import transport
 from group_embedding.ops import collective_routing
 from group_embedding.ops import ev_storage
 from group_embedding.ops import fused_lookup
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.distributed.sharded_variable import ShardedVariable
+
+# The exchanges (steps 2 and 4, and the gradient of 4) go over
+# `transport`'s peer sockets when they are connected, else Horovod.
+
+
+def _alltoall(hvd, data, splits, name):
+    """One exchange: over the peer sockets when connected, else Horovod."""
+    if transport.active():
+        return transport.alltoall(data, splits, name)
+    return hvd.alltoall(data, splits=splits)
 
 
 def _one_id_rows(ids: tf.Tensor, name: str) -> FeatureIds:
@@ -130,7 +141,8 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
                      order)
     splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=size,
                               maxlength=size)
-    received, received_splits = hvd.alltoall(send, splits=splits)
+    key = group_key(names)
+    received, received_splits = _alltoall(hvd, send, splits, f"ids:{key}")
     # Owner side: one fused lookup of what was received, per table.
     which = tf.cast(received[:, 0], tf.int32)
     parts = tf.dynamic_partition(received[:, 1], which, k)
@@ -140,7 +152,7 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
     lookup = _owner_rows_ev if is_ev else _owner_rows_sharded
     owned = tf.dynamic_stitch(positions,
                               lookup(tables, parts, counts, names, training))
-    returned, _ = hvd.alltoall(owned, splits=received_splits)
+    returned, _ = _alltoall(hvd, owned, received_splits, f"rows:{key}")
     # Undo the sort by owner, then expand unique ids to every occurrence.
     unique_rows = tf.gather(returned, tf.math.invert_permutation(order))
     return tf.gather(unique_rows, tf.concat(slots, 0))
@@ -181,7 +193,8 @@ def exchange_group_ids(tables, feats, names) -> Dict[str, Any]:
         [f.values for f in feats], [t.vocab_size for t in tables],
         [t.embedding_dim for t in tables],
         [t.partition_strategy for t in tables], hvd.size(), names)
-    received, received_splits = hvd.alltoall(send, splits=send_splits)
+    received, received_splits = _alltoall(hvd, send, send_splits,
+                                          f"ids:{group_key(names)}")
     return {"received": received, "received_splits": received_splits,
             "offsets": tuple(offsets)}
 
@@ -238,7 +251,8 @@ def kernel_pooled_lookup(tables, feats, combiners, names) -> List[tf.Tensor]:
     rows, row_splits = collective_routing.owner_gather(
         [t.shard_variable for t in tables], received, received_splits, dims,
         names)
-    returned, _ = hvd.alltoall(rows, splits=row_splits)
+    returned, _ = _alltoall(hvd, rows, row_splits,
+                            f"rows:{group_key(names)}")
     return collective_routing.pool(returned, offsets, feats, combiners, dims)
 
 

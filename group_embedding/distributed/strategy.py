@@ -16,6 +16,7 @@ from typing import Any, Optional
 import keras
 
 from group_embedding.distributed import horovod_settings
+from group_embedding.distributed import transport
 from group_embedding.distributed import watchdog
 
 SUPPORTED_STRATEGIES = ("collective",)
@@ -102,6 +103,9 @@ def enable_distributed_strategy(strategy="collective", *,
     hvd.init()
     _state["hvd"] = hvd
     _state["collectives"] = _start_watchdog(hvd, timeout)
+    # The step's exchanges go over peer sockets (no negotiation) unless
+    # GROUP_EMBEDDING_TRANSPORT=horovod; see transport.py.
+    transport.connect(hvd, timeout)
     _state["timeout"] = timeout
     _state["strategy"] = strategy
     return hvd

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.distributed import transport
 from group_embedding.embedding_variable.keras_variable import embedding_variable_of
 from group_embedding.ops import sparse_apply
 
@@ -52,19 +53,31 @@ def allreduce_gradients(gradients, variables):
                 g = g / size
             reduced.append(_unique_rows(g))
         elif isinstance(g, tf.IndexedSlices):
-            reduced.append(_unique_rows(hvd.allreduce(g, op=hvd.Average)))
+            reduced.append(_unique_rows(_allreduce_slices(hvd, g, i)))
         else:
             reduced.append(None)
             dense_at.append(i)
     if dense_at:
         # One grouped request for all dense gradients: Horovod negotiates
         # and reduces them together instead of one collective each.
-        averaged = hvd.grouped_allreduce(
-            [tf.convert_to_tensor(gradients[i]) for i in dense_at],
-            op=hvd.Average)
+        dense = [tf.convert_to_tensor(gradients[i]) for i in dense_at]
+        if transport.active():
+            averaged = transport.allreduce_mean(dense, "dense_gradients")
+        else:
+            averaged = hvd.grouped_allreduce(dense, op=hvd.Average)
         for i, g in zip(dense_at, averaged):
             reduced[i] = g
     return reduced
+
+
+def _allreduce_slices(hvd, grad, i):
+    """Averaged IndexedSlices: every worker's rows, concatenated."""
+    if not transport.active():
+        return hvd.allreduce(grad, op=hvd.Average)
+    size = transport.world_size()
+    values = transport.allgather(grad.values, f"slices{i}/values")
+    indices = transport.allgather(grad.indices, f"slices{i}/indices")
+    return tf.IndexedSlices(values / size, indices, grad.dense_shape)
 
 
 # Ops whose gradient indices are already distinct (the C++ collective

@@ -115,6 +115,9 @@ def main():
     hvd = ge.enable_distributed_strategy("collective")
     # Idempotent: a second call returns the same initialised module.
     assert ge.enable_distributed_strategy("collective") is hvd
+    from group_embedding.distributed import transport
+    print(f"transport: {'sockets' if transport.active() else 'horovod'}",
+          flush=True)
     rank, size = hvd.rank(), hvd.size()
     width = sum(DIMS) + 3
     dense_init = np.random.default_rng(7).normal(

@@ -28,13 +28,16 @@ PIPELINE_CASES = [
 ]
 
 
-def run_workers(workers, script, *args, timeout=300):
-    """Runs `script` under horovodrun; returns the CompletedProcess."""
+def run_workers(workers, script, *args, timeout=300, env=None):
+    """Runs `script` under horovodrun; returns the CompletedProcess.
+
+    `env`: extra environment variables for the workers."""
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     return subprocess.run(
         [horovodrun, "-np", str(workers), "--gloo", sys.executable,
          os.path.join(_HERE, script), *args],
-        capture_output=True, text=True, timeout=timeout)
+        capture_output=True, text=True, timeout=timeout,
+        env=None if env is None else {**os.environ, **env})
 
 
 @pytest.mark.parametrize("workers,partition,optimizer,uneven", CASES)
@@ -46,6 +49,22 @@ def test_equals_single_process(workers, partition, optimizer, uneven):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count("equal the single-process run") == workers, out[-4000:]
+    assert out.count("transport: sockets") == workers, out[-4000:]
+
+
+@pytest.mark.parametrize("workers,uneven", [(2, False), (3, True)])
+def test_horovod_transport_equals_single_process(workers, uneven):
+    # The default exchanges go over peer sockets (transport.py); Horovod's
+    # alltoall stays available and must give the same numbers.
+    args = ["--partition", "mod", "--optimizer", "adagrad"]
+    if uneven:
+        args.append("--uneven")
+    result = run_workers(workers, "collective_train.py", *args,
+                         env={"GROUP_EMBEDDING_TRANSPORT": "horovod"})
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("equal the single-process run") == workers, out[-4000:]
+    assert out.count("transport: horovod") == workers, out[-4000:]
 
 
 @pytest.mark.parametrize("workers,partition,optimizer,uneven",

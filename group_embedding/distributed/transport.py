@@ -1,0 +1,256 @@
+"""Worker-to-worker exchange for collective mode, without negotiation.
+
+Collective mode's step is a chain of exchanges (ids out, rows back,
+gradients out, dense gradients averaged). Horovod negotiates every one of
+them through rank 0 on a background thread that wakes once per cycle, and
+its alltoall sends the split sizes in a round of their own: measured on
+the scaling benchmark that latency, not the bytes, was most of the step.
+
+Here the workers open one TCP connection per pair once, in
+`enable_distributed_strategy` (addresses found through Horovod), and every
+exchange is the C++ op `PeerAllToAll` (`ops/kernels/peer_exchange_ops.cc`)
+over those sockets: each worker runs the same exchanges in the same order
+(chained with control dependencies within a graph), and each message
+carries a tag that the receiver checks, so a mismatch is an error rather
+than mixed-up data. A worker that dies closes its sockets: the others fail
+at once with its rank.
+
+`GROUP_EMBEDDING_TRANSPORT` picks the transport: `auto` (default: the
+sockets when the C++ kernels are loaded, else Horovod), `sockets`
+(required: an error if they cannot be set up) or `horovod`.
+`GROUP_EMBEDDING_TRANSPORT_HOST` sets the address peers use to reach this
+worker (default: the address of `HOROVOD_HOSTNAME`, the host name that
+horovodrun gives each worker).
+"""
+
+import os
+import secrets
+import socket
+import struct
+import weakref
+import zlib
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from group_embedding.ops import kernel_library
+
+TRANSPORTS = ("auto", "sockets", "horovod")
+_HELLO = struct.Struct("!16sq")  # job token, rank of the connecting worker
+_state = {"fds": None, "sockets": [], "rank": 0, "size": 1,
+          "timeout": 600.0}
+# Per graph, the last exchange created: the next one runs after it, so
+# every worker runs its exchanges in program order.
+_last_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def transport_mode() -> str:
+    """`GROUP_EMBEDDING_TRANSPORT`, checked (default "auto")."""
+    mode = os.environ.get("GROUP_EMBEDDING_TRANSPORT", "auto").lower()
+    if mode not in TRANSPORTS:
+        raise ValueError(
+            f"Invalid `GROUP_EMBEDDING_TRANSPORT`: {mode!r}, use one of "
+            f"{', '.join(TRANSPORTS)}.")
+    return mode
+
+
+def _library():
+    lib = kernel_library.load()
+    if lib is None or not hasattr(lib, "peer_all_to_all"):
+        return None
+    return lib
+
+
+def _own_host() -> str:
+    explicit = os.environ.get("GROUP_EMBEDDING_TRANSPORT_HOST")
+    if explicit:
+        return explicit
+    name = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
+
+
+def _object_collective(fn, obj):
+    # Horovod's object collectives run TF ops; a throwaway graph and
+    # session make them work whether or not eager execution is on.
+    with tf.Graph().as_default():
+        with tf.compat.v1.Session() as session:
+            return fn(obj, session=session)
+
+
+def connect(hvd, timeout: float) -> bool:
+    """Opens this worker's connections to every other worker.
+
+    Called once by `enable_distributed_strategy`, on every worker.
+
+    Args:
+        hvd: the initialised `horovod.tensorflow` module (used to find the
+            peers' addresses).
+        timeout: seconds an exchange may wait for a silent peer.
+
+    Returns:
+        True when the socket transport is in use, False for Horovod's.
+
+    Raises:
+        RuntimeError: `GROUP_EMBEDDING_TRANSPORT=sockets` and the kernels
+            are not loaded or a peer cannot be reached.
+    """
+    mode = transport_mode()
+    _state["rank"], _state["size"] = hvd.rank(), hvd.size()
+    _state["timeout"] = float(timeout) if timeout else 600.0
+    if mode == "horovod" or hvd.size() == 1:
+        return False
+    if _library() is None:
+        if mode == "sockets":
+            raise RuntimeError(
+                "GROUP_EMBEDDING_TRANSPORT=sockets needs the C++ kernels; "
+                f"run `{kernel_library.DIAGNOSE_COMMAND}`.")
+        return False
+    rank, size = hvd.rank(), hvd.size()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("", 0))
+    listener.listen(size)
+    token = _object_collective(hvd.broadcast_object,
+                               secrets.token_bytes(16))
+    addresses = _object_collective(
+        hvd.allgather_object, (_own_host(), listener.getsockname()[1]))
+    peers: List[Optional[socket.socket]] = [None] * size
+    try:
+        # The lower rank connects, the higher accepts: one socket a pair.
+        for j in range(rank + 1, size):
+            s = socket.create_connection(addresses[j], timeout=60)
+            s.sendall(_HELLO.pack(token, rank))
+            peers[j] = s
+        listener.settimeout(120)
+        while sum(p is not None for p in peers[:rank]) < rank:
+            s, _ = listener.accept()
+            s.settimeout(60)
+            got, who = _HELLO.unpack(_recv_exactly(s, _HELLO.size))
+            if got != token or not 0 <= who < rank or peers[who] is not None:
+                s.close()  # not one of this job's workers
+                continue
+            peers[who] = s
+    except OSError as e:
+        for s in peers:
+            if s is not None:
+                s.close()
+        raise RuntimeError(
+            f"group_embedding: worker {rank} could not connect to its "
+            f"peers at {addresses} ({e}); set GROUP_EMBEDDING_TRANSPORT_HOST "
+            "to an address the other workers can reach, or "
+            "GROUP_EMBEDDING_TRANSPORT=horovod.") from e
+    finally:
+        listener.close()
+    for s in peers:
+        if s is not None:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.setblocking(False)
+    _state["sockets"] = peers
+    _state["fds"] = [-1 if s is None else s.fileno() for s in peers]
+    return True
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise OSError("peer closed the connection during the handshake")
+        data += chunk
+    return data
+
+
+def active() -> bool:
+    """True when exchanges go over the peer sockets."""
+    return _state["fds"] is not None
+
+
+def world_size() -> int:
+    """Workers connected by `connect` (1 before it)."""
+    return _state["size"]
+
+
+def _tag(name: str) -> int:
+    # The same on every worker (unlike Python's salted hash()).
+    return zlib.crc32(name.encode()) | (len(name) << 32)
+
+
+def _chained(build):
+    graph = tf.compat.v1.get_default_graph()
+    previous = None if tf.executing_eagerly() else _last_in_graph.get(graph)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        out = build()
+    if not tf.executing_eagerly():
+        _last_in_graph[graph] = out[0].op
+    return out
+
+
+def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str):
+    """Sends block p of `data` (rows `splits[p]`) to worker p.
+
+    Args:
+        data: `[n, ...]` rows grouped by destination (float32/64,
+            int32/64).
+        splits: int32 `[N]`, rows for each worker; sums to n.
+        name: names the exchange; the same on every worker, unique among
+            the exchanges of one step.
+
+    Returns:
+        (received rows by source worker, int32 `[N]` rows from each).
+        Differentiable in `data`: the gradient goes back to the senders.
+    """
+    lib = _library()
+    fds = tf.constant(_state["fds"], tf.int64)
+    return _chained(lambda: lib.peer_all_to_all(
+        data, tf.cast(splits, tf.int32), fds, tag=_tag(name),
+        timeout_seconds=_state["timeout"]))
+
+
+@tf.RegisterGradient("PeerAllToAll")
+def _peer_all_to_all_grad(op, grad, _):
+    # Rows came from worker p in block p: send their gradients back.
+    lib = _library()
+    back, _ = _chained(lambda: lib.peer_all_to_all(
+        grad, op.outputs[1], op.inputs[2],
+        tag=(op.get_attr("tag") ^ 0x5A5A5A5A) + 1,
+        timeout_seconds=op.get_attr("timeout_seconds")))
+    return back, None, None
+
+
+def allreduce_mean(tensors: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
+    """Averages float tensors over the workers: two exchanges in all.
+
+    Reduce-scatter then all-gather, each one alltoall: worker p sums chunk
+    p of everyone's flattened buffer, then sends the sum to all. Bytes per
+    worker: 2 x 4 x size x (N - 1) / N, as a ring allreduce.
+    """
+    size = _state["size"]
+    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1])
+                      for t in tensors], 0)
+    total = tf.size(flat)
+    chunk = (total + size - 1) // size
+    padded = tf.pad(flat, [[0, chunk * size - total]])
+    ones = tf.ones([size], tf.int32)
+    mine, _ = alltoall(tf.reshape(padded, [size, chunk]), ones,
+                       f"{name}/reduce_scatter")
+    summed = tf.reduce_sum(mine, 0, keepdims=True) / size
+    everyone, _ = alltoall(tf.tile(summed, [size, 1]), ones,
+                           f"{name}/all_gather")
+    pieces = tf.split(tf.reshape(everyone, [-1])[:total],
+                      tf.stack([tf.size(t) for t in tensors]),
+                      num=len(tensors))
+    return [tf.cast(tf.reshape(p, tf.shape(t)), t.dtype)
+            for p, t in zip(pieces, tensors)]
+
+
+def allgather(tensor: tf.Tensor, name: str) -> tf.Tensor:
+    """Every worker's `tensor` (`[n_p, ...]`), concatenated by rank."""
+    size = _state["size"]
+    n = tf.shape(tensor, out_type=tf.int32)[0]
+    tiled = tf.tile(tensor, tf.concat([[size], tf.ones(
+        [tf.rank(tensor) - 1], tf.int32)], 0))
+    received, _ = alltoall(tiled, tf.fill([size], n), name)
+    return received

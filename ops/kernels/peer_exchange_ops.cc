@@ -1,0 +1,456 @@
+// PeerAllToAll: an alltoall of variable-size blocks over TCP connections
+// that every pair of workers opened once (group_embedding/distributed/
+// transport.py builds that mesh and hands the sockets in as file
+// descriptors).
+//
+// Why not Horovod's alltoall: every Horovod collective is negotiated
+// through rank 0 by a background thread that wakes once per cycle, and
+// its alltoall sends the splits in a separate round before the data; on
+// the collective lookup's chain (ids -> rows -> gradients) that latency,
+// not the bytes, dominated the step. Here every worker runs the same ops
+// in the same order (the Python side chains them with control
+// dependencies), so no negotiation is needed: each message carries a
+// header (magic, tag, rows, bytes per row) that the receiver checks, and a
+// mismatch (two workers at different collectives) is an error, never a
+// silent mix-up.
+//
+// All peers are served by one poll() loop that sends and receives at the
+// same time, so large blocks cannot deadlock on full socket buffers. A
+// peer that closes its socket (a dead worker) or sends nothing for
+// `timeout_seconds` fails the op with the peer's rank; nothing hangs. A
+// worker whose exchange fails shuts its connections down, so the others
+// fail too instead of waiting for its data.
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace group_embedding_transport {
+
+using ::tensorflow::DataType;
+using ::tensorflow::DataTypeSize;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace errors = ::tensorflow::errors;
+
+constexpr uint64_t kMagic = 0x47455045455231ULL;  // "GEPEER1"
+// A header announcing more than this is a corrupt stream, not a batch.
+constexpr int64_t kMaxMessageBytes = int64_t{1} << 40;
+
+struct Header {
+  uint64_t magic;
+  int64_t tag;
+  int64_t rows;
+  int64_t row_bytes;
+};
+
+// One exchange at a time per process: the sockets carry one message
+// stream per peer.
+std::mutex& ExchangeMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+// After a failed exchange the streams hold unread or half-sent bytes:
+// every later exchange must fail too instead of reading them as data.
+// Guarded by ExchangeMutex().
+std::string& BrokenReason() {
+  static std::string* reason = new std::string;
+  return *reason;
+}
+
+struct PeerState {
+  int fd = -1;
+  // Outgoing: header, then payload.
+  Header out_header;
+  int64_t header_sent = 0;
+  const char* payload = nullptr;
+  int64_t payload_bytes = 0;
+  int64_t payload_sent = 0;
+  // Incoming.
+  Header in_header;
+  int64_t header_received = 0;
+  char* in_payload = nullptr;
+  int64_t in_bytes = 0;
+  int64_t in_received = 0;
+  bool header_done() const { return header_received == sizeof(Header); }
+  bool send_done() const {
+    return header_sent == sizeof(Header) && payload_sent == payload_bytes;
+  }
+};
+
+class PeerAllToAllOp : public OpKernel {
+ public:
+  explicit PeerAllToAllOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("tag", &tag_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout_seconds", &timeout_seconds_));
+    OP_REQUIRES(ctx, timeout_seconds_ > 0,
+                errors::InvalidArgument("timeout_seconds must be > 0"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& data = ctx->input(0);
+    const Tensor& splits = ctx->input(1);
+    const Tensor& fds = ctx->input(2);
+    OP_REQUIRES(ctx, data.dims() >= 1,
+                errors::InvalidArgument(
+                    "PeerAllToAll: data must have rank >= 1, got shape ",
+                    data.shape().DebugString()));
+    OP_REQUIRES(ctx, splits.dims() == 1 && fds.dims() == 1 &&
+                         splits.NumElements() == fds.NumElements() &&
+                         fds.NumElements() >= 1,
+                errors::InvalidArgument(
+                    "PeerAllToAll: splits and fds must be vectors of one "
+                    "entry per worker, got ", splits.shape().DebugString(),
+                    " and ", fds.shape().DebugString()));
+    const int n = static_cast<int>(fds.NumElements());
+    const auto split = splits.vec<int32_t>();
+    const auto fd = fds.vec<int64_t>();
+    int self = -1;
+    int64_t total = 0;
+    for (int p = 0; p < n; ++p) {
+      OP_REQUIRES(ctx, split(p) >= 0,
+                  errors::InvalidArgument("PeerAllToAll: splits[", p,
+                                          "] = ", split(p), " < 0"));
+      total += split(p);
+      if (fd(p) < 0) {
+        OP_REQUIRES(ctx, self < 0,
+                    errors::InvalidArgument(
+                        "PeerAllToAll: more than one fd is -1 (self)"));
+        self = p;
+      }
+    }
+    OP_REQUIRES(ctx, self >= 0,
+                errors::InvalidArgument(
+                    "PeerAllToAll: no fd is -1; the entry of this worker "
+                    "must be -1"));
+    const int64_t rows = data.dim_size(0);
+    OP_REQUIRES(ctx, total == rows,
+                errors::InvalidArgument(
+                    "PeerAllToAll: splits sum to ", total,
+                    " but data has ", rows, " rows"));
+    TensorShape row_shape = data.shape();
+    row_shape.RemoveDim(0);
+    const int64_t row_bytes =
+        row_shape.num_elements() * DataTypeSize(data.dtype());
+
+    std::vector<PeerState> peers(n);
+    const char* base = static_cast<const char*>(data.tensor_data().data());
+    int64_t offset = 0;
+    for (int p = 0; p < n; ++p) {
+      PeerState& s = peers[p];
+      s.fd = static_cast<int>(fd(p));
+      s.payload = base + offset * row_bytes;
+      s.payload_bytes = static_cast<int64_t>(split(p)) * row_bytes;
+      s.out_header = Header{kMagic, tag_, split(p), row_bytes};
+      offset += split(p);
+    }
+
+    std::lock_guard<std::mutex> lock(ExchangeMutex());
+    OP_REQUIRES(ctx, BrokenReason().empty(),
+                errors::FailedPrecondition(
+                    "PeerAllToAll (tag ", tag_, "): an earlier exchange "
+                    "failed, so the connections between workers are out of "
+                    "step; restart the job. The first failure: ",
+                    BrokenReason()));
+    // Phase 1: every header in (sends run meanwhile); phase 2: payloads
+    // into the output, allocated once all sizes are known.
+    OP_REQUIRES_OK(ctx, Poisoning(Pump(&peers, self, false), peers));
+    Tensor* received_splits = nullptr;
+    OP_REQUIRES_OK(ctx, Poisoning(ctx->allocate_output(
+                            1, TensorShape({n}), &received_splits), peers));
+    auto rsplit = received_splits->vec<int32_t>();
+    int64_t in_total = 0;
+    for (int p = 0; p < n; ++p) {
+      if (p == self) {
+        rsplit(p) = split(p);
+        in_total += split(p);
+        continue;
+      }
+      const Header& h = peers[p].in_header;
+      OP_REQUIRES_OK(ctx, Poisoning(
+          h.rows <= std::numeric_limits<int32_t>::max()
+              ? Status()
+              : errors::DataLoss("PeerAllToAll: worker ", p, " sent ",
+                                 h.rows, " rows, more than int32"),
+          peers));
+      rsplit(p) = static_cast<int32_t>(h.rows);
+      in_total += h.rows;
+    }
+    TensorShape out_shape = row_shape;
+    out_shape.InsertDim(0, in_total);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx,
+                   Poisoning(ctx->allocate_output(0, out_shape, &out), peers));
+    char* out_base = const_cast<char*>(out->tensor_data().data());
+    int64_t at = 0;
+    for (int p = 0; p < n; ++p) {
+      if (p == self) {
+        if (peers[p].payload_bytes > 0) {
+          std::memcpy(out_base + at, peers[p].payload,
+                      peers[p].payload_bytes);
+        }
+        at += peers[p].payload_bytes;
+        continue;
+      }
+      peers[p].in_payload = out_base + at;
+      peers[p].in_bytes = peers[p].in_header.rows * row_bytes;
+      at += peers[p].in_bytes;
+    }
+    OP_REQUIRES_OK(ctx, Poisoning(Pump(&peers, self, true), peers));
+  }
+
+ private:
+  // A failed exchange leaves the streams out of step: remember why, and
+  // shut every connection down so that each peer fails at once (it may
+  // be waiting for a header this worker will never send) instead of
+  // waiting for the timeout.
+  Status Poisoning(Status st, const std::vector<PeerState>& peers) {
+    if (st.ok()) return st;
+    if (BrokenReason().empty()) BrokenReason() = std::string(st.message());
+    for (const PeerState& p : peers) {
+      if (p.fd >= 0) shutdown(p.fd, SHUT_RDWR);
+    }
+    return st;
+  }
+
+  // Moves bytes on every socket until the phase's goal is reached: all
+  // headers received (phase 1), or everything sent and received (2).
+  Status Pump(std::vector<PeerState>* peers, int self, bool payload_phase) {
+    const int n = static_cast<int>(peers->size());
+    std::vector<pollfd> polls;
+    std::vector<int> who;
+    auto last_progress = std::chrono::steady_clock::now();
+    for (;;) {
+      polls.clear();
+      who.clear();
+      for (int p = 0; p < n; ++p) {
+        if (p == self) continue;
+        PeerState& s = (*peers)[p];
+        short events = 0;
+        if (!s.send_done()) events |= POLLOUT;
+        const bool want_header = !s.header_done();
+        const bool want_payload =
+            payload_phase && s.header_done() && s.in_received < s.in_bytes;
+        if (want_header || want_payload) events |= POLLIN;
+        if (events == 0) continue;
+        polls.push_back(pollfd{s.fd, events, 0});
+        who.push_back(p);
+      }
+      bool goal = true;
+      for (int p = 0; p < n; ++p) {
+        if (p == self) continue;
+        const PeerState& s = (*peers)[p];
+        if (!s.header_done()) goal = false;
+        if (payload_phase && (!s.send_done() || s.in_received < s.in_bytes)) {
+          goal = false;
+        }
+      }
+      if (goal) return Status();
+      if (polls.empty()) {
+        return errors::Internal("PeerAllToAll: nothing to wait for but the "
+                                "exchange is not complete");
+      }
+      const int ready = poll(polls.data(), polls.size(), 1000);
+      if (ready < 0) {
+        if (errno == EINTR) continue;
+        return errors::Unavailable("PeerAllToAll: poll failed: ",
+                                   strerror(errno));
+      }
+      if (ready == 0) {
+        const double idle = std::chrono::duration<double>(
+            std::chrono::steady_clock::now() - last_progress).count();
+        if (idle > timeout_seconds_) {
+          std::string waiting;
+          for (int w : who) {
+            absl::StrAppend(&waiting, waiting.empty() ? "" : ", ", w);
+          }
+          return errors::DeadlineExceeded(
+              "PeerAllToAll (tag ", tag_, "): no data from or to worker(s) ",
+              waiting, " for ", idle, " s; a worker is stuck or runs a "
+              "different collective (GROUP_EMBEDDING_TRANSPORT_TIMEOUT "
+              "sets the limit)");
+        }
+        continue;
+      }
+      for (size_t i = 0; i < polls.size(); ++i) {
+        PeerState& s = (*peers)[who[i]];
+        const short re = polls[i].revents;
+        if (re == 0) continue;
+        if (re & POLLNVAL) {
+          return errors::FailedPrecondition(
+              "PeerAllToAll: the socket of worker ", who[i],
+              " is closed in this process; call "
+              "enable_distributed_strategy again");
+        }
+        if (re & (POLLIN | POLLHUP | POLLERR)) {
+          Status st = Receive(&s, who[i], payload_phase);
+          if (!st.ok()) return st;
+          last_progress = std::chrono::steady_clock::now();
+        }
+        if ((re & POLLOUT) && !s.send_done()) {
+          Status st = Send(&s, who[i]);
+          if (!st.ok()) return st;
+          last_progress = std::chrono::steady_clock::now();
+        }
+      }
+    }
+  }
+
+  // Reads errno. A reset or broken pipe means the peer is gone.
+  Status LinkError(const char* what, int peer) const {
+    if (errno == ECONNRESET || errno == EPIPE) {
+      return errors::Unavailable(
+          "PeerAllToAll (tag ", tag_, "): worker ", peer,
+          " closed its connection (reset while ", what, " it: it stopped, "
+          "died, or its side of an exchange failed)");
+    }
+    return errors::Unavailable("PeerAllToAll (tag ", tag_, "): ", what,
+                               " worker ", peer, " failed: ",
+                               strerror(errno));
+  }
+
+  Status Send(PeerState* s, int peer) {
+    while (!s->send_done()) {
+      const char* ptr;
+      int64_t left;
+      if (s->header_sent < static_cast<int64_t>(sizeof(Header))) {
+        ptr = reinterpret_cast<const char*>(&s->out_header) + s->header_sent;
+        left = sizeof(Header) - s->header_sent;
+      } else {
+        ptr = s->payload + s->payload_sent;
+        left = s->payload_bytes - s->payload_sent;
+      }
+      const ssize_t k = send(s->fd, ptr, left, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return Status();
+        return LinkError("sending to", peer);
+      }
+      if (s->header_sent < static_cast<int64_t>(sizeof(Header))) {
+        s->header_sent += k;
+      } else {
+        s->payload_sent += k;
+      }
+    }
+    return Status();
+  }
+
+  Status Receive(PeerState* s, int peer, bool payload_phase) {
+    for (;;) {
+      char* ptr;
+      int64_t left;
+      if (!s->header_done()) {
+        ptr = reinterpret_cast<char*>(&s->in_header) + s->header_received;
+        left = sizeof(Header) - s->header_received;
+      } else if (payload_phase && s->in_received < s->in_bytes) {
+        ptr = s->in_payload + s->in_received;
+        left = s->in_bytes - s->in_received;
+      } else {
+        return Status();
+      }
+      const ssize_t k = recv(s->fd, ptr, left, MSG_DONTWAIT);
+      if (k == 0) {
+        return errors::Unavailable(
+            "PeerAllToAll (tag ", tag_, "): worker ", peer,
+            " closed its connection (it stopped, died, or its side of "
+            "an exchange failed)");
+      }
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return Status();
+        return LinkError("receiving from", peer);
+      }
+      if (!s->header_done()) {
+        s->header_received += k;
+        if (s->header_done()) {
+          const Header& h = s->in_header;
+          if (h.magic != kMagic) {
+            return errors::DataLoss("PeerAllToAll: worker ", peer,
+                                    " sent a corrupt header");
+          }
+          if (h.tag != tag_) {
+            return errors::FailedPrecondition(
+                "PeerAllToAll: this worker runs collective ", tag_,
+                " but worker ", peer, " sent collective ", h.tag,
+                "; the workers run different graphs or a different order "
+                "of lookups");
+          }
+          if (h.row_bytes != s->out_header.row_bytes || h.rows < 0 ||
+              h.rows > kMaxMessageBytes / std::max<int64_t>(h.row_bytes, 1)) {
+            return errors::InvalidArgument(
+                "PeerAllToAll (tag ", tag_, "): worker ", peer, " sent ",
+                h.rows, " rows of ", h.row_bytes, " bytes; this worker's "
+                "rows have ", s->out_header.row_bytes,
+                " bytes (row shapes or dtypes differ between workers)");
+          }
+        }
+      } else {
+        s->in_received += k;
+      }
+    }
+  }
+
+  int64_t tag_;
+  float timeout_seconds_;
+};
+
+REGISTER_OP("PeerAllToAll")
+    .Input("data: T")
+    .Input("splits: int32")
+    .Input("fds: int64")
+    .Output("received: T")
+    .Output("received_splits: int32")
+    .Attr("T: {float, double, int32, int64}")
+    .Attr("tag: int")
+    .Attr("timeout_seconds: float = 600")
+    .SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      ::tensorflow::shape_inference::ShapeHandle data;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &data));
+      ::tensorflow::shape_inference::ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
+      ::tensorflow::shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(
+          c->ReplaceDim(data, 0, c->UnknownDim(), &out));
+      c->set_output(0, out);
+      c->set_output(1, c->Vector(c->Dim(c->input(1), 0)));
+      return Status();
+    })
+    .Doc(R"doc(
+Alltoall of variable-size row blocks over pre-connected peer sockets.
+data: rows grouped by destination worker.
+splits: rows of `data` for each worker.
+fds: connected socket of each peer; -1 at this worker's rank.
+received: the rows sent to this worker, by source rank.
+received_splits: rows received from each worker.
+tag: identifies the collective; every worker must run the same tags in
+  the same order.
+)doc");
+
+REGISTER_KERNEL_BUILDER(Name("PeerAllToAll").Device(::tensorflow::DEVICE_CPU),
+                        PeerAllToAllOp);
+
+}  // namespace group_embedding_transport

@@ -1,0 +1,140 @@
+"""Worker script: the peer-socket exchanges against Horovod's collectives.
+
+Run by test_peer_transport.py under `horovodrun -np N`. Modes:
+  parity    alltoall (several dtypes, row shapes, empty blocks; eager and
+            tf.function), its gradient, allgather and allreduce_mean equal
+            Horovod's alltoall / allgather / allreduce(Average);
+  mismatch  the workers run differently named exchanges: every worker
+            fails (the first to notice names both collectives and shuts
+            its connections down), no hang;
+  rowshape  the workers send rows of different sizes: a clear error, and
+            every later exchange fails too (the streams are out of step);
+  dead      the last worker exits before the exchange: the others fail at
+            once naming it.
+Prints "<mode> ok" per worker on success.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import group_embedding as ge
+from group_embedding.distributed import transport
+
+
+def check_parity(hvd):
+    rank, size = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(100 + rank)
+    for dtype, row_shape in ((tf.float32, [3]), (tf.int64, []),
+                             (tf.float64, [2, 2]), (tf.int32, [1])):
+        splits = rng.integers(0, 5, size).astype(np.int32)
+        splits[rank % size] = 0  # an empty block, to self
+        n = int(splits.sum())
+        data = tf.cast(rng.normal(size=[n] + row_shape) * 100, dtype)
+        got, got_splits = transport.alltoall(data, splits, f"p/{dtype.name}")
+        want, want_splits = hvd.alltoall(data, splits=splits)
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        np.testing.assert_array_equal(got_splits.numpy(), want_splits.numpy())
+
+    splits = rng.integers(1, 6, size).astype(np.int32)
+    x = tf.constant(rng.normal(size=[int(splits.sum()), 4]), tf.float32)
+
+    def grads(exchange):
+        return tf.function(lambda x: _grads(exchange, x))(x)
+
+    def _grads(exchange, x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            got, _ = exchange(x)
+            w = tf.cast(tf.range(tf.shape(got)[0]) + 1 + rank, tf.float32)
+            loss = tf.reduce_sum(got * w[:, None] ** 2)
+        return got, tape.gradient(loss, x)
+
+    got, g_ours = grads(lambda t: transport.alltoall(t, splits, "p/grad"))
+    want, g_hvd = grads(lambda t: hvd.alltoall(t, splits=splits))
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    np.testing.assert_allclose(g_ours.numpy(), g_hvd.numpy(), rtol=1e-6)
+
+    rows = tf.constant(rng.normal(size=[rank + 1, 3]), tf.float32)
+    np.testing.assert_array_equal(
+        transport.allgather(rows, "p/gather").numpy(),
+        hvd.allgather(rows).numpy())
+
+    dense = [tf.constant(rng.normal(size=[7]), tf.float32),
+             tf.constant(rng.normal(size=[2, 3]), tf.float32),
+             tf.constant(rng.normal(size=[]), tf.float32)]
+    ours = transport.allreduce_mean(dense, "p/mean")
+    theirs = hvd.grouped_allreduce(dense, op=hvd.Average)
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape, (a.shape, b.shape)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6,
+                                   atol=1e-7)
+
+
+def check_error(run, expect):
+    start = time.monotonic()
+    try:
+        run()
+    except tf.errors.OpError as e:
+        took = time.monotonic() - start
+        # The first worker to see the problem shuts its connections down;
+        # the others may see that first.
+        assert (expect in e.message
+                or "closed its connection" in e.message), e.message
+        assert took < 30, f"the error took {took:.1f} s"
+        return e.message
+    raise AssertionError("the exchange did not fail")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("parity", "mismatch", "rowshape",
+                                         "dead"))
+    args = parser.parse_args()
+    hvd = ge.enable_distributed_strategy("collective")
+    assert transport.active(), "the peer sockets are not connected"
+    rank, size = hvd.rank(), hvd.size()
+    ones = np.ones(size, np.int32)
+    if args.mode == "parity":
+        check_parity(hvd)
+    elif args.mode == "mismatch":
+        check_error(
+            lambda: transport.alltoall(tf.zeros([size, 2]), ones,
+                                       f"lookup-{rank}"),
+            "different graphs")
+    elif args.mode == "rowshape":
+        check_error(
+            lambda: transport.alltoall(tf.zeros([size, 2 + rank]), ones,
+                                       "rows"),
+            "row shapes or dtypes differ")
+        # The streams now hold unread rows: a valid exchange must not read
+        # them as its data.
+        check_error(
+            lambda: transport.alltoall(tf.zeros([size, 2]), ones, "next"),
+            "an earlier exchange failed")
+    elif args.mode == "dead":
+        if rank == size - 1:
+            print("dead ok", flush=True)
+            os._exit(0)  # dies without a word to anyone
+        check_error(
+            lambda: transport.alltoall(tf.zeros([size, 2]), ones, "rows"),
+            f"worker {size - 1} closed its connection")
+    print(f"{args.mode} ok", flush=True)
+    # Wait until every worker has checked its error: closing a socket that
+    # still holds unread bytes resets it, which a slower peer would see
+    # instead of its own error. Horovod still works (it has its own
+    # connections) unless a worker died.
+    if args.mode == "dead":
+        time.sleep(3)
+    else:
+        hvd.allreduce(tf.constant(1.0), name="done").numpy()
+    # Skip Horovod's shutdown: after the failures above a peer may be gone.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The peer-socket transport of collective mode (transport.py +
+PeerAllToAll): results equal Horovod's collectives, and a worker at the
+wrong collective, with other row sizes or dead gives a clear error on every
+other worker instead of a hang or mixed-up rows."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from group_embedding.ops import kernel_library
+from tests.distributed.test_collective_training import run_workers
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_exchanges_equal_horovod(workers):
+    result = run_workers(workers, "peer_transport.py", "parity")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("parity ok") == workers, out[-4000:]
+
+
+@pytest.mark.parametrize("mode,workers", [("mismatch", 2), ("rowshape", 2),
+                                          ("dead", 3)])
+def test_errors_instead_of_hangs(mode, workers):
+    result = run_workers(workers, "peer_transport.py", mode, timeout=180)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert out.count(f"{mode} ok") == workers, out[-4000:]
+
+
+def _op():
+    lib = kernel_library.load()
+    if lib is None:
+        pytest.skip("C++ kernels not available")
+    return lib.peer_all_to_all
+
+
+@pytest.mark.parametrize("splits,fds,message", [
+    ([2, 2], [-1, 5], "splits sum to 4 but data has 3 rows"),
+    ([3, -0], [7, 5], "no fd is -1"),
+    ([3, 0], [-1, -1], "more than one fd is -1"),
+    ([4, -1], [-1, 5], "splits[1] = -1 < 0"),
+    ([3], [-1, 5], "one entry per worker"),
+])
+def test_bad_inputs_are_refused_before_any_io(splits, fds, message):
+    op = _op()
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                       match=message.replace("[", r"\[").replace("]", r"\]")):
+        op(tf.zeros([3, 2]), tf.constant(splits, tf.int32),
+           tf.constant(fds, tf.int64), tag=1)
+
+
+def test_single_worker_exchange_is_a_copy():
+    op = _op()
+    data = tf.constant(np.arange(12, dtype=np.float32).reshape(4, 3))
+    got, got_splits = op(data, tf.constant([4], tf.int32),
+                         tf.constant([-1], tf.int64), tag=7)
+    np.testing.assert_array_equal(got.numpy(), data.numpy())
+    assert got_splits.numpy().tolist() == [4]
