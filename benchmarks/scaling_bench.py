@@ -14,21 +14,26 @@ no Horovod), pinned to core 0 with one TF thread. N=2 runs
 oversubscribed on a 2-core machine (two ranks share core 0) and is shown
 for information only.
 
-    python benchmarks/scaling_bench.py                  # N=1,2,2p,3; ~7 min
-    python benchmarks/scaling_bench.py --quick          # smoke run
-    python benchmarks/scaling_bench.py --sizes 1,2,2p   # skip N=3
+    python benchmarks/scaling_bench.py                # N=1,2,2p,2h,3; ~5 min
+    python benchmarks/scaling_bench.py --quick        # smoke run
+    python benchmarks/scaling_bench.py --sizes 1,2,2h # skip N=3
 
-`2p` is N=2 with `ge.distributed.exchange_ids` pipelining (the next
-batch's ids are routed and sent during the step). Horovod variables in the
-environment (e.g. HOROVOD_CYCLE_TIME) reach the workers and are recorded.
+The exchanges go over the peer sockets of `group_embedding/distributed/
+transport.py` (the default). `2p` is N=2 with `ge.distributed.exchange_ids`
+pipelining (the next batch's ids are routed and sent during the step);
+`2h` is N=2 with GROUP_EMBEDDING_TRANSPORT=horovod (Horovod's alltoall
+and allreduce, the transport before the peer sockets). Horovod variables in
+the environment (e.g. HOROVOD_CYCLE_TIME) reach the workers and are
+recorded.
 
 Launches alternate the runs `--launches` times (N>=3 once); each launch times
 `--rounds` rounds of `--steps` back-to-back steps after a barrier (a
 round's step time is its slowest worker's). Efficiency = median step(N=1)
 / median step(N=2), both from this run. Then, per N, a few extra steps run
 under the TF profiler (per-op time, classified below) and the Horovod
-timeline (per-collective negotiation and transfer time), which gives the
-step breakdown per worker. Bytes per collective are counted from the
+timeline (per-collective negotiation and transfer time; with the peer
+sockets, each exchange op's time, split into latency + bytes / bandwidth
+probed in the same launch), which gives the step breakdown per worker. Bytes per collective are counted from the
 router's buffers on the same batches and cross-checked against the
 loopback interface counters (`/proc/net/dev`) over the timed rounds.
 
@@ -396,8 +401,11 @@ def worker(args):
             json.dump(records, f)
 
 
-def launch(n, args, record, pipeline=False):
-    """Runs `n` workers (N=1 without Horovod); returns their records."""
+def launch(n, args, record, pipeline=False, horovod_transport=False):
+    """Runs `n` workers (N=1 without Horovod); returns their records.
+
+    `horovod_transport`: exchanges over Horovod's alltoall instead of the
+    peer sockets (GROUP_EMBEDDING_TRANSPORT=horovod), for comparison."""
     me = [sys.executable, os.path.abspath(__file__), "--worker",
           "--workers", str(n), "--record", record]
     if pipeline:
@@ -407,6 +415,8 @@ def launch(n, args, record, pipeline=False):
         me += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = dict(os.environ, HOROVOD_TIMELINE="DYNAMIC",
                TF_CPP_MIN_LOG_LEVEL="2")
+    if horovod_transport:
+        env["GROUP_EMBEDDING_TRANSPORT"] = "horovod"
     if n == 1:
         cmd = me
     else:
@@ -492,7 +502,7 @@ def summarize(runs, args):
     return summary
 
 
-def plot(summary, summary_pipelined, path):
+def plot(summary, summary_pipelined, summary_hvd, path):
     """Stacked bars of the step breakdown, one bar per (N, worker)."""
     try:
         import matplotlib
@@ -503,7 +513,8 @@ def plot(summary, summary_pipelined, path):
         return
     labels, stacks = [], []
     shown = [(n, "", s) for n, s in sorted(summary.items())] + [
-        (n, " pipe", s) for n, s in sorted(summary_pipelined.items())]
+        (n, " pipe", s) for n, s in sorted(summary_pipelined.items())] + [
+        (n, " hvd", s) for n, s in sorted(summary_hvd.items())]
     for n, label, s in shown:
         for w in s["breakdown_per_worker"]:
             labels.append(f"N={n}{label}\nworker {w['rank']}")
@@ -555,8 +566,9 @@ def main():
     parser.add_argument("--worker", action="store_true",
                         help="(internal) run as one worker")
     parser.add_argument("--record", help="(internal) where rank 0 writes")
-    parser.add_argument("--sizes", default="1,2,2p,3",
-                        help="runs, in launch order: N, or Np for N "
+    parser.add_argument("--sizes", default="1,2,2p,2h,3",
+                        help="runs, in launch order: N, Nh for N workers "
+                             "over Horovod's collectives, or Np for N "
                              "workers with ge.distributed.exchange_ids "
                              "pipelining")
     parser.add_argument("--pipeline", action="store_true",
@@ -585,27 +597,31 @@ def main():
     specs = [x.strip() for x in args.sizes.split(",") if x.strip()]
     load_before = os.getloadavg()
     started = time.time()
-    runs, runs_pipelined = [], []
+    runs, runs_pipelined, runs_hvd = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for launch_i in range(args.launches):
             for spec in specs:
-                n, pipe = int(spec.rstrip("p")), spec.endswith("p")
+                n = int(spec.rstrip("ph"))
+                pipe, hvd_t = spec.endswith("p"), spec.endswith("h")
                 if n >= 3 and launch_i > 0:
                     continue  # informational: once is enough
-                if pipe and n == 1:
+                if (pipe or hvd_t) and n == 1:
                     continue  # nothing is exchanged at N=1
                 records = launch(n, args, os.path.join(tmp, f"{spec}.json"),
-                                 pipeline=pipe)
-                (runs_pipelined if pipe else runs).append((n, records))
+                                 pipeline=pipe, horovod_transport=hvd_t)
+                (runs_pipelined if pipe else runs_hvd if hvd_t
+                 else runs).append((n, records))
                 med = 1e3 * statistics.median(
                     max(r["round_step_s"][i] for r in records)
                     for i in range(args.rounds))
-                print(f"launch {launch_i}: N={n}"
-                      f"{' pipelined' if pipe else ''} step {med:.1f} ms",
+                label = (" pipelined" if pipe else
+                         " Horovod alltoall" if hvd_t else "")
+                print(f"launch {launch_i}: N={n}{label} step {med:.1f} ms",
                       flush=True)
     load_after = os.getloadavg()
     summary = summarize(runs, args)
     summary_pipelined = summarize(runs_pipelined, args)
+    summary_hvd = summarize(runs_hvd, args)
     model = None
     if 1 in summary and 2 in summary:
         import scaling_model
@@ -614,7 +630,9 @@ def main():
         model = scaling_model.fit(summary, stats, 26, args.dim,
                                   len(os.sched_getaffinity(0)),
                                   summary_pipelined, 26 * args.dim)
-    eff = eff_pipelined = None
+    eff = eff_pipelined = eff_hvd = None
+    if 1 in summary and 2 in summary_hvd:
+        eff_hvd = summary[1]["median_step_ms"] / summary_hvd[2]["median_step_ms"]
     if 1 in summary and 2 in summary:
         eff = summary[1]["median_step_ms"] / summary[2]["median_step_ms"]
     if 1 in summary and 2 in summary_pipelined:
@@ -633,19 +651,23 @@ def main():
                         if k.startswith("HOROVOD_")},
         "weak_scaling_efficiency_n2": eff,
         "weak_scaling_efficiency_n2_pipelined": eff_pipelined,
+        "weak_scaling_efficiency_n2_horovod_transport": eff_hvd,
         "results": summary,
         "results_pipelined": summary_pipelined,
+        "results_horovod_transport": summary_hvd,
         "cost_model": model,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    plot(summary, summary_pipelined, args.out[:-len(".json")] + ".png")
+    plot(summary, summary_pipelined, summary_hvd,
+         args.out[:-len(".json")] + ".png")
     print(f"N=1 runs the {SINGLE_PROCESS}.")
     print(f"load average before {load_before[0]:.2f}, after "
           f"{load_after[0]:.2f} (1 min)")
     shown = [(n, "", s) for n, s in sorted(summary.items())] + [
-        (n, " pipelined", s) for n, s in sorted(summary_pipelined.items())]
+        (n, " pipelined", s) for n, s in sorted(summary_pipelined.items())] + [
+        (n, " Horovod alltoall", s) for n, s in sorted(summary_hvd.items())]
     for n, label, s in shown:
         note = (" (oversubscribed: ranks share cores)"
                 if n > len(os.sched_getaffinity(0)) else "")
@@ -674,6 +696,9 @@ def main():
     if eff_pipelined is not None:
         print(f"weak-scaling efficiency step(1)/step(2 pipelined) = "
               f"{eff_pipelined:.2f}")
+    if eff_hvd is not None:
+        print(f"weak-scaling efficiency step(1)/step(2 Horovod alltoall) = "
+              f"{eff_hvd:.2f}")
     print(f"wrote {args.out}")
 
 

@@ -10,10 +10,11 @@ dim D, N workers on `cores` cores:
     bytes(N) sent per worker: ids 8 (U (N-1)/N + K (N-1)), rows and
              gradients 4 D U (N-1)/N each (the own share stays local),
              dense gradients 2 x 4 P (N-1)/N (ring allreduce, P floats)
-    n_coll   collectives on a step's critical path: 3 alltoalls (ids,
-             rows, gradients) + 1 dense allreduce = 4; 3 with
-             `ge.distributed.exchange_ids` pipelining (the ids alltoall of
-             the next batch overlaps the backward)
+    n_coll   exchanges on a step's critical path: 3 alltoalls (ids,
+             rows, gradients) + the dense allreduce (peer sockets: 2
+             exchanges, reduce-scatter + all-gather, so 5 in all;
+             Horovod: 1, so 4); one less with `ge.distributed.exchange_ids`
+             pipelining (the ids of the next batch travel in the step)
 
     C(N) = dense + conversion + r I + o U + a U_own(N)       (N >= 2)
     C(1) = measured single-process compute (fused lookup)
@@ -23,10 +24,12 @@ dim D, N workers on `cores` cores:
 r (routing: router + pooling + its gradient, per id), o (owner lookup and
 gradient merge, per received distinct id), a (optimizer and gradient
 scaling, per updated row) and `dense` come from the N=2 profile; lambda0,
-lambda1 (latency of one collective: Horovod cycle, negotiation, Gloo) and
-beta (bytes per ms) from the Horovod timeline of the N=2 and N=3 runs.
-For a cluster the measured loopback latency is replaced by a network one
-(assumptions below, not measured here: one machine).
+lambda1 (latency of one exchange) and beta (bytes per ms): with the peer
+sockets (default), from a tiny and a rows-sized exchange probed in the
+N=2 and N=3 launches; with Horovod's collectives (cycle, negotiation,
+Gloo), from the Horovod timeline of those runs. For a cluster the measured
+loopback latency is replaced by a network one (assumptions below, not
+measured here: one machine); Horovod adds its cycle and negotiation.
 """
 
 import math
@@ -125,15 +128,26 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
     # Communication: one latency per collective plus bytes / beta.
     n_coll = _coll_count(s2)
     bytes2 = nbytes(2)
-    transfer2 = sum(c["transfer_ms"]
-                    for c in s2["collectives_per_step"].values())
-    beta = bytes2 / max(transfer2, 1e-6)  # loopback bytes per ms
-    lat2 = (_comm_ms(s2) - bytes2 / beta) / n_coll
-    lat3 = lat2
-    if 3 in summary:
-        bytes3 = nbytes(3)
-        lat3 = (_comm_ms(summary[3]) - bytes3 / beta) / _coll_count(
-            summary[3])
+    peer = "peer_alltoall" in s2["collectives_per_step"]
+    if peer:
+        # Peer sockets: latency and bandwidth probed in the same launch
+        # (a tiny exchange, one of the rows' size); nothing is negotiated.
+        c2 = s2["collectives_per_step"]["peer_alltoall"]
+        beta = c2["bytes_per_ms"]
+        lat2 = lat3 = c2["latency_ms"]
+        if 3 in summary:
+            lat3 = summary[3]["collectives_per_step"]["peer_alltoall"][
+                "latency_ms"]
+    else:
+        transfer2 = sum(c["transfer_ms"]
+                        for c in s2["collectives_per_step"].values())
+        beta = bytes2 / max(transfer2, 1e-6)  # loopback bytes per ms
+        lat2 = (_comm_ms(s2) - bytes2 / beta) / n_coll
+        lat3 = lat2
+        if 3 in summary:
+            bytes3 = nbytes(3)
+            lat3 = (_comm_ms(summary[3]) - bytes3 / beta) / _coll_count(
+                summary[3])
     lambda1 = lat3 - lat2
     lambda0 = lat2 - lambda1
 
@@ -162,9 +176,12 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
     for n in PREDICT_N:
         u_own = _u_own_extrapolated(stats, n)
         comp = dense + r * i + o * u + a * u_own
-        per_coll = (CYCLE_MS / 2 + 2 * ALPHA_NET_MS * math.ceil(math.log2(n))
-                    + PER_PEER_MS * n          # negotiation at rank 0
-                    + ALPHA_NET_MS + PER_PEER_MS * (n - 1))  # alltoallv
+        # One exchange: a message per peer; Horovod adds its cycle and
+        # the negotiation through rank 0.
+        per_coll = ALPHA_NET_MS + PER_PEER_MS * (n - 1)
+        if not peer:
+            per_coll += (CYCLE_MS / 2 + PER_PEER_MS * n
+                         + 2 * ALPHA_NET_MS * math.ceil(math.log2(n)))
         wire = nbytes(n) / beta_net
         step = comp + n_coll * per_coll + wire
         step_pipe = comp + (n_coll - 1) * per_coll + wire
@@ -183,7 +200,8 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
                    "single_process_compute_ms": c1,
                    "collectives_per_step": n_coll,
                    "lambda0_ms": lambda0, "lambda1_ms": lambda1,
-                   "loopback_bytes_per_ms": beta},
+                   "loopback_bytes_per_ms": beta,
+                   "transport": "peer sockets" if peer else "horovod"},
         "stats": stats,
         "checks": checks,
         "network": {"gbit": NET_GBIT, "alpha_ms": ALPHA_NET_MS,

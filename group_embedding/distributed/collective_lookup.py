@@ -38,7 +38,8 @@ from group_embedding.distributed.sharded_variable import ShardedVariable
 def _alltoall(hvd, data, splits, name):
     """One exchange: over the peer sockets when connected, else Horovod."""
     if transport.active():
-        return transport.alltoall(data, splits, name)
+        return transport.tracked(
+            hvd, lambda x: transport.alltoall(x, splits, name), data, True)
     return hvd.alltoall(data, splits=splits)
 
 

@@ -62,7 +62,9 @@ def allreduce_gradients(gradients, variables):
         # and reduces them together instead of one collective each.
         dense = [tf.convert_to_tensor(gradients[i]) for i in dense_at]
         if transport.active():
-            averaged = transport.allreduce_mean(dense, "dense_gradients")
+            averaged = transport.tracked(
+                hvd, lambda xs: transport.allreduce_mean(
+                    xs, "dense_gradients"), dense)
         else:
             averaged = hvd.grouped_allreduce(dense, op=hvd.Average)
         for i, g in zip(dense_at, averaged):
@@ -75,8 +77,10 @@ def _allreduce_slices(hvd, grad, i):
     if not transport.active():
         return hvd.allreduce(grad, op=hvd.Average)
     size = transport.world_size()
-    values = transport.allgather(grad.values, f"slices{i}/values")
-    indices = transport.allgather(grad.indices, f"slices{i}/indices")
+    values, indices = transport.tracked(
+        hvd, lambda vi: (transport.allgather(vi[0], f"slices{i}/values"),
+                         transport.allgather(vi[1], f"slices{i}/indices")),
+        (grad.values, grad.indices))
     return tf.IndexedSlices(values / size, indices, grad.dense_shape)
 
 

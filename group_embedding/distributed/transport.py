@@ -88,7 +88,9 @@ def connect(hvd, timeout: float) -> bool:
     Args:
         hvd: the initialised `horovod.tensorflow` module (used to find the
             peers' addresses).
-        timeout: seconds an exchange may wait for a silent peer.
+        timeout: the collective timeout (0: none). An exchange fails after
+            2 x timeout + 10 s without a byte from a peer (a day when 0),
+            a backstop behind the watchdog.
 
     Returns:
         True when the socket transport is in use, False for Horovod's.
@@ -99,7 +101,9 @@ def connect(hvd, timeout: float) -> bool:
     """
     mode = transport_mode()
     _state["rank"], _state["size"] = hvd.rank(), hvd.size()
-    _state["timeout"] = float(timeout) if timeout else 600.0
+    # A backstop behind the collective watchdog, which stops every worker
+    # and names the stuck one: it must fire first.
+    _state["timeout"] = 2.0 * timeout + 10.0 if timeout else 86400.0
     if mode == "horovod" or hvd.size() == 1:
         return False
     if _library() is None:
@@ -186,6 +190,15 @@ def _chained(build):
     if not tf.executing_eagerly():
         _last_in_graph[graph] = out[0].op
     return out
+
+
+def tracked(hvd, fn, inputs, differentiable=False):
+    """`fn(inputs)` counted by the collective watchdog when `hvd` (the
+    strategy's collectives object) is the tracked Horovod."""
+    track = getattr(hvd, "track", None)
+    if track is None:
+        return fn(inputs)
+    return track(fn, inputs, differentiable)
 
 
 def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str):

@@ -246,12 +246,17 @@ class TrackedHorovod:
     def broadcast_variables(self, variables, *args, **kwargs):
         return self._track("broadcast_variables", variables, args, kwargs)
 
+    def track(self, fn, inputs, differentiable=False):
+        """Runs `fn(inputs)`, a collective of group_embedding's own (the
+        peer-socket exchanges of transport.py), counted like Horovod's."""
+        if not self._counters.can_track():
+            return fn(inputs)
+        return self._counters.track(fn, inputs, differentiable)
+
     def _track(self, name, inputs, args, kwargs, differentiable=False):
         fn = getattr(self._hvd, name)
-        if not self._counters.can_track():
-            return fn(inputs, *args, **kwargs)
-        return self._counters.track(lambda x: fn(x, *args, **kwargs),
-                                    inputs, differentiable)
+        return self.track(lambda x: fn(x, *args, **kwargs), inputs,
+                          differentiable)
 
 
 class RendezvousStore:
