@@ -31,7 +31,7 @@ def test_tf1_script_trains_with_legacy_keras():
                       result.stdout)
     assert match, result.stdout[-2000:]
     first, last, steps = float(match[1]), float(match[2]), int(match[3])
-    assert steps == 32  # 256 rows x 8 epochs / 64: input exhausted
+    assert steps == 64  # 256 rows x 16 epochs / 64: input exhausted
     assert last < 0.5 * first  # learnt the parity of the user id
 
 
