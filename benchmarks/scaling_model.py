@@ -19,7 +19,11 @@ dim D, N workers on `cores` cores:
     C(N) = dense + conversion + r I + o U + a U_own(N)       (N >= 2)
     C(1) = measured single-process compute (fused lookup)
     L(N) = n_coll (lambda0 + lambda1 (N - 1)) + bytes(N) / beta
-    T(N) = max(1, N / cores) C(N) + L(N)
+    T(N) = ceil(N / cores) C(N) + L(N)
+
+(the step is the slowest worker's: with N > cores, ranks placed round-
+robin, some core runs ceil(N / cores) of them, each at that fraction of
+the core)
 
 r (routing: router + pooling + its gradient, per id), o (owner lookup and
 gradient merge, per received distinct id), a (optimizer and gradient
@@ -162,7 +166,7 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
     for n, label, s, on_path in runs:
         if n == 1:
             continue
-        over = max(1.0, n / cores)
+        over = math.ceil(n / cores)  # ranks on the busiest core
         comm = on_path * (lambda0 + lambda1 * (n - 1)) + nbytes(n) / beta
         pred = over * compute(n) + comm
         meas = s["median_step_ms"]
