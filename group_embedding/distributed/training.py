@@ -58,8 +58,8 @@ def allreduce_gradients(gradients, variables):
             reduced.append(None)
             dense_at.append(i)
     if dense_at:
-        # One grouped request for all dense gradients: Horovod negotiates
-        # and reduces them together instead of one collective each.
+        # All dense gradients in one reduction: one reduce-scatter +
+        # all-gather over the peer sockets, or one grouped Horovod request.
         dense = [tf.convert_to_tensor(gradients[i]) for i in dense_at]
         if transport.active():
             averaged = transport.tracked(

@@ -239,9 +239,19 @@ def allreduce_mean(tensors: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
     Reduce-scatter then all-gather, each one alltoall: worker p sums chunk
     p of everyone's flattened buffer, then sends the sum to all. Bytes per
     worker: 2 x 4 x size x (N - 1) / N, as a ring allreduce.
+
+    Args:
+        tensors: float tensors (any shapes); the same list on every worker.
+        name: names the two exchanges (see `alltoall`).
+
+    Returns:
+        The averages, with the shapes and dtypes of `tensors`.
     """
     size = _state["size"]
-    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1])
+    # One buffer for all; float64 gradients keep their precision.
+    wide = (tf.float64 if any(t.dtype == tf.float64 for t in tensors)
+            else tf.float32)
+    flat = tf.concat([tf.reshape(tf.cast(t, wide), [-1])
                       for t in tensors], 0)
     total = tf.size(flat)
     chunk = (total + size - 1) // size

@@ -66,13 +66,16 @@ def check_parity(hvd):
 
     dense = [tf.constant(rng.normal(size=[7]), tf.float32),
              tf.constant(rng.normal(size=[2, 3]), tf.float32),
-             tf.constant(rng.normal(size=[]), tf.float32)]
+             tf.constant(rng.normal(size=[]), tf.float32),
+             tf.constant(rng.normal(size=[5]) * 1e-9 + 1, tf.float64)]
     ours = transport.allreduce_mean(dense, "p/mean")
-    theirs = hvd.grouped_allreduce(dense, op=hvd.Average)
+    theirs = [hvd.allreduce(t, op=hvd.Average) for t in dense]
     for a, b in zip(ours, theirs):
-        assert a.shape == b.shape, (a.shape, b.shape)
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6,
-                                   atol=1e-7)
+        assert a.shape == b.shape and a.dtype == b.dtype, (a, b)
+        # float64 stays float64: 1e-9 differences survive.
+        tol = 1e-15 if a.dtype == tf.float64 else 1e-6
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=tol,
+                                   atol=tol / 10)
 
 
 def check_error(run, expect):
