@@ -40,41 +40,38 @@ def run_workers(workers, script, *args, timeout=300, env=None):
         env=None if env is None else {**os.environ, **env})
 
 
-@pytest.mark.parametrize("workers,partition,optimizer,uneven", CASES)
-def test_equals_single_process(workers, partition, optimizer, uneven):
-    args = ["--partition", partition, "--optimizer", optimizer]
+def assert_equals_single_process(workers, partition, optimizer, uneven,
+                                 *extra, transport="sockets"):
+    """collective_train.py on `workers` passes its parity checks, with
+    its exchanges over `transport` ("sockets" or "horovod")."""
+    args = ["--partition", partition, "--optimizer", optimizer, *extra]
     if uneven:
         args.append("--uneven")
-    result = run_workers(workers, "collective_train.py", *args)
+    env = ({"GROUP_EMBEDDING_TRANSPORT": "horovod"}
+           if transport == "horovod" else None)
+    result = run_workers(workers, "collective_train.py", *args, env=env)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count("equal the single-process run") == workers, out[-4000:]
-    assert out.count("transport: sockets") == workers, out[-4000:]
+    assert out.count(f"transport: {transport}") == workers, out[-4000:]
+
+
+@pytest.mark.parametrize("workers,partition,optimizer,uneven", CASES)
+def test_equals_single_process(workers, partition, optimizer, uneven):
+    assert_equals_single_process(workers, partition, optimizer, uneven)
 
 
 @pytest.mark.parametrize("workers,uneven", [(2, False), (3, True)])
 def test_horovod_transport_equals_single_process(workers, uneven):
     # The default exchanges go over peer sockets (transport.py); Horovod's
     # alltoall stays available and must give the same numbers.
-    args = ["--partition", "mod", "--optimizer", "adagrad"]
-    if uneven:
-        args.append("--uneven")
-    result = run_workers(workers, "collective_train.py", *args,
-                         env={"GROUP_EMBEDDING_TRANSPORT": "horovod"})
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-4000:]
-    assert out.count("equal the single-process run") == workers, out[-4000:]
-    assert out.count("transport: horovod") == workers, out[-4000:]
+    assert_equals_single_process(workers, "mod", "adagrad", uneven,
+                                 transport="horovod")
 
 
 @pytest.mark.parametrize("workers,partition,optimizer,uneven",
                          PIPELINE_CASES)
 def test_pipelined_equals_single_process(workers, partition, optimizer,
                                          uneven):
-    args = ["--partition", partition, "--optimizer", optimizer, "--pipeline"]
-    if uneven:
-        args.append("--uneven")
-    result = run_workers(workers, "collective_train.py", *args)
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-4000:]
-    assert out.count("equal the single-process run") == workers, out[-4000:]
+    assert_equals_single_process(workers, partition, optimizer, uneven,
+                                 "--pipeline")
