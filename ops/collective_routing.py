@@ -59,8 +59,9 @@ def route_ids(ids: Sequence[tf.Tensor], vocab_sizes: Sequence[int],
         ids: K int64 vectors `[nnz_t]` of global row ids.
         vocab_sizes: rows V_t of each whole table (ids must be in [0, V_t)).
         dims: row width D_t of each table (tables may differ).
-        partitions: "mod" (row r on worker r % N, local row r // N) or
-            "div" (blocks of ceil(V / N) rows) per table.
+        partitions: "mod" (row r on worker r % N, local row r // N),
+            "div" (blocks of ceil(V / N) rows) or "table:R" (every row on
+            worker R, local row r; 0 <= R < N) per table.
         num_workers: N.
         table_names: for error messages.
 
@@ -70,8 +71,9 @@ def route_ids(ids: Sequence[tf.Tensor], vocab_sizes: Sequence[int],
         in the buffer `owner_gather` returns through the alltoall).
 
     Raises:
-        tf.errors.InvalidArgumentError: (at run time) an id outside
-            `[0, V_t)`, naming the table.
+        tf.errors.InvalidArgumentError: an invalid partition or a
+            table-wise rank outside [0, N) (when the op is built); (at run
+            time) an id outside `[0, V_t)`. Both name the table.
     """
     send, splits, offsets = _kernels().collective_route_ids(
         ids=list(ids), num_workers=int(num_workers),

@@ -3,6 +3,7 @@
 `strategy` starts Horovod and knows the world; `sharded_variable` splits
 tables over workers; `collective_lookup` routes ids to their owners and
 rows back; `training` reduces gradients and broadcasts dense weights;
+`sharding_plan` chooses replicated, table-wise or row-sharded tables;
 `checkpoint` saves per-worker shards that restore at any worker count;
 `pipeline` lets a custom loop exchange the next batch's ids during the
 current step (`exchange_ids`, `use_exchanged_ids`).
@@ -21,6 +22,7 @@ from group_embedding.distributed.pipeline import exchange_ids
 from group_embedding.distributed.pipeline import use_exchanged_ids
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import get_embedding_table
+from group_embedding.distributed.sharding_plan import plan_placements
 
 __all__ = [
     "BroadcastVariablesHook",
@@ -33,6 +35,7 @@ __all__ = [
     "exchange_ids",
     "get_embedding_table",
     "latest_checkpoint",
+    "plan_placements",
     "restore_tables",
     "save_tables",
     "use_exchanged_ids",

@@ -51,8 +51,10 @@ def _one_id_rows(ids: tf.Tensor, name: str) -> FeatureIds:
 
 def _check_partition(tables, partition_strategy, names):
     for t, n in zip(tables, names):
-        if not isinstance(t, ShardedVariable):
-            continue  # EV keys are always owned by key mod N
+        # EV keys are always owned by key mod N, and a table-wise table by
+        # its one worker: the lookup's partition_strategy cannot apply.
+        if not isinstance(t, ShardedVariable) or t.placement == "table":
+            continue
         if t.partition_strategy != partition_strategy:
             raise ValueError(
                 f"{n} was sharded with partition_strategy "

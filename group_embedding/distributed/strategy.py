@@ -11,35 +11,45 @@ slice of the global batch.
 
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import keras
 
 from group_embedding.distributed import horovod_settings
+from group_embedding.distributed import sharding_plan
 from group_embedding.distributed import transport
 from group_embedding.distributed import watchdog
 
 SUPPORTED_STRATEGIES = ("collective",)
 
-# Tables with fewer bytes than this stay replicated (data parallel): for a
-# few thousand rows the all-to-all round trip costs more than a local copy.
-REPLICATE_BELOW_BYTES = 256 * 1024
+# Default size rule: tables with fewer bytes stay replicated (see
+# sharding_plan); `enable_distributed_strategy(replicate_below_bytes=...)`.
+REPLICATE_BELOW_BYTES = sharding_plan.REPLICATE_BELOW_BYTES
 
 # "collectives": `hvd`, or the `TrackedHorovod` that the watchdog reads.
+# "placement": the sharding settings (see `_placement_settings`).
 _state: dict = {"strategy": None, "hvd": None, "collectives": None,
-                "timeout": None}
+                "timeout": None, "placement": None}
 # Shard variables, keyed by ref: their gradients are already complete on
 # the owner and must not be allreduced.
 _shard_refs: "weakref.WeakValueDictionary[Any, Any]" = (
     weakref.WeakValueDictionary())
 
 
-def enable_distributed_strategy(strategy="collective", *,
-                                collective_timeout: Optional[float] = None):
+def enable_distributed_strategy(
+        strategy="collective", *, collective_timeout: Optional[float] = None,
+        replicate_below_bytes: Optional[int] = None,
+        table_sizes: Optional[Mapping[str, Any]] = None,
+        table_wise_fraction: Optional[float] = None):
     """Switches the library to model-parallel (collective) training.
 
     Initialises Horovod once (later calls are no-ops) and makes every
-    embedding table created afterwards a row shard owned by this worker.
+    embedding table created afterwards a shard on the workers: replicated
+    below `replicate_below_bytes`, row-sharded above. With `table_sizes`,
+    the planner (`ge.distributed.plan_placements`) decides per table
+    between replicated, table-wise (the whole table on one worker) and
+    row-sharded, and `get_embedding_table` and the feature columns' tables
+    follow its plan by table name.
     Before `hvd.init()` it sets the Horovod variables of
     `horovod_settings.DEFAULTS` (`HOROVOD_CYCLE_TIME`) that the
     environment does not set already.
@@ -63,14 +73,29 @@ def enable_distributed_strategy(strategy="collective", *,
             environment variable `GROUP_EMBEDDING_COLLECTIVE_TIMEOUT`, else
             300. Workers stop at most `collective_timeout` + 3 checks
             after the stall (a check every tenth of it, at most 10 s).
+        replicate_below_bytes: tables with fewer bytes stay replicated
+            (data parallel) unless their creation says otherwise. Default
+            `REPLICATE_BELOW_BYTES` (256 KiB); 0 shards every table.
+        table_sizes: table name -> bytes or (vocab_size, embedding_dim[,
+            dtype]) of every table the program will create (feature
+            columns: their variable-scope name, or `layer/feature` for
+            `GroupEmbeddingFeatures`). Default None: no plan, the size rule
+            above with row sharding. Given, `plan_placements(table_sizes,
+            N, ...)` runs once here and tables created under a planned
+            name take its placement (their size must match).
+        table_wise_fraction: the planner's `table_wise_fraction`; default
+            `sharding_plan.TABLE_WISE_FRACTION` (0.5). Needs
+            `table_sizes`.
 
     Returns:
         The `horovod.tensorflow` module, initialised.
 
     Raises:
-        ValueError: unknown `strategy`; a different strategy or timeout was
-            already enabled; a negative `collective_timeout` or a bad
-            `GROUP_EMBEDDING_COLLECTIVE_TIMEOUT`.
+        ValueError: unknown `strategy`; a different strategy, timeout or
+            placement setting was already enabled; a negative
+            `collective_timeout` or a bad
+            `GROUP_EMBEDDING_COLLECTIVE_TIMEOUT`; a bad planner argument;
+            `table_wise_fraction` without `table_sizes`.
         TypeError: `collective_timeout` is not a number.
         ImportError: Horovod is not installed (with the install command).
     """
@@ -79,6 +104,13 @@ def enable_distributed_strategy(strategy="collective", *,
                          f"{', '.join(SUPPORTED_STRATEGIES)}.")
     timeout = (None if collective_timeout is None
                else watchdog.resolve_timeout(collective_timeout))
+    placement = (replicate_below_bytes, table_sizes, table_wise_fraction)
+    if table_sizes is None and table_wise_fraction is not None:
+        raise ValueError("`table_wise_fraction` needs `table_sizes`: the "
+                         "planner only runs on declared tables.")
+    # Bad placement arguments fail before Horovod starts (the real plan
+    # needs N, known after hvd.init()).
+    _placement_settings(1, *placement)
     if _state["strategy"] is not None:
         if _state["strategy"] != strategy:
             raise ValueError(
@@ -88,6 +120,13 @@ def enable_distributed_strategy(strategy="collective", *,
             raise ValueError(
                 f"`collective_timeout` is already {_state['timeout']:g} s; "
                 f"cannot change it to {timeout:g} s.")
+        if placement != (None, None, None) and (
+                _placement_settings(_state["hvd"].size(), *placement)
+                != _state["placement"]):
+            raise ValueError(
+                "The placement settings (`replicate_below_bytes`, "
+                "`table_sizes`, `table_wise_fraction`) are already set; "
+                "cannot change them.")
         return _state["hvd"]
     if timeout is None:
         timeout = watchdog.resolve_timeout(None)
@@ -101,6 +140,8 @@ def enable_distributed_strategy(strategy="collective", *,
     # horovod_settings); the user's environment wins.
     horovod_settings.apply_defaults()
     hvd.init()
+    # Planned before any collective: a bad argument fails on every worker.
+    _state["placement"] = _placement_settings(hvd.size(), *placement)
     _state["hvd"] = hvd
     _state["collectives"] = _start_watchdog(hvd, timeout)
     # The step's exchanges go over peer sockets (no negotiation) unless
@@ -109,6 +150,56 @@ def enable_distributed_strategy(strategy="collective", *,
     _state["timeout"] = timeout
     _state["strategy"] = strategy
     return hvd
+
+
+def _placement_settings(size, replicate_below_bytes, table_sizes,
+                        table_wise_fraction) -> Dict[str, Any]:
+    """The sharding settings: the size rule, and the plan by table name
+    (name -> (placement, bytes)) when `table_sizes` is given."""
+    below = (sharding_plan.REPLICATE_BELOW_BYTES
+             if replicate_below_bytes is None else int(replicate_below_bytes))
+    if below < 0:
+        raise ValueError("`replicate_below_bytes` must be >= 0, got "
+                         f"{below}.")
+    plan: Dict[str, Tuple[str, int]] = {}
+    if table_sizes is not None:
+        fraction = (sharding_plan.TABLE_WISE_FRACTION
+                    if table_wise_fraction is None else table_wise_fraction)
+        placements = sharding_plan.plan_placements(
+            table_sizes, size, replicate_below_bytes=below,
+            table_wise_fraction=fraction)
+        plan = {name: (p, sharding_plan.table_bytes(table_sizes[name], name))
+                for name, p in placements.items()}
+    return {"replicate_below_bytes": below, "plan": plan}
+
+
+def replicate_below_bytes() -> int:
+    """Tables with fewer bytes stay replicated (the size rule)."""
+    settings = _state["placement"]
+    if settings is None:
+        return sharding_plan.REPLICATE_BELOW_BYTES
+    return settings["replicate_below_bytes"]
+
+
+def planned_placement(name: str) -> Optional[Tuple[str, int]]:
+    """(placement, bytes) the plan of `enable_distributed_strategy(
+    table_sizes=...)` gives table `name`, or None if it has none."""
+    settings = _state["placement"]
+    return None if settings is None else settings["plan"].get(name)
+
+
+# Bytes of the table-wise tables created so far, per worker: placement
+# "table" without a rank picks the least loaded. Every worker creates its
+# tables in the same order, so every worker picks the same rank.
+_table_loads: List[int] = []
+
+
+def table_wise_loads(size: int) -> List[int]:
+    """The (mutable) per-worker bytes of table-wise tables created so far
+    in this process, for `size` workers."""
+    if len(_table_loads) != size:
+        _table_loads[:] = [0] * size
+    return _table_loads
 
 
 def _start_watchdog(hvd, timeout):

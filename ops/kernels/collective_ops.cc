@@ -343,6 +343,46 @@ Status CheckDims(const std::vector<int64_t>& dims, int k) {
   return Status();
 }
 
+// Who owns the rows of one table: `mod` (row r on worker r % N, local row
+// r / N), `div` (blocks of ceil(V / N) rows) or `table:R` (every row on
+// worker R, local row r); see ShardedVariable.owner in
+// group_embedding/distributed/sharded_variable.py.
+struct Partition {
+  enum Kind { kMod, kDiv, kTable } kind = kMod;
+  int64_t owner = 0;  // kTable only
+};
+
+// Parses a `partitions` attribute entry; a table-wise owner must be a
+// decimal rank in [0, num_workers).
+Status ParsePartition(const std::string& text, const std::string& table,
+                      int64_t num_workers, Partition* out) {
+  if (text == "mod" || text == "div") {
+    out->kind = text == "mod" ? Partition::kMod : Partition::kDiv;
+    return Status();
+  }
+  constexpr char kPrefix[] = "table:";
+  constexpr size_t kPrefixLen = sizeof(kPrefix) - 1;
+  const bool prefixed = text.compare(0, kPrefixLen, kPrefix) == 0;
+  const std::string digits = prefixed ? text.substr(kPrefixLen) : "";
+  // At most 9 digits: the value fits any int64 without overflow checks.
+  bool numeric = !digits.empty() && digits.size() <= 9;
+  for (char c : digits) numeric = numeric && c >= '0' && c <= '9';
+  if (!numeric) {
+    return InvalidArgument("Invalid partition '", text, "' for ", table,
+                           ", use mod, div or table:<rank>.");
+  }
+  int64_t rank = 0;
+  for (char c : digits) rank = rank * 10 + (c - '0');
+  if (rank >= num_workers) {
+    return InvalidArgument("Invalid partition '", text, "' for ", table,
+                           ": rank ", rank, " is not in [0, ", num_workers,
+                           ").");
+  }
+  out->kind = Partition::kTable;
+  out->owner = rank;
+  return Status();
+}
+
 // The received buffer of CollectiveRouteIds' layout: per source worker s,
 // K counts then the ids of table 0, 1, ... Checked and indexed once.
 struct ReceivedLayout {
@@ -463,10 +503,10 @@ class CollectiveRouteIdsOp : public OpKernel {
       OP_REQUIRES(ctx, vocab_[t] >= 1,
                   InvalidArgument(names_[t], ": vocab size must be >= 1, "
                                   "got ", vocab_[t], "."));
-      OP_REQUIRES(ctx, partitions[t] == "mod" || partitions[t] == "div",
-                  InvalidArgument("Invalid partition '", partitions[t],
-                                  "' for ", names_[t], ", use mod or div."));
-      is_mod_.push_back(partitions[t] == "mod");
+      Partition parsed;
+      OP_REQUIRES_OK(ctx, ParsePartition(partitions[t], names_[t], workers_,
+                                         &parsed));
+      partitions_.push_back(parsed);
     }
   }
 
@@ -535,13 +575,18 @@ class CollectiveRouteIdsOp : public OpKernel {
         const bool pow2 = (n & (n - 1)) == 0;
         int shift = 0;
         while ((int64_t{1} << shift) < n) ++shift;
+        const Partition& part = partitions_[t];
+        const bool is_mod = part.kind == Partition::kMod;
         for (int64_t i = 0; i < u; ++i) {
           const int64_t id = keys[i];
           int64_t o, local;
-          if (is_mod_[t] && pow2) {
+          if (part.kind == Partition::kTable) {
+            o = part.owner;
+            local = id;
+          } else if (is_mod && pow2) {
             o = id & (n - 1);
             local = id >> shift;
-          } else if (is_mod_[t]) {
+          } else if (is_mod) {
             o = id % n;
             local = id / n;
           } else {
@@ -626,7 +671,7 @@ class CollectiveRouteIdsOp : public OpKernel {
   int64_t workers_;
   std::vector<int64_t> vocab_, dims_;
   std::vector<std::string> names_;
-  std::vector<bool> is_mod_;
+  std::vector<Partition> partitions_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("CollectiveRouteIds").Device(DEVICE_CPU),

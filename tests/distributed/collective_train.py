@@ -8,6 +8,11 @@ shards, every replicated table and every dense weight must equal the
 reference. Any mismatch raises, so horovodrun exits non-zero.
 
     horovodrun -np 2 python collective_train.py --partition mod --optimizer adagrad
+
+`--placement table` places tables 0-2 whole on one worker each (explicit
+ranks, and "table" for the least-loaded one); `--placement plan` lets the
+planner of `enable_distributed_strategy(table_sizes=...)` choose: table 3
+replicated, 0 and 2 table-wise, 1 row-sharded.
 """
 
 import argparse
@@ -68,6 +73,43 @@ def rows_of(batch, lo, hi):
     return ids, weights, dense[lo:hi], label[lo:hi]
 
 
+def table_placements(placement, size):
+    """`get_embedding_table` arguments of tables 0-3 per `--placement`."""
+    if placement == "table":
+        # t0 on the last rank, t1 on rank 0, t2 on the least loaded one.
+        return [{"placement": f"table:{size - 1}"},
+                {"placement": "table:0"}, {"placement": "table"}, {}]
+    if placement == "plan":
+        return [{}, {}, {}, {}]  # the plan of enable_distributed_strategy
+    # Tables 0-2 sharded although small; table 3 left to the size rule.
+    return [{"replicate": False}] * 3 + [{}]
+
+
+# The plan of `--placement plan`: 100 bytes replicates t3 (80 bytes);
+# fraction 1 puts t0 (3104 bytes) and t2 (656) whole, but not t1 (9600 >
+# 13360 / N at N = 2 or 3).
+PLAN = {"replicate_below_bytes": 100, "table_wise_fraction": 1.0,
+        "table_sizes": {f"t{i}": (v, d) for i, (v, d)
+                        in enumerate(zip(VOCABS[:EV_TABLE],
+                                         DIMS[:EV_TABLE]))}}
+
+
+def check_placements(tables, placement, size):
+    """The placement each table got, as `--placement` asked."""
+    if size == 1:
+        return
+    got = [t.placement if isinstance(t, ge.ShardedVariable) else
+           "replicate" for t in tables[:EV_TABLE]]
+    want = {"table": ["table"] * 3 + ["replicate"],
+            "plan": ["table", "row", "table", "replicate"]}.get(
+                placement, ["row"] * 3 + ["replicate"])
+    assert got == want, (got, want)
+    if placement == "table":
+        owners = [t.owner_rank for t in tables[:3]]
+        # Least loaded after t0 (3104 bytes) and t1 (9600): rank 1.
+        assert owners == [size - 1, 0, 1], owners
+
+
 def make_optimizer(name):
     if name == "adagrad":
         return ge.optimizers.Adagrad(0.1, initial_accumulator_value=0.1)
@@ -110,9 +152,12 @@ def main():
     # The next batch's ids go out during the step (ge.distributed
     # .exchange_ids), which must not change any number.
     parser.add_argument("--pipeline", action="store_true")
+    parser.add_argument("--placement", default="row",
+                        choices=["row", "table", "plan"])
     args = parser.parse_args()
 
-    hvd = ge.enable_distributed_strategy("collective")
+    hvd = ge.enable_distributed_strategy(
+        "collective", **(PLAN if args.placement == "plan" else {}))
     # Idempotent: a second call returns the same initialised module.
     assert ge.enable_distributed_strategy("collective") is hvd
     from group_embedding.distributed import transport
@@ -123,12 +168,12 @@ def main():
     dense_init = np.random.default_rng(7).normal(
         size=(width, 1)).astype(np.float32) * 0.1
 
-    # Tables 0-2 sharded although small; table 3 left to the size rule.
     tables = [ge.get_embedding_table(f"t{i}", v, d,
-                                     partition_strategy=args.partition,
-                                     replicate=False if i < 3 else None)
-              for i, (v, d) in enumerate(zip(VOCABS[:EV_TABLE],
-                                             DIMS[:EV_TABLE]))]
+                                     partition_strategy=args.partition, **kw)
+              for i, (v, d, kw) in enumerate(zip(
+                  VOCABS[:EV_TABLE], DIMS[:EV_TABLE],
+                  table_placements(args.placement, size)))]
+    check_placements(tables, args.placement, size)
     ev = ge.get_embedding_variable("ev4", DIMS[EV_TABLE])
     # New keys start from the default rows: make every worker's equal.
     ge.broadcast_variables([ev])
@@ -217,7 +262,7 @@ def main():
     np.testing.assert_allclose(dense.numpy(), ref.dense_w.numpy(),
                                rtol=2e-5, atol=2e-6)
     print(f"worker {rank}/{size}: {STEPS} steps equal the single-process "
-          f"run ({args.partition}, {args.optimizer}"
+          f"run ({args.partition}, {args.optimizer}, {args.placement}"
           f"{', pipelined' if args.pipeline else ''})", flush=True)
 
 

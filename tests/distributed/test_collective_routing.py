@@ -23,26 +23,31 @@ pytestmark = pytest.mark.skipif(
 VOCABS = [50, 7, 1000]
 DIMS = [4, 8, 2]
 PARTITIONS = ["mod", "div", "mod"]
+# Table-wise placement of t0 and t2 at 3 workers (worker 1 owns neither:
+# zero-row shards) beside a row-sharded t1.
+TABLE_WISE = ["table:2", "div", "table:0"]
 COMBINERS = ["sum", "mean", "sqrtn"]
 NAMES = ["t0", "t1", "t2"]
 
 
 def owner_and_local(ids, vocab, partition, workers):
     """Numpy version of ShardedVariable.owner / local_row."""
+    if partition.startswith("table:"):
+        return np.full_like(ids, int(partition[6:])), ids
     if partition == "mod":
         return ids % workers, ids // workers
     per = -(-vocab // workers)
     return ids // per, ids - (ids // per) * per
 
 
-def reference_route(ids, workers):
+def reference_route(ids, workers, partitions=PARTITIONS):
     """(send buffer, splits, row offsets) the router must produce."""
     buckets = {}  # (owner, table) -> local rows, first-occurrence order
     where = []    # per table: distinct id -> (owner, position)
     for t, x in enumerate(ids):
         _, first = np.unique(x, return_index=True)
         distinct = x[np.sort(first)]
-        owner, local = owner_and_local(distinct, VOCABS[t], PARTITIONS[t],
+        owner, local = owner_and_local(distinct, VOCABS[t], partitions[t],
                                        workers)
         pos = {}
         for d, o, r in zip(distinct, owner, local):
@@ -98,26 +103,41 @@ def alltoall(buffers, splits):
 
 class CollectiveRoutingTest(tf.test.TestCase):
 
+    def _check_route(self, workers, partitions):
+        feats = random_batches(1, batch=20, seed=workers)[0]
+        ids = [f[0] for f in feats]
+        send, splits, offsets = collective_routing.route_ids(
+            [tf.constant(x) for x in ids], VOCABS, DIMS, partitions,
+            workers, NAMES)
+        want_send, want_splits, want_offsets = reference_route(
+            ids, workers, partitions)
+        np.testing.assert_array_equal(send.numpy(), want_send)
+        np.testing.assert_array_equal(splits.numpy(), want_splits)
+        for got, want in zip(offsets, want_offsets):
+            np.testing.assert_array_equal(got.numpy(), want)
+
     def test_route_matches_numpy_reference(self):
         for workers in (1, 2, 3):
-            feats = random_batches(1, batch=20, seed=workers)[0]
-            ids = [f[0] for f in feats]
-            send, splits, offsets = collective_routing.route_ids(
-                [tf.constant(x) for x in ids], VOCABS, DIMS, PARTITIONS,
-                workers, NAMES)
-            want_send, want_splits, want_offsets = reference_route(
-                ids, workers)
-            np.testing.assert_array_equal(send.numpy(), want_send)
-            np.testing.assert_array_equal(splits.numpy(), want_splits)
-            for got, want in zip(offsets, want_offsets):
-                np.testing.assert_array_equal(got.numpy(), want)
+            self._check_route(workers, PARTITIONS)
+
+    def test_table_wise_route_matches_numpy_reference(self):
+        for workers in (1, 2, 3):
+            # Owners of t0 and t2 at the last and first rank.
+            self._check_route(workers, [f"table:{workers - 1}", "mod",
+                                        "table:0"])
 
     def test_round_trip_equals_stock_lookup(self):
+        self._check_round_trip(PARTITIONS)
+
+    def test_table_wise_round_trip_equals_stock_lookup(self):
+        self._check_round_trip(TABLE_WISE)
+
+    def _check_round_trip(self, partitions):
         workers = 3
         rng = np.random.default_rng(5)
         tables = [rng.normal(size=(v, d)).astype(np.float32)
                   for v, d in zip(VOCABS, DIMS)]
-        shards = [[tf.Variable(tables[t][shard_rows(VOCABS[t], PARTITIONS[t],
+        shards = [[tf.Variable(tables[t][shard_rows(VOCABS[t], partitions[t],
                                                     workers, w)])
                    for t in range(3)] for w in range(workers)]
         batches = random_batches(workers)
@@ -130,7 +150,7 @@ class CollectiveRoutingTest(tf.test.TestCase):
             for feats in batches:
                 s, sp, off = collective_routing.route_ids(
                     [tf.constant(f[0]) for f in feats], VOCABS, DIMS,
-                    PARTITIONS, workers, NAMES)
+                    partitions, workers, NAMES)
                 sends.append(s)
                 send_splits.append(sp)
                 offsets.append(off)
@@ -181,7 +201,7 @@ class CollectiveRoutingTest(tf.test.TestCase):
                 # Distinct rows per shard: the optimizer sees no duplicate.
                 idx = g.indices.numpy()
                 self.assertEqual(len(np.unique(idx)), len(idx))
-                rows_of_w = shard_rows(VOCABS[t], PARTITIONS[t], workers, w)
+                rows_of_w = shard_rows(VOCABS[t], partitions[t], workers, w)
                 self.assertAllClose(tf.convert_to_tensor(g),
                                     tf.gather(want, rows_of_w), rtol=1e-5,
                                     atol=1e-5)
@@ -198,6 +218,24 @@ class CollectiveRoutingTest(tf.test.TestCase):
                 [tf.constant([1], tf.int64), tf.constant([3, 7], tf.int64),
                  tf.constant([], tf.int64)], VOCABS, DIMS, PARTITIONS, 2,
                 NAMES)
+
+    def test_bad_partition_names_the_table(self):
+        ids = [tf.constant([1], tf.int64)] * 3
+        cases = [
+            ("table:2", r"Invalid partition 'table:2' for t1: rank 2 is "
+                        r"not in \[0, 2\)"),
+            ("table:-1", r"Invalid partition 'table:-1' for t1, use mod, "
+                         r"div or table:<rank>"),
+            ("table:", r"Invalid partition 'table:' for t1"),
+            ("table:99999999999", r"Invalid partition 'table:99999999999' "
+                                  r"for t1"),
+            ("hash", r"Invalid partition 'hash' for t1"),
+        ]
+        for bad, message in cases:
+            with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                        message):
+                collective_routing.route_ids(
+                    ids, VOCABS, DIMS, ["mod", bad, "div"], 2, NAMES)
 
     def test_bad_received_counts_fail(self):
         shards = [tf.Variable(tf.zeros([v, d])) for v, d in zip(VOCABS, DIMS)]

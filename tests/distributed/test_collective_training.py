@@ -26,6 +26,19 @@ PIPELINE_CASES = [
     pytest.param(2, "mod", "adagrad", False, id="np2-mod-adagrad-pipeline"),
     pytest.param(3, "div", "adam", True, id="np3-div-adam-uneven-pipeline"),
 ]
+# Sharding choices (collective_train.py --placement): every table whole on
+# one worker, and the planner's mix (replicated, table-wise, row-sharded).
+# GROUP_EMBEDDING_KERNELS=tf runs the pure-TF routing instead of the C++.
+PLACEMENT_CASES = [
+    pytest.param(2, "table", "mod", "adagrad", False, "auto",
+                 id="np2-table-adagrad"),
+    pytest.param(3, "table", "div", "adam", True, "auto",
+                 id="np3-table-adam-uneven"),
+    pytest.param(3, "plan", "mod", "adam", True, "auto",
+                 id="np3-plan-adam-uneven"),
+    pytest.param(2, "plan", "div", "adagrad", False, "tf",
+                 id="np2-plan-adagrad-tf-kernels"),
+]
 
 
 def run_workers(workers, script, *args, timeout=300, env=None):
@@ -41,15 +54,18 @@ def run_workers(workers, script, *args, timeout=300, env=None):
 
 
 def assert_equals_single_process(workers, partition, optimizer, uneven,
-                                 *extra, transport="sockets"):
+                                 *extra, transport="sockets", env=None):
     """collective_train.py on `workers` passes its parity checks, with
-    its exchanges over `transport` ("sockets" or "horovod")."""
+    its exchanges over `transport` ("sockets" or "horovod") and `env`
+    (extra environment variables)."""
     args = ["--partition", partition, "--optimizer", optimizer, *extra]
     if uneven:
         args.append("--uneven")
-    env = ({"GROUP_EMBEDDING_TRANSPORT": "horovod"}
-           if transport == "horovod" else None)
-    result = run_workers(workers, "collective_train.py", *args, env=env)
+    env = dict(env or {})
+    if transport == "horovod":
+        env["GROUP_EMBEDDING_TRANSPORT"] = "horovod"
+    result = run_workers(workers, "collective_train.py", *args,
+                         env=env or None)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count("equal the single-process run") == workers, out[-4000:]
@@ -75,3 +91,14 @@ def test_pipelined_equals_single_process(workers, partition, optimizer,
                                          uneven):
     assert_equals_single_process(workers, partition, optimizer, uneven,
                                  "--pipeline")
+
+
+@pytest.mark.parametrize("workers,placement,partition,optimizer,uneven,"
+                         "kernels", PLACEMENT_CASES)
+def test_placements_equal_single_process(workers, placement, partition,
+                                         optimizer, uneven, kernels):
+    # The peer sockets are a C++ op too: without kernels, Horovod.
+    assert_equals_single_process(
+        workers, partition, optimizer, uneven, "--placement", placement,
+        transport="horovod" if kernels == "tf" else "sockets",
+        env={"GROUP_EMBEDDING_KERNELS": kernels})
