@@ -5,7 +5,8 @@
 
 `save` trains two steps (so values differ from their initial ones and the
 EV holds keys), saves with `ge.save_tables`, and records the lookups of a
-probe batch. `restore` builds the tables with other seeds, restores, and
+probe batch; it also round-trips the shards and the optimizer through
+`tf.train.Checkpoint` at the same worker count. `restore` builds the tables with other seeds, restores, and
 checks the probe lookups are equal, and that each EV key sits on its owner.
 `--fail-save` makes worker 0 fail while writing a second checkpoint: the
 save must raise on every worker and `latest` must still be the first.
@@ -21,17 +22,35 @@ import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
 from group_embedding.distributed import checkpoint as sharded_checkpoint  # noqa: E402
+from group_embedding.distributed import strategy as distributed_strategy  # noqa: E402
 
-# (vocab, dim, partition); the last, tiny one stays replicated.
+# (vocab, dim, partition); the tiny one stays replicated; "table": whole
+# on the last worker (at 2 workers rank 1, at 3 rank 2, at 1 rank 0), so
+# a restore at another count moves it to another worker.
 DENSE_TABLES = {"users": (97, 8, "mod"), "items": (300, 8, "div"),
-                "tiny": (5, 4, "mod")}
+                "tiny": (5, 4, "mod"), "genres": (70, 8, "table")}
+
+
+def placement_args(name, partition, size):
+    """`get_embedding_table` keywords of one of DENSE_TABLES."""
+    if partition == "table":
+        return {"placement": f"table:{size - 1}"}
+    if name == "tiny":
+        return {}
+    return {"partition_strategy": partition, "replicate": False}
 
 
 def build(seed_offset):
+    size = distributed_strategy.world()[1]
     tables = {name: ge.get_embedding_table(
-                  name, v, d, partition_strategy=p, seed=seed_offset + i,
-                  replicate=None if name == "tiny" else False)
+                  name, v, d, seed=seed_offset + i,
+                  **placement_args(name, p, size))
               for i, (name, (v, d, p)) in enumerate(DENSE_TABLES.items())}
+    genres = tables["genres"]
+    if size > 1:
+        assert genres.owner_rank == size - 1, genres.partition_strategy
+        assert genres.shard.shape[0] == (70 if genres.shard_index
+                                         == size - 1 else 0)
     tables["tags"] = ge.get_embedding_variable("tags", 8)
     ge.broadcast_variables([tables["tags"]])
     return tables
@@ -53,16 +72,24 @@ def batch(seed, rows=16):
 
 def lookup(tables, ids, training):
     out = []
+    # Table-wise tables ignore the lookup's partition_strategy.
     for partition in ("mod", "div"):
-        names = [n for n in tables
-                 if DENSE_TABLES.get(n, (0, 0, "mod"))[2] == partition]
+        names = [n for n in tables if partition == (
+            "div" if DENSE_TABLES.get(n, (0, 0, ""))[2] == "div" else "mod")]
         out += ge.group_embedding_lookup_sparse(
             [tables[n] for n in names], [ids[n] for n in names], "mean",
             partition_strategy=partition, training=training)
     return tf.concat(out, 1)
 
 
+def variables_of(tables):
+    """The dense tables' variables (shards, replicated), no EVs."""
+    return [t.shard if isinstance(t, ge.ShardedVariable) else t
+            for t in tables.values() if not hasattr(t, "lookup_rows")]
+
+
 def train(tables, steps):
+    """`steps` Adagrad steps; returns the optimizer."""
     opt = ge.optimizers.Adagrad(0.5)
     variables = [t.shard if isinstance(t, ge.ShardedVariable) else t
                  for t in tables.values()]
@@ -72,6 +99,21 @@ def train(tables, steps):
             loss = tf.reduce_mean(tf.square(lookup(tables, ids, True) - 1.0))
         grads = ge.DistributedGradientTape(tape).gradient(loss, variables)
         opt.apply_gradients(zip(grads, variables))
+    return opt
+
+
+def check_tf_checkpoint(tables, opt, folder, rank):
+    """tf.train.Checkpoint of this worker's shards (zero-row ones too)
+    and Adagrad slots restores them at the same worker count."""
+    variables = variables_of(tables)
+    state = [v.numpy() for v in variables + list(opt.variables)]
+    ckpt = tf.train.Checkpoint(tables=variables, optimizer=opt)
+    path = ckpt.write(os.path.join(folder, f"tf-{rank}", "ckpt"))
+    for v in variables + list(opt.variables):
+        v.assign(tf.zeros_like(v) + 3)
+    ckpt.read(path).assert_consumed()
+    for v, want in zip(variables + list(opt.variables), state):
+        np.testing.assert_array_equal(v.numpy(), want)
 
 
 def main():
@@ -86,7 +128,8 @@ def main():
 
     if args.phase == "save":
         tables = build(0)
-        train(tables, 2)
+        opt = train(tables, 2)
+        check_tf_checkpoint(tables, opt, args.dir, rank)
         first = ge.save_tables(args.dir, tables, step=1)
         probe = lookup(tables, batch(7), training=False).numpy()
         if rank == 0:
