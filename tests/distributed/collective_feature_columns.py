@@ -6,6 +6,10 @@ to `OUT.rank-R.npz`. test_collective_feature_columns.py runs this at -np 1
 (the single-process run) and -np 2 and compares the merged results.
 
     horovodrun -np 2 python collective_feature_columns.py --api keras --out F
+
+`--plan` (Keras) declares the tables to `enable_distributed_strategy`
+(`table_sizes`, by the layer's table names): the planner puts `b` whole on
+one worker and row-shards `a`.
 """
 
 import argparse
@@ -84,9 +88,17 @@ def held(tables, values=None):
     return out
 
 
-def run_keras(rank, size, out):
+# The plan of --plan: tables are named `layer name/table name`; with
+# fraction 1 a table up to (384000 + 288000 bytes) / N is placed whole.
+PLAN = {"table_wise_fraction": 1.0,
+        "table_sizes": {f"features/{key}_embedding": (buckets, dim)
+                        for key, buckets, dim, _ in COLUMNS}}
+
+
+def run_keras(rank, size, out, plan=False):
     feats, label, per = local_slices(rank, size)
-    features = fc.GroupEmbeddingFeatures(make_columns())
+    features = fc.GroupEmbeddingFeatures(
+        make_columns(), **({"name": "features"} if plan else {}))
 
     class Model(keras.Model):
         def __init__(self):
@@ -100,6 +112,11 @@ def run_keras(rank, size, out):
 
     model = Model()
     model({k: v[:per] for k, v in feats.items()})  # build
+    if plan and size > 1:
+        tables = features.tables
+        assert tables["b_embedding"].placement == "table", tables
+        assert tables["a_embedding"].placement == "row", tables
+        assert not isinstance(tables["c_embedding"], ge.ShardedVariable)
     ge.broadcast_variables(model.variables)
     model.compile(optimizer=ge.DistributedOptimizer(
         ge.optimizers.Adagrad(0.1)), loss="mse")
@@ -143,10 +160,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=["keras", "tf1"])
     parser.add_argument("--out")
+    parser.add_argument("--plan", action="store_true")
     args = parser.parse_args()
-    hvd = ge.enable_distributed_strategy("collective")
-    run = run_keras if args.api == "keras" else run_tf1
-    run(hvd.rank(), hvd.size(), args.out)
+    hvd = ge.enable_distributed_strategy(
+        "collective", **(PLAN if args.plan else {}))
+    if args.api == "keras":
+        run_keras(hvd.rank(), hvd.size(), args.out, args.plan)
+    else:
+        run_tf1(hvd.rank(), hvd.size(), args.out)
     print(f"worker {hvd.rank()}/{hvd.size()}: trained {args.api}", flush=True)
 
 

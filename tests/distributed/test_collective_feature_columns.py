@@ -29,24 +29,31 @@ def merged(prefix):
     return out
 
 
-@pytest.mark.parametrize("api", ["keras", "tf1"])
+@pytest.mark.parametrize("api", ["keras", "tf1", "keras-plan"])
 def test_two_workers_equal_one(tmp_path, api):
+    # keras-plan: the planner places table b whole on one worker.
+    plan = api.endswith("-plan")
+    api = api.replace("-plan", "")
     results = {}
     for workers in (1, 2):
         prefix = str(tmp_path / f"np{workers}")
         run = run_workers(workers, "collective_feature_columns.py",
-                          "--api", api, "--out", prefix)
+                          "--api", api, "--out", prefix,
+                          *(["--plan"] if plan else []))
         assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
         results[workers] = merged(prefix)
     single, double = results[1], results[2]
     assert sorted(single) == sorted(double)
     assert len(single) == 3 + (2 if api == "keras" else 1)  # tables+dense
-    # The two big tables really were split: worker 0 held half the rows.
-    rank0 = np.load(str(tmp_path / "np2.rank-0.npz"))
-    held = {k.rpartition("/")[0]: len(v) for k, v in rank0.items()
-            if k.endswith("/rows")}
-    assert held == {"a_embedding": 6000, "b_embedding": 4500,
-                    "c_embedding": 50}, held
+    # The two big tables really were split: worker 0 held half the rows
+    # (with the plan: all of b, worker 1 none).
+    held = [{k.rpartition("/")[0]: len(v) for k, v in np.load(
+                str(tmp_path / f"np2.rank-{r}.npz")).items()
+             if k.endswith("/rows")} for r in (0, 1)]
+    b_rows = (9000, 0) if plan else (4500, 4500)
+    assert held == [{"a_embedding": 6000, "b_embedding": b_rows[0],
+                     "c_embedding": 50},
+                    {"a_embedding": 6000, "b_embedding": b_rows[1]}], held
     for name in single:
         np.testing.assert_allclose(double[name], single[name], rtol=1e-5,
                                    atol=1e-6, err_msg=name)
