@@ -4,7 +4,9 @@ Each worker writes only what it owns: the rows of its shards (with their
 global ids), its EmbeddingVariables' keys with values, frequencies,
 versions and optimizer slots, and (worker 0 only) replicated tables. A
 restore at M workers reads every shard file and keeps what it owns under
-the new layout, so N -> M works for any N and M (1 included).
+the new layout, so N -> M works for any N and M (1 included), and for
+any placement: a table-wise table (`table:R`) is written whole by its
+owner and restored onto whichever worker owns it at M (or replicated).
 
 A save is all-or-nothing and never touches the checkpoint `latest` names:
 

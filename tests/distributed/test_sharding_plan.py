@@ -132,22 +132,22 @@ class PlanPlacementsTest(tf.test.TestCase):
 class PlacementArgumentTest(tf.test.TestCase):
 
     def test_bad_placement_fails(self):
-        with self.assertRaisesRegex(ValueError, r"Invalid `placement` for "
-                                                r"table 't': 'rows', use one"
-                                                r" of replicate, row, table"):
-            ge.get_embedding_table("t", 10, 4, placement="rows")
-        with self.assertRaisesRegex(TypeError, r"Table 't': `placement` "
-                                               r"must be a string"):
-            ge.get_embedding_table("t", 10, 4, placement=1)
-        # One worker outside collective mode: rank 1 does not exist.
-        with self.assertRaisesRegex(ValueError, r"Table 't': `placement` "
-                                                r"'table:1' names rank 1, "
-                                                r"but there are 1 workers"):
-            ge.get_embedding_table("t", 10, 4, placement="table:1")
-        with self.assertRaisesRegex(ValueError, r"Table 't': `replicate="
-                                                r"True` contradicts "):
-            ge.get_embedding_table("t", 10, 4, replicate=True,
-                                   placement="table")
+        cases = [
+            ({"placement": "rows"}, ValueError,
+             r"Invalid `placement` for table 't': 'rows', use one of "
+             r"replicate, row, table"),
+            ({"placement": 1}, TypeError,
+             r"Table 't': `placement` must be a string"),
+            # One worker outside collective mode: rank 1 does not exist.
+            ({"placement": "table:1"}, ValueError,
+             r"Table 't': `placement` 'table:1' names rank 1, but there "
+             r"are 1 workers"),
+            ({"replicate": True, "placement": "table"}, ValueError,
+             r"Table 't': `replicate=True` contradicts "),
+        ]
+        for kwargs, error, message in cases:
+            with self.assertRaisesRegex(error, message):
+                ge.get_embedding_table("t", 10, 4, **kwargs)
 
     def test_single_worker_tables_are_whole_variables(self):
         for placement in (None, "replicate", "row", "table", "table:0"):
@@ -211,7 +211,8 @@ class PlacementArgumentTest(tf.test.TestCase):
         self.assertFalse(distributed_strategy.is_collective())
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "ftrl"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "ftrl",
+                                       "tf1-sgd", "tf1-adagrad", "tf1-adam"])
 def test_table_wise_shards_train_like_the_whole_table(optimizer):
     """Every worker's shard of a table-wise table, after sparse updates,
     equals its rows of the whole table updated by the same optimizer: the
@@ -220,7 +221,10 @@ def test_table_wise_shards_train_like_the_whole_table(optimizer):
     make = {"sgd": lambda: ge.optimizers.SGD(0.1),
             "adagrad": lambda: ge.optimizers.Adagrad(0.1),
             "adam": lambda: ge.optimizers.Adam(0.01),
-            "ftrl": lambda: ge.optimizers.Ftrl(0.1)}[optimizer]
+            "ftrl": lambda: ge.optimizers.Ftrl(0.1),
+            "tf1-sgd": lambda: ge.train.GradientDescentOptimizer(0.1),
+            "tf1-adagrad": lambda: ge.train.AdagradOptimizer(0.1),
+            "tf1-adam": lambda: ge.train.AdamOptimizer(0.01)}[optimizer]
     rng = np.random.default_rng(1)
     vocab, dim, workers = 9, 3, 3
     value = rng.normal(size=(vocab, dim)).astype(np.float32)
