@@ -6,8 +6,9 @@
 `save` trains two steps (so values differ from their initial ones and the
 EV holds keys), saves with `ge.save_tables`, and records the lookups of a
 probe batch; it also round-trips the shards and the optimizer through
-`tf.train.Checkpoint` at the same worker count. `restore` builds the tables with other seeds, restores, and
-checks the probe lookups are equal, and that each EV key sits on its owner.
+`tf.train.Checkpoint` at the same worker count. `restore` builds the
+tables with other seeds, restores, and checks the probe lookups are equal,
+and that each EV key sits on its owner.
 `--fail-save` makes worker 0 fail while writing a second checkpoint: the
 save must raise on every worker and `latest` must still be the first.
 """
