@@ -19,6 +19,7 @@ from group_embedding.distributed import horovod_settings
 from group_embedding.distributed import sharding_plan
 from group_embedding.distributed import transport
 from group_embedding.distributed import watchdog
+from group_embedding.distributed import worker_checkpoints
 
 SUPPORTED_STRATEGIES = ("collective",)
 
@@ -147,6 +148,9 @@ def enable_distributed_strategy(
     # The step's exchanges go over peer sockets (no negotiation) unless
     # GROUP_EMBEDDING_TRANSPORT=horovod; see transport.py.
     transport.connect(hvd, timeout)
+    # Each worker holds other rows: its TF1 Saver files go to its own
+    # directory even when the script gives every worker the same one.
+    worker_checkpoints.install()
     _state["timeout"] = timeout
     _state["strategy"] = strategy
     return hvd

@@ -456,23 +456,49 @@ class EmbeddingVariable(tf.Module):
 
     def _check_restored_keys(self, keys):
         """Refuses keys that an int32 variable could never look up (an
-        int64 checkpoint); returns the graph-mode assertion ops."""
-        if self.key_dtype != tf.int32:
-            return []
+        int64 checkpoint) and, in collective mode, keys another worker
+        owns (another worker's shard, or a checkpoint of another worker
+        count); returns the graph-mode assertion ops."""
         keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
-        outside = tf.logical_or(keys < tf.int32.min, keys > tf.int32.max)
-        message = (f"EmbeddingVariable '{self._ev_name}': the checkpoint "
-                   "holds keys outside the int32 range but the variable's "
-                   "key_dtype is int32 (restore into an int64 variable)")
+        checks = [self._check_owned_keys(keys)]
+        if self.key_dtype == tf.int32:
+            outside = tf.logical_or(keys < tf.int32.min,
+                                    keys > tf.int32.max)
+            checks.append(self._refuse_keys(
+                keys, outside, "the checkpoint holds keys outside the "
+                "int32 range but the variable's key_dtype is int32 "
+                "(restore into an int64 variable)"))
+        return [op for ops in checks for op in ops]
+
+    def _check_owned_keys(self, keys):
+        # Imported here: the distributed package imports this module.
+        from group_embedding.distributed import strategy
+        if not strategy.is_collective():
+            return []
+        rank, size = strategy.world()
+        if size == 1:
+            return []
+        foreign = tf.not_equal(tf.math.floormod(keys, size), rank)
+        return self._refuse_keys(
+            keys, foreign, f"this is worker {rank} of {size}, which owns "
+            f"the keys k with k mod {size} == {rank}, but the checkpoint "
+            "holds keys other workers own: it was written by another "
+            "worker or at another worker count (change the count with "
+            "ge.save_tables / ge.restore_tables)")
+
+    def _refuse_keys(self, keys, bad, reason):
+        """Raises (eagerly) or returns the assertion ops that fail (graph)
+        when any of `keys` is `bad`, naming the EV and the reason."""
+        message = f"EmbeddingVariable '{self._ev_name}': {reason}"
         if tf.executing_eagerly():
-            bad = tf.boolean_mask(keys, outside).numpy()
-            if len(bad):
-                raise ValueError(f"{message}: {len(bad)} such keys, e.g. "
-                                 f"{int(bad[0])}.")
+            found = tf.boolean_mask(keys, bad).numpy()
+            if len(found):
+                raise ValueError(f"{message}: {len(found)} such keys, e.g. "
+                                 f"{int(found[0])}.")
             return []
         return [tf.debugging.Assert(
-            tf.logical_not(tf.reduce_any(outside)),
-            [message + "; first such keys:", tf.boolean_mask(keys, outside)],
+            tf.logical_not(tf.reduce_any(bad)),
+            [message + "; first such keys:", tf.boolean_mask(keys, bad)],
             summarize=3)]
 
 

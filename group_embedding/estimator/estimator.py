@@ -10,7 +10,6 @@ hold their keys, values, frequencies and optimizer slots.
 
 import inspect
 import os
-import re
 import tempfile
 from typing import Any
 from typing import Dict
@@ -22,6 +21,7 @@ import tensorflow as tf
 
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.training import BroadcastVariablesHook
+from group_embedding.distributed import worker_checkpoints
 from group_embedding.estimator import saved_model_writer
 from group_embedding.estimator.estimator_spec import EstimatorSpec
 from group_embedding.estimator.export import ServingInputReceiver
@@ -31,7 +31,6 @@ from group_embedding.estimator.run_config import RunConfig
 _v1 = tf.compat.v1
 LOSS_METRIC_KEY = "loss"
 GLOBAL_STEP_KEY = "global_step"
-_WORKER_DIR = "worker-{}"
 
 
 class _IteratorInitHook(_v1.train.SessionRunHook):
@@ -189,10 +188,8 @@ class Estimator:
     def checkpoint_dir(self) -> str:
         """Where this worker's checkpoints go: `model_dir`, or
         `model_dir/worker-R` for collective worker R > 0."""
-        rank, size = distributed_strategy.world()
-        if rank == 0 or size == 1:
-            return self._model_dir
-        return os.path.join(self._model_dir, _WORKER_DIR.format(rank))
+        rank, _ = distributed_strategy.world()
+        return worker_checkpoints.worker_dir(self._model_dir, rank)
 
     def latest_checkpoint(self) -> Optional[str]:
         """Path of this worker's newest checkpoint, or None."""
@@ -217,26 +214,9 @@ class Estimator:
         return path
 
     def _check_worker_layout(self):
-        """Collective resume: every worker has a checkpoint, or none."""
-        rank, size = distributed_strategy.world()
-        if size == 1 and not distributed_strategy.is_collective():
-            return
-        mine = self.latest_checkpoint() is not None
-        chief = tf.train.latest_checkpoint(self._model_dir) is not None
-        if mine != chief:
-            raise ValueError(
-                f"Worker {rank} of {size}: model_dir {self._model_dir} has "
-                f"{'a' if chief else 'no'} checkpoint but "
-                f"{self.checkpoint_dir()} has {'one' if mine else 'none'}; "
-                "resume with the worker count that wrote it.")
-        extra = [d for d in os.listdir(self._model_dir)
-                 if re.fullmatch(r"worker-(\d+)", d)
-                 and int(d.split("-")[1]) >= size] if chief else []
-        if extra:
-            raise ValueError(
-                f"model_dir {self._model_dir} holds checkpoints of more "
-                f"workers ({', '.join(sorted(extra))}) than the {size} "
-                "running; resume with the worker count that wrote it.")
+        """Collective resume: every worker has the same latest checkpoint
+        (see `worker_checkpoints.check_layout`)."""
+        worker_checkpoints.check_layout(self._model_dir)
 
     def _call_input_fn(self, input_fn, mode):
         args = inspect.signature(input_fn).parameters

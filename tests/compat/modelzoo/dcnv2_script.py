@@ -133,8 +133,6 @@ def main():
     tf.set_random_seed(args.seed)
     checkpoint_dir = args.checkpoint or tempfile.mkdtemp(
         prefix="model_DCNv2_")
-    if hvd is not None and hvd.rank() > 0:
-        checkpoint_dir = os.path.join(checkpoint_dir, "worker-%d" % hvd.rank())
     (next_element, train_init_op, test_init_op, train_steps,
      test_steps) = common.iterator_for(tf, args)
     features, labels = next_element
