@@ -73,6 +73,10 @@ def get_arg_parser(optimizer="adamasync", learning_rate=0.01, steps=0,
                         help="slice size of dense layers, KB")
     parser.add_argument("--tf", "--stock", dest="tf", action="store_true",
                         help="stock TF baseline: no DeepRec feature")
+    parser.add_argument("--stock_l2_evict", type=float, default=None,
+                        help="with --tf: DeepRec's L2WeightEvict rule "
+                             "applied to the stock tables at the final "
+                             "save (the oracle of --ev_elimination l2)")
     parser.add_argument("--emb_fusion", type=boolean_string, default=True)
     parser.add_argument("--ev", type=boolean_string, default=False)
     parser.add_argument("--ev_elimination", choices=[None, "l2", "gstep"],
@@ -284,6 +288,10 @@ def train(tf, args, sess_config, loss, train_op, global_step, data_init_op,
                                data_init_op),
         saver=tf.train.Saver(max_to_keep=args.keep_checkpoint_max))
     hooks = list(hooks) + [tf.train.StopAtStepHook(last_step=steps)]
+    if args.tf and args.stock_l2_evict is not None:
+        hooks.append(stock_l2_eviction_hook(
+            tf, args.stock_l2_evict, scaffold.saver, global_step,
+            checkpoint_dir))
     losses = []
     with tf.train.MonitoredTrainingSession(
             master="", is_chief=True, hooks=hooks, scaffold=scaffold,
@@ -297,6 +305,33 @@ def train(tf, args, sess_config, loss, train_op, global_step, data_init_op,
     tenth = max(1, len(losses) // 10)
     return (sum(losses[:tenth]) / tenth, sum(losses[-tenth:]) / tenth,
             len(losses))
+
+
+def stock_l2_eviction_hook(tf, threshold, saver, global_step,
+                           checkpoint_dir):
+    """DeepRec's `L2WeightEvict(threshold)` on stock tables, at the final
+    save as DeepRec evicts when it saves: every embedding row with
+    0.5 * sum(v^2) < threshold is zeroed (an evicted EV key reads zeros,
+    the no-permission default, when it comes back under a filter), and
+    the final checkpoint is written again."""
+    tables = [v for v in tf.global_variables()
+              if ("embedding_weights" in v.name or "_weight" in v.name)
+              and v.shape.rank == 2 and "/Adam" not in v.name]
+    assert tables, "no embedding tables found"
+    evict = tf.group([
+        v.assign(v * tf.cast(0.5 * tf.reduce_sum(
+            tf.square(v), axis=1, keepdims=True) >= threshold, v.dtype))
+        for v in tables])
+
+    class StockL2Evict(tf.train.SessionRunHook):
+        # MonitoredTrainingSession's saver hook runs first and has saved
+        # the final step; the same checkpoint is overwritten.
+        def end(self, session):
+            session.run(evict)
+            saver.save(session, os.path.join(checkpoint_dir, "model.ckpt"),
+                       global_step=session.run(global_step))
+
+    return StockL2Evict()
 
 
 def evaluate(tf, sess_config, auc_op, data_init_op, steps, checkpoint_dir):
