@@ -108,19 +108,22 @@ def stock_auc(data_dir, tmp_path_factory):
 # and evaluation reads zeros (DeepRec's rule and timing, DeepRec loses the
 # same rows). The oracle of those runs is therefore the stock script with
 # the same rule applied to its tables at the same save
-# (`--stock_l2_evict`): measured stock 0.57 / 0.53 (DLRM / DeepFM), ours
-# 0.69 / 0.64 (our filtered keys read zeros in training too, stock trains
-# on random rows it then zeroes).
+# (`--stock_l2_evict`): measured stock 0.57 / 0.53 / 0.56 (DLRM / DeepFM /
+# DCNv2), ours 0.69 / 0.64 / 0.58 (our filtered keys read zeros in
+# training too, stock trains on random rows it then zeroes).
 ZOO_L2_THRESHOLD = 1.0
+# After the eviction the stock oracle itself evaluates at 0.53-0.57, so
+# the floor that tells a learning run from a broken one (AUC 0.5) is lower.
+AUC_FLOOR_L2 = 0.55
 
 
-def assert_reaches_stock(results, stock):
+def assert_reaches_stock(results, stock, floor=AUC_FLOOR):
     """Every process's AUC is the same (collective workers evaluate the
     whole eval set), above the floor and at least stock - tolerance."""
     ours = results[0]
     assert not ours["stock"] and ours["ev"], ours
     assert len({r["auc"] for r in results}) == 1, results
-    assert ours["auc"] > AUC_FLOOR, (ours, stock)
+    assert ours["auc"] > floor, (ours, stock)
     assert ours["auc"] >= stock - AUC_TOLERANCE, (ours, stock)
 
 
@@ -130,15 +133,18 @@ def assert_reaches_stock(results, stock):
     ("deepfm", DEEPREC_DEFAULTS),
     ("deepfm", CBF_L2),
     ("dcnv2", DEEPREC_DEFAULTS),
+    ("dcnv2", CBF_L2),
     ("dcnv2", DEEPREC_DEFAULTS + ["--use_feature_columns"]),
 ], ids=["dlrm-counter-gstep", "dlrm-cbf-l2", "deepfm-counter-gstep",
-        "deepfm-cbf-l2", "dcnv2-counter-gstep", "dcnv2-feature-columns"])
+        "deepfm-cbf-l2", "dcnv2-counter-gstep", "dcnv2-cbf-l2",
+        "dcnv2-feature-columns"])
 def test_deeprec_flags_reach_stock_auc(model, flags, data_dir, stock_auc,
                                        tmp_path_factory):
-    l2_evict = ZOO_L2_THRESHOLD if flags is CBF_L2 else None
-    assert_reaches_stock(run_script(model, data_dir, flags,
-                                    tmp_path_factory),
-                         stock_auc(model, l2_evict))
+    l2 = flags is CBF_L2
+    assert_reaches_stock(
+        run_script(model, data_dir, flags, tmp_path_factory),
+        stock_auc(model, ZOO_L2_THRESHOLD if l2 else None),
+        floor=AUC_FLOOR_L2 if l2 else AUC_FLOOR)
 
 
 @pytest.mark.parametrize("model", ["dlrm", "deepfm", "dcnv2"])
