@@ -295,16 +295,22 @@ class TF1Variant:
             features = v1.data.make_one_shot_iterator(
                 data.repeat()).get_next()
             columns = []
-            for i, (k, vocab) in enumerate(zip(
-                    keys, criteo_like.vocab_sizes(cap))):
-                cat = tf.feature_column.categorical_column_with_identity(
-                    k, vocab)
-                init = v1.random_uniform_initializer(-0.05, 0.05,
-                                                     seed=seed + i)
-                columns.append(
-                    ge_fc.embedding_column(cat, dim, "sum", initializer=init)
-                    if use_ge else tf.feature_column.embedding_column(
-                        cat, dim, combiner="sum", initializer=init))
+            # The library's TF1 path: the 26 columns in one scope, one
+            # fused lookup (outside a scope each column is looked up
+            # alone, as stock does).
+            with (ge_fc.group_embedding_column_scope("criteo") if use_ge
+                  else contextlib.nullcontext()):
+                for i, (k, vocab) in enumerate(zip(
+                        keys, criteo_like.vocab_sizes(cap))):
+                    cat = tf.feature_column.categorical_column_with_identity(
+                        k, vocab)
+                    init = v1.random_uniform_initializer(-0.05, 0.05,
+                                                         seed=seed + i)
+                    columns.append(
+                        ge_fc.embedding_column(cat, dim, "sum",
+                                               initializer=init)
+                        if use_ge else tf.feature_column.embedding_column(
+                            cat, dim, combiner="sum", initializer=init))
             if use_ge:
                 x = ge_fc.input_layer(features, columns)
                 opt = ge.train.AdagradOptimizer(

@@ -68,6 +68,14 @@ def checked_indices(indices, variable):
         return tf.identity(indices)
 
 
+def has_fused_adagrad(variable) -> bool:
+    """True if `adagrad` runs the C++ update on `variable`: kernels
+    built, float32, CPU only (the op has no GPU kernel)."""
+    return (kernel_library.load() is not None
+            and _resource(variable).dtype == tf.float32
+            and not tf.config.list_logical_devices("GPU"))
+
+
 def adagrad(variable, accum, lr, epsilon, indices, values):
     """`accum[i] += g^2; variable[i] -= lr * g / sqrt(accum[i] + eps)`.
 
@@ -82,10 +90,8 @@ def adagrad(variable, accum, lr, epsilon, indices, values):
         values: `[n, D]` gradient rows.
     """
     var, acc = _resource(variable), _resource(accum)
-    lib = kernel_library.load()
-    if (lib is not None and var.dtype == tf.float32
-            and not tf.config.list_logical_devices("GPU")):
-        return lib.group_sparse_apply_adagrad(
+    if has_fused_adagrad(var):
+        return kernel_library.load().group_sparse_apply_adagrad(
             var=var.handle, accum=acc.handle, lr=tf.cast(lr, tf.float32),
             epsilon=tf.constant(epsilon, tf.float32),
             indices=tf.cast(indices, tf.int64),
