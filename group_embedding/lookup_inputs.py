@@ -210,13 +210,27 @@ def _check_batch_sizes(sp_ids) -> bool:
 
 
 def _assert_same_batch(feats: List[FeatureIds]) -> List[FeatureIds]:
-    """Makes every feature's row_splits depend on a batch-size assert."""
-    first = tf.shape(feats[0].row_splits)[0]
-    checks = [tf.debugging.assert_equal(
-        tf.shape(f.row_splits)[0], first,
-        message=f"`{f.name}` has a different batch size than "
-                f"`{feats[0].name}`.") for f in feats[1:]]
-    with tf.control_dependencies(checks):
-        return [dataclasses.replace(f, row_splits=tf.identity(f.row_splits))
-                for f in feats]
+    """Makes every feature's ids depend on ONE batch-size check.
 
+    The per-feature asserts that name the feature are built only in the
+    branch taken when the check fails. Every lookup path consumes the ids,
+    so none runs on mismatched batches.
+    """
+    if len(feats) < 2:
+        return feats
+    sizes = [ragged_ids.batch_size(f) for f in feats]
+    same = tf.reduce_all(tf.equal(tf.stack(sizes[1:]), sizes[0]))
+
+    def _fail():
+        checks = [tf.debugging.assert_equal(
+            size, sizes[0],
+            message=f"`{f.name}` has a different batch size than "
+                    f"`{feats[0].name}`.")
+            for f, size in zip(feats[1:], sizes[1:])]
+        with tf.control_dependencies(checks):
+            return tf.constant(False)
+
+    valid = tf.cond(same, lambda: tf.constant(True), _fail)
+    with tf.control_dependencies([valid]):
+        return [dataclasses.replace(f, values=tf.identity(f.values))
+                for f in feats]

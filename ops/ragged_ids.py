@@ -2,9 +2,10 @@
 
 SparseTensor ids may come in any index order with duplicates; they are
 grouped by row with a stable O(nnz) counting sort (one C++ op for all
-features). The pure-TF path converts all features together: one fused
-validity check, and a stable argsort only when some feature's indices are
-out of row order (tf.data and `tf.sparse` ops emit them ordered).
+features). The pure-TF path keeps each feature's tensors apart (no
+concat, no split) behind one fused validity check for all features, and
+sorts only when some feature's indices are out of row order (tf.data and
+`tf.sparse` ops emit them ordered).
 """
 
 import dataclasses
@@ -41,6 +42,23 @@ class FeatureIds:
     # int64 `[nnz]` row of each id, when the conversion had it for free
     # (pure-TF SparseTensor path); else derived from `row_splits`.
     row_ids: Optional[tf.Tensor] = None
+    # int64 scalar B, when known without `row_splits` (same path).
+    batch: Optional[tf.Tensor] = None
+
+
+def batch_size(feat: FeatureIds) -> tf.Tensor:
+    """The int64 batch size B of `feat`, from `row_splits` if need be."""
+    if feat.batch is not None:
+        return feat.batch
+    return tf.shape(feat.row_splits, out_type=tf.int64)[0] - 1
+
+
+def row_ids(feat: FeatureIds) -> tf.Tensor:
+    """The int64 `[nnz]` row of each id of `feat` (sorted)."""
+    if feat.row_ids is not None:
+        return feat.row_ids
+    return tf.ragged.row_splits_to_segment_ids(feat.row_splits,
+                                               out_type=tf.int64)
 
 
 def _float_weights(weights):
@@ -169,11 +187,15 @@ def _failing_checks(parts, need_positions):
 
 
 def _from_sparse_tf(sp_ids, sp_weights, names, need_positions):
-    """All SparseTensor features at once, in pure TF.
+    """All SparseTensor features at once, in pure TF, feature by feature.
 
-    Every id gets a global key `row + (rows of the features before)`, so
-    one comparison checks all row indices and one tells whether every
-    feature is in row order; only then is anything sorted.
+    Nothing is concatenated: each feature keeps its own tensors and its
+    row indices serve as the pooling's segment ids (`row_ids`). One fused
+    check covers every feature: each one's rows in order (else every
+    feature is stably sorted by row, the only argsort), then, rows being
+    in order, their range is that of the first and the last.
+    `row_splits` come from a `searchsorted` that graphs prune when the
+    lookup does not use them (the pure-TF pooled path does not).
     """
     parts = []
     for ids, weights, name in zip(sp_ids, sp_weights, names):
@@ -185,65 +207,58 @@ def _from_sparse_tf(sp_ids, sp_weights, names, need_positions):
                         else _float_weights(weights.values)),
             "cols": indices[:, 1] if need_positions else None,
             "width": dense_shape[1] if need_positions else None})
-    k = len(parts)
-    sizes = tf.stack([tf.size(p["rows"], out_type=tf.int64) for p in parts])
-    batches = tf.stack([p["batch"] for p in parts])
-    offsets = tf.cumsum(batches, exclusive=True)
-    rows = tf.concat([p["rows"] for p in parts], 0)
-    if k == 1:
-        row_batch, keys = batches[0], rows
-    else:
-        feature = tf.repeat(tf.range(k, dtype=tf.int64), sizes)
-        row_batch = tf.gather(batches, feature)
-        keys = rows + tf.gather(offsets, feature)
-    ok = tf.reduce_all((rows >= 0) & (rows < row_batch))
-    ok &= tf.reduce_all((batches >= 0) & (batches <= MAX_BATCH))
-    if need_positions:
-        cols = tf.concat([p["cols"] for p in parts], 0)
-        widths = tf.stack([p["width"] for p in parts])
-        width = widths[0] if k == 1 else tf.gather(widths, feature)
-        ok &= tf.reduce_all((cols >= 0) & (cols < width))
-    weighted = [p for p in parts if p["weights"] is not None]
-    if weighted:
-        ok &= tf.reduce_all(tf.equal(
-            tf.stack([tf.size(p["weights"], out_type=tf.int64)
-                      for p in weighted]),
-            tf.stack([tf.size(p["rows"], out_type=tf.int64)
-                      for p in weighted])))
-    valid = tf.cond(ok, lambda: tf.constant(True),
-                    lambda: _failing_checks(parts, need_positions))
-    with tf.control_dependencies([valid]):
-        keys = tf.identity(keys)
-        # The splits below allocate `batch + 1` entries: only once checked.
-        total = tf.identity(tf.reduce_sum(batches))
     # Everything that must follow the ids when they are sorted by row.
-    carried = {"values": tf.concat([p["values"] for p in parts], 0),
-               "rows": rows}
-    if weighted:
-        carried["weights"] = tf.concat(
-            [tf.zeros(tf.shape(p["values"]), tf.float32)
-             if p["weights"] is None else p["weights"] for p in parts], 0)
-    if need_positions:
-        carried["cols"] = cols
-    ordered = tf.reduce_all(keys[1:] >= keys[:-1])
+    names_carried = ["values", "rows"] + (["cols"] if need_positions
+                                          else [])
+    carried = [{n: p[n] for n in names_carried} for p in parts]
+    for c, p in zip(carried, parts):
+        if p["weights"] is not None:
+            c["weights"] = p["weights"]
+    in_order = tf.reduce_all(tf.stack(
+        [tf.reduce_all(p["rows"][1:] >= p["rows"][:-1]) for p in parts]))
 
     def _sort():
-        order = tf.argsort(keys, stable=True)
-        return {n: tf.gather(t, order) for n, t in carried.items()}, \
-            tf.gather(keys, order)
+        out = []
+        for c in carried:
+            order = tf.argsort(c["rows"], stable=True)
+            out.append({n: _gather_same_count(t, order, c["rows"])
+                        for n, t in c.items()})
+        return out
 
-    carried, keys = tf.cond(ordered, lambda: (carried, keys), _sort)
-    splits = tf.searchsorted(keys, tf.range(total + 1, dtype=tf.int64),
-                             side="left", out_type=tf.int64)
-    split = {n: tf.split(t, sizes, num=k) for n, t in carried.items()}
+    carried = tf.cond(in_order, lambda: carried, _sort)
+    ok = []
+    for c, p in zip(carried, parts):
+        rows, batch = c["rows"], p["batch"]
+        ok += [batch >= 0, batch <= MAX_BATCH,
+               tf.reduce_all(rows[:1] >= 0), tf.reduce_all(rows[-1:] < batch)]
+        if need_positions:
+            cols = c["cols"]
+            ok.append(tf.reduce_all((cols >= 0) & (cols < p["width"])))
+        if p["weights"] is not None:
+            ok.append(tf.equal(tf.size(p["weights"], out_type=tf.int64),
+                               tf.size(p["rows"], out_type=tf.int64)))
+    valid = tf.cond(tf.reduce_all(tf.stack(ok)), lambda: tf.constant(True),
+                    lambda: _failing_checks(parts, need_positions))
     feats = []
-    for i, p in enumerate(parts):
-        s = tf.slice(splits, [offsets[i]], [p["batch"] + 1])
-        feats.append(FeatureIds(
-            values=split["values"][i], row_splits=s - s[0],
-            weights=(split["weights"][i] if p["weights"] is not None
-                     else None),
-            positions=split["cols"][i] if need_positions else None,
-            max_len=p["width"], name=p["name"],
-            row_ids=split["rows"][i]))
+    with tf.control_dependencies([valid]):
+        for c, p in zip(carried, parts):
+            rows = tf.identity(c["rows"])
+            # The splits allocate `batch + 1` entries: only once checked.
+            batch = tf.identity(p["batch"])
+            splits = tf.searchsorted(
+                rows, tf.range(batch + 1, dtype=tf.int64), side="left",
+                out_type=tf.int64)
+            feats.append(FeatureIds(
+                values=tf.identity(c["values"]), row_splits=splits,
+                weights=c.get("weights"),
+                positions=c["cols"] if need_positions else None,
+                max_len=p["width"], name=p["name"], row_ids=rows,
+                batch=batch))
     return feats
+
+
+def _gather_same_count(t, order, rows):
+    """`t` reordered by `order`, or as is if its count differs from the
+    rows' (mismatched weights, reported by the count check)."""
+    return tf.cond(tf.equal(tf.size(t), tf.size(rows)),
+                   lambda: tf.gather(t, order), lambda: t)

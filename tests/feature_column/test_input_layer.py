@@ -230,14 +230,15 @@ def test_second_call_reuses_lookup_and_variables():
     np.testing.assert_array_equal(a, b)
 
 
-def test_tf_path_one_segment_sum_per_scope(monkeypatch):
+def test_tf_path_one_range_check_per_scope(monkeypatch):
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "tf")
-    _, _, _, counts = _scoped_graph(second_scope=True)
+    graph, _, _, counts = _scoped_graph(second_scope=True)
     assert counts[FUSED_OP] == 0
-    # A sparse segment sum over distinct rows, or an unsorted one when
-    # ids carry weights: one per scope either way.
-    assert (counts["UnsortedSegmentSum"]
-            + counts["SparseSegmentSumWithNumSegments"]) == 2
+    # Per-table lookups (stock's ops), but ONE fused id check per scope.
+    checks = sum(op.type in ("If", "StatelessIf")
+                 and "group_range_check" in op.name
+                 for op in graph.get_operations())
+    assert checks == 2
 
 
 def _pool(rows: np.ndarray, lengths, combiner: str) -> np.ndarray:
