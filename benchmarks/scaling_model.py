@@ -9,12 +9,15 @@ dim D, N workers on `cores` cores:
              workers' distinct ids, |U_1 + ... + U_N| / N (Zipf: < U)
     bytes(N) sent per worker: ids 8 (U (N-1)/N + K (N-1)), rows and
              gradients 4 D U (N-1)/N each (the own share stays local),
-             dense gradients 2 x 4 P (N-1)/N (ring allreduce, P floats)
-    n_coll   exchanges on a step's critical path: 3 alltoalls (ids,
-             rows, gradients) + the dense allreduce (peer sockets: 2
-             exchanges, reduce-scatter + all-gather, so 5 in all;
-             Horovod: 1, so 4); one less with `ge.distributed.exchange_ids`
-             pipelining (the ids of the next batch travel in the step)
+             dense gradients of P floats: 4 P (N-1) when averaged in one
+             exchange (N=2, or 4 P <= 64 KiB), else 2 x 4 P (N-1)/N
+             (reduce-scatter + all-gather)
+    n_coll   exchanges on a step's critical path, counted in the N=2 run:
+             3 alltoalls (ids, rows, gradients) + the dense allreduce
+             (peer sockets: 1 exchange at N=2 or for small buffers, else
+             2; Horovod: 1), so 4 here; one less with
+             `ge.distributed.exchange_ids` pipelining (the ids of the next
+             batch travel in the step)
 
     C(N) = dense + conversion + r I + o U + a U_own(N)       (N >= 2)
     C(1) = measured single-process compute (fused lookup)
@@ -81,12 +84,15 @@ def workload_stats(cap: int, batch: int, workers: List[int],
 def exchange_bytes(n: int, distinct: float, k: int, dim: int,
                    dense_params: int = 0) -> float:
     """Bytes one worker sends per step (ids, rows back, gradients, and the
-    ring allreduce of `dense_params` float32 dense gradients)."""
+    average of `dense_params` float32 dense gradients, as
+    `transport.allreduce_mean` sends them)."""
     if n == 1:
         return 0.0
     remote = distinct * (n - 1) / n
-    return (8 * (remote + k * (n - 1)) + 2 * 4 * dim * remote
-            + 2 * 4 * dense_params * (n - 1) / n)
+    one_round = n == 2 or 4 * dense_params <= 64 * 1024
+    dense = (4 * dense_params * (n - 1) if one_round
+             else 2 * 4 * dense_params * (n - 1) / n)
+    return 8 * (remote + k * (n - 1)) + 2 * 4 * dim * remote + dense
 
 
 def _mean_phases(summary_n) -> Dict[str, float]:
