@@ -42,10 +42,6 @@ from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
 
 
-def _row_ids(splits):
-    return tf.ragged.row_splits_to_segment_ids(splits, out_type=tf.int64)
-
-
 def _row_scale(feat: FeatureIds, combiner: str, dtype) -> Optional[tf.Tensor]:
     """Per-id factor w_j / norm(row) so that pooling is a plain sum.
 
@@ -68,7 +64,7 @@ def _row_scale(feat: FeatureIds, combiner: str, dtype) -> Optional[tf.Tensor]:
     if combiner == "sqrtn":
         norm = tf.sqrt(norm)
     inv = tf.math.divide_no_nan(tf.ones_like(norm), norm)
-    scale = tf.gather(inv, _row_ids(splits))
+    scale = tf.gather(inv, ragged_ids.row_ids(feat))
     if feat.weights is not None:
         scale = scale * tf.cast(feat.weights, tf.float64)
     return tf.cast(scale, dtype)
@@ -275,8 +271,9 @@ def pool_rows(rows: tf.Tensor, feats: List[FeatureIds],
               combiners: List[str]) -> List[tf.Tensor]:
     """Pools gathered rows `[sum nnz, D]` (features in order) to `[B, D]`s.
 
-    ONE `unsorted_segment_sum` for all features; combiners and weights
-    are folded into a per-id scale first.
+    ONE segment sum for all features (ids come grouped by row, features
+    in order, so segments are sorted); combiners and weights are folded
+    into a per-id scale first.
     """
     k = len(feats)
     scales = [_row_scale(f, c, rows.dtype) for f, c in zip(feats, combiners)]
@@ -286,12 +283,11 @@ def pool_rows(rows: tf.Tensor, feats: List[FeatureIds],
         rows = rows * tf.concat(scales, 0)[:, None]
     # Segment of id j of table t: its row, offset by the rows of the
     # tables before t (batch sizes may differ for dense lookups).
-    sizes = [tf.shape(f.row_splits, out_type=tf.int64)[0] - 1 for f in feats]
+    sizes = [ragged_ids.batch_size(f) for f in feats]
     offsets = tf.cumsum(tf.stack(sizes), exclusive=True)
-    segments = tf.concat([_row_ids(f.row_splits) + offsets[i]
+    segments = tf.concat([ragged_ids.row_ids(f) + offsets[i]
                           for i, f in enumerate(feats)], 0)
-    pooled = tf.math.unsorted_segment_sum(rows, segments,
-                                          tf.reduce_sum(sizes))
+    pooled = _sorted_segment_sum(rows, segments, tf.reduce_sum(sizes))
     return tf.split(pooled, tf.stack(sizes), num=k)
 
 
@@ -429,22 +425,31 @@ def _sequence_kernel(lib, tables, feats, table_names, max_norm):
 
 def sequence_rows(rows: tf.Tensor,
                   feats: List[FeatureIds]) -> List[tf.Tensor]:
-    """Places gathered rows `[sum nnz, D]` into `[B, T, D]` per feature."""
+    """Places gathered rows `[sum nnz, D]` into `[B, T, D]` per feature.
+
+    Each id's row is summed into its slot `row * T + position` of the
+    features' flattened outputs: ONE `segment_sum` when the slots are in
+    order (ids in row-major order), whose gradient is a plain gather,
+    else an `unsorted_segment_sum`.
+    """
     weights = [tf.ones(tf.shape(f.values), rows.dtype) if f.weights is None
                else tf.cast(f.weights, rows.dtype) for f in feats]
     if any(f.weights is not None for f in feats):
         rows = rows * tf.concat(weights, 0)[:, None]
     segments, sizes, offset = [], [], tf.constant(0, tf.int64)
     for f in feats:
-        batch = tf.shape(f.row_splits, out_type=tf.int64)[0] - 1
         t = tf.cast(f.max_len, tf.int64)
-        segments.append(offset + _row_ids(f.row_splits) * t + f.positions)
-        sizes.append(batch * t)
-        offset += batch * t
-    flat = tf.math.unsorted_segment_sum(rows, tf.concat(segments, 0), offset)
+        segments.append(offset + ragged_ids.row_ids(f) * t + f.positions)
+        sizes.append(ragged_ids.batch_size(f) * t)
+        offset += sizes[-1]
+    segments = tf.concat(segments, 0)
+    flat = tf.cond(
+        tf.reduce_all(segments[1:] >= segments[:-1]),
+        lambda: _sorted_segment_sum(rows, segments, offset),
+        lambda: tf.math.unsorted_segment_sum(rows, segments, offset))
     dim = rows.shape[1]
     outs = tf.split(flat, tf.stack(sizes), num=len(feats))
-    return [tf.reshape(o, tf.stack([tf.size(f.row_splits, tf.int64) - 1,
+    return [tf.reshape(o, tf.stack([ragged_ids.batch_size(f),
                                     tf.cast(f.max_len, tf.int64), dim]))
             for o, f in zip(outs, feats)]
 
