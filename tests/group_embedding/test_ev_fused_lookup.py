@@ -6,7 +6,8 @@ Both paths run the same training steps on twin variables (same default
 matrix); outputs, table gradients (summed per key), weight gradients and
 the stored keys, values and frequencies must agree step after step, with
 weights, empty rows, duplicate keys, a CounterFilter and a variable that
-serves two tables of one group.
+serves two tables of one group. EV sequences (both paths gather, then
+place rows in TF) are checked against a numpy oracle.
 """
 
 import numpy as np
@@ -147,3 +148,62 @@ def test_fused_gradient_keys_are_unique(monkeypatch):
     np.testing.assert_array_equal(grad.indices.numpy(), [3, 0, -7])
     np.testing.assert_allclose(grad.values.numpy(),
                                np.array([[3.0] * 4, [2.0] * 4, [1.0] * 4]))
+
+
+def _sequence_input(rng, order):
+    """A `[6, 4]` SparseTensor of keys (ids at random columns of each row,
+    some rows empty) with weights; `order` "row_major" or "shuffled"
+    (columns out of order inside rows); also (row, col, key, weight)
+    tuples for the oracle."""
+    entries = []
+    for b in range(6):
+        cols = sorted(rng.choice(4, size=int(rng.integers(0, 4)),
+                                 replace=False))
+        entries += [(b, int(c), int(rng.choice(ev_cases.KEYS)),
+                     float(rng.uniform(0.2, 2.0))) for c in cols]
+    if order == "shuffled":
+        entries = [entries[i] for i in rng.permutation(len(entries))]
+    indices = np.array([e[:2] for e in entries], np.int64).reshape(-1, 2)
+    keys = tf.SparseTensor(indices, [e[2] for e in entries], [6, 4])
+    weights = tf.SparseTensor(indices, np.array([e[3] for e in entries],
+                                                np.float32), [6, 4])
+    return keys, weights, entries
+
+
+@pytest.mark.parametrize("order", ["row_major", "shuffled"])
+@pytest.mark.parametrize("weighted", [False, True],
+                         ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("mode", ["custom", "tf"])
+def test_sequence_lookup_matches_numpy(monkeypatch, mode, order, weighted):
+    # EV sequences gather the keys' rows, then place each at its
+    # [row, column] slot: in one sorted segment sum when the slots come in
+    # order, else an unsorted one. Oracle: the keys' initial rows placed
+    # by numpy; gradient per key = sum of its slots' upstream * weight.
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", mode)
+    rng = np.random.default_rng(5)
+    evs = [ev_cases.make_ev(f"seq_{mode}_{order}_{weighted}_{i}", seed=i)
+           for i in range(2)]
+    inputs = [_sequence_input(rng, order) for _ in evs]
+    upstream = [rng.normal(size=(6, 4, 4)).astype(np.float32) for _ in evs]
+    with tf.GradientTape() as tape:
+        outs = ge.group_embedding_lookup_sparse(
+            evs, [k for k, _, _ in inputs], "sum",
+            sp_weights=[w for _, w, _ in inputs] if weighted else None,
+            is_sequence=True)
+        loss = tf.add_n([tf.reduce_sum(o * u)
+                         for o, u in zip(outs, upstream)])
+    grads = tape.gradient(loss, evs)
+    for ev, out, grad, up, (_, _, entries) in zip(evs, outs, grads,
+                                                  upstream, inputs):
+        want = np.zeros([6, 4, 4], np.float32)
+        want_grad = {}
+        for b, c, key, w in entries:
+            w = w if weighted else 1.0
+            want[b, c] += ev_cases.initial_rows(ev, np.array([key]))[0] * w
+            want_grad[key] = want_grad.get(key, 0.0) + up[b, c] * w
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+        got_grad = _per_key(grad)
+        assert got_grad.keys() == want_grad.keys()
+        for k in want_grad:
+            np.testing.assert_allclose(got_grad[k], want_grad[k], rtol=1e-5,
+                                       atol=1e-6)
