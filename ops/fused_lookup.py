@@ -427,31 +427,41 @@ def sequence_rows(rows: tf.Tensor,
                   feats: List[FeatureIds]) -> List[tf.Tensor]:
     """Places gathered rows `[sum nnz, D]` into `[B, T, D]` per feature.
 
-    Each id's row is summed into its slot `row * T + position` of the
-    features' flattened outputs: ONE `segment_sum` when the slots are in
-    order (ids in row-major order), whose gradient is a plain gather,
-    else an `unsorted_segment_sum`.
+    Each id's row is summed into its slot `row * T + position` of its
+    feature's flattened output: a `segment_sum` when the slots are in
+    order (ids in row-major order, checked once for all features), whose
+    gradient is a plain gather, else an `unsorted_segment_sum`. The rows
+    are split per feature (`[nnz, D]` in all) rather than the outputs
+    (`[B, T, D]` each, larger).
     """
-    weights = [tf.ones(tf.shape(f.values), rows.dtype) if f.weights is None
-               else tf.cast(f.weights, rows.dtype) for f in feats]
     if any(f.weights is not None for f in feats):
+        weights = [tf.ones(tf.shape(f.values), rows.dtype)
+                   if f.weights is None else tf.cast(f.weights, rows.dtype)
+                   for f in feats]
         rows = rows * tf.concat(weights, 0)[:, None]
-    segments, sizes, offset = [], [], tf.constant(0, tf.int64)
+    keys, sizes = [], []
     for f in feats:
         t = tf.cast(f.max_len, tf.int64)
-        segments.append(offset + ragged_ids.row_ids(f) * t + f.positions)
+        keys.append(ragged_ids.row_ids(f) * t + f.positions)
         sizes.append(ragged_ids.batch_size(f) * t)
-        offset += sizes[-1]
-    segments = tf.concat(segments, 0)
-    flat = tf.cond(
-        tf.reduce_all(segments[1:] >= segments[:-1]),
-        lambda: _sorted_segment_sum(rows, segments, offset),
-        lambda: tf.math.unsorted_segment_sum(rows, segments, offset))
+    if len(feats) == 1:
+        parts = [rows]
+    else:
+        parts = tf.split(rows, tf.stack(
+            [tf.size(f.values, out_type=tf.int64) for f in feats]),
+            num=len(feats))
+    ordered = tf.reduce_all(tf.stack(
+        [tf.reduce_all(k[1:] >= k[:-1]) for k in keys]))
     dim = rows.shape[1]
-    outs = tf.split(flat, tf.stack(sizes), num=len(feats))
-    return [tf.reshape(o, tf.stack([ragged_ids.batch_size(f),
-                                    tf.cast(f.max_len, tf.int64), dim]))
-            for o, f in zip(outs, feats)]
+    outs = []
+    for r, k, n, f in zip(parts, keys, sizes, feats):
+        flat = tf.cond(
+            ordered,
+            lambda r=r, k=k, n=n: _sorted_segment_sum(r, k, n),
+            lambda r=r, k=k, n=n: tf.math.unsorted_segment_sum(r, k, n))
+        outs.append(tf.reshape(flat, tf.stack(
+            [ragged_ids.batch_size(f), tf.cast(f.max_len, tf.int64), dim])))
+    return outs
 
 
 def _table_slices(lib, handles, uniq, sums, max_norm):
