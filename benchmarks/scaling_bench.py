@@ -26,11 +26,16 @@ and allreduce, the transport before the peer sockets). Horovod variables in
 the environment (e.g. HOROVOD_CYCLE_TIME) reach the workers and are
 recorded.
 
-Launches alternate N=1 and N=2 `--launches` times, then run 2p, 2h and
-N=3 once each (information, after the pair the efficiency comes from); each launch times
-`--rounds` rounds of `--steps` back-to-back steps after a barrier (a
-round's step time is its slowest worker's). Efficiency = median step(N=1)
-/ median step(N=2), both from this run. Then, per N, a few extra steps run
+Launches alternate N=1 and N=2 `--launches` (5) times, then run 2p, 2h
+and N=3 once each (information, after the pair the efficiency comes
+from); each launch times `--rounds` (3) rounds of `--steps` back-to-back
+steps after a barrier (a round's step time is its slowest worker's).
+Many short launches rather than a few long ones: this VM's cores are
+shared with other machines, and a slow spell that lasts a whole launch
+(N=2 launches at 2x their usual step were seen) then weighs on few
+rounds. Efficiency = median step(N=1) / median step(N=2) over all their
+rounds, both from this run; each pair's own ratio is printed and kept
+too. Then, per N, a few extra steps run
 under the TF profiler (per-op time, classified below) and the Horovod
 timeline (per-collective negotiation and transfer time; with the peer
 sockets, each exchange op's time, split into latency + bytes / bandwidth
@@ -491,9 +496,15 @@ def summarize(runs, args):
         last = d["launches"][-1]
         per_worker, coll = breakdown(last)
         ex = [r["exchange_bytes"] for r in last]
+        per_launch = [
+            1e3 * statistics.median(
+                [max(r["round_step_s"][i] for r in records)
+                 for i in range(len(records[0]["round_step_s"]))])
+            for records in d["launches"]]
         summary[n] = {
             "median_step_ms": 1e3 * med,
             "round_step_ms": [1e3 * x for x in d["rounds_s"]],
+            "launch_median_step_ms": per_launch,
             "samples_per_s_global": n * args.batch / med,
             "breakdown_per_worker": per_worker,
             "collectives_per_step": coll,
@@ -541,7 +552,8 @@ def plot(summary, summary_pipelined, summary_hvd, path):
 def print_model(model):
     """Prints the fitted cost model, its check and its predictions."""
     p = model["params"]
-    print(f"cost model: dense {p['dense_ms']:.2f} ms + routing "
+    print(f"cost model: dense {p['dense_ms']:.2f} ms + gaps between ops "
+          f"{p['gaps_ms']:.2f} ms + routing "
           f"{p['route_ns_per_id']:.1f} ns/id + owner "
           f"{p['owner_ns_per_distinct_id']:.1f} ns/distinct id + optimizer "
           f"{p['optimizer_ns_per_row']:.1f} ns/row; "
@@ -575,7 +587,7 @@ def main():
                              "pipelining")
     parser.add_argument("--pipeline", action="store_true",
                         help="(internal, with --worker) pipelined loop")
-    parser.add_argument("--launches", type=int, default=3,
+    parser.add_argument("--launches", type=int, default=5,
                         help="times N=1 and N=2 are launched, alternating "
                              "(the other runs: once)")
     parser.add_argument("--batch", type=int, default=4096,
@@ -583,7 +595,7 @@ def main():
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--cap", type=int, default=200_000)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--num-batches", type=int, default=4)
     parser.add_argument("--profile-steps", type=int, default=5)
@@ -701,6 +713,9 @@ def main():
         print_model(model)
     if eff is not None:
         print(f"weak-scaling efficiency step(1)/step(2) = {eff:.2f}")
+        pairs = [a / b for a, b in zip(summary[1]["launch_median_step_ms"],
+                                       summary[2]["launch_median_step_ms"])]
+        print("  per launch pair: " + ", ".join(f"{x:.2f}" for x in pairs))
     if eff_pipelined is not None:
         print(f"weak-scaling efficiency step(1)/step(2 pipelined) = "
               f"{eff_pipelined:.2f}")

@@ -19,7 +19,7 @@ dim D, N workers on `cores` cores:
              `ge.distributed.exchange_ids` pipelining (the ids of the next
              batch travel in the step)
 
-    C(N) = dense + conversion + r I + o U + a U_own(N)       (N >= 2)
+    C(N) = dense + conversion + gaps + r I + o U + a U_own(N)  (N >= 2)
     C(1) = measured single-process compute (fused lookup)
     L(N) = n_coll (lambda0 + lambda1 (N - 1)) + bytes(N) / beta
     T(N) = ceil(N / cores) C(N) + L(N)
@@ -30,7 +30,9 @@ the core)
 
 r (routing: router + pooling + its gradient, per id), o (owner lookup and
 gradient merge, per received distinct id), a (optimizer and gradient
-scaling, per updated row) and `dense` come from the N=2 profile; lambda0,
+scaling, per updated row) and `dense` come from the N=2 profile; `gaps`
+is the time between ops on the worker's one thread (executor and Python
+dispatch), measured at N=1 where nothing waits for a peer; lambda0,
 lambda1 (latency of one exchange) and beta (bytes per ms): with the peer
 sockets (default), from a tiny and a rows-sized exchange probed in the
 N=2 and N=3 launches; with Horovod's collectives (cycle, negotiation,
@@ -127,6 +129,9 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
     u_own2 = stats["u_own"][2]
     dense = (p2["dense model + framework"]
              + p2["id conversion (sparse->ragged)"])
+    # Time between ops, not spent in any op: at N=1 nothing waits for a
+    # peer, so it is the framework's own per-step cost.
+    gaps = p1["idle / wait (negotiation, imbalance)"]
     r = (p2["id routing (dedup + bucketing)"] + p2["local pooling"]
          + p2["backward routing"]) / i
     o = p2["owner-side lookup + gradient merge"] / u
@@ -162,7 +167,7 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
     lambda0 = lat2 - lambda1
 
     def compute(n):
-        return dense + r * i + o * u + a * stats["u_own"].get(
+        return dense + gaps + r * i + o * u + a * stats["u_own"].get(
             n, stats["u_own"][max(stats["u_own"])])
 
     checks = {}
@@ -185,7 +190,7 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
     predictions = {}
     for n in PREDICT_N:
         u_own = _u_own_extrapolated(stats, n)
-        comp = dense + r * i + o * u + a * u_own
+        comp = dense + gaps + r * i + o * u + a * u_own
         # One exchange: a message per peer; Horovod adds its cycle and
         # the negotiation through rank 0.
         per_coll = ALPHA_NET_MS + PER_PEER_MS * (n - 1)
@@ -204,7 +209,8 @@ def fit(summary: Dict, stats: Dict, k: int, dim: int, cores: int,
                           "step_ms_pipelined": step_pipe,
                           "efficiency_vs_n1_pipelined": t1 / step_pipe}
     return {
-        "params": {"dense_ms": dense, "route_ns_per_id": 1e6 * r,
+        "params": {"dense_ms": dense, "gaps_ms": gaps,
+                   "route_ns_per_id": 1e6 * r,
                    "owner_ns_per_distinct_id": 1e6 * o,
                    "optimizer_ns_per_row": 1e6 * a,
                    "single_process_compute_ms": c1,

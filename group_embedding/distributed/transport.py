@@ -21,12 +21,20 @@ sockets when the C++ kernels are loaded, else Horovod), `sockets`
 `GROUP_EMBEDDING_TRANSPORT_HOST` sets the address peers use to reach this
 worker (default: the address of `HOROVOD_HOSTNAME`, the host name that
 horovodrun gives each worker).
+
+Workers on the same host (the same kernel and network namespace) connect
+over Unix-domain sockets instead of TCP loopback: the same stream of
+bytes without the TCP stack, about twice the throughput measured here
+(`GROUP_EMBEDDING_TRANSPORT_SAME_HOST=tcp` keeps TCP). A Unix connection
+that cannot be made falls back to TCP.
 """
 
 import os
 import secrets
+import select
 import socket
 import struct
+import time
 import weakref
 import zlib
 from typing import List, Optional, Sequence
@@ -36,8 +44,9 @@ import tensorflow as tf
 from group_embedding.ops import kernel_library
 
 TRANSPORTS = ("auto", "sockets", "horovod")
+SAME_HOST_LINKS = ("unix", "tcp")
 _HELLO = struct.Struct("!16sq")  # job token, rank of the connecting worker
-_state = {"fds": None, "sockets": [], "rank": 0, "size": 1,
+_state = {"fds": None, "sockets": [], "links": [], "rank": 0, "size": 1,
           "timeout": 600.0}
 # Per graph, the last exchange created: the next one runs after it, so
 # every worker runs its exchanges in program order.
@@ -59,6 +68,72 @@ def _library():
     if lib is None or not hasattr(lib, "peer_all_to_all"):
         return None
     return lib
+
+
+def same_host_link() -> str:
+    """`GROUP_EMBEDDING_TRANSPORT_SAME_HOST`, checked (default "unix"):
+    how workers on one host connect."""
+    link = os.environ.get("GROUP_EMBEDDING_TRANSPORT_SAME_HOST",
+                          "unix").lower()
+    if link not in SAME_HOST_LINKS:
+        raise ValueError(
+            f"Invalid `GROUP_EMBEDDING_TRANSPORT_SAME_HOST`: {link!r}, use "
+            f"one of {', '.join(SAME_HOST_LINKS)}.")
+    return link
+
+
+def _host_identity() -> Optional[str]:
+    """Equal for two processes that can reach each other's abstract Unix
+    sockets: one kernel (boot id) and one network namespace (whose
+    abstract socket names they share); None where that cannot be told."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return None
+    return f"{boot}/{netns}"
+
+
+def _unix_name(token: bytes, rank: int) -> str:
+    # Abstract namespace (leading NUL): no file to clean up, and the job
+    # token keeps two jobs on one host apart.
+    return f"\0group_embedding/{token.hex()}/{rank}"
+
+
+def _open_unix_listener(token: bytes, rank: int, size: int):
+    """This worker's Unix listener, or None where there is none to be had
+    (then its peers connect over TCP)."""
+    if same_host_link() != "unix" or _host_identity() is None:
+        return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(_unix_name(token, rank))
+        listener.listen(size)
+    except OSError:
+        listener.close()
+        return None
+    return listener
+
+
+def _connect_to(address, unix_name: Optional[str]) -> socket.socket:
+    """A connection to a peer: over its Unix socket when `unix_name` is
+    given and reachable, else over TCP."""
+    if unix_name is not None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(60)
+        try:
+            s.connect(unix_name)
+            return s
+        except OSError:
+            s.close()  # e.g. another network namespace after all
+    return socket.create_connection(address, timeout=60)
+
+
+def links() -> List[str]:
+    """Per worker rank: "self", "unix" or "tcp" (empty before `connect`
+    or with Horovod's transport)."""
+    return list(_state["links"])
 
 
 def _own_host() -> str:
@@ -100,6 +175,7 @@ def connect(hvd, timeout: float) -> bool:
             are not loaded or a peer cannot be reached.
     """
     mode = transport_mode()
+    same_host_link()  # a bad value fails here, before any collective
     _state["rank"], _state["size"] = hvd.rank(), hvd.size()
     # A backstop behind the collective watchdog, which stops every worker
     # and names the stuck one: it must fire first.
@@ -119,40 +195,64 @@ def connect(hvd, timeout: float) -> bool:
     listener.listen(size)
     token = _object_collective(hvd.broadcast_object,
                                secrets.token_bytes(16))
+    unix_listener = _open_unix_listener(token, rank, size)
+    identity = _host_identity() if unix_listener is not None else None
     addresses = _object_collective(
-        hvd.allgather_object, (_own_host(), listener.getsockname()[1]))
+        hvd.allgather_object,
+        (_own_host(), listener.getsockname()[1], identity))
     peers: List[Optional[socket.socket]] = [None] * size
+    listeners = [listener] + ([unix_listener] if unix_listener else [])
     try:
         # The lower rank connects, the higher accepts: one socket a pair.
         for j in range(rank + 1, size):
-            s = socket.create_connection(addresses[j], timeout=60)
+            host, port, theirs = addresses[j]
+            same_host = identity is not None and theirs == identity
+            s = _connect_to((host, port),
+                            _unix_name(token, j) if same_host else None)
             s.sendall(_HELLO.pack(token, rank))
             peers[j] = s
-        listener.settimeout(120)
+        deadline = time.monotonic() + 120
         while sum(p is not None for p in peers[:rank]) < rank:
-            s, _ = listener.accept()
-            s.settimeout(60)
-            got, who = _HELLO.unpack(_recv_exactly(s, _HELLO.size))
-            if got != token or not 0 <= who < rank or peers[who] is not None:
-                s.close()  # not one of this job's workers
-                continue
-            peers[who] = s
+            left = deadline - time.monotonic()
+            ready = select.select(listeners, [], [], max(left, 0))[0]
+            if not ready:
+                raise socket.timeout(
+                    f"{rank - sum(p is not None for p in peers[:rank])} "
+                    "lower-rank worker(s) did not connect within 120 s")
+            for ln in ready:
+                s, _ = ln.accept()
+                s.settimeout(60)
+                got, who = _HELLO.unpack(_recv_exactly(s, _HELLO.size))
+                if (got != token or not 0 <= who < rank
+                        or peers[who] is not None):
+                    s.close()  # not one of this job's workers
+                    continue
+                peers[who] = s
     except OSError as e:
         for s in peers:
             if s is not None:
                 s.close()
         raise RuntimeError(
             f"group_embedding: worker {rank} could not connect to its "
-            f"peers at {addresses} ({e}); set GROUP_EMBEDDING_TRANSPORT_HOST "
-            "to an address the other workers can reach, or "
-            "GROUP_EMBEDDING_TRANSPORT=horovod.") from e
+            f"peers at {[a[:2] for a in addresses]} ({e}); set "
+            "GROUP_EMBEDDING_TRANSPORT_HOST to an address the other "
+            "workers can reach, or GROUP_EMBEDDING_TRANSPORT=horovod.") from e
     finally:
-        listener.close()
+        for ln in listeners:
+            ln.close()
+    kinds = []
     for s in peers:
-        if s is not None:
+        if s is None:
+            kinds.append("self")
+            continue
+        if s.family == socket.AF_UNIX:
+            kinds.append("unix")
+        else:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.setblocking(False)
+            kinds.append("tcp")
+        s.setblocking(False)
     _state["sockets"] = peers
+    _state["links"] = kinds
     _state["fds"] = [-1 if s is None else s.fileno() for s in peers]
     return True
 

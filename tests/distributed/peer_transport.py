@@ -111,6 +111,7 @@ def main():
     rank, size = hvd.rank(), hvd.size()
     ones = np.ones(size, np.int32)
     if args.mode == "parity":
+        print(f"links: {','.join(transport.links())}", flush=True)
         check_parity(hvd)
     elif args.mode == "mismatch":
         check_error(

@@ -3,20 +3,58 @@ PeerAllToAll): results equal Horovod's collectives, and a worker at the
 wrong collective, with other row sizes or dead gives a clear error on every
 other worker instead of a hang or mixed-up rows."""
 
+import socket
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from group_embedding.distributed import transport
 from group_embedding.ops import kernel_library
 from tests.distributed.test_collective_training import run_workers
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_exchanges_equal_horovod(workers):
-    result = run_workers(workers, "peer_transport.py", "parity")
+@pytest.mark.parametrize("workers,link", [(2, "unix"), (3, "unix"),
+                                          (2, "tcp"), (3, "tcp")])
+def test_exchanges_equal_horovod(workers, link):
+    # Workers on one host connect over Unix sockets unless told to use
+    # TCP; both links must carry the same bytes.
+    result = run_workers(workers, "peer_transport.py", "parity",
+                         env={"GROUP_EMBEDDING_TRANSPORT_SAME_HOST": link})
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count("parity ok") == workers, out[-4000:]
+    for rank in range(workers):
+        kinds = ["self" if p == rank else link for p in range(workers)]
+        assert f"links: {','.join(kinds)}" in out, out[-4000:]
+
+
+def test_same_host_link_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("GROUP_EMBEDDING_TRANSPORT_SAME_HOST", "shm")
+    with pytest.raises(ValueError, match="GROUP_EMBEDDING_TRANSPORT_SAME"
+                                         "_HOST.*'shm'.*unix, tcp"):
+        transport.same_host_link()
+    monkeypatch.setenv("GROUP_EMBEDDING_TRANSPORT_SAME_HOST", "TCP")
+    assert transport.same_host_link() == "tcp"
+
+
+def test_unreachable_unix_socket_falls_back_to_tcp():
+    # A peer whose Unix socket cannot be reached (another network
+    # namespace after all) is connected over TCP.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    try:
+        s = transport._connect_to(listener.getsockname(),
+                                  "\0group_embedding/no-such-job/1")
+        peer, _ = listener.accept()
+        assert s.family == socket.AF_INET
+        s.sendall(b"x")
+        assert peer.recv(1) == b"x"
+        s.close()
+        peer.close()
+    finally:
+        listener.close()
 
 
 @pytest.mark.parametrize("mode,workers", [("mismatch", 2), ("rowshape", 2),
