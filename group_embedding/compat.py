@@ -35,6 +35,26 @@ What `install()` changes, in `tf` and in `tf.compat.v1`:
   `ge.train` subclasses, which also update EmbeddingVariables (in DeepRec
   the stock optimizers do). On plain variables they are the stock update.
 
+* DeepRec runtime features stock TF lacks (`group_embedding.
+  runtime_features`): `staged`, `make_prefetch_hook`,
+  `get_multihash_variable`,
+  `get_dynamic_dimension_embedding_variable`,
+  `feature_column.categorical_column_with_multihash` /
+  `_with_adaptive_embedding`, `tf.compat.v1.train.AdagradDecayOptimizerV2`,
+  `contrib.layers.sparse_column_with_embedding` /
+  `input_from_feature_columns` / `weighted_sum_from_feature_columns`,
+  `contrib.opt.AdamWOptimizer`, and the modules `parquet_dataset_ops`,
+  `dataframe`, `work_queue`, `adagrad_decay_v2`,
+  `weight_decay_optimizers` (added to `sys.modules`) raise one
+  NotImplementedError naming the feature when used;
+* `config[.experimental].enable_group_embedding`: "localized" is a
+  no-op, "collective" points to `enable_distributed_strategy`;
+* `ConfigProto().graph_options.optimizer_options`: DeepRec's
+  `do_op_fusion` is accepted and ignored (grappler fuses; logged once);
+  switching on `do_smart_stage[_gpu]`, `stage_multi_stream`,
+  `micro_batch_num`, `do_async_embedding` raises NotImplementedError,
+  setting them off is accepted.
+
 `uninstall()` puts every original back (and removes the added names).
 
 Note: DeepRec's `embedding_column` builds its table itself; ours returns a
@@ -43,7 +63,10 @@ variable names stock uses (`input_layer/<column>/embedding_weights`).
 """
 
 import functools
+import importlib
+import importlib.util
 import inspect
+import sys
 import threading
 import types
 from typing import Any
@@ -54,11 +77,13 @@ from typing import Tuple
 
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.framework import config as tf_framework_config
 
 from group_embedding.embedding_variable import variable as embedding_variable
 from group_embedding.embedding_variable import options
 from group_embedding import stock_lookups as ev_reads
 from group_embedding import lookup
+from group_embedding import runtime_features
 from group_embedding import train
 from group_embedding.distributed.strategy import enable_distributed_strategy
 from group_embedding import estimator as estimator_lib
@@ -288,36 +313,104 @@ def _ev_read_names(root) -> List[Tuple[Any, str, Any]]:
     return out
 
 
-def _unsupported(feature: str, alternative: str) -> Callable:
-    """A stand-in for a DeepRec runtime feature stock TF lacks: calling it
-    raises NotImplementedError naming the feature and what to do."""
+_unsupported = runtime_features.Unavailable
 
-    def refuse(*args, **kwargs):
-        raise NotImplementedError(
-            f"{feature} is a DeepRec runtime feature that group_embedding "
-            f"does not provide on stock TensorFlow; {alternative}")
-
-    refuse.__name__ = feature.rsplit(".", 1)[-1]
-    return refuse
-
-
-# DeepRec names with no meaning here, referenced by its modelzoo scripts.
+_MULTIHASH = ("use categorical_column_with_embedding: an EV stores every "
+              "id, with no hash collisions to compress away.")
+# DeepRec names with no meaning here, referenced by its modelzoo scripts
+# and its EV tests.
 _UNSUPPORTED = {
     "staged": ("tf.staged (SmartStage)",
                "drop the call and use tf.data prefetch()."),
     "make_prefetch_hook": ("tf.make_prefetch_hook (SmartStage)",
                            "drop the hook; tf.data prefetch() does it."),
+    "get_multihash_variable": ("tf.get_multihash_variable (Multi-Hash "
+                               "Variable)", _MULTIHASH),
+    "get_dynamic_dimension_embedding_variable": (
+        "tf.get_dynamic_dimension_embedding_variable (dynamic-dimension "
+        "EV)", "use get_embedding_variable with one embedding_dim."),
 }
 _UNSUPPORTED_FEATURE_COLUMN = {
     "categorical_column_with_adaptive_embedding": (
         "tf.feature_column.categorical_column_with_adaptive_embedding",
         "use categorical_column_with_embedding."),
+    "categorical_column_with_multihash": (
+        "tf.feature_column.categorical_column_with_multihash (Multi-Hash "
+        "Variable)", _MULTIHASH),
+}
+_UNSUPPORTED_V1_TRAIN = {
+    "AdagradDecayOptimizerV2": (
+        "tf.train.AdagradDecayOptimizerV2",
+        "use tf.train.AdagradDecayOptimizer (DeepRec's first version, "
+        "provided for EVs and plain variables)."),
 }
 
+_CONTRIB_COLUMNS = ("use tf.feature_column.categorical_column_with_"
+                    "embedding, embedding_column and input_layer (a "
+                    "linear model: embedding_column(..., 1, 'sum')).")
+# `tf.contrib` as far as DeepRec's scripts and tests use it.
+_CONTRIB = types.SimpleNamespace(
+    feature_column=types.SimpleNamespace(
+        sequence_input_layer=ge_sequence_input_layer),
+    layers=types.SimpleNamespace(**{
+        name: _unsupported(f"tf.contrib.layers.{name}", _CONTRIB_COLUMNS)
+        for name in ("sparse_column_with_embedding",
+                     "input_from_feature_columns",
+                     "weighted_sum_from_feature_columns")}),
+    opt=types.SimpleNamespace(AdamWOptimizer=_unsupported(
+        "tf.contrib.opt.AdamWOptimizer",
+        "use tf.train.AdamOptimizer and apply the decoupled weight decay "
+        "yourself (var -= lr * weight_decay * var).")))
 
-# `tf.contrib` as far as DeepRec's scripts use it.
-_CONTRIB = types.SimpleNamespace(feature_column=types.SimpleNamespace(
-    sequence_input_layer=ge_sequence_input_layer))
+FUSION_TYPES = ("localized", "collective")
+
+
+def enable_group_embedding(fusion_type="collective"):
+    """DeepRec's first switch for grouped lookups
+    (`tf.config.experimental.enable_group_embedding`), which later DeepRec
+    replaced by `enable_distributed_strategy`.
+
+    Args:
+        fusion_type: "localized": a no-op, since grouped lookups in one
+            process need no switch here. "collective": refused with a
+            pointer to `tf.config.experimental.enable_distributed_strategy`
+            (`ge.enable_distributed_strategy`), whose Horovod sharding
+            replaces DeepRec's SOK-based collective mode.
+
+    Raises:
+        NotImplementedError: `fusion_type="collective"`.
+        ValueError: any other `fusion_type`.
+    """
+    if fusion_type == "localized":
+        return
+    if fusion_type == "collective":
+        raise NotImplementedError(
+            "enable_group_embedding(fusion_type='collective') is DeepRec's "
+            "SOK-based mode and is not provided; call "
+            "tf.config.experimental.enable_distributed_strategy("
+            "'collective') (ge.enable_distributed_strategy) instead, which "
+            "shards the tables over Horovod workers.")
+    raise ValueError(f"enable_group_embedding: fusion_type must be one of "
+                     f"{FUSION_TYPES}, got {fusion_type!r}.")
+
+
+def _deeprec_only_module(name: str) -> bool:
+    """True when `name` is ours or no real module of that name exists."""
+    present = sys.modules.get(name)
+    if present is not None:
+        return isinstance(present, runtime_features.UnavailableModule)
+    return importlib.util.find_spec(name) is None
+
+
+def _module_names() -> List[Tuple[Any, str, Any]]:
+    """(parent package, leaf, stand-in) for each DeepRec-only module that
+    stock TF does not ship; a real module of the same name wins."""
+    out = []
+    for module in runtime_features.MODULES:
+        if _deeprec_only_module(module.__name__):
+            parent, leaf = module.__name__.rsplit(".", 1)
+            out.append((importlib.import_module(parent), leaf, module))
+    return out
 
 
 def _names() -> List[Tuple[Any, str, Any]]:
@@ -334,6 +427,7 @@ def _names() -> List[Tuple[Any, str, Any]]:
         "StorageType": options.StorageType,
     }
     top.update({k: _unsupported(*v) for k, v in _UNSUPPORTED.items()})
+    config = {"enable_group_embedding": enable_group_embedding}
     nn = {
         "group_embedding_lookup_sparse":
             lookup.group_embedding_lookup_sparse,
@@ -361,6 +455,8 @@ def _names() -> List[Tuple[Any, str, Any]]:
         out.append((root.config.experimental,
                     "enable_distributed_strategy",
                     enable_distributed_strategy))
+        out += [(namespace, k, v) for k, v in config.items()
+                for namespace in (root.config, root.config.experimental)]
         out += _ev_read_names(root)
     # DeepRec's collections of EV init ops, and its proto enum of EV
     # storage tiers (`config_pb2.StorageType.DRAM`).
@@ -369,6 +465,14 @@ def _names() -> List[Tuple[Any, str, Any]]:
     out.append((tf.compat.v1.GraphKeys, "EV_INIT_SLOT_OPS",
                 embedding_variable.EV_INIT_SLOT_OPS))
     out.append((config_pb2, "StorageType", options.StorageType))
+    # DeepRec's test scripts call `framework.config.enable_group_embedding`.
+    out += [(tf_framework_config, k, v) for k, v in config.items()]
+    # DeepRec's fields of `ConfigProto.graph_options.optimizer_options`.
+    out.append((config_pb2.OptimizerOptions, "__setattr__",
+                runtime_features.set_optimizer_option))
+    out.append((config_pb2.OptimizerOptions, "async_embedding_options",
+                runtime_features.ASYNC_EMBEDDING_OPTIONS))
+    out += _module_names()
     # TF2's name for shared_embedding_columns.
     out.append((tf.feature_column, "shared_embeddings",
                 shared_embedding_columns))
@@ -381,6 +485,8 @@ def _names() -> List[Tuple[Any, str, Any]]:
             out.append((root, "contrib", _CONTRIB))
     for name in train.__all__:
         out.append((tf.compat.v1.train, name, getattr(train, name)))
+    out += [(tf.compat.v1.train, k, _unsupported(*v))
+            for k, v in _UNSUPPORTED_V1_TRAIN.items()]
     # TF 2.16+ ships no tf.estimator: DeepRec's Estimator scripts get ours.
     for root in (tf, tf.compat.v1):
         stock = _ORIGINALS.get((root, "estimator"),
@@ -390,14 +496,25 @@ def _names() -> List[Tuple[Any, str, Any]]:
     return out
 
 
+def _own(namespace, name: str):
+    # On a class only its own attribute is restored: an inherited one
+    # (OptimizerOptions.__setattr__) comes back by deleting ours.
+    if isinstance(namespace, type):
+        return vars(namespace).get(name, _MISSING)
+    return getattr(namespace, name, _MISSING)
+
+
 def install() -> None:
-    """Adds DeepRec's names to `tf` and `tf.compat.v1` (idempotent)."""
+    """Adds DeepRec's names to `tf` and `tf.compat.v1` (idempotent), and
+    DeepRec-only modules to `sys.modules`."""
     with _LOCK:
         for namespace, name, value in _names():
             key = (namespace, name)
             if key not in _ORIGINALS:
-                _ORIGINALS[key] = getattr(namespace, name, _MISSING)
+                _ORIGINALS[key] = _own(namespace, name)
             setattr(namespace, name, value)
+        for _, _, module in _module_names():
+            sys.modules[module.__name__] = module
 
 
 def uninstall() -> None:
@@ -410,6 +527,9 @@ def uninstall() -> None:
             else:
                 setattr(namespace, name, value)
         _ORIGINALS.clear()
+        for module in runtime_features.MODULES:
+            if sys.modules.get(module.__name__) is module:
+                del sys.modules[module.__name__]
 
 
 def is_installed() -> bool:

@@ -130,13 +130,17 @@ class CBFFilter(BaseFilterOption):
     Bloom filter (DeepRec's `tf.CBFFilter`).
 
     Unlike `CounterFilter`, a key is not stored until it is admitted: its
-    occurrences are counted in a fixed array of `num_counters` counters of
-    `counter_type`, `num_hashes` per key, sized for `max_element_size`
-    distinct keys at `false_positive_probability`:
-    `num_counters = ceil(-n ln p / (ln 2)^2)`, `num_hashes = ceil(-log2
-    p)` (= `num_counters / n * ln 2`). Memory is fixed whatever the number
-    of keys seen (e.g. n = 10**6, p = 0.01: 9.6 million counters, 77 MB
-    of uint64 or 9.6 MB of uint8). A key's count is the least of its
+    occurrences are counted in `num_counters` counters of `counter_type`,
+    `num_hashes` per key, sized for `max_element_size` distinct keys at
+    `false_positive_probability`: `num_counters = ceil(-n ln p / (ln
+    2)^2)`, `num_hashes = ceil(-log2 p)` (= `num_counters / n * ln 2`).
+    Up to 256 MiB the counters are one array, allocated with the table
+    whatever the number of keys seen (e.g. n = 10**6, p = 0.01: 9.6
+    million counters, 77 MB of uint64 or 9.6 MB of uint8); a larger
+    filter (DeepRec's model zoo asks for n = 2**30: 82 GB of uint64)
+    keeps only the counters that keys have raised, in a map, so its
+    memory follows the keys counted (about `num_hashes` entries each),
+    with the same counts and admissions. A key's count is the least of its
     counters; counters stop at `filter_freq`. Reads and updates follow
     `CounterFilter`: `default_value_no_permission` for the first
     `filter_freq` lookups, the real row from lookup `filter_freq + 1` on.

@@ -8,7 +8,6 @@ import itertools
 import json
 import logging
 import math
-import os
 from typing import Optional
 
 import tensorflow as tf
@@ -57,33 +56,6 @@ class StockOptimizerError(TypeError, AttributeError):
     """
 
 
-
-def _physical_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0  # unknown: no check
-
-
-def _check_cbf_fits(ev_name: str, cbf: CBFFilter) -> None:
-    """Refuses a CBFFilter whose counter array cannot fit in memory.
-
-    The counters are allocated in full when the table is created; without
-    this check an oversized filter (DeepRec's model zoo asks for
-    max_element_size=2**30: 82 GB of uint64 counters per column) ends in an
-    allocation failure or the OOM killer instead of an error naming it.
-    """
-    need = cbf.num_counters * cbf.counter_bytes
-    have = _physical_memory_bytes()
-    if have and need > have // 2:
-        raise ValueError(
-            f"EmbeddingVariable '{ev_name}': CBFFilter(max_element_size="
-            f"{cbf.max_element_size}, false_positive_probability="
-            f"{cbf.false_positive_probability}, counter_type="
-            f"{cbf.counter_type}) needs {cbf.num_counters} counters = "
-            f"{need / 2 ** 30:.1f} GiB, more than half of this machine's "
-            f"{have / 2 ** 30:.1f} GiB of memory; lower max_element_size "
-            "(distinct keys expected) or use a smaller counter_type.")
 
 class EmbeddingVariable(tf.Module):
     """A `[unbounded, D]` embedding table keyed by int64 (or int32) keys.
@@ -229,8 +201,6 @@ class EmbeddingVariable(tf.Module):
         filt = opt.filter_option
         freq = 0 if filt is None else filt.filter_freq
         cbf = filt if isinstance(filt, CBFFilter) else None
-        if cbf is not None:
-            _check_cbf_fits(self._ev_name, cbf)
         if tf.executing_eagerly():
             shared = f"{self._ev_name}_{next(_uid)}"
         else:

@@ -27,6 +27,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -159,12 +160,22 @@ struct EVConfig {
   float l2_threshold = -1.0f;   // < 0: no L2WeightEvict
 };
 
+// A counting Bloom filter whose counter array would take more than this
+// keeps only its non-zero counters, in a hash map: DeepRec's model zoo
+// sizes filters for 2**30 keys (about 10**10 counters, 82 GB of uint64)
+// that a run touches a tiny part of. Same counters, same counts, same
+// admissions as the array; memory follows the keys counted (about
+// `cbf_hashes` map entries per key) instead of the array's size.
+constexpr int64_t kDenseCbfMaxBytes = int64_t{256} << 20;
+
 class EVStorage : public tensorflow::ResourceBase {
  public:
   explicit EVStorage(const EVConfig& config)
       : config_(config), values_(config.dim) {
     buckets_.assign(64, kEmpty);
-    cbf_.assign(config.cbf_counters * config.cbf_counter_bytes, 0);
+    if (!SparseCbf()) {
+      cbf_.assign(config.cbf_counters * config.cbf_counter_bytes, 0);
+    }
   }
 
   std::string DebugString() const override {
@@ -358,6 +369,7 @@ class EVStorage : public tensorflow::ResourceBase {
     current_step_ = 0;
     // Counts of keys not admitted yet are not checkpointed either.
     std::fill(cbf_.begin(), cbf_.end(), 0);
+    sparse_cbf_.clear();
   }
 
   void Reserve(int64_t keys) {
@@ -373,13 +385,25 @@ class EVStorage : public tensorflow::ResourceBase {
                 static_cast<int64_t>(free_rows_.capacity()) *
                     sizeof(uint32_t);
     for (const auto& s : slots_) b += s.Bytes();
-    return b + static_cast<int64_t>(cbf_.size());
+    // A node of the sparse map: key, count, next pointer, cached hash.
+    const int64_t sparse = static_cast<int64_t>(
+        sparse_cbf_.size() * 32 + sparse_cbf_.bucket_count() * 8);
+    return b + static_cast<int64_t>(cbf_.size()) + sparse;
   }
 
  private:
   uint64_t mask() const { return buckets_.size() - 1; }
 
+  bool SparseCbf() const {
+    return config_.cbf_counters >
+           kDenseCbfMaxBytes / std::max(config_.cbf_counter_bytes, 1);
+  }
+
   int64_t Counter(uint64_t at) const {
+    if (SparseCbf()) {
+      auto it = sparse_cbf_.find(at);
+      return it == sparse_cbf_.end() ? 0 : it->second;
+    }
     const uint8_t* p = cbf_.data() + at * config_.cbf_counter_bytes;
     switch (config_.cbf_counter_bytes) {
       case 1: return *p;
@@ -395,6 +419,10 @@ class EVStorage : public tensorflow::ResourceBase {
   }
   // `c` <= filter_freq, which the caller checked fits the counter type.
   void SetCounter(uint64_t at, int64_t c) {
+    if (SparseCbf()) {
+      sparse_cbf_[at] = c;
+      return;
+    }
     uint8_t* p = cbf_.data() + at * config_.cbf_counter_bytes;
     const uint64_t u = static_cast<uint64_t>(c);
     switch (config_.cbf_counter_bytes) {
@@ -443,6 +471,9 @@ class EVStorage : public tensorflow::ResourceBase {
   std::vector<ChunkedArray<float>> slots_;
   int64_t current_step_ = 0;
   std::vector<uint8_t> cbf_;  // counting Bloom filter (CBFFilter only)
+  // The same counters when the array would be too large (SparseCbf()):
+  // counter index -> count, zero counters absent.
+  std::unordered_map<uint64_t, int64_t> sparse_cbf_;
 };
 
 

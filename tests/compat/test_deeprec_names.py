@@ -114,3 +114,153 @@ def test_embedding_column_accepts_do_fusion(compat):
     plain = tf.feature_column.embedding_column(cat, 4)
     assert isinstance(fused, columns.EmbeddingColumn)
     assert fused == plain  # documented no-op: always one fused lookup
+
+
+def _optimizer_options():
+    return V1.ConfigProto().graph_options.optimizer_options
+
+
+def test_do_op_fusion_is_a_logged_no_op_and_the_session_runs(
+        compat, caplog, monkeypatch):
+    from group_embedding import runtime_features
+
+    monkeypatch.setitem(runtime_features._state, "op_fusion_warned", False)
+    config = V1.ConfigProto()
+    config.inter_op_parallelism_threads = 1
+    with caplog.at_level("WARNING", logger=runtime_features.__name__):
+        config.graph_options.optimizer_options.do_op_fusion = True
+        config.graph_options.optimizer_options.do_op_fusion = True
+    assert [r.getMessage() for r in caplog.records].count(
+        "optimizer_options.do_op_fusion is ignored: stock TensorFlow's "
+        "grappler already fuses ops (remapper).") == 1
+    # Off values of the refused knobs are stock behaviour: accepted.
+    config.graph_options.optimizer_options.do_smart_stage = False
+    config.graph_options.optimizer_options.micro_batch_num = 1
+    # Stock fields still go to protobuf.
+    config.graph_options.optimizer_options.opt_level = V1.OptimizerOptions.L0
+    assert config.graph_options.optimizer_options.opt_level == -1
+    assert config.inter_op_parallelism_threads == 1
+    with tf.Graph().as_default():
+        total = tf.constant([1.0, 2.0]) * 3.0
+        with V1.Session(config=config) as sess:
+            np.testing.assert_array_equal(sess.run(total), [3.0, 6.0])
+    with pytest.raises(TypeError, match="do_op_fusion takes a bool"):
+        config.graph_options.optimizer_options.do_op_fusion = "yes"
+    with pytest.raises(AttributeError, match="no \"do_op_fusionn\" field"):
+        config.graph_options.optimizer_options.do_op_fusionn = True
+
+
+@pytest.mark.parametrize("name, value, feature", [
+    ("do_smart_stage", True, "SmartStage"),
+    ("do_smart_stage_gpu", True, "SmartStage"),
+    ("stage_multi_stream", True, "SmartStage"),
+    ("micro_batch_num", 4, "Auto Micro Batch"),
+    ("do_async_embedding", True, "async embedding"),
+])
+def test_deeprec_runtime_knobs_raise_naming_the_feature(compat, name, value,
+                                                        feature):
+    options = _optimizer_options()
+    with pytest.raises(NotImplementedError,
+                       match=f"{feature} .*{name}.* DeepRec runtime"):
+        setattr(options, name, value)
+    assert options == V1.OptimizerOptions()  # nothing written
+
+
+def test_config_knobs_back_to_stock_after_uninstall(compat):
+    with pytest.raises(NotImplementedError, match="async embedding"):
+        _optimizer_options().async_embedding_options.threads_num = 4
+    with pytest.raises(TypeError, match="micro_batch_num takes an int"):
+        _optimizer_options().micro_batch_num = 2.5
+    compat.uninstall()
+    assert "__setattr__" not in vars(config_pb2.OptimizerOptions)
+    with pytest.raises(AttributeError, match="do_op_fusion"):
+        _optimizer_options().do_op_fusion = True
+    compat.install()
+
+
+def test_deeprec_only_modules_import_and_refuse_use(compat):
+    import importlib
+    import sys
+
+    from tensorflow.python.data.experimental.ops import parquet_dataset_ops
+    from tensorflow.python.ops.work_queue import WorkQueue
+    with pytest.raises(NotImplementedError,
+                       match="ParquetDataset .*pandas.read_parquet"):
+        parquet_dataset_ops.ParquetDataset(["a.parquet"], batch_size=8)
+    with pytest.raises(NotImplementedError, match="ParquetDataset"):
+        parquet_dataset_ops.DataFrame.Field("a", tf.int64)
+    with pytest.raises(NotImplementedError, match="WorkQueue.*shard"):
+        WorkQueue(["f.csv"])
+    from tensorflow.python.training import weight_decay_optimizers
+    with pytest.raises(NotImplementedError, match="AdamWOptimizer"):
+        weight_decay_optimizers.AdamWOptimizer(0.01)
+    adagrad_v2 = importlib.import_module(
+        "tensorflow.python.training.adagrad_decay_v2")
+    with pytest.raises(NotImplementedError,
+                       match="AdagradDecayOptimizerV2.*AdagradDecayOptim"):
+        adagrad_v2.AdagradDecayOptimizerV2(0.1, None)
+    assert not hasattr(parquet_dataset_ops, "__path__")  # probes still work
+    compat.uninstall()
+    assert "tensorflow.python.ops.work_queue" not in sys.modules
+    assert not hasattr(sys.modules["tensorflow.python.ops"], "work_queue")
+    with pytest.raises(ImportError):
+        importlib.import_module(
+            "tensorflow.python.data.experimental.ops.parquet_dataset_ops")
+    compat.install()
+
+
+def test_deeprec_names_without_a_port_raise_one_clear_error(compat):
+    calls = (
+        (lambda: V1.train.AdagradDecayOptimizerV2(0.1, None),
+         "AdagradDecayOptimizerV2"),
+        (lambda: V1.contrib.opt.AdamWOptimizer(0.01), "AdamWOptimizer"),
+        (lambda: V1.feature_column.categorical_column_with_multihash(
+            "c", dims=(5, 3)), "categorical_column_with_multihash"),
+        (lambda: tf.feature_column.categorical_column_with_multihash("c"),
+         "Multi-Hash"),
+        (lambda: V1.get_multihash_variable("v", [[2, 2], [2, 2]]),
+         "get_multihash_variable"),
+        (lambda: V1.get_dynamic_dimension_embedding_variable("v", 4, 2),
+         "dynamic-dimension"),
+        (lambda: V1.contrib.layers.sparse_column_with_embedding("c"),
+         "sparse_column_with_embedding.*categorical_column_with_emb"),
+        (lambda: V1.contrib.layers.input_from_feature_columns({}, []),
+         "input_from_feature_columns"),
+        (lambda: V1.contrib.layers.weighted_sum_from_feature_columns(
+            {}, [], 1), "weighted_sum_from_feature_columns"),
+    )
+    for call, name in calls:
+        with pytest.raises(NotImplementedError, match=name):
+            call()
+    # The stand-in is not a half-working object either.
+    with pytest.raises(NotImplementedError, match="AdamWOptimizer"):
+        V1.contrib.opt.AdamWOptimizer.minimize
+    compat.uninstall()
+    assert not hasattr(V1.train, "AdagradDecayOptimizerV2")
+    assert not hasattr(V1.feature_column,
+                       "categorical_column_with_multihash")
+    compat.install()
+
+
+def test_enable_group_embedding_localized_no_op_collective_points_on(
+        compat):
+    from tensorflow.python.framework import config as framework_config
+
+    for enable in (V1.config.experimental.enable_group_embedding,
+                   tf.config.enable_group_embedding,
+                   framework_config.enable_group_embedding):
+        assert enable(fusion_type="localized") is None
+        with pytest.raises(NotImplementedError,
+                           match="enable_distributed_strategy"):
+            enable(fusion_type="collective")
+        with pytest.raises(ValueError, match="fusion_type.*'local'"):
+            enable(fusion_type="local")
+    # "localized" changes nothing: a grouped lookup still runs locally.
+    table = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+    ids = tf.SparseTensor([[0, 0], [0, 1]], tf.constant([1, 0], tf.int64),
+                          [1, 2])
+    out = tf.nn.group_embedding_lookup_sparse([table], [ids], ["sum"])[0]
+    np.testing.assert_allclose(out, [[4.0, 6.0]])
+    compat.uninstall()
+    assert not hasattr(framework_config, "enable_group_embedding")
+    compat.install()
