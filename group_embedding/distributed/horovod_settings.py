@@ -14,6 +14,13 @@ chain of a step; 2 ms cost ~0-5% and gave the shortest chain (10 ms was
 slower again). Those runs shared the machine with other jobs: re-check
 with `HOROVOD_CYCLE_TIME=... python benchmarks/scaling_bench.py`.
 
+With the peer-socket transport (transport.py, the default) no step
+exchange goes through Horovod any more; its background thread still
+coordinates every cycle, idle or not, on the worker's own core. There the
+default cycle is 20 ms: 10x fewer of those rounds, and only Horovod's own
+collectives (start-up broadcasts, checkpoint barriers) wait up to a cycle
+longer.
+
 `enable_distributed_strategy` calls `apply_defaults()` before
 `hvd.init()`; variables already in the environment (set by the user or
 horovodrun) win. Horovod reads them only at init, so they cannot be
@@ -30,16 +37,26 @@ from typing import Dict
 DEFAULTS: Dict[str, str] = {
     "HOROVOD_CYCLE_TIME": "2",
 }
+# The same when the step's exchanges go over the peer sockets.
+SOCKET_TRANSPORT_DEFAULTS: Dict[str, str] = {
+    "HOROVOD_CYCLE_TIME": "20",
+}
 
 
-def apply_defaults() -> Dict[str, str]:
-    """Sets each of `DEFAULTS` that the environment does not set.
+def apply_defaults(socket_transport: bool = False) -> Dict[str, str]:
+    """Sets each of the defaults that the environment does not set.
+
+    Args:
+        socket_transport: whether the step's exchanges will go over the
+            peer sockets (`SOCKET_TRANSPORT_DEFAULTS`) rather than Horovod
+            (`DEFAULTS`).
 
     Returns:
         The variables this call set (name -> value).
     """
     applied = {}
-    for name, value in DEFAULTS.items():
+    chosen = SOCKET_TRANSPORT_DEFAULTS if socket_transport else DEFAULTS
+    for name, value in chosen.items():
         if name not in os.environ:
             os.environ[name] = value
             applied[name] = value

@@ -52,8 +52,9 @@ def enable_distributed_strategy(
     row-sharded, and `get_embedding_table` and the feature columns' tables
     follow its plan by table name.
     Before `hvd.init()` it sets the Horovod variables of
-    `horovod_settings.DEFAULTS` (`HOROVOD_CYCLE_TIME`) that the
-    environment does not set already.
+    `horovod_settings` (`HOROVOD_CYCLE_TIME`: 20 ms with the peer-socket
+    transport, 2 ms with Horovod's) that the environment does not set
+    already.
 
     Collective timeout: Horovod waits forever for a worker that stays
     alive but never reaches a collective (deadlocked, waiting on input).
@@ -137,9 +138,9 @@ def enable_distributed_strategy(
         raise ImportError(
             "enable_distributed_strategy('collective') needs Horovod built "
             "with TensorFlow: run `bash scripts/build_horovod.sh`.") from e
-    # Latency settings for our chain of small collectives (see
+    # Horovod settings for the transport the step will use (see
     # horovod_settings); the user's environment wins.
-    horovod_settings.apply_defaults()
+    horovod_settings.apply_defaults(transport.expects_sockets())
     hvd.init()
     # Planned before any collective: a bad argument fails on every worker.
     _state["placement"] = _placement_settings(hvd.size(), *placement)

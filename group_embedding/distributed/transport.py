@@ -23,12 +23,16 @@ worker (default: the address of `HOROVOD_HOSTNAME`, the host name that
 horovodrun gives each worker).
 
 Workers on the same host (the same kernel and network namespace) connect
-over Unix-domain sockets instead of TCP loopback: the same stream of
-bytes without the TCP stack, about twice the throughput measured here
-(`GROUP_EMBEDDING_TRANSPORT_SAME_HOST=tcp` keeps TCP). A Unix connection
+over Unix-domain sockets instead of TCP loopback, and each such pair
+shares a memory region (a memfd, passed over the socket) through which
+blocks of up to `SHM_BUFFER_BYTES` travel: the socket then carries only
+the header. `GROUP_EMBEDDING_TRANSPORT_SAME_HOST` picks `shm` (default),
+`unix` (Unix sockets, payloads on the socket) or `tcp`. A Unix connection
 that cannot be made falls back to TCP.
 """
 
+import ctypes
+import mmap
 import os
 import secrets
 import select
@@ -44,10 +48,15 @@ import tensorflow as tf
 from group_embedding.ops import kernel_library
 
 TRANSPORTS = ("auto", "sockets", "horovod")
-SAME_HOST_LINKS = ("unix", "tcp")
+SAME_HOST_LINKS = ("shm", "unix", "tcp")
+# Bytes of each of the four shared buffers of a pair of workers (two each
+# way, see peer_exchange_ops.cc); pages are only backed once written.
+# Larger blocks go on the socket. GROUP_EMBEDDING_TRANSPORT_SHM_BYTES
+# overrides it (tests use a tiny one to mix both paths in one exchange).
+SHM_BUFFER_BYTES = 64 << 20
 _HELLO = struct.Struct("!16sq")  # job token, rank of the connecting worker
 _state = {"fds": None, "sockets": [], "links": [], "rank": 0, "size": 1,
-          "timeout": 600.0}
+          "timeout": 600.0, "shm": None, "maps": []}
 # Per graph, the last exchange created: the next one runs after it, so
 # every worker runs its exchanges in program order.
 _last_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -63,6 +72,12 @@ def transport_mode() -> str:
     return mode
 
 
+def expects_sockets() -> bool:
+    """Whether `connect` will use the peer sockets (with more than one
+    worker): known before Horovod starts."""
+    return transport_mode() != "horovod" and _library() is not None
+
+
 def _library():
     lib = kernel_library.load()
     if lib is None or not hasattr(lib, "peer_all_to_all"):
@@ -71,10 +86,10 @@ def _library():
 
 
 def same_host_link() -> str:
-    """`GROUP_EMBEDDING_TRANSPORT_SAME_HOST`, checked (default "unix"):
+    """`GROUP_EMBEDDING_TRANSPORT_SAME_HOST`, checked (default "shm"):
     how workers on one host connect."""
     link = os.environ.get("GROUP_EMBEDDING_TRANSPORT_SAME_HOST",
-                          "unix").lower()
+                          "shm").lower()
     if link not in SAME_HOST_LINKS:
         raise ValueError(
             f"Invalid `GROUP_EMBEDDING_TRANSPORT_SAME_HOST`: {link!r}, use "
@@ -104,7 +119,7 @@ def _unix_name(token: bytes, rank: int) -> str:
 def _open_unix_listener(token: bytes, rank: int, size: int):
     """This worker's Unix listener, or None where there is none to be had
     (then its peers connect over TCP)."""
-    if same_host_link() != "unix" or _host_identity() is None:
+    if same_host_link() == "tcp" or _host_identity() is None:
         return None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -131,9 +146,51 @@ def _connect_to(address, unix_name: Optional[str]) -> socket.socket:
 
 
 def links() -> List[str]:
-    """Per worker rank: "self", "unix" or "tcp" (empty before `connect`
-    or with Horovod's transport)."""
+    """Per worker rank: "self", "shm", "unix" or "tcp" (empty before
+    `connect` or with Horovod's transport)."""
     return list(_state["links"])
+
+
+def _share_memory(peers, rank: int):
+    """Maps one region per Unix-linked peer (the lower rank creates it and
+    passes its fd over the socket); returns the `shm` rows of
+    `PeerAllToAll` (out address, in address, bytes per buffer) and the
+    mappings, which must stay open while the op may run."""
+    rows = [[0, 0, 0] for _ in peers]
+    maps = []
+    cap = int(os.environ.get("GROUP_EMBEDDING_TRANSPORT_SHM_BYTES",
+                             SHM_BUFFER_BYTES))
+    if cap < 1:
+        raise ValueError("GROUP_EMBEDDING_TRANSPORT_SHM_BYTES must be >= 1, "
+                         f"got {cap}.")
+    # Lower ranks send first and receive after: no two workers wait on
+    # each other.
+    order = ([j for j in range(rank + 1, len(peers))]
+             + [j for j in range(rank)])
+    for j in order:
+        s = peers[j]
+        if s is None or s.family != socket.AF_UNIX:
+            continue
+        if j > rank:
+            fd = os.memfd_create("group_embedding_peer", os.MFD_CLOEXEC)
+            os.ftruncate(fd, 4 * cap)
+            socket.send_fds(s, [b"m"], [fd])
+        else:
+            _, fds, _, _ = socket.recv_fds(s, 1, 1)
+            if len(fds) != 1:
+                raise OSError(f"worker {j} sent no shared memory")
+            fd = fds[0]
+        try:
+            region = mmap.mmap(fd, 4 * cap)
+        finally:
+            os.close(fd)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        low_to_high, high_to_low = base, base + 2 * cap
+        mine, theirs = ((low_to_high, high_to_low) if rank < j
+                        else (high_to_low, low_to_high))
+        rows[j] = [mine, theirs, cap]
+        maps.append(region)
+    return rows, maps
 
 
 def _own_host() -> str:
@@ -240,19 +297,33 @@ def connect(hvd, timeout: float) -> bool:
     finally:
         for ln in listeners:
             ln.close()
+    shm, maps = [[0, 0, 0] for _ in peers], []
+    if same_host_link() == "shm":
+        try:
+            shm, maps = _share_memory(peers, rank)
+        except OSError as e:
+            for s in peers:
+                if s is not None:
+                    s.close()
+            raise RuntimeError(
+                f"group_embedding: worker {rank} could not share memory "
+                f"with its peers on this host ({e}); set "
+                "GROUP_EMBEDDING_TRANSPORT_SAME_HOST=unix.") from e
     kinds = []
-    for s in peers:
+    for s, row in zip(peers, shm):
         if s is None:
             kinds.append("self")
             continue
         if s.family == socket.AF_UNIX:
-            kinds.append("unix")
+            kinds.append("shm" if row[2] else "unix")
         else:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             kinds.append("tcp")
         s.setblocking(False)
     _state["sockets"] = peers
     _state["links"] = kinds
+    _state["shm"] = shm
+    _state["maps"] = maps
     _state["fds"] = [-1 if s is None else s.fileno() for s in peers]
     return True
 
@@ -317,8 +388,9 @@ def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str):
     """
     lib = _library()
     fds = tf.constant(_state["fds"], tf.int64)
+    shm = tf.constant(_state["shm"], tf.int64, shape=[len(_state["fds"]), 3])
     return _chained(lambda: lib.peer_all_to_all(
-        data, tf.cast(splits, tf.int32), fds, tag=_tag(name),
+        data, tf.cast(splits, tf.int32), fds, shm, tag=_tag(name),
         timeout_seconds=_state["timeout"]))
 
 
@@ -327,10 +399,10 @@ def _peer_all_to_all_grad(op, grad, _):
     # Rows came from worker p in block p: send their gradients back.
     lib = _library()
     back, _ = _chained(lambda: lib.peer_all_to_all(
-        grad, op.outputs[1], op.inputs[2],
+        grad, op.outputs[1], op.inputs[2], op.inputs[3],
         tag=(op.get_attr("tag") ^ 0x5A5A5A5A) + 1,
         timeout_seconds=op.get_attr("timeout_seconds")))
-    return back, None, None
+    return back, None, None, None
 
 
 # Buffers up to this size (per worker) are averaged in ONE exchange.

@@ -14,6 +14,16 @@
 // mismatch (two workers at different collectives) is an error, never a
 // silent mix-up.
 //
+// Peers on the same host may also share memory (transport.py maps one
+// region per pair, passed in as addresses): a block that fits is copied
+// into the sender's half of the region and only its header travels on
+// the socket, so the payload is copied twice in user space instead of
+// through the kernel's socket buffers. Each direction has two buffers
+// used alternately: a sender writes buffer b of exchange k + 2 only after
+// its exchange k + 1 completed, which needed the peer's header of
+// exchange k + 1, sent after the peer finished exchange k (reading
+// buffer b). So no buffer is overwritten while it is read.
+//
 // All peers are served by one poll() loop that sends and receives at the
 // same time, so large blocks cannot deadlock on full socket buffers. A
 // peer that closes its socket (a dead worker) or sends nothing for
@@ -35,6 +45,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -63,6 +74,9 @@ struct Header {
   int64_t tag;
   int64_t rows;
   int64_t row_bytes;
+  // Offset of the payload in the sender's shared buffers, or -1: the
+  // payload follows on the socket.
+  int64_t shm_offset;
 };
 
 // One exchange at a time per process: the sockets carry one message
@@ -70,6 +84,13 @@ struct Header {
 std::mutex& ExchangeMutex() {
   static std::mutex* mu = new std::mutex;
   return *mu;
+}
+
+// Per socket: which of its two shared buffers the next block goes to.
+// Guarded by ExchangeMutex().
+std::unordered_map<int64_t, int>& NextBuffer() {
+  static auto* next = new std::unordered_map<int64_t, int>;
+  return *next;
 }
 
 // After a failed exchange the streams hold unread or half-sent bytes:
@@ -82,6 +103,11 @@ std::string& BrokenReason() {
 
 struct PeerState {
   int fd = -1;
+  // Shared buffers with this peer (capacity 0: none): two of `shm_cap`
+  // bytes each way.
+  char* shm_out = nullptr;
+  const char* shm_in = nullptr;
+  int64_t shm_cap = 0;
   // Outgoing: header, then payload.
   Header out_header;
   int64_t header_sent = 0;
@@ -113,6 +139,7 @@ class PeerAllToAllOp : public OpKernel {
     const Tensor& data = ctx->input(0);
     const Tensor& splits = ctx->input(1);
     const Tensor& fds = ctx->input(2);
+    const Tensor& shm = ctx->input(3);
     OP_REQUIRES(ctx, data.dims() >= 1,
                 errors::InvalidArgument(
                     "PeerAllToAll: data must have rank >= 1, got shape ",
@@ -125,6 +152,21 @@ class PeerAllToAllOp : public OpKernel {
                     "entry per worker, got ", splits.shape().DebugString(),
                     " and ", fds.shape().DebugString()));
     const int n = static_cast<int>(fds.NumElements());
+    OP_REQUIRES(ctx, shm.dims() == 2 && shm.dim_size(0) == n &&
+                         shm.dim_size(1) == 3,
+                errors::InvalidArgument(
+                    "PeerAllToAll: shm must be [workers, 3] (out address, "
+                    "in address, bytes per buffer), got ",
+                    shm.shape().DebugString()));
+    const auto shm_m = shm.matrix<int64_t>();
+    for (int p = 0; p < n; ++p) {
+      OP_REQUIRES(ctx, shm_m(p, 2) >= 0 &&
+                           (shm_m(p, 2) == 0 ||
+                            (shm_m(p, 0) != 0 && shm_m(p, 1) != 0)),
+                  errors::InvalidArgument(
+                      "PeerAllToAll: shm row ", p, " has a capacity of ",
+                      shm_m(p, 2), " but no addresses"));
+    }
     const auto split = splits.vec<int32_t>();
     const auto fd = fds.vec<int64_t>();
     int self = -1;
@@ -163,7 +205,12 @@ class PeerAllToAllOp : public OpKernel {
       s.fd = static_cast<int>(fd(p));
       s.payload = base + offset * row_bytes;
       s.payload_bytes = static_cast<int64_t>(split(p)) * row_bytes;
-      s.out_header = Header{kMagic, tag_, split(p), row_bytes};
+      s.out_header = Header{kMagic, tag_, split(p), row_bytes, -1};
+      if (p != self && shm_m(p, 2) > 0) {
+        s.shm_out = reinterpret_cast<char*>(shm_m(p, 0));
+        s.shm_in = reinterpret_cast<const char*>(shm_m(p, 1));
+        s.shm_cap = shm_m(p, 2);
+      }
       offset += split(p);
     }
 
@@ -174,6 +221,22 @@ class PeerAllToAllOp : public OpKernel {
                     "failed, so the connections between workers are out of "
                     "step; restart the job. The first failure: ",
                     BrokenReason()));
+    // Blocks that fit go through the shared buffers: only the header is
+    // sent on the socket.
+    for (int p = 0; p < n; ++p) {
+      PeerState& s = peers[p];
+      if (p == self || s.shm_cap == 0 || s.payload_bytes > s.shm_cap) {
+        continue;
+      }
+      int& next = NextBuffer()[s.fd];
+      const int64_t at = next * s.shm_cap;
+      next ^= 1;
+      if (s.payload_bytes > 0) {
+        std::memcpy(s.shm_out + at, s.payload, s.payload_bytes);
+      }
+      s.out_header.shm_offset = at;
+      s.payload_bytes = 0;
+    }
     // Phase 1: every header in (sends run meanwhile); phase 2: payloads
     // into the output, allocated once all sizes are known.
     OP_REQUIRES_OK(ctx, Poisoning(Pump(&peers, self, false), peers));
@@ -214,9 +277,20 @@ class PeerAllToAllOp : public OpKernel {
         at += peers[p].payload_bytes;
         continue;
       }
-      peers[p].in_payload = out_base + at;
-      peers[p].in_bytes = peers[p].in_header.rows * row_bytes;
-      at += peers[p].in_bytes;
+      PeerState& s = peers[p];
+      const int64_t bytes = s.in_header.rows * row_bytes;
+      const int64_t from = s.in_header.shm_offset;
+      if (from >= 0) {
+        // Checked in Receive: this side has shared buffers with p and the
+        // block lies inside them.
+        if (bytes > 0) std::memcpy(out_base + at, s.shm_in + from, bytes);
+        s.in_payload = nullptr;
+        s.in_bytes = 0;
+      } else {
+        s.in_payload = out_base + at;
+        s.in_bytes = bytes;
+      }
+      at += bytes;
     }
     OP_REQUIRES_OK(ctx, Poisoning(Pump(&peers, self, true), peers));
   }
@@ -397,6 +471,20 @@ class PeerAllToAllOp : public OpKernel {
                 "; the workers run different graphs or a different order "
                 "of lookups");
           }
+          if (h.shm_offset >= 0 &&
+              (s->shm_cap == 0 || h.shm_offset > s->shm_cap ||
+               h.shm_offset % s->shm_cap != 0 ||
+               h.rows > s->shm_cap / std::max<int64_t>(h.row_bytes, 1))) {
+            return errors::DataLoss(
+                "PeerAllToAll (tag ", tag_, "): worker ", peer,
+                " announced ", h.rows, " rows in shared buffer offset ",
+                h.shm_offset, ", outside this worker's shared buffers of ",
+                s->shm_cap, " bytes with it");
+          }
+          if (h.shm_offset < -1) {
+            return errors::DataLoss("PeerAllToAll: worker ", peer,
+                                    " sent a corrupt header");
+          }
           if (h.row_bytes != s->out_header.row_bytes || h.rows < 0 ||
               h.rows > kMaxMessageBytes / std::max<int64_t>(h.row_bytes, 1)) {
             return errors::InvalidArgument(
@@ -420,6 +508,7 @@ REGISTER_OP("PeerAllToAll")
     .Input("data: T")
     .Input("splits: int32")
     .Input("fds: int64")
+    .Input("shm: int64")
     .Output("received: T")
     .Output("received_splits: int32")
     .Attr("T: {float, double, int32, int64}")
@@ -432,6 +521,7 @@ REGISTER_OP("PeerAllToAll")
       ::tensorflow::shape_inference::ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 2, &unused));
       ::tensorflow::shape_inference::ShapeHandle out;
       TF_RETURN_IF_ERROR(
           c->ReplaceDim(data, 0, c->UnknownDim(), &out));
@@ -444,6 +534,8 @@ Alltoall of variable-size row blocks over pre-connected peer sockets.
 data: rows grouped by destination worker.
 splits: rows of `data` for each worker.
 fds: connected socket of each peer; -1 at this worker's rank.
+shm: per peer, (address of this worker's two outgoing shared buffers,
+  address of the peer's two, bytes per buffer); capacity 0: none.
 received: the rows sent to this worker, by source rank.
 received_splits: rows received from each worker.
 tag: identifies the collective; every worker must run the same tags in

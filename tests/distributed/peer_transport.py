@@ -112,6 +112,7 @@ def main():
     ones = np.ones(size, np.int32)
     if args.mode == "parity":
         print(f"links: {','.join(transport.links())}", flush=True)
+        print(f"cycle: {os.environ.get('HOROVOD_CYCLE_TIME')}", flush=True)
         check_parity(hvd)
     elif args.mode == "mismatch":
         check_error(
