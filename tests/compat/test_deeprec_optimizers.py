@@ -144,6 +144,62 @@ def test_adagrad_decay_sparse_matches_numpy_rule(ev):
     assert np.abs(ref - plain).max() > 1e-3
 
 
+def _adagrad_decay_dense_ref(table, bias, masks, lr, init, decay_step,
+                             rate):
+    """The rule on dense gradients: every row of every variable takes the
+    decay check each step, zero gradient or not."""
+    params = [table.astype(np.float64).copy(), bias.astype(np.float64).copy()]
+    accs = [np.full_like(p, init) for p in params]
+    powers = [np.zeros(len(p), np.int64) for p in params]
+    for step, mask in enumerate(masks):
+        t = step + 1
+        # d/dparams of sum(mask * table^2) + sum(bias^2 * (1 + sum(mask))).
+        grads = [2 * mask * params[0], 2 * params[1] * (1 + mask.sum())]
+        for p, a, power, g in zip(params, accs, powers, grads):
+            decay = t // decay_step > power
+            a[decay] = np.maximum(a[decay] * rate, init)
+            power[decay] += 1
+            a += g * g
+            p -= lr * g / np.sqrt(a)
+    return params
+
+
+def test_adagrad_decay_dense_matches_numpy_rule():
+    # Dense (not IndexedSlices) gradients, on a matrix and a rank-1
+    # variable; rows whose gradient is zero in some steps must still
+    # decay on schedule, which a sparse-style update would skip.
+    rng = np.random.default_rng(3)
+    table = rng.normal(size=[ROWS, DIM]).astype(np.float32)
+    bias = rng.normal(size=[DIM]).astype(np.float32)
+    masks = (rng.random([7, ROWS, DIM]) < 0.6).astype(np.float32)
+    masks[1:4, 0] = 0.0  # row 0 idle through one decay boundary
+    with tf.Graph().as_default():
+        gs = V1.train.get_or_create_global_step()
+        mask = V1.placeholder(tf.float32, [ROWS, DIM])
+        var = V1.get_variable("dense", initializer=table, use_resource=True)
+        b = V1.get_variable("bias", initializer=bias, use_resource=True)
+        loss = tf.reduce_sum(mask * var * var) + tf.reduce_sum(
+            b * b) * (1.0 + tf.reduce_sum(mask))
+        opt = ge.train.AdagradDecayOptimizer(
+            0.1, gs, initial_accumulator_value=0.5, accumulator_decay_step=2,
+            accumulator_decay_rate=0.5)
+        grads = opt.compute_gradients(loss, [var, b])
+        assert all(isinstance(g, tf.Tensor) for g, _ in grads)  # dense
+        train = opt.apply_gradients(grads, global_step=gs)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for m in masks:
+                sess.run(train, {mask: m})
+            out = sess.run([var, b])
+    ref = _adagrad_decay_dense_ref(table, bias, masks, 0.1, 0.5, 2, 0.5)
+    for got, want in zip(out, ref):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The decay mattered: plain Adagrad (no decay) ends elsewhere.
+    plain = _adagrad_decay_dense_ref(table, bias, masks, 0.1, 0.5, 10 ** 6,
+                                     0.5)
+    assert np.abs(ref[0] - plain[0]).max() > 1e-3
+
+
 def test_adagrad_decay_checks_arguments():
     with pytest.raises(ValueError, match="accumulator_decay_rate"):
         ge.train.AdagradDecayOptimizer(0.1, None, accumulator_decay_rate=1.5)

@@ -133,6 +133,86 @@ def test_resume_matches_uninterrupted(tmp_path):
                        cases.checkpoint_state(once.latest_checkpoint()))
 
 
+class _CountingHook(tf.compat.v1.train.SessionRunHook):
+    """Counts every SessionRunHook call and fetches the loss (found by
+    name, as LoggingTensorHook does) through SessionRunArgs."""
+
+    def __init__(self, loss_name):
+        self.loss_name = loss_name
+        self.calls = dict.fromkeys(
+            ["begin", "after_create_session", "before_run", "after_run",
+             "end"], 0)
+        self.losses = []
+        self.end_step = None
+
+    def begin(self):
+        self.calls["begin"] += 1
+        graph = tf.compat.v1.get_default_graph()
+        self._loss = graph.get_tensor_by_name(self.loss_name)
+        self._step = tf.compat.v1.train.get_global_step()
+
+    def after_create_session(self, session, coord):
+        self.calls["after_create_session"] += 1
+
+    def before_run(self, run_context):
+        self.calls["before_run"] += 1
+        return tf.compat.v1.train.SessionRunArgs(self._loss)
+
+    def after_run(self, run_context, run_values):
+        self.calls["after_run"] += 1
+        self.losses.append(float(run_values.results))
+
+    def end(self, session):
+        self.calls["end"] += 1
+        self.end_step = int(session.run(self._step))
+
+
+def _named_loss_model_fn(features, labels, mode, params):
+    spec = cases.model_fn(features, labels, mode, params)
+    if mode != ge_estimator.ModeKeys.TRAIN:
+        return spec
+    return ge_estimator.EstimatorSpec(
+        mode, loss=tf.identity(spec.loss, name="hooked_loss"),
+        train_op=spec.train_op)
+
+
+def _reference_losses(features, labels, steps):
+    """The loss of each of the first `steps` steps of a hand-written
+    MonitoredTrainingSession loop over the same model_fn and batches."""
+    with tf.Graph().as_default():
+        tf.compat.v1.train.get_or_create_global_step()
+        batch = tf.compat.v1.data.make_one_shot_iterator(
+            cases.input_fn(features, labels)()).get_next()
+        spec = cases.model_fn(batch[0], batch[1],
+                               ge_estimator.ModeKeys.TRAIN, PARAMS)
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                save_summaries_steps=None, save_checkpoint_secs=None,
+                log_step_count_steps=None) as session:
+            return [float(session.run([spec.loss, spec.train_op])[0])
+                    for _ in range(steps)]
+
+
+def test_train_runs_hooks(tmp_path):
+    features, labels = cases.make_data(160)  # 5 batches, 3 steps run
+    hook = _CountingHook("hooked_loss:0")
+    est = Estimator(_named_loss_model_fn, str(tmp_path), RunConfig(
+        log_step_count_steps=None), PARAMS)
+    est.train(cases.input_fn(features, labels), hooks=[hook], steps=3)
+    assert hook.calls == {"begin": 1, "after_create_session": 1,
+                          "before_run": 3, "after_run": 3, "end": 1}
+    assert hook.end_step == 3
+    np.testing.assert_allclose(
+        hook.losses, _reference_losses(features, labels, 3), rtol=1e-5)
+    # Without `steps`, training runs until the input ends: 5 steps, and
+    # (as in stock MonitoredSession) one more before_run for the run that
+    # hits the end of the input, which gets no after_run.
+    more = _CountingHook("hooked_loss:0")
+    est.train(cases.input_fn(features, labels), hooks=[more])
+    assert more.calls["after_run"] == len(more.losses) == 5
+    assert more.calls["before_run"] == 6
+    assert more.calls["end"] == 1 and more.end_step == 8
+
+
 def test_keep_checkpoint_max(tmp_path):
     features, labels = cases.make_data(96)
     est = Estimator(cases.model_fn, str(tmp_path), RunConfig(

@@ -184,6 +184,32 @@ class TestInitializers:
         np.testing.assert_array_equal(dense_a, dense_b)  # stock does too
         assert not np.array_equal(ev_a, run(4)[0])
 
+    def test_seeded_training_repeats_its_losses(self):
+        # Issue 9: a seeded TF1 script (EV with the default initializer,
+        # lookup, optimizer) gives the same losses on every run. The only
+        # random values are the EV's, so a run that ignored the seed would
+        # differ between the two seed-5 runs, and one that ignored its
+        # value would not differ for seed 6.
+        def losses(seed):
+            with tf.Graph().as_default():
+                v1.set_random_seed(seed)
+                ev = ge.get_embedding_variable("seeded_train", 4)
+                ids = tf.constant([3, 7, 3, 11, 12345], tf.int64)
+                w = v1.get_variable("w", [4, 1],
+                                    initializer=v1.ones_initializer())
+                logits = tf.matmul(ge.embedding_lookup(ev, ids), w)[:, 0]
+                loss = tf.reduce_mean(tf.square(logits - 1.0))
+                train = ge.train.AdagradOptimizer(0.1).minimize(loss)
+                with v1.Session() as sess:
+                    sess.run(v1.global_variables_initializer())
+                    return [float(sess.run([loss, train])[0])
+                            for _ in range(4)]
+
+        first = losses(5)
+        assert losses(5) == first  # bit for bit
+        assert losses(6) != first
+        assert first[-1] < first[0]  # it trained
+
     def test_unseeded_draws_differ(self):
         tf.random.set_seed(None)
         with tf.Graph().as_default():
@@ -251,16 +277,47 @@ class TestCBFFilter:
         with pytest.raises(ValueError, match="counter_type"):
             ge.CBFFilter(2, 10, 0.01, tf.float32)
 
-    def test_oversized_filter_is_refused_naming_the_ev(self):
+    def test_deeprec_zoo_size_keeps_only_touched_counters(self):
         # DeepRec's model zoo asks for max_element_size=2**30 at p=0.01:
-        # about 10**10 uint64 counters, more than any test machine holds.
-        # It must be a clear error at creation, not an allocation failure.
-        option = ge.EmbeddingVariableOption(filter_option=ge.CBFFilter(
-            3, 2 ** 30, 0.01, counter_type=tf.int64))
-        with pytest.raises(ValueError,
-                           match=r"'cbf_huge'.*CBFFilter.*GiB.*"
-                                 r"max_element_size"):
-            ge.get_embedding_variable("cbf_huge", 4, ev_option=option)
+        # about 10**10 uint64 counters (82 GB). Only the counters keys
+        # touch are kept, so the table is cheap and counts as usual.
+        f = ge.CBFFilter(3, 2 ** 30, 0.01, counter_type=tf.int64)
+        assert f.num_counters * f.counter_bytes > 80 * 10 ** 9
+        ev = ev_cases.make_ev("cbf_zoo", ev_option=_option(
+            f, no_permission=0.5))
+        opt = ge.optimizers.SGD(0.0)
+        keys = [3, 2 ** 40, -7]
+        for _ in range(3):
+            np.testing.assert_array_equal(_step(ev, opt, keys),
+                                          [[0.5] * 4] * 3)
+        assert int(ev.size()) == 3  # admitted by the third lookup
+        np.testing.assert_allclose(
+            _step(ev, opt, keys),
+            ev_cases.initial_rows(ev, np.array(keys)))
+        # Seven hashes per key, a few dozen bytes each: far from 82 GB.
+        assert int(ev_storage.size(ev.handle)[1]) < 2 ** 20
+
+    def test_sparse_counters_admit_as_the_array(self):
+        # The same filter size with uint8 counters is one array (50 MB),
+        # with uint64 counters a map of the touched ones (the array would
+        # be 400 MB): same counters and hashes, so the same keys must be
+        # admitted at the same lookups.
+        def admitted_after_each_lookup(counter_type):
+            ev = ge.get_embedding_variable(
+                f"cbf_{counter_type}", 2, ev_option=_option(
+                    ge.CBFFilter(3, 5 * 10 ** 6, 0.01, counter_type)))
+            rng = np.random.default_rng(0)
+            sizes = []
+            for _ in range(6):
+                ev.lookup_rows(tf.constant(rng.integers(0, 3000, 2000),
+                                           tf.int64))
+                sizes.append(sorted(ev.export()[0].numpy().tolist()))
+            return sizes
+
+        dense, sparse = (admitted_after_each_lookup(t)
+                         for t in (tf.uint8, tf.uint64))
+        assert len(dense[-1]) > 1000  # most keys were admitted in the end
+        assert dense == sparse
 
     @pytest.mark.parametrize("dtype", [tf.int64, tf.int32, "int8"])
     def test_signed_counter_type_counts_in_uint64(self, dtype):

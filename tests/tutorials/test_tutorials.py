@@ -1,7 +1,7 @@
 """The tutorials run end to end at tiny size and do what they claim.
 
 Each runs in-process through its `main(argv)` (one TF import for all),
-except the SavedModel check, which serves from a fresh process by design.
+except the SavedModel checks, which serve from a fresh process by design.
 Data is generated with a fixed seed, so the AUC thresholds are stable.
 """
 
@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 _TUTORIALS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir,
                           "tutorials")
@@ -89,3 +90,64 @@ def test_saved_model_serves_without_group_embedding(keras_run, tmp_path):
                                rtol=1e-5, atol=1e-6)
     # A row of only unseen ids differs from the known row it came from.
     assert abs(served[rows] - served[0]) > 1e-4
+
+
+class _ResumeProbe(tf.compat.v1.train.SessionRunHook):
+    """Records, as a training session starts, its global step and whether
+    every variable of `checkpoint` (if any) came back with its saved
+    value."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+        self.restored = {}
+
+    def after_create_session(self, session, coord):
+        self.start_step = int(session.run(
+            tf.compat.v1.train.get_global_step()))
+        if self.checkpoint is None:
+            return
+        saved = dict(tf.train.list_variables(self.checkpoint))
+        variables = [v for v in tf.compat.v1.global_variables()
+                     if v.op.name in saved]
+        values = session.run(variables)
+        self.restored = {v.op.name: np.array_equal(
+            value, tf.train.load_variable(self.checkpoint, v.op.name))
+            for v, value in zip(variables, values)}
+
+
+def test_deepfm_estimator_learns_resumes_and_serves(compat, monkeypatch,
+                                                    tmp_path):
+    # Imported here: the compat fixture installs `tf.estimator` for this
+    # test only (the module's own `import group_embedding.compat` is then
+    # a no-op) and uninstalls it afterwards.
+    import deepfm_estimator
+    from group_embedding import estimator as ge_estimator
+
+    # Each of the tutorial's train() calls gets a probe of how it starts.
+    probes = []
+    train = ge_estimator.Estimator.train
+
+    def probed_train(self, input_fn, hooks=None, **kwargs):
+        probes.append(_ResumeProbe(self.latest_checkpoint()))
+        return train(self, input_fn, hooks=list(hooks or []) + probes[-1:],
+                     **kwargs)
+
+    monkeypatch.setattr(ge_estimator.Estimator, "train", probed_train)
+    result = deepfm_estimator.main([
+        "--rows", "6000", "--epochs", "2", "--batch", "256", "--dim", "4",
+        "--hidden", "32", "--model_dir", str(tmp_path)])
+    total = result["total_steps"]
+    assert total == 2 * -(-4800 // 256)  # 80% of the rows, 2 epochs
+    assert result["first"]["global_step"] == total // 2
+    assert result["final"]["global_step"] == total
+    # The second call resumed at the saved step, with every saved
+    # variable (dense weights, EV defaults, slots) restored.
+    assert [p.start_step for p in probes] == [0, total // 2]
+    assert len(probes[1].restored) >= 5 and all(
+        probes[1].restored.values()), probes[1].restored
+    assert result["final"]["auc"] > 0.65  # chance is 0.5
+    # Served from a fresh process by plain TF, no group_embedding.
+    served, predicted = result["served"], result["predicted"]
+    assert served.shape == predicted.shape == (500,)
+    np.testing.assert_allclose(served, predicted, rtol=1e-5, atol=1e-6)
+    assert predicted.std() > 0.01  # not a constant model

@@ -12,6 +12,8 @@ stock TF (embedding columns over identity columns).
 import numpy as np
 import pytest
 import tensorflow as tf
+# `config_pb2.StorageType` is DeepRec's; compat adds it (conftest.py).
+from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 from ported_util import V1
@@ -136,9 +138,14 @@ def test_group_lookup_with_weights_equals_stock():
 def test_group_embedding_column_scope_with_ev_columns():
     """testMultiKvResourceGatherForSparseColumnEmbeddingCol: two EV columns
     (dims 8, 16) in one group_embedding_column_scope, input_layer, three
-    Adagrad steps (DeepRec printed them; its HBM storage option has no
-    meaning here). Oracle: stock embedding columns over identity columns
-    of the same ids."""
+    Adagrad steps (DeepRec printed them). DeepRec's HBM storage option is
+    a clear error here (one DRAM tier), so the case runs with DRAM.
+    Oracle: stock embedding columns over identity columns of the same
+    ids."""
+    with pytest.raises(NotImplementedError, match="HBM"):
+        V1.StorageOption(storage_type=config_pb2.StorageType.HBM)
+    dram = V1.EmbeddingVariableOption(storage_option=V1.StorageOption(
+        storage_type=config_pb2.StorageType.DRAM))
     ad = dict(indices=[[0, 0], [1, 1], [2, 2], [3, 3], [4, 3]],
               values=[1, 2, 3, 4, 5], dense_shape=[5, 4])
     user = dict(indices=[[0, 0], [1, 1], [2, 2], [2, 3], [4, 3]],
@@ -151,7 +158,8 @@ def test_group_embedding_column_scope_with_ev_columns():
                         name="test"):
                     columns = [V1.feature_column.embedding_column(
                         tf.feature_column.categorical_column_with_embedding(
-                            key, dtype=tf.int64), dimension=dim,
+                            key, dtype=tf.int64, ev_option=dram),
+                        dimension=dim,
                         initializer=ones())
                         for key, dim in (("ad_emb", 8), ("user_emb", 16))]
             else:
