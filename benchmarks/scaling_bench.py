@@ -14,7 +14,7 @@ no Horovod), pinned to core 0 with one TF thread. N=2 runs
 oversubscribed on a 2-core machine (two ranks share core 0) and is shown
 for information only.
 
-    python benchmarks/scaling_bench.py                # N=1,2,2p,2h,3; ~5 min
+    python benchmarks/scaling_bench.py                # N=1,2,1x2,2p,2h,3; ~5 min
     python benchmarks/scaling_bench.py --quick        # smoke run
     python benchmarks/scaling_bench.py --sizes 1,2,2h # skip N=3
 
@@ -22,7 +22,10 @@ The exchanges go over the peer sockets of `group_embedding/distributed/
 transport.py` (the default). `2p` is N=2 with `ge.distributed.exchange_ids`
 pipelining (the next batch's ids are routed and sent during the step);
 `2h` is N=2 with GROUP_EMBEDDING_TRANSPORT=horovod (Horovod's alltoall
-and allreduce, the transport before the peer sockets). Horovod variables in
+and allreduce, the transport before the peer sockets). `1x2` runs two
+independent N=1 processes at once, one per core, with no exchange: how
+much slower a step gets only because both cores (and the memory and host
+behind them) are busy, the part of step(2) no transport can remove. Horovod variables in
 the environment (e.g. HOROVOD_CYCLE_TIME) reach the workers and are
 recorded.
 
@@ -402,9 +405,37 @@ def worker(args):
         records = hvd.allgather_object(record)
     else:
         records = [record]
-    if rank == 0:
+    if rank == 0 or size == 1:  # 1x2: each process its own record
         with open(args.record, "w") as f:
             json.dump(records, f)
+
+
+def launch_independent(args, record, copies=2):
+    """Runs `copies` single-process (N=1) workers at once, worker r on
+    core r, with no exchange between them: what sharing the machine alone
+    (memory bandwidth, caches, the host) costs a step. Returns their
+    records."""
+    me = [sys.executable, os.path.abspath(__file__), "--worker",
+          "--workers", "1"]
+    for key in ("batch", "dim", "cap", "steps", "rounds", "warmup",
+                "num_batches", "profile_steps"):
+        me += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    procs = []
+    for r in range(copies):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                   HOROVOD_RANK=str(r))  # picks core r
+        procs.append(subprocess.Popen(
+            me + ["--record", f"{record}.{r}"], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    records = []
+    for r, p in enumerate(procs):
+        out, _ = p.communicate(timeout=900)
+        if p.returncode != 0:
+            raise RuntimeError(f"1x{copies} worker {r} failed:\n"
+                               + out[-4000:])
+        with open(f"{record}.{r}") as f:
+            records += json.load(f)
+    return records
 
 
 def launch(n, args, record, pipeline=False, horovod_transport=False):
@@ -580,11 +611,12 @@ def main():
     parser.add_argument("--worker", action="store_true",
                         help="(internal) run as one worker")
     parser.add_argument("--record", help="(internal) where rank 0 writes")
-    parser.add_argument("--sizes", default="1,2,2p,2h,3",
+    parser.add_argument("--sizes", default="1,2,1x2,2p,2h,3",
                         help="runs, in launch order: N, Nh for N workers "
-                             "over Horovod's collectives, or Np for N "
+                             "over Horovod's collectives, Np for N "
                              "workers with ge.distributed.exchange_ids "
-                             "pipelining")
+                             "pipelining, or 1x2 for two independent "
+                             "single-process runs at once (one per core)")
     parser.add_argument("--pipeline", action="store_true",
                         help="(internal, with --worker) pipelined loop")
     parser.add_argument("--launches", type=int, default=5,
@@ -612,7 +644,7 @@ def main():
     specs = [x.strip() for x in args.sizes.split(",") if x.strip()]
     load_before = os.getloadavg()
     started = time.time()
-    runs, runs_pipelined, runs_hvd = [], [], []
+    runs, runs_pipelined, runs_hvd, runs_indep = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         # The efficiency pair (plain N <= cores) alternates --launches
         # times; the informational runs (pipelined, Horovod transport,
@@ -623,6 +655,16 @@ def main():
         order = [(i, s) for i in range(args.launches) for s in core] + [
             (0, s) for s in specs if s not in core]
         for launch_i, spec in order:
+            if spec == "1x2":
+                records = launch_independent(
+                    args, os.path.join(tmp, "1x2.json"))
+                runs_indep.append((1, records))
+                med = 1e3 * statistics.median(
+                    max(r["round_step_s"][i] for r in records)
+                    for i in range(args.rounds))
+                print(f"launch {launch_i}: N=1 x2 independent step "
+                      f"{med:.1f} ms", flush=True)
+                continue
             n = int(spec.rstrip("ph"))
             pipe, hvd_t = spec.endswith("p"), spec.endswith("h")
             if (pipe or hvd_t) and n == 1:
@@ -642,6 +684,7 @@ def main():
     summary = summarize(runs, args)
     summary_pipelined = summarize(runs_pipelined, args)
     summary_hvd = summarize(runs_hvd, args)
+    summary_indep = summarize(runs_indep, args)
     model = None
     if 1 in summary and 2 in summary:
         import scaling_model
@@ -675,6 +718,9 @@ def main():
         "results": summary,
         "results_pipelined": summary_pipelined,
         "results_horovod_transport": summary_hvd,
+        # Two single-process runs at once, no exchange: the machine's own
+        # cost of running both cores.
+        "results_1x2_independent": summary_indep,
         "cost_model": model,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -716,6 +762,14 @@ def main():
         pairs = [a / b for a, b in zip(summary[1]["launch_median_step_ms"],
                                        summary[2]["launch_median_step_ms"])]
         print("  per launch pair: " + ", ".join(f"{x:.2f}" for x in pairs))
+        if 1 in summary_indep:
+            both = summary_indep[1]["median_step_ms"]
+            print(f"two independent N=1 runs at once (no exchange): "
+                  f"{both:.1f} ms; sharing the machine alone costs "
+                  f"step(1x2)/step(1) = "
+                  f"{both / summary[1]['median_step_ms']:.2f}; collective "
+                  f"mode against that: step(1x2)/step(2) = "
+                  f"{both / summary[2]['median_step_ms']:.2f}")
     if eff_pipelined is not None:
         print(f"weak-scaling efficiency step(1)/step(2 pipelined) = "
               f"{eff_pipelined:.2f}")

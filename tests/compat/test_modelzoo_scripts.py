@@ -147,19 +147,25 @@ def test_deeprec_flags_reach_stock_auc(model, flags, data_dir, stock_auc,
         floor=AUC_FLOOR_L2 if l2 else AUC_FLOOR)
 
 
-@pytest.mark.parametrize("model", ["dlrm", "deepfm", "dcnv2"])
+@pytest.mark.parametrize("model,flags", [
+    ("dlrm", DEEPREC_DEFAULTS), ("deepfm", DEEPREC_DEFAULTS),
+    ("dcnv2", DEEPREC_DEFAULTS), ("dlrm", CBF_L2)],
+    ids=["dlrm-counter-gstep", "deepfm-counter-gstep",
+         "dcnv2-counter-gstep", "dlrm-cbf-l2"])
 def test_collective_under_horovodrun_reaches_stock_auc(
-        model, data_dir, stock_auc, tmp_path_factory):
+        model, flags, data_dir, stock_auc, tmp_path_factory):
     # Two workers, one checkpoint directory for both (the zoo's setup):
     # before the per-worker Saver files, each worker's final save
     # overwrote the other's shard and DLRM evaluated at 0.732 (stock
-    # 0.767).
-    flags = [f if f != "localized" else "collective"
-             for f in DEEPREC_DEFAULTS]
+    # 0.767). Each worker's EVs count and evict the keys it owns.
+    l2 = flags is CBF_L2
+    flags = [f if f != "localized" else "collective" for f in flags]
     results = run_script(model, data_dir, flags, tmp_path_factory,
                          workers=2)
     assert {r["group_embedding"] for r in results} == {"collective"}
-    assert_reaches_stock(results, stock_auc(model))
+    assert_reaches_stock(
+        results, stock_auc(model, ZOO_L2_THRESHOLD if l2 else None),
+        floor=AUC_FLOOR_L2 if l2 else AUC_FLOOR)
 
 
 # --- regressions ---------------------------------------------------------
