@@ -31,8 +31,6 @@ the header. `GROUP_EMBEDDING_TRANSPORT_SAME_HOST` picks `shm` (default),
 that cannot be made falls back to TCP.
 """
 
-import ctypes
-import mmap
 import os
 import secrets
 import select
@@ -56,7 +54,7 @@ SAME_HOST_LINKS = ("shm", "unix", "tcp")
 SHM_BUFFER_BYTES = 64 << 20
 _HELLO = struct.Struct("!16sq")  # job token, rank of the connecting worker
 _state = {"fds": None, "sockets": [], "links": [], "rank": 0, "size": 1,
-          "timeout": 600.0, "shm": None, "maps": []}
+          "timeout": 600.0, "shm": None}
 # Per graph, the last exchange created: the next one runs after it, so
 # every worker runs its exchanges in program order.
 _last_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -151,13 +149,12 @@ def links() -> List[str]:
     return list(_state["links"])
 
 
-def _share_memory(peers, rank: int):
-    """Maps one region per Unix-linked peer (the lower rank creates it and
-    passes its fd over the socket); returns the `shm` rows of
-    `PeerAllToAll` (out address, in address, bytes per buffer) and the
-    mappings, which must stay open while the op may run."""
-    rows = [[0, 0, 0] for _ in peers]
-    maps = []
+def _share_memory(peers, rank: int) -> List[List[int]]:
+    """Creates one shared region per Unix-linked peer (the lower rank
+    makes a memfd and passes it over the socket); returns the `shm` rows
+    of `PeerAllToAll`: (memfd or -1, bytes per buffer). The descriptors
+    stay open for the life of the process (the op maps them)."""
+    rows = [[-1, 0] for _ in peers]
     cap = int(os.environ.get("GROUP_EMBEDDING_TRANSPORT_SHM_BYTES",
                              SHM_BUFFER_BYTES))
     if cap < 1:
@@ -173,24 +170,15 @@ def _share_memory(peers, rank: int):
             continue
         if j > rank:
             fd = os.memfd_create("group_embedding_peer", os.MFD_CLOEXEC)
-            os.ftruncate(fd, 4 * cap)
+            os.ftruncate(fd, 4 * cap)  # two buffers each way
             socket.send_fds(s, [b"m"], [fd])
         else:
             _, fds, _, _ = socket.recv_fds(s, 1, 1)
             if len(fds) != 1:
                 raise OSError(f"worker {j} sent no shared memory")
             fd = fds[0]
-        try:
-            region = mmap.mmap(fd, 4 * cap)
-        finally:
-            os.close(fd)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-        low_to_high, high_to_low = base, base + 2 * cap
-        mine, theirs = ((low_to_high, high_to_low) if rank < j
-                        else (high_to_low, low_to_high))
-        rows[j] = [mine, theirs, cap]
-        maps.append(region)
-    return rows, maps
+        rows[j] = [fd, cap]
+    return rows
 
 
 def _own_host() -> str:
@@ -297,10 +285,10 @@ def connect(hvd, timeout: float) -> bool:
     finally:
         for ln in listeners:
             ln.close()
-    shm, maps = [[0, 0, 0] for _ in peers], []
+    shm = [[-1, 0] for _ in peers]
     if same_host_link() == "shm":
         try:
-            shm, maps = _share_memory(peers, rank)
+            shm = _share_memory(peers, rank)
         except OSError as e:
             for s in peers:
                 if s is not None:
@@ -315,7 +303,7 @@ def connect(hvd, timeout: float) -> bool:
             kinds.append("self")
             continue
         if s.family == socket.AF_UNIX:
-            kinds.append("shm" if row[2] else "unix")
+            kinds.append("shm" if row[0] >= 0 else "unix")
         else:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             kinds.append("tcp")
@@ -323,7 +311,6 @@ def connect(hvd, timeout: float) -> bool:
     _state["sockets"] = peers
     _state["links"] = kinds
     _state["shm"] = shm
-    _state["maps"] = maps
     _state["fds"] = [-1 if s is None else s.fileno() for s in peers]
     return True
 
@@ -388,7 +375,7 @@ def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str):
     """
     lib = _library()
     fds = tf.constant(_state["fds"], tf.int64)
-    shm = tf.constant(_state["shm"], tf.int64, shape=[len(_state["fds"]), 3])
+    shm = tf.constant(_state["shm"], tf.int64, shape=[len(_state["fds"]), 2])
     return _chained(lambda: lib.peer_all_to_all(
         data, tf.cast(splits, tf.int32), fds, shm, tag=_tag(name),
         timeout_seconds=_state["timeout"]))

@@ -14,8 +14,9 @@
 // mismatch (two workers at different collectives) is an error, never a
 // silent mix-up.
 //
-// Peers on the same host may also share memory (transport.py maps one
-// region per pair, passed in as addresses): a block that fits is copied
+// Peers on the same host may also share memory (transport.py creates one
+// memfd per pair and passes its descriptor in; the op maps it once and
+// checks its size): a block that fits is copied
 // into the sender's half of the region and only its header travels on
 // the socket, so the payload is copied twice in user space instead of
 // through the kernel's socket buffers. Each direction has two buffers
@@ -34,7 +35,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -43,8 +46,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -91,6 +96,55 @@ std::mutex& ExchangeMutex() {
 std::unordered_map<int64_t, int>& NextBuffer() {
   static auto* next = new std::unordered_map<int64_t, int>;
   return *next;
+}
+
+std::mutex& MappedMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+// The shared regions mapped so far, by (fd, device, inode, size): a
+// descriptor number reused for another file maps anew. Guarded by
+// MappedMutex(); mappings live as long as the process.
+std::map<std::tuple<int64_t, dev_t, ino_t, int64_t>, char*>& Mapped() {
+  static auto* mapped =
+      new std::map<std::tuple<int64_t, dev_t, ino_t, int64_t>, char*>;
+  return *mapped;
+}
+
+// Maps the shared region `fd` of 4 x `cap` bytes (two buffers each way),
+// checking that the file is that large.
+Status MapRegion(int64_t fd, int64_t cap, int peer, char** base) {
+  struct stat st;
+  if (fstat(static_cast<int>(fd), &st) != 0) {
+    return errors::InvalidArgument("PeerAllToAll: shared memory fd ", fd,
+                                   " of worker ", peer, " is not open: ",
+                                   strerror(errno));
+  }
+  if (cap > std::numeric_limits<int64_t>::max() / 4 ||
+      static_cast<int64_t>(st.st_size) < 4 * cap) {
+    return errors::InvalidArgument(
+        "PeerAllToAll: shared memory fd ", fd, " of worker ", peer,
+        " holds ", static_cast<int64_t>(st.st_size), " bytes, less than "
+        "4 buffers of ", cap);
+  }
+  auto key = std::make_tuple(fd, st.st_dev, st.st_ino, 4 * cap);
+  std::lock_guard<std::mutex> lock(MappedMutex());
+  auto it = Mapped().find(key);
+  if (it != Mapped().end()) {
+    *base = it->second;
+    return Status();
+  }
+  void* at = mmap(nullptr, 4 * cap, PROT_READ | PROT_WRITE, MAP_SHARED,
+                  static_cast<int>(fd), 0);
+  if (at == MAP_FAILED) {
+    return errors::Unavailable("PeerAllToAll: cannot map the shared "
+                               "memory of worker ", peer, ": ",
+                               strerror(errno));
+  }
+  *base = static_cast<char*>(at);
+  Mapped()[key] = *base;
+  return Status();
 }
 
 // After a failed exchange the streams hold unread or half-sent bytes:
@@ -153,19 +207,18 @@ class PeerAllToAllOp : public OpKernel {
                     " and ", fds.shape().DebugString()));
     const int n = static_cast<int>(fds.NumElements());
     OP_REQUIRES(ctx, shm.dims() == 2 && shm.dim_size(0) == n &&
-                         shm.dim_size(1) == 3,
+                         shm.dim_size(1) == 2,
                 errors::InvalidArgument(
-                    "PeerAllToAll: shm must be [workers, 3] (out address, "
-                    "in address, bytes per buffer), got ",
-                    shm.shape().DebugString()));
+                    "PeerAllToAll: shm must be [workers, 2] (memfd or -1, "
+                    "bytes per buffer), got ", shm.shape().DebugString()));
     const auto shm_m = shm.matrix<int64_t>();
     for (int p = 0; p < n; ++p) {
-      OP_REQUIRES(ctx, shm_m(p, 2) >= 0 &&
-                           (shm_m(p, 2) == 0 ||
-                            (shm_m(p, 0) != 0 && shm_m(p, 1) != 0)),
+      OP_REQUIRES(ctx, shm_m(p, 1) >= 0 && (shm_m(p, 0) >= 0) ==
+                                               (shm_m(p, 1) > 0),
                   errors::InvalidArgument(
-                      "PeerAllToAll: shm row ", p, " has a capacity of ",
-                      shm_m(p, 2), " but no addresses"));
+                      "PeerAllToAll: shm row ", p, " = (", shm_m(p, 0), ", ",
+                      shm_m(p, 1), "): a memfd needs a capacity > 0 and "
+                      "a capacity needs a memfd"));
     }
     const auto split = splits.vec<int32_t>();
     const auto fd = fds.vec<int64_t>();
@@ -206,12 +259,23 @@ class PeerAllToAllOp : public OpKernel {
       s.payload = base + offset * row_bytes;
       s.payload_bytes = static_cast<int64_t>(split(p)) * row_bytes;
       s.out_header = Header{kMagic, tag_, split(p), row_bytes, -1};
-      if (p != self && shm_m(p, 2) > 0) {
-        s.shm_out = reinterpret_cast<char*>(shm_m(p, 0));
-        s.shm_in = reinterpret_cast<const char*>(shm_m(p, 1));
-        s.shm_cap = shm_m(p, 2);
-      }
       offset += split(p);
+    }
+
+    // The region of a pair: the lower rank's two outgoing buffers, then
+    // the higher rank's. Mapped before any I/O: a bad descriptor is an
+    // input error, not a broken stream.
+    for (int p = 0; p < n; ++p) {
+      if (p == self || shm_m(p, 0) < 0) continue;
+      PeerState& s = peers[p];
+      const int64_t cap = shm_m(p, 1);
+      char* base = nullptr;
+      OP_REQUIRES_OK(ctx, MapRegion(shm_m(p, 0), cap, p, &base));
+      char* low_to_high = base;
+      char* high_to_low = base + 2 * cap;
+      s.shm_out = self < p ? low_to_high : high_to_low;
+      s.shm_in = self < p ? high_to_low : low_to_high;
+      s.shm_cap = cap;
     }
 
     std::lock_guard<std::mutex> lock(ExchangeMutex());
@@ -534,8 +598,8 @@ Alltoall of variable-size row blocks over pre-connected peer sockets.
 data: rows grouped by destination worker.
 splits: rows of `data` for each worker.
 fds: connected socket of each peer; -1 at this worker's rank.
-shm: per peer, (address of this worker's two outgoing shared buffers,
-  address of the peer's two, bytes per buffer); capacity 0: none.
+shm: per peer, (memfd shared with it or -1, bytes per buffer): the lower
+  rank's two outgoing buffers, then the higher rank's.
 received: the rows sent to this worker, by source rank.
 received_splits: rows received from each worker.
 tag: identifies the collective; every worker must run the same tags in

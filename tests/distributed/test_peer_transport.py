@@ -105,20 +105,35 @@ def _op():
     ([3, 0], [-1, -1], None, "more than one fd is -1"),
     ([4, -1], [-1, 5], None, "splits[1] = -1 < 0"),
     ([3], [-1, 5], None, "one entry per worker"),
-    ([3, 0], [-1, 5], [[0, 0, 0]], "shm must be [workers, 3]"),
-    ([3, 0], [-1, 5], [[0, 0, 0], [0, 0, 64]], "shm row 1 has a capacity"
-                                               " of 64 but no addresses"),
-    ([3, 0], [-1, 5], [[0, 0, 0], [8, 8, -1]], "capacity of -1"),
+    ([3, 0], [-1, 5], [[-1, 0]], "shm must be [workers, 2]"),
+    ([3, 0], [-1, 5], [[-1, 0], [-1, 64]], "a capacity needs a memfd"),
+    ([3, 0], [-1, 5], [[-1, 0], [7, 0]], "a memfd needs a capacity"),
+    ([3, 0], [-1, 5], [[-1, 0], [7, -1]], "shm row 1 = (7, -1)"),
+    ([3, 0], [-1, 5], [[-1, 0], [987654, 8]], "fd 987654 of worker 1 is "
+                                               "not open"),
+    ([3, 0], [-1, 5], "small memfd", "holds 96 bytes, less than 4 buffers"
+                                     " of 64"),
 ])
 def test_bad_inputs_are_refused_before_any_io(splits, fds, shm, message):
     op = _op()
     if shm is None:
-        shm = [[0, 0, 0]] * len(fds)
-    with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
-                       match=message.replace("[", r"\[").replace("]", r"\]")):
-        op(tf.zeros([3, 2]), tf.constant(splits, tf.int32),
-           tf.constant(fds, tf.int64),
-           tf.reshape(tf.constant(shm, tf.int64), [-1, 3]), tag=1)
+        shm = [[-1, 0]] * len(fds)
+    fd = None
+    if shm == "small memfd":
+        fd = os.memfd_create("too_small")
+        os.ftruncate(fd, 96)
+        shm = [[-1, 0], [fd, 64]]
+    try:
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                           match=message.replace("[", r"\[")
+                           .replace("]", r"\]").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            op(tf.zeros([3, 2]), tf.constant(splits, tf.int32),
+               tf.constant(fds, tf.int64),
+               tf.reshape(tf.constant(shm, tf.int64), [-1, 2]), tag=1)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def test_single_worker_exchange_is_a_copy():
@@ -126,6 +141,6 @@ def test_single_worker_exchange_is_a_copy():
     data = tf.constant(np.arange(12, dtype=np.float32).reshape(4, 3))
     got, got_splits = op(data, tf.constant([4], tf.int32),
                          tf.constant([-1], tf.int64),
-                         tf.zeros([1, 3], tf.int64), tag=7)
+                         tf.constant([[-1, 0]], tf.int64), tag=7)
     np.testing.assert_array_equal(got.numpy(), data.numpy())
     assert got_splits.numpy().tolist() == [4]
