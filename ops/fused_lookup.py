@@ -192,7 +192,11 @@ def _sorted_segment_sum(data, segments, batch):
     missing = batch - tf.shape(summed, out_type=tf.int64)[0]
     pad = tf.concat([[[0, missing]], tf.zeros([tf.rank(data) - 1, 2],
                                                tf.int64)], 0)
-    return tf.pad(summed, pad)
+    padded = tf.pad(summed, pad)
+    # The paddings are computed, so a graph would lose every static dim:
+    # the row width is the data's (models read it, e.g. `shape[-1]`).
+    padded.set_shape(tf.TensorShape([None]).concatenate(data.shape[1:]))
+    return padded
 
 
 def _pooled_variables_tf(tables, feats, combiners, table_names, max_norm):

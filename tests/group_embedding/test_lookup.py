@@ -429,3 +429,24 @@ def test_dense_lookup_static_shape_in_tf_function(kernel_mode):
         [2, 3, 4], [4, 8]]
     for g, t, i in zip(lookup(a, b), tables, (a, b)):
         assert_close(g, tf.nn.embedding_lookup(t, i))
+
+
+@pytest.mark.parametrize("ev", [False, True], ids=["variable", "ev"])
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_graph_outputs_keep_the_row_width(kernel_mode, ev, max_norm):
+    # Models size their next layer from `shape[-1]` (DeepRec's DCNv2 does)
+    # in TF1 graphs, where the pooled outputs' batch is unknown: every
+    # path (the TF pooling pads its segment sums) must keep the width.
+    with tf.Graph().as_default():
+        if ev:
+            tables = [ge.get_embedding_variable(f"w{d}", d) for d in (4, 8)]
+        else:
+            tables = [tf.compat.v1.get_variable(f"w{d}", [10, d])
+                      for d in (4, 8)]
+        ids = [tf.compat.v1.sparse_placeholder(tf.int64) for _ in tables]
+        outs = ge.group_embedding_lookup_sparse(tables, ids, "sum",
+                                                max_norm=max_norm)
+        assert [o.shape.as_list() for o in outs] == [[None, 4], [None, 8]]
+        seq = ge.group_embedding_lookup_sparse(tables, ids, "sum",
+                                               is_sequence=True)
+        assert [o.shape.as_list()[-1] for o in seq] == [4, 8]
