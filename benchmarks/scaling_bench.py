@@ -14,7 +14,7 @@ no Horovod), pinned to core 0 with one TF thread. N=2 runs
 oversubscribed on a 2-core machine (two ranks share core 0) and is shown
 for information only.
 
-    python benchmarks/scaling_bench.py                # N=1,2,1x2,2p,2h,3; ~5 min
+    python benchmarks/scaling_bench.py        # N=1,2,1x2,2p,2h,3; ~4 min
     python benchmarks/scaling_bench.py --quick        # smoke run
     python benchmarks/scaling_bench.py --sizes 1,2,2h # skip N=3
 
@@ -25,12 +25,12 @@ pipelining (the next batch's ids are routed and sent during the step);
 and allreduce, the transport before the peer sockets). `1x2` runs two
 independent N=1 processes at once, one per core, with no exchange: how
 much slower a step gets only because both cores (and the memory and host
-behind them) are busy, the part of step(2) no transport can remove. Horovod variables in
-the environment (e.g. HOROVOD_CYCLE_TIME) reach the workers and are
-recorded.
+behind them) are busy, the part of step(2) no transport can remove.
+Horovod variables in the environment (e.g. HOROVOD_CYCLE_TIME) reach the
+workers and are recorded.
 
-Launches alternate N=1 and N=2 `--launches` (5) times, then run 2p, 2h
-and N=3 once each (information, after the pair the efficiency comes
+Launches alternate N=1 and N=2 `--launches` (5) times, then run 1x2, 2p,
+2h and N=3 once each (information, after the pair the efficiency comes
 from); each launch times `--rounds` (3) rounds of `--steps` back-to-back
 steps after a barrier (a round's step time is its slowest worker's).
 Many short launches rather than a few long ones: this VM's cores are
@@ -38,13 +38,16 @@ shared with other machines, and a slow spell that lasts a whole launch
 (N=2 launches at 2x their usual step were seen) then weighs on few
 rounds. Efficiency = median step(N=1) / median step(N=2) over all their
 rounds, both from this run; each pair's own ratio is printed and kept
-too. Then, per N, a few extra steps run
-under the TF profiler (per-op time, classified below) and the Horovod
-timeline (per-collective negotiation and transfer time; with the peer
-sockets, each exchange op's time, split into latency + bytes / bandwidth
-probed in the same launch), which gives the step breakdown per worker. Bytes per collective are counted from the
-router's buffers on the same batches and cross-checked against the
-loopback interface counters (`/proc/net/dev`) over the timed rounds.
+too. Then, in every launch, a few extra steps run under the TF profiler
+(per-op time, classified below) and the Horovod timeline
+(per-collective negotiation and transfer time; with the peer sockets,
+each exchange op's time, split into latency + bytes / bandwidth probed
+in the same launch), which gives the step breakdown per worker; the
+breakdown of the typical launch (median step) is reported and fitted.
+Bytes per collective are counted from the router's buffers on the same
+batches and cross-checked against the loopback interface counters
+(`/proc/net/dev`) over the timed rounds: with Horovod's transport (`2h`;
+the peer sockets of one host bypass the loopback device).
 
 Output: benchmarks/results/scaling_bench.json and .png (stacked bars).
 """
@@ -524,18 +527,24 @@ def summarize(runs, args):
     summary = {}
     for n, d in sorted(by_n.items()):
         med = statistics.median(d["rounds_s"])
-        last = d["launches"][-1]
-        per_worker, coll = breakdown(last)
-        ex = [r["exchange_bytes"] for r in last]
         per_launch = [
             1e3 * statistics.median(
                 [max(r["round_step_s"][i] for r in records)
                  for i in range(len(records[0]["round_step_s"]))])
             for records in d["launches"]]
+        # The breakdown (and so the cost model) comes from the typical
+        # launch, the one with the median step, not from one that fell
+        # in a slow spell of the machine.
+        ranked = sorted(range(len(per_launch)), key=per_launch.__getitem__)
+        typical = ranked[(len(per_launch) - 1) // 2]
+        last = d["launches"][typical]
+        per_worker, coll = breakdown(last)
+        ex = [r["exchange_bytes"] for r in last]
         summary[n] = {
             "median_step_ms": 1e3 * med,
             "round_step_ms": [1e3 * x for x in d["rounds_s"]],
             "launch_median_step_ms": per_launch,
+            "breakdown_launch": typical,
             "samples_per_s_global": n * args.batch / med,
             "breakdown_per_worker": per_worker,
             "collectives_per_step": coll,
