@@ -279,7 +279,6 @@ def probe_peer_exchange(row_bytes, reps=30):
 def worker(args):
     """One worker: time the rounds, profile a few steps, print a record."""
     rank, core = _pin_and_limit_threads()
-    import numpy as np
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)

@@ -274,9 +274,7 @@ def connect(hvd, timeout: float) -> bool:
                     continue
                 peers[who] = s
     except OSError as e:
-        for s in peers:
-            if s is not None:
-                s.close()
+        _close_all(peers)
         raise RuntimeError(
             f"group_embedding: worker {rank} could not connect to its "
             f"peers at {[a[:2] for a in addresses]} ({e}); set "
@@ -289,10 +287,8 @@ def connect(hvd, timeout: float) -> bool:
     if same_host_link() == "shm":
         try:
             shm = _share_memory(peers, rank)
-        except OSError as e:
-            for s in peers:
-                if s is not None:
-                    s.close()
+        except (OSError, ValueError) as e:
+            _close_all(peers)
             raise RuntimeError(
                 f"group_embedding: worker {rank} could not share memory "
                 f"with its peers on this host ({e}); set "
@@ -313,6 +309,12 @@ def connect(hvd, timeout: float) -> bool:
     _state["shm"] = shm
     _state["fds"] = [-1 if s is None else s.fileno() for s in peers]
     return True
+
+
+def _close_all(peers) -> None:
+    for s in peers:
+        if s is not None:
+            s.close()
 
 
 def _recv_exactly(s: socket.socket, n: int) -> bytes:

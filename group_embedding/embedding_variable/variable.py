@@ -3,7 +3,6 @@ growing as new keys arrive (DeepRec's `get_embedding_variable`)."""
 
 import copy
 import dataclasses
-import functools
 import itertools
 import json
 import logging
