@@ -412,22 +412,27 @@ def worker(args):
             json.dump(records, f)
 
 
+def _worker_command(n, args, record):
+    """The command line of one benchmark worker of an N=`n` launch."""
+    me = [sys.executable, os.path.abspath(__file__), "--worker",
+          "--workers", str(n), "--record", record]
+    for key in ("batch", "dim", "cap", "steps", "rounds", "warmup",
+                "num_batches", "profile_steps"):
+        me += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return me
+
+
 def launch_independent(args, record, copies=2):
     """Runs `copies` single-process (N=1) workers at once, worker r on
     core r, with no exchange between them: what sharing the machine alone
     (memory bandwidth, caches, the host) costs a step. Returns their
     records."""
-    me = [sys.executable, os.path.abspath(__file__), "--worker",
-          "--workers", "1"]
-    for key in ("batch", "dim", "cap", "steps", "rounds", "warmup",
-                "num_batches", "profile_steps"):
-        me += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     procs = []
     for r in range(copies):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                    HOROVOD_RANK=str(r))  # picks core r
         procs.append(subprocess.Popen(
-            me + ["--record", f"{record}.{r}"], env=env,
+            _worker_command(1, args, f"{record}.{r}"), env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     records = []
     for r, p in enumerate(procs):
@@ -445,13 +450,9 @@ def launch(n, args, record, pipeline=False, horovod_transport=False):
 
     `horovod_transport`: exchanges over Horovod's alltoall instead of the
     peer sockets (GROUP_EMBEDDING_TRANSPORT=horovod), for comparison."""
-    me = [sys.executable, os.path.abspath(__file__), "--worker",
-          "--workers", str(n), "--record", record]
+    me = _worker_command(n, args, record)
     if pipeline:
         me.append("--pipeline")
-    for key in ("batch", "dim", "cap", "steps", "rounds", "warmup",
-                "num_batches", "profile_steps"):
-        me += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = dict(os.environ, HOROVOD_TIMELINE="DYNAMIC",
                TF_CPP_MIN_LOG_LEVEL="2")
     if horovod_transport:

@@ -171,9 +171,13 @@ constexpr int64_t kDenseCbfMaxBytes = int64_t{256} << 20;
 class EVStorage : public tensorflow::ResourceBase {
  public:
   explicit EVStorage(const EVConfig& config)
-      : config_(config), values_(config.dim) {
+      : config_(config),
+        sparse_cbf_on_(config.cbf_counters >
+                       kDenseCbfMaxBytes /
+                           std::max(config.cbf_counter_bytes, 1)),
+        values_(config.dim) {
     buckets_.assign(64, kEmpty);
-    if (!SparseCbf()) {
+    if (!sparse_cbf_on_) {
       cbf_.assign(config.cbf_counters * config.cbf_counter_bytes, 0);
     }
   }
@@ -394,13 +398,8 @@ class EVStorage : public tensorflow::ResourceBase {
  private:
   uint64_t mask() const { return buckets_.size() - 1; }
 
-  bool SparseCbf() const {
-    return config_.cbf_counters >
-           kDenseCbfMaxBytes / std::max(config_.cbf_counter_bytes, 1);
-  }
-
   int64_t Counter(uint64_t at) const {
-    if (SparseCbf()) {
+    if (sparse_cbf_on_) {
       auto it = sparse_cbf_.find(at);
       return it == sparse_cbf_.end() ? 0 : it->second;
     }
@@ -419,7 +418,7 @@ class EVStorage : public tensorflow::ResourceBase {
   }
   // `c` <= filter_freq, which the caller checked fits the counter type.
   void SetCounter(uint64_t at, int64_t c) {
-    if (SparseCbf()) {
+    if (sparse_cbf_on_) {
       sparse_cbf_[at] = c;
       return;
     }
@@ -459,6 +458,9 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   EVConfig config_;
+  // The counting Bloom filter keeps only touched counters (see
+  // kDenseCbfMaxBytes); fixed at creation.
+  const bool sparse_cbf_on_;
   tensorflow::mutex mu_;
   std::vector<uint32_t> buckets_;
   int64_t size_ = 0;
@@ -471,7 +473,7 @@ class EVStorage : public tensorflow::ResourceBase {
   std::vector<ChunkedArray<float>> slots_;
   int64_t current_step_ = 0;
   std::vector<uint8_t> cbf_;  // counting Bloom filter (CBFFilter only)
-  // The same counters when the array would be too large (SparseCbf()):
+  // The same counters when the array would be too large:
   // counter index -> count, zero counters absent.
   std::unordered_map<uint64_t, int64_t> sparse_cbf_;
 };
