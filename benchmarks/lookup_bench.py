@@ -89,10 +89,21 @@ def _stock_sequence(tables, batch):
 
 def _ge_lookup(tables, batch, weighted=False, max_norm=None,
                is_sequence=False, training=True):
+    # Pooled outputs come concatenated, as the step (and a dense layer)
+    # wants them: the fused kernel writes them in place.
     return ge.group_embedding_lookup_sparse(
         tables, batch["ids"], "sum",
         sp_weights=batch["weights"] if weighted else None,
-        is_sequence=is_sequence, max_norm=max_norm, training=training)
+        is_sequence=is_sequence, max_norm=max_norm, training=training,
+        concat_outputs=not is_sequence)
+
+
+def _concat(outputs):
+    """The step's `[B, sum D]` input: the lookup's own concatenated output,
+    or the concat of its per-table outputs (axis 1)."""
+    if isinstance(outputs, (list, tuple)):
+        return tf.concat(outputs, axis=1)
+    return outputs
 
 
 def _optimizer_update(optimizer_cls) -> Callable:
@@ -236,10 +247,10 @@ class Variant:
         @tf.function(jit_compile=False)
         def step(batch):
             if update is None:
-                emb = tf.concat(lookup(tables, batch), axis=1)
+                emb = _concat(lookup(tables, batch))
                 return tf.reduce_mean(tf.square(emb))
             with tf.GradientTape() as tape:
-                emb = tf.concat(lookup(tables, batch), axis=1)
+                emb = _concat(lookup(tables, batch))
                 loss = tf.reduce_mean(tf.square(emb))
             update(tape.gradient(loss, tables))
             return loss

@@ -53,7 +53,8 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
                                   partition_strategy="mod",
                                   is_sequence=False,
                                   params_num_per_group=sys.maxsize,
-                                  name=None, *, max_norm=None, training=True):
+                                  name=None, *, max_norm=None, training=True,
+                                  concat_outputs=False):
     """Looks up and pools many embedding tables with one fused op per group.
 
     Row b of output i equals stock
@@ -103,10 +104,18 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
             first time and counts occurrences; False (inference) inserts
             nothing and reads default rows for unknown keys. Ignored by
             `tf.Variable` params.
+        concat_outputs: (keyword only) if True, return ONE `[B, sum_i D_i]`
+            tensor, the K pooled outputs side by side in the order of
+            `params`: what `tf.concat(outputs, 1)` gives, which is what a
+            model feeding a dense layer wants. The fused CPU kernel then
+            writes each table's rows straight into their columns, and reads
+            its gradient from there: no concat copy, no split of the
+            gradient. Needs pooled lookups (`is_sequence=False`).
 
     Returns:
         A list of K dense tensors, `[B, D_i]` (or `[B, T_i, D_i]`), in the
-        order of `params`.
+        order of `params`; one `[B, sum_i D_i]` tensor with
+        `concat_outputs=True`.
 
     Raises:
         TypeError: a table is not a variable, ids are not integers, weights
@@ -116,6 +125,10 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
         tf.errors.InvalidArgumentError: (at run time) an id outside
             `[0, vocab)` of its table, or batch sizes that differ.
     """
+    if concat_outputs and is_sequence:
+        raise ValueError("`concat_outputs=True` concatenates pooled [B, D] "
+                         "outputs; it cannot be used with "
+                         "`is_sequence=True`.")
     params, sp_ids, combiners, sp_weights = lookup_inputs.check_lists(
         params, sp_ids, combiners, sp_weights, partition_strategy,
         params_num_per_group)
@@ -124,7 +137,8 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
         return _grouped_lookup(params, sp_ids, combiners, sp_weights,
                                is_sequence, params_num_per_group, max_norm,
                                same_batch=True, training=training,
-                               partition_strategy=partition_strategy)
+                               partition_strategy=partition_strategy,
+                               concat=concat_outputs)
 
 
 def _check_ev_keys(params, ids, argument):
@@ -137,18 +151,32 @@ def _check_ev_keys(params, ids, argument):
 
 def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
                     params_num_per_group, max_norm, same_batch,
-                    training=True, partition_strategy="mod"):
-    """Runs one fused lookup per group on checked arguments."""
+                    training=True, partition_strategy="mod", concat=False):
+    """Runs one fused lookup per group on checked arguments.
+
+    With `concat`, returns one tensor: the pooled outputs concatenated in
+    the order of `params`; a group whose tables are consecutive there
+    gives its columns with one concatenated lookup.
+    """
     tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
     names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
     feats = lookup_inputs.to_feature_ids(sp_ids, sp_weights,
                                          need_positions=is_sequence,
                                          same_batch=same_batch)
     outputs: List[Optional[tf.Tensor]] = [None] * len(tables)
+    # With `concat`: first table index -> columns of consecutive tables.
+    blocks: Dict[int, tf.Tensor] = {}
     for members in group_tables(tables, params_num_per_group):
         g_tables = [tables[i] for i in members]
         g_feats = [feats[i] for i in members]
         g_names = [names[i] for i in members]
+        consecutive = members[-1] - members[0] + 1 == len(members)
+        if (concat and consecutive
+                and not _is_model_parallel(g_tables[0])):
+            blocks[members[0]] = fused_lookup.concat_pooled_lookup(
+                g_tables, g_feats, [combiners[i] for i in members], g_names,
+                max_norm, training=training)
+            continue
         if _is_model_parallel(g_tables[0]):
             results = _sharded_group(g_tables, g_feats, g_names, members,
                                      combiners, is_sequence, max_norm,
@@ -162,7 +190,11 @@ def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
                 max_norm, training=training)
         for i, out in zip(members, results):
             outputs[i] = out
-    return outputs
+            blocks[i] = out
+    if not concat:
+        return outputs
+    parts = [blocks[i] for i in sorted(blocks)]
+    return parts[0] if len(parts) == 1 else tf.concat(parts, 1)
 
 
 def _is_model_parallel(table) -> bool:

@@ -3,7 +3,8 @@
 Two interchangeable paths compute the same numbers:
 
 * the C++ kernel `GroupEmbeddingVariableLookup`: ONE op pools all tables of
-  the group straight into `[B, D]` outputs (no `[nnz, D]` intermediate);
+  the group straight into `[B, D]` outputs (no `[nnz, D]` intermediate),
+  or `GroupEmbeddingConcatLookup` into one `[B, K * D]` output;
   its gradient op returns, per table, the unique ids and their summed
   gradients as IndexedSlices. CPU, float32 resource variables. `max_norm`
   (a number >= 0) clips each row as it is read, and
@@ -357,6 +358,34 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
         max_norm=_kernel_max_norm(max_norm))
 
 
+def concat_pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
+                         combiners: List[str], table_names: List[str],
+                         max_norm: Optional[float] = None,
+                         training=True) -> tf.Tensor:
+    """`tf.concat(pooled_lookup(...), 1)`: one `[B, K * D]` tensor.
+
+    For plain float32 variables on CPU, `GroupEmbeddingConcatLookup` writes
+    every table's pooled rows straight into its columns, and its gradient
+    reads them from the concatenated gradient: neither the concat copy nor
+    the split of its gradient happens. Every feature must have the same
+    batch size. Arguments as in `pooled_lookup`.
+    """
+    lib = kernel_library.load()
+    if (lib is None or hasattr(tables[0], "lookup_rows")
+            or not _can_use_kernel(tables, max_norm)):
+        return tf.concat(pooled_lookup(tables, feats, combiners, table_names,
+                                       max_norm, training), 1)
+    _watch(tables)
+    return lib.group_embedding_concat_lookup(
+        tables=[t.handle for t in tables],
+        ids=[f.values for f in feats],
+        row_splits=[f.row_splits for f in feats],
+        weights=_kernel_weights(feats),
+        combiners=combiners, table_names=table_names,
+        embedding_dim=int(tables[0].shape[1]),
+        max_norm=_kernel_max_norm(max_norm))
+
+
 def _watch(tables):
     # The kernels read the tables through their handles: tell the tape
     # (GradientTape, tf.function) that the trainable ones were read.
@@ -501,6 +530,30 @@ def _register_gradient():
             tables=list(handles), ids=list(ids), row_splits=list(splits),
             weights=list(weights), grads=list(grads),
             pooled=list(op.outputs), combiners=combiners, max_norm=max_norm)
+        return table_grads + [None] * (2 * k) + list(weight_grads)
+
+    @tf.RegisterGradient("GroupEmbeddingConcatLookup")
+    def _concat_lookup_grad(op, grad):
+        k = op.get_attr("num_tables")
+        combiners = [c.decode() if isinstance(c, bytes) else c
+                     for c in op.get_attr("combiners")]
+        handles, ids, splits, weights = (
+            list(op.inputs[i * k:(i + 1) * k]) for i in range(4))
+        lib = kernel_library.library()
+        uniq, sums = lib.group_embedding_concat_lookup_grad(
+            grads=grad, ids=ids, row_splits=splits, weights=weights,
+            combiners=combiners, embedding_dim=op.get_attr("embedding_dim"))
+        max_norm = op.get_attr("max_norm")
+        table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
+        if all(w.shape.as_list() == [0] for w in weights):
+            # No weights (the empty placeholders): nothing to differentiate,
+            # and no split of the [B, K * D] tensors in eager mode either.
+            return table_grads + [None] * (3 * k)
+        weight_grads = lib.group_embedding_weight_grad(
+            tables=handles, ids=ids, row_splits=splits, weights=weights,
+            grads=tf.split(grad, k, axis=1),
+            pooled=tf.split(op.outputs[0], k, axis=1),
+            combiners=combiners, max_norm=max_norm)
         return table_grads + [None] * (2 * k) + list(weight_grads)
 
     @tf.RegisterGradient("GroupEmbeddingSequenceLookup")

@@ -9,6 +9,7 @@
 // work over TF's intra-op thread pool.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -75,10 +76,63 @@ REGISTER_OP("GroupEmbeddingVariableLookup")
       return Status();
     });
 
+// The same lookup writing all K tables side by side into ONE [B, K * D]
+// output (table t in columns [t * D, (t + 1) * D)), i.e. what
+// `tf.concat(outputs, 1)` would give, without that copy nor the split of
+// its gradient. All tables must have the same batch size.
+REGISTER_OP("GroupEmbeddingConcatLookup")
+    .Input("tables: num_tables * resource")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("pooled: float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("table_names: list(string)")
+    .Attr("embedding_dim: int >= 0")
+    .Attr("max_norm: float = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
+      tensorflow::shape_inference::DimensionHandle b;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n), 0), 1, &b));
+      c->set_output(0, c->MakeShape({b, c->MakeDim(n * dim)}));
+      return Status();
+    });
+
+// Where table t's rows of a pooled [B, D] block live: `base` + b * `stride`
+// (per-table outputs: stride D; the concatenated layout: stride K * D).
+template <typename T>
+struct RowBlock {
+  T* base;
+  int64_t stride;
+};
+
+// Checks that every table has the batch size of table 0 (the
+// concatenated layout has one row per example for all tables).
+inline Status CheckSameBatch(const std::vector<std::string>& names,
+                             const OpInputList& splits) {
+  const int64_t batch = splits[0].NumElements() - 1;
+  for (int t = 1; t < splits.size(); ++t) {
+    if (splits[t].NumElements() - 1 != batch) {
+      return InvalidArgument(
+          names.empty() ? absl::StrCat("table ", t) : names[t], ": has ",
+          splits[t].NumElements() - 1, " rows but ",
+          names.empty() ? std::string("table 0") : names[0], " has ", batch,
+          "; a concatenated output needs equal batch sizes.");
+    }
+  }
+  return Status();
+}
+
 class GroupEmbeddingVariableLookupOp : public OpKernel {
  public:
   explicit GroupEmbeddingVariableLookupOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+      : OpKernel(ctx), concat_(ctx->def().op() == "GroupEmbeddingConcatLookup") {
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
@@ -110,6 +164,7 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
     // Tables may have different batch sizes (dense lookups of any shape);
     // `first_row[t]` numbers the output rows of all tables consecutively.
     std::vector<const float*> tables(k);
+    std::vector<int64_t> vocabs(k);
     std::vector<int64_t> first_row(k + 1, 0);
     int64_t total_nnz = 0;
     for (int t = 0; t < k; ++t) {
@@ -120,27 +175,44 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
                                   ": expected a float32 [vocab, ", dim_,
                                   "] table, got ",
                                   table->shape().DebugString()));
+      // Ids are range-checked by the (parallel) pooling below, before any
+      // row is read: a serial pass over every id cost ~15% of the op.
       OP_REQUIRES_OK(ctx, CheckRagged(table_names_[t], ids[t], splits[t],
-                                      weights[t], table->dim_size(0)));
+                                      weights[t], /*vocab=*/-1));
       first_row[t + 1] = first_row[t] + splits[t].NumElements() - 1;
       total_nnz += ids[t].NumElements();
       tables[t] = table->flat<float>().data();
+      vocabs[t] = table->dim_size(0);
     }
 
-    OpOutputList out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
-    std::vector<float*> outs(k);
-    for (int t = 0; t < k; ++t) {
+    std::vector<RowBlock<float>> outs(k);
+    if (concat_) {
+      OP_REQUIRES_OK(ctx, CheckSameBatch(table_names_, splits));
       Tensor* o = nullptr;
-      const int64_t batch = first_row[t + 1] - first_row[t];
-      OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim_}), &o));
-      outs[t] = o->flat<float>().data();
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              0, TensorShape({first_row[1], k * dim_}), &o));
+      for (int t = 0; t < k; ++t) {
+        outs[t] = {o->flat<float>().data() + t * dim_, k * dim_};
+      }
+    } else {
+      OpOutputList out;
+      OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
+      for (int t = 0; t < k; ++t) {
+        Tensor* o = nullptr;
+        const int64_t batch = first_row[t + 1] - first_row[t];
+        OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim_}), &o));
+        outs[t] = {o->flat<float>().data(), dim_};
+      }
     }
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
 
     const int64_t dim = dim_;
     const float max_norm = max_norm_;
+    // The first out-of-range id found, as (table, position); any one is
+    // reported (shards race), never read.
+    std::atomic<bool> bad(false);
+    std::atomic<int64_t> bad_table(-1), bad_pos(-1);
     auto work = [&](int64_t begin, int64_t end) {
       int t = static_cast<int>(
           std::upper_bound(first_row.begin(), first_row.end(), begin) -
@@ -154,14 +226,24 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
                              ? weights[t].flat<float>().data()
                              : nullptr;
         const float* table = tables[t];
-        float* o = outs[t] + b * dim;
+        const uint64_t vocab = static_cast<uint64_t>(vocabs[t]);
+        float* o = outs[t].base + b * outs[t].stride;
         std::fill(o, o + dim, 0.0f);
         const int64_t lo = s[b], hi = s[b + 1];
         const int64_t nnz = s[first_row[t + 1] - first_row[t]];
         for (int64_t j = lo; j < hi; ++j) {
+          // One unsigned compare also catches negative ids.
+          if (static_cast<uint64_t>(v[j]) >= vocab) {
+            if (!bad.exchange(true)) {
+              bad_table = t;
+              bad_pos = j;
+            }
+            continue;
+          }
           // Ahead across row boundaries: rows are often one id long.
-          if (j + kPrefetchDistance < nnz) {
-            PrefetchRow(table + v[j + kPrefetchDistance] * dim, dim);
+          const int64_t ahead = j + kPrefetchDistance;
+          if (ahead < nnz && static_cast<uint64_t>(v[ahead]) < vocab) {
+            PrefetchRow(table + v[ahead] * dim, dim);
           }
           const float* row = table + v[j] * dim;
           const float wj = (w ? w[j] : 1.0f) * ClipFactor(row, dim, max_norm);
@@ -177,9 +259,16 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
                       avg * dim * 4 + 20, work);
+    if (bad) {
+      const int64_t t = bad_table, j = bad_pos;
+      ctx->SetStatus(InvalidArgument(
+          table_names_[t], ": id ", ids[t].flat<int64_t>()(j),
+          " is out of range [0, ", vocabs[t], ") for this table."));
+    }
   }
 
  private:
+  const bool concat_;
   std::vector<Combiner> combiners_;
   std::vector<std::string> table_names_;
   int64_t dim_;
@@ -188,6 +277,8 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookup")
                             .Device(DEVICE_CPU),
+                        GroupEmbeddingVariableLookupOp);
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingConcatLookup").Device(DEVICE_CPU),
                         GroupEmbeddingVariableLookupOp);
 
 // ---------------------------------------------------------------------------
@@ -219,10 +310,38 @@ REGISTER_OP("GroupEmbeddingVariableLookupGrad")
       return Status();
     });
 
+// The backward of GroupEmbeddingConcatLookup: the same outputs from the
+// gradient of the concatenated [B, K * D] output.
+REGISTER_OP("GroupEmbeddingConcatLookupGrad")
+    .Input("grads: float")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("unique_ids: num_tables * int64")
+    .Output("id_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("embedding_dim: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 1, 2));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 1, 3 * n, 1));
+      for (int i = 0; i < n; ++i) {
+        c->set_output(i, c->Vector(c->UnknownDim()));
+        c->set_output(n + i,
+                      c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
 class GroupEmbeddingVariableLookupGradOp : public OpKernel {
  public:
   explicit GroupEmbeddingVariableLookupGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+      : OpKernel(ctx),
+        concat_(ctx->def().op() == "GroupEmbeddingConcatLookupGrad") {
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
@@ -230,8 +349,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList grads, ids, splits, weights;
-    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OpInputList ids, splits, weights;
     OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
     OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
     OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
@@ -240,11 +358,28 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
                 InvalidArgument("combiners must have ", k, " entries, got ",
                                 combiners_.size(), "."));
     for (int t = 0; t < k; ++t) {
-      const std::string name = absl::StrCat("table ", t);
-      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
-                                      /*vocab=*/-1));
-      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t],
-                                      splits[t].NumElements() - 1, dim_));
+      OP_REQUIRES_OK(ctx, CheckRagged(absl::StrCat("table ", t), ids[t],
+                                      splits[t], weights[t], /*vocab=*/-1));
+    }
+    // Per table, where its gradient rows are (read only here).
+    std::vector<RowBlock<const float>> grad_rows(k);
+    if (concat_) {
+      OP_REQUIRES_OK(ctx, CheckSameBatch({}, splits));
+      const Tensor& g = ctx->input(0);
+      OP_REQUIRES_OK(ctx, CheckMatrix("grads", g,
+                                      splits[0].NumElements() - 1, k * dim_));
+      for (int t = 0; t < k; ++t) {
+        grad_rows[t] = {g.flat<float>().data() + t * dim_, k * dim_};
+      }
+    } else {
+      OpInputList grads;
+      OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+      for (int t = 0; t < k; ++t) {
+        OP_REQUIRES_OK(ctx, CheckMatrix(absl::StrCat("table ", t, ": grads"),
+                                        grads[t], splits[t].NumElements() - 1,
+                                        dim_));
+        grad_rows[t] = {grads[t].flat<float>().data(), dim_};
+      }
     }
     OpOutputList uniq_out, grad_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
@@ -264,7 +399,8 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
         const float* w = weights[t].NumElements()
                              ? weights[t].flat<float>().data()
                              : nullptr;
-        const float* g = grads[t].flat<float>().data();
+        const float* g = grad_rows[t].base;
+        const int64_t g_stride = grad_rows[t].stride;
         IdSlotMap map(nnz);
         std::vector<int64_t> slot(nnz);
         for (int64_t j = 0; j < nnz; ++j) slot[j] = map.Insert(v[j]);
@@ -283,7 +419,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
           const int64_t lo = s[b], hi = s[b + 1];
           if (lo == hi) continue;
           const float scale = RowScale(combiners_[t], w, lo, hi);
-          const float* gb = g + b * dim;
+          const float* gb = g + b * g_stride;
           for (int64_t j = lo; j < hi; ++j) {
             const float f = scale * (w ? w[j] : 1.0f);
             float* dst = gsum + slot[j] * dim;
@@ -299,11 +435,15 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
   }
 
  private:
+  const bool concat_;
   std::vector<Combiner> combiners_;
   int64_t dim_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookupGrad")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingVariableLookupGradOp);
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingConcatLookupGrad")
                             .Device(DEVICE_CPU),
                         GroupEmbeddingVariableLookupGradOp);
 

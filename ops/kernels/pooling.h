@@ -172,7 +172,7 @@ inline Status InputsWithRank(::tensorflow::shape_inference::InferenceContext* c,
   return Status();
 }
 
-// Checks that `t` is a scalar (rank 0); `what` names it. (rank 0); `what` names it.
+// Checks that `t` is a scalar (rank 0); `what` names it.
 inline Status CheckScalar(const Tensor& t, const char* what) {
   if (t.dims() != 0) {
     return InvalidArgument(what, " must be a scalar, got shape ",

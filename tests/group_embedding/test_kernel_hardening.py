@@ -170,6 +170,36 @@ def test_raw_kernels_reject_malformed_inputs():
                  lambda: grad(tf.ones([2, 2]), ids=i64([[0], [1], [3]])),
                  "ids must be a vector")
 
+    def concat_lookup(splits2):
+        return lib.group_embedding_concat_lookup(
+            tables=[table.handle, table.handle], ids=[ok_ids, ok_ids],
+            row_splits=[ok_splits, splits2], weights=[empty_w, empty_w],
+            combiners=["sum", "sum"], table_names=["t", "u"],
+            embedding_dim=2)
+
+    expect_error("concat lookup: batch 2 and 3",
+                 lambda: concat_lookup(i64([0, 1, 2, 3])), "u", "3 rows",
+                 "equal batch sizes")
+    expect_error("concat lookup: id past the table",
+                 lambda: lib.group_embedding_concat_lookup(
+                     tables=[table.handle], ids=[i64([0, 1, 4])],
+                     row_splits=[ok_splits], weights=[empty_w],
+                     combiners=["sum"], table_names=["t"], embedding_dim=2),
+                 "t: id 4 is out of range [0, 4)")
+
+    def concat_grad(grads, splits2=ok_splits):
+        return lib.group_embedding_concat_lookup_grad(
+            grads=grads, ids=[ok_ids, ok_ids], row_splits=[ok_splits, splits2],
+            weights=[empty_w, empty_w], combiners=["sum", "mean"],
+            embedding_dim=2)
+
+    expect_error("concat grad: grads [2, 2] for 2 tables of dim 2",
+                 lambda: concat_grad(tf.ones([2, 2])), "grads", "[2, 4]")
+    expect_error("concat grad: grads vector", lambda: concat_grad(
+        tf.ones([8])), "grads")
+    expect_error("concat grad: batch 2 and 3", lambda: concat_grad(
+        tf.ones([2, 4]), splits2=i64([0, 1, 2, 3])), "equal batch sizes")
+
     def wgrad(grads, pooled, ids=ok_ids):
         return lib.group_embedding_weight_grad(
             tables=[table.handle], ids=[ids], row_splits=[ok_splits],
