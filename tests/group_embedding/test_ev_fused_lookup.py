@@ -207,3 +207,41 @@ def test_sequence_lookup_matches_numpy(monkeypatch, mode, order, weighted):
         for k in want_grad:
             np.testing.assert_allclose(got_grad[k], want_grad[k], rtol=1e-5,
                                        atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["row_major", "shuffled"])
+@pytest.mark.parametrize("mode", ["custom", "tf"])
+def test_sequence_weight_gradients_in_graph(monkeypatch, mode, order):
+    # In a tf.function, with the weights read from variables: d loss / d w
+    # of an id is its key's row . the upstream of its slot.
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", mode)
+    rng = np.random.default_rng(11)
+    evs = [ev_cases.make_ev(f"seqw_{mode}_{order}_{i}", seed=i)
+           for i in range(2)]
+    inputs = [_sequence_input(rng, order) for _ in evs]
+    w_vars = [tf.Variable(w.values) for _, w, _ in inputs]
+    upstream = [rng.normal(size=(6, 4, 4)).astype(np.float32) for _ in evs]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            weights = [tf.SparseTensor(w.indices, v * 1.0, w.dense_shape)
+                       for (_, w, _), v in zip(inputs, w_vars)]
+            outs = ge.group_embedding_lookup_sparse(
+                evs, [k for k, _, _ in inputs], "sum", sp_weights=weights,
+                is_sequence=True)
+            loss = tf.add_n([tf.reduce_sum(o * u)
+                             for o, u in zip(outs, upstream)])
+        return outs, tape.gradient(loss, w_vars)
+
+    outs, w_grads = step()
+    for ev, out, g, up, (_, _, entries) in zip(evs, outs, w_grads, upstream,
+                                                inputs):
+        want = np.zeros([6, 4, 4], np.float32)
+        want_g = []
+        for b, c, key, w in entries:
+            row = ev_cases.initial_rows(ev, np.array([key]))[0]
+            want[b, c] += row * w
+            want_g.append(float(row @ up[b, c]))
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g.numpy(), want_g, rtol=1e-5, atol=1e-5)
