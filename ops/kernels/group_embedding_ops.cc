@@ -691,6 +691,11 @@ class GroupSparseToRaggedOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("feature_names", &names_));
   }
 
+  // Phases: checks and row_splits allocation (serial, cheap); row counts
+  // (parallel over features); the outputs of features already in row
+  // order are forwarded and the others allocated (serial: no allocation
+  // from the pool's threads); the counting-sort scatter of those others
+  // (parallel over features).
   void Compute(OpKernelContext* ctx) override {
     OpInputList indices, ids, shapes, weights;
     OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
@@ -704,10 +709,13 @@ class GroupSparseToRaggedOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->output_list("row_splits", &splits_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("row_weights", &w_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_positions", &pos_out));
-    OP_REQUIRES(ctx, static_cast<int>(names_.size()) == ids.size(),
-                InvalidArgument("feature_names must have ", ids.size(),
+    const int n = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(names_.size()) == n,
+                InvalidArgument("feature_names must have ", n,
                                 " entries, got ", names_.size(), "."));
-    for (int f = 0; f < ids.size(); ++f) {
+    std::vector<Tensor*> splits(n);
+    int64_t total = 0;
+    for (int f = 0; f < n; ++f) {
       const std::string& name = names_[f];
       const Tensor& ind = indices[f];
       OP_REQUIRES(ctx, shapes[f].dims() == 1 && shapes[f].NumElements() == 2,
@@ -731,8 +739,8 @@ class GroupSparseToRaggedOp : public OpKernel {
                   InvalidArgument(name, ": weights must be a vector, got "
                                   "shape ", weights[f].shape().DebugString(),
                                   "."));
-      const bool weighted = weights[f].NumElements() != 0;
-      OP_REQUIRES(ctx, !weighted || weights[f].NumElements() == nnz,
+      OP_REQUIRES(ctx, weights[f].NumElements() == 0 ||
+                           weights[f].NumElements() == nnz,
                   InvalidArgument(name, ": weights have ",
                                   weights[f].NumElements(),
                                   " values but ids have ", nnz, "."));
@@ -741,48 +749,77 @@ class GroupSparseToRaggedOp : public OpKernel {
                   InvalidArgument(name, ": dense_shape[0] (the batch size) "
                                   "must lie in [0, ", kMaxBatch, "], got ",
                                   batch, "."));
-      const auto in = ind.matrix<int64_t>();
-      Tensor* splits_t = nullptr;
       OP_REQUIRES_OK(ctx, splits_out.allocate(f, TensorShape({batch + 1}),
-                                              &splits_t));
-      auto sp = splits_t->flat<int64_t>();
-      std::fill(sp.data(), sp.data() + batch + 1, 0);
-      bool sorted = true;
-      for (int64_t j = 0; j < nnz; ++j) {
-        const int64_t r = in(j, 0);
-        OP_REQUIRES(ctx, r >= 0 && r < batch,
-                    InvalidArgument(name, ": row index ", r,
-                                    " is outside the batch [0, ", batch,
-                                    ")."));
-        if (j > 0 && r < in(j - 1, 0)) sorted = false;
-        ++sp(r + 1);
+                                              &splits[f]));
+      total += nnz + batch;
+    }
+
+    std::vector<Status> status(n);  // one writer per entry
+    std::vector<char> sorted(n, 1);
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    auto count = [&](int64_t begin, int64_t end) {
+      for (int64_t f = begin; f < end; ++f) {
+        const auto in = indices[f].matrix<int64_t>();
+        const int64_t nnz = ids[f].NumElements();
+        auto sp = splits[f]->flat<int64_t>();
+        const int64_t batch = sp.size() - 1;
+        std::fill(sp.data(), sp.data() + batch + 1, 0);
+        for (int64_t j = 0; j < nnz; ++j) {
+          const int64_t r = in(j, 0);
+          if (r < 0 || r >= batch) {
+            status[f] = InvalidArgument(names_[f], ": row index ", r,
+                                        " is outside the batch [0, ", batch,
+                                        ").");
+            break;
+          }
+          if (j > 0 && r < in(j - 1, 0)) sorted[f] = 0;
+          ++sp(r + 1);
+        }
+        for (int64_t b = 0; b < batch; ++b) sp(b + 1) += sp(b);
       }
-      for (int64_t b = 0; b < batch; ++b) sp(b + 1) += sp(b);
-      Tensor* pt = nullptr;
-      const int64_t npos = (sorted || !weighted) ? 0 : nnz;
-      OP_REQUIRES_OK(ctx, pos_out.allocate(f, TensorShape({npos}), &pt));
-      if (sorted) {
+    };
+    const int64_t per_feature = total / n + 1;
+    tensorflow::Shard(pool->num_threads, pool->workers, n, per_feature * 4,
+                      count);
+    for (const Status& st : status) OP_REQUIRES_OK(ctx, st);
+
+    std::vector<Tensor*> vals(n, nullptr), ws(n, nullptr), pos(n, nullptr);
+    for (int f = 0; f < n; ++f) {
+      const bool weighted = weights[f].NumElements() != 0;
+      const int64_t nnz = ids[f].NumElements();
+      const int64_t npos = (sorted[f] || !weighted) ? 0 : nnz;
+      OP_REQUIRES_OK(ctx, pos_out.allocate(f, TensorShape({npos}), &pos[f]));
+      if (sorted[f]) {
         // Already row-major: forward the buffers, no copy.
         vals_out.set(f, ids[f]);
         w_out.set(f, weights[f]);
         continue;
       }
-      Tensor* vt = nullptr;
-      Tensor* wt = nullptr;
-      OP_REQUIRES_OK(ctx, vals_out.allocate(f, TensorShape({nnz}), &vt));
-      OP_REQUIRES_OK(ctx, w_out.allocate(f, weights[f].shape(), &wt));
-      std::vector<int64_t> next(sp.data(), sp.data() + batch);
-      const auto iv = ids[f].flat<int64_t>();
-      auto ov = vt->flat<int64_t>();
-      for (int64_t j = 0; j < nnz; ++j) {
-        const int64_t dst = next[in(j, 0)]++;
-        ov(dst) = iv(j);
-        if (weighted) {
-          wt->flat<float>()(dst) = weights[f].flat<float>()(j);
-          pt->flat<int64_t>()(j) = dst;
+      OP_REQUIRES_OK(ctx, vals_out.allocate(f, TensorShape({nnz}), &vals[f]));
+      OP_REQUIRES_OK(ctx, w_out.allocate(f, weights[f].shape(), &ws[f]));
+    }
+    auto scatter = [&](int64_t begin, int64_t end) {
+      for (int64_t f = begin; f < end; ++f) {
+        if (sorted[f]) continue;
+        const auto in = indices[f].matrix<int64_t>();
+        const int64_t nnz = ids[f].NumElements();
+        const auto sp = splits[f]->flat<int64_t>();
+        const bool weighted = weights[f].NumElements() != 0;
+        std::vector<int64_t> next(sp.data(), sp.data() + sp.size() - 1);
+        const auto iv = ids[f].flat<int64_t>();
+        auto ov = vals[f]->flat<int64_t>();
+        for (int64_t j = 0; j < nnz; ++j) {
+          const int64_t dst = next[in(j, 0)]++;
+          ov(dst) = iv(j);
+          if (weighted) {
+            ws[f]->flat<float>()(dst) = weights[f].flat<float>()(j);
+            pos[f]->flat<int64_t>()(j) = dst;
+          }
         }
       }
-    }
+    };
+    tensorflow::Shard(pool->num_threads, pool->workers, n, per_feature * 8,
+                      scatter);
   }
 
  private:
