@@ -904,21 +904,37 @@ class GroupSparseApplyAdagradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckMatrix("grad", grad, n, dim));
     const int64_t* idx = indices.flat<int64_t>().data();
     const float* g = grad.flat<float>().data();
+    // Gradients of the fused lookups come with unique indices: a bitmap
+    // over the rows (when it is small next to the indices) proves it in
+    // one cheap pass, and only duplicates pay for the hash map below.
+    const bool use_bitmap = rows / 64 <= 4 * n + 1024;
+    bool duplicates = !use_bitmap;
+    std::vector<uint64_t> seen(use_bitmap ? (rows + 63) / 64 : 0, 0);
     for (int64_t j = 0; j < n; ++j) {
       OP_REQUIRES(ctx, idx[j] >= 0 && idx[j] < rows,
                   InvalidArgument("index ", idx[j], " is out of range [0, ",
                                   rows, ")."));
+      if (!duplicates) {
+        uint64_t& word = seen[idx[j] >> 6];
+        const uint64_t bit = uint64_t{1} << (idx[j] & 63);
+        duplicates = (word & bit) != 0;
+        word |= bit;
+      }
     }
     // Sum duplicates: slot -> first position, then add the others.
-    IdSlotMap map(n);
     std::vector<int64_t> first;
-    std::vector<int64_t> slot(n);
-    first.reserve(n);
-    for (int64_t j = 0; j < n; ++j) {
-      slot[j] = map.Insert(idx[j]);
-      if (slot[j] == static_cast<int64_t>(first.size())) first.push_back(j);
+    std::vector<int64_t> slot;
+    int64_t u = n;
+    if (duplicates) {
+      IdSlotMap map(n);
+      slot.resize(n);
+      first.reserve(n);
+      for (int64_t j = 0; j < n; ++j) {
+        slot[j] = map.Insert(idx[j]);
+        if (slot[j] == static_cast<int64_t>(first.size())) first.push_back(j);
+      }
+      u = map.size();
     }
-    const int64_t u = map.size();
     const float* gs = g;
     std::vector<float> summed;
     if (u != n) {
@@ -931,15 +947,17 @@ class GroupSparseApplyAdagradOp : public OpKernel {
     }
     float* vp = vt->flat<float>().data();
     float* ap = at->flat<float>().data();
+    // Position of the first occurrence of the s-th distinct index.
+    auto first_of = [&](int64_t s) { return duplicates ? first[s] : s; };
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s) {
         if (s + kPrefetchDistance < end) {
-          const int64_t ahead = idx[first[s + kPrefetchDistance]];
+          const int64_t ahead = idx[first_of(s + kPrefetchDistance)];
           PrefetchRow(vp + ahead * dim, dim);
           PrefetchRow(ap + ahead * dim, dim);
         }
-        const int64_t r = idx[first[s]];
-        const float* gr = gs + (u != n ? s : first[s]) * dim;
+        const int64_t r = idx[first_of(s)];
+        const float* gr = gs + (u != n ? s : first_of(s)) * dim;
         float* vr = vp + r * dim;
         float* ar = ap + r * dim;
         for (int64_t d = 0; d < dim; ++d) {

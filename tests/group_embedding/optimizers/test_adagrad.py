@@ -171,3 +171,30 @@ def test_config_round_trip():
     assert config["name"] == "sparse_adagrad"
     clone = ge.optimizers.Adagrad.from_config(config)
     assert clone.get_config() == config
+
+
+@pytest.mark.parametrize("rows", [70, 300_000],
+                         ids=["bitmap_check", "hash_check"])
+@pytest.mark.parametrize("duplicates", [False, True],
+                         ids=["unique", "duplicates"])
+def test_unique_and_duplicate_indices_on_small_and_large_tables(
+        kernel_mode, rows, duplicates):
+    # The C++ update proves indices unique with a bitmap over the rows of
+    # a table that is small next to the indices, else with its hash map;
+    # either way duplicates are summed first (dense Keras as oracle).
+    rng = np.random.default_rng(rows)
+    init = rng.normal(size=(rows, 2)).astype(np.float32)
+    indices = np.array([69, 3, 0, 64, 63] + ([3, 69] if duplicates else []))
+    grads = [tf.IndexedSlices(
+        tf.constant(rng.normal(size=(len(indices), 2)), tf.float32),
+        tf.constant(indices, tf.int64), tf.constant([rows, 2], tf.int64))
+        for _ in range(2)]
+    var = tf.Variable(init)
+    opt = ge.optimizers.Adagrad(0.1)
+    for g in grads:
+        opt.apply_gradients([(g, var)])
+    want = _reference(init, grads, HYPER["defaults"])
+    touched = np.unique(indices)
+    assert_close(var.numpy()[touched], want[touched])
+    np.testing.assert_array_equal(var.numpy(), np.where(
+        np.isin(np.arange(rows), touched)[:, None], var.numpy(), init))
