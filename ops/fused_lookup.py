@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib
+from tensorflow.python.framework import auto_control_deps_utils as acd_utils
 
 from group_embedding.ops import ev_storage
 from group_embedding.ops import kernel_library
@@ -509,6 +510,29 @@ def _table_slices(lib, handles, uniq, sums, max_norm):
             for s, u, h in zip(sums, uniq, handles)]
 
 
+def _table_snapshots(lib, handles, ids, weights):
+    """(rows, by_position) per table for the weight-gradient ops.
+
+    The weight gradients read the tables' rows. Taking the variables as
+    resource inputs made TF's automatic control dependencies order those
+    ops before the optimizer's write, so they ran every training step even
+    when no weight was differentiated. `GroupEmbeddingTableSnapshot` is
+    the only resource reader here (registered read-only, cheap: it aliases
+    the table, or copies just the ids' rows when the variable is in
+    copy-on-read mode), and the weight-gradient op reading its outputs is
+    pruned when unused. Unweighted tables snapshot no ids.
+    """
+    rows, by_position = [], []
+    for i, (h, x, w) in enumerate(zip(handles, ids, weights)):
+        if w.shape.as_list() == [0]:
+            x = tf.zeros([0], tf.int64)
+        r, p = lib.group_embedding_table_snapshot(table=h, ids=x,
+                                                  table_name=f"table {i}")
+        rows.append(r)
+        by_position.append(p)
+    return rows, by_position
+
+
 def _register_gradient():
     @tf.RegisterGradient("GroupEmbeddingVariableLookup")
     def _lookup_grad(op, *grads):
@@ -526,10 +550,12 @@ def _register_gradient():
             embedding_dim=op.get_attr("embedding_dim"))
         max_norm = op.get_attr("max_norm")
         table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
-        weight_grads = lib.group_embedding_weight_grad(
-            tables=list(handles), ids=list(ids), row_splits=list(splits),
-            weights=list(weights), grads=list(grads),
-            pooled=list(op.outputs), combiners=combiners, max_norm=max_norm)
+        rows, by_position = _table_snapshots(lib, handles, ids, weights)
+        weight_grads = lib.group_embedding_weight_grad_from_snapshots(
+            tables=rows, by_position=by_position, ids=list(ids),
+            row_splits=list(splits), weights=list(weights),
+            grads=list(grads), pooled=list(op.outputs), combiners=combiners,
+            max_norm=max_norm)
         return table_grads + [None] * (2 * k) + list(weight_grads)
 
     @tf.RegisterGradient("GroupEmbeddingConcatLookup")
@@ -549,9 +575,10 @@ def _register_gradient():
             # No weights (the empty placeholders): nothing to differentiate,
             # and no split of the [B, K * D] tensors in eager mode either.
             return table_grads + [None] * (3 * k)
-        weight_grads = lib.group_embedding_weight_grad(
-            tables=handles, ids=ids, row_splits=splits, weights=weights,
-            grads=tf.split(grad, k, axis=1),
+        rows, by_position = _table_snapshots(lib, handles, ids, weights)
+        weight_grads = lib.group_embedding_weight_grad_from_snapshots(
+            tables=rows, by_position=by_position, ids=ids, row_splits=splits,
+            weights=weights, grads=tf.split(grad, k, axis=1),
             pooled=tf.split(op.outputs[0], k, axis=1),
             combiners=combiners, max_norm=max_norm)
         return table_grads + [None] * (2 * k) + list(weight_grads)
@@ -569,9 +596,12 @@ def _register_gradient():
             weights=weights, embedding_dim=op.get_attr("embedding_dim"))
         max_norm = op.get_attr("max_norm")
         table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
-        weight_grads = lib.group_embedding_sequence_weight_grad(
-            tables=handles, ids=ids, row_splits=splits, positions=positions,
-            weights=weights, grads=grads, max_norm=max_norm)
+        rows, by_position = _table_snapshots(lib, handles, ids, weights)
+        weight_grads = (
+            lib.group_embedding_sequence_weight_grad_from_snapshots(
+                tables=rows, by_position=by_position, ids=ids,
+                row_splits=splits, positions=positions, weights=weights,
+                grads=grads, max_norm=max_norm))
         return table_grads + [None] * (4 * k) + list(weight_grads)
 
     @tf.RegisterGradient("EVGroupLookup")
@@ -601,3 +631,6 @@ def _register_gradient():
 
 
 _register_gradient()
+# Reads only: ordered before the next write to the table, and kept only
+# when its rows are consumed.
+acd_utils.register_read_only_resource_op("GroupEmbeddingTableSnapshot")

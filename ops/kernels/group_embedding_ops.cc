@@ -475,10 +475,111 @@ REGISTER_OP("GroupEmbeddingWeightGrad")
       return Status();
     });
 
+// The same reading GroupEmbeddingTableSnapshot outputs instead of the
+// variables (see TableRead): what the gradient functions build.
+REGISTER_OP("GroupEmbeddingWeightGradFromSnapshots")
+    .Input("tables: num_tables * float")
+    .Input("by_position: num_tables * bool")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("grads: num_tables * float")
+    .Input("pooled: num_tables * float")
+    .Output("weight_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("max_norm: float = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 0));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, 3 * n, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, 2 * n, 2));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(4 * n + i));
+      return Status();
+    });
+
+// A consistent view of a table for the weight-gradient ops, taken where
+// the forward read it (before any optimizer write): the table itself,
+// aliased as ReadVariableOp does (by_position false), unless the variable
+// is in copy-on-read mode (stock sparse ops such as tf.gather or Keras'
+// scatter updates use it); then aliasing would see later in-place writes
+// and a full copy could cost far more than the step, so only the rows of
+// `ids` are copied, one per id (by_position true).
+REGISTER_OP("GroupEmbeddingTableSnapshot")
+    .Input("table: resource")
+    .Input("ids: int64")
+    .Output("rows: float")
+    .Output("by_position: bool")
+    .Attr("table_name: string")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
+      c->set_output(0, c->Matrix(c->UnknownDim(), c->UnknownDim()));
+      c->set_output(1, c->Scalar());
+      return Status();
+    });
+
+class GroupEmbeddingTableSnapshotOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingTableSnapshotOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    RefCountPtr<Var> var;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
+    const Tensor& ids = ctx->input(1);
+    OP_REQUIRES(ctx, ids.dims() == 1,
+                InvalidArgument(name_, ": ids must be a vector, got shape ",
+                                ids.shape().DebugString(), "."));
+    tensorflow::tf_shared_lock lock(*var->mu());
+    const Tensor* table = var->tensor();
+    OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                         table->dims() == 2,
+                InvalidArgument(name_, ": expected a float32 [vocab, dim] "
+                                "table, got ", table->shape().DebugString()));
+    Tensor* flag = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &flag));
+    const bool by_position = var->copy_on_read_mode.load();
+    flag->scalar<bool>()() = by_position;
+    if (!by_position) {
+      ctx->set_output(0, *table);
+      return;
+    }
+    const int64_t vocab = table->dim_size(0);
+    const int64_t dim = table->dim_size(1);
+    const int64_t n = ids.NumElements();
+    const int64_t* v = ids.flat<int64_t>().data();
+    for (int64_t j = 0; j < n; ++j) {
+      OP_REQUIRES(ctx, v[j] >= 0 && v[j] < vocab,
+                  InvalidArgument(name_, ": id ", v[j], " is out of range [0, ",
+                                  vocab, ") for this table."));
+    }
+    Tensor* rows = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim}), &rows));
+    const float* src = table->flat<float>().data();
+    float* dst = rows->flat<float>().data();
+    for (int64_t j = 0; j < n; ++j) {
+      std::memcpy(dst + j * dim, src + v[j] * dim, sizeof(float) * dim);
+    }
+  }
+
+ private:
+  std::string name_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingTableSnapshot").Device(DEVICE_CPU),
+                        GroupEmbeddingTableSnapshotOp);
+
 class GroupEmbeddingWeightGradOp : public OpKernel {
  public:
   explicit GroupEmbeddingWeightGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+      : OpKernel(ctx),
+        snapshots_(ctx->def().op() == "GroupEmbeddingWeightGradFromSnapshots") {
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
@@ -505,10 +606,9 @@ class GroupEmbeddingWeightGradOp : public OpKernel {
                                       /*vocab=*/-1));
       OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
       if (weights[t].NumElements() == 0) continue;
-      RefCountPtr<Var> var;
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t), &var));
-      tensorflow::tf_shared_lock lock(*var->mu());
-      const Tensor* table = var->tensor();
+      TableRead read;
+      OP_REQUIRES_OK(ctx, read.Open(ctx, t, snapshots_ ? k + t : -1));
+      const Tensor* table = read.tensor();
       OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
                            table->dims() == 2,
                   InvalidArgument(name, ": expected a float32 [vocab, dim] "
@@ -517,31 +617,33 @@ class GroupEmbeddingWeightGradOp : public OpKernel {
       const int64_t dim = table->dim_size(1);
       const int64_t batch = splits[t].NumElements() - 1;
       // Ids index the table: range-check them under the lock.
-      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
-                                      table->dim_size(0)));
+      OP_REQUIRES_OK(ctx, read.CheckIds(name, ids[t]));
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], batch,
                                       dim));
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
                                       dim));
-      const float* e = table->flat<float>().data();
       const int64_t* v = ids[t].flat<int64_t>().data();
       const int64_t* s = splits[t].flat<int64_t>().data();
       const float* w = weights[t].flat<float>().data();
       const float* g = grads[t].flat<float>().data();
       const float* p = pooled[t].flat<float>().data();
       WeightGradRows(combiners_[t], dim, splits[t].NumElements() - 1, s, w,
-                     g, p, [e, v, dim](int64_t j) { return e + v[j] * dim; },
+                     g, p, [&read, v](int64_t j) { return read.Row(v, j); },
                      o->flat<float>().data(), max_norm_);
     }
   }
 
  private:
+  const bool snapshots_;
   std::vector<Combiner> combiners_;
   float max_norm_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingWeightGrad").Device(DEVICE_CPU),
                         GroupEmbeddingWeightGradOp);
+REGISTER_KERNEL_BUILDER(
+    Name("GroupEmbeddingWeightGradFromSnapshots").Device(DEVICE_CPU),
+    GroupEmbeddingWeightGradOp);
 
 // ---------------------------------------------------------------------------
 // Backward of max_norm clipping: the per-unique-id gradients of the

@@ -368,10 +368,37 @@ REGISTER_OP("GroupEmbeddingSequenceWeightGrad")
       return Status();
     });
 
+// The same reading GroupEmbeddingTableSnapshot outputs instead of the
+// variables (see TableRead in table_access.h): what the gradient
+// functions build.
+REGISTER_OP("GroupEmbeddingSequenceWeightGradFromSnapshots")
+    .Input("tables: num_tables * float")
+    .Input("by_position: num_tables * bool")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("positions: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("grads: num_tables * float")
+    .Output("weight_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("max_norm: float = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 0));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, 4 * n, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 6 * n, n, 3));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(5 * n + i));
+      return Status();
+    });
+
 class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
  public:
   explicit GroupEmbeddingSequenceWeightGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+      : OpKernel(ctx),
+        snapshots_(ctx->def().op() ==
+                   "GroupEmbeddingSequenceWeightGradFromSnapshots") {
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
   }
 
@@ -384,19 +411,17 @@ class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
-    for (int t = 0; t < ids.size(); ++t) {
+    const int k = ids.size();
+    for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
       OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
                                       /*vocab=*/-1));
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
       if (weights[t].NumElements() == 0) continue;
-      RefCountPtr<Var> var;
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t), &var));
-      // One variable at a time and no thread pool: nothing can wait on
-      // this lock while it is held.
-      tensorflow::tf_shared_lock lock(*var->mu());
-      const Tensor* table = var->tensor();
+      TableRead read;
+      OP_REQUIRES_OK(ctx, read.Open(ctx, t, snapshots_ ? k + t : -1));
+      const Tensor* table = read.tensor();
       OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
                            table->dims() == 2,
                   InvalidArgument(name, ": expected a float32 [vocab, dim] "
@@ -405,13 +430,11 @@ class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
       const int64_t dim = table->dim_size(1);
       const int64_t batch = splits[t].NumElements() - 1;
       int64_t len = 0;
-      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
-                                      table->dim_size(0)));
+      OP_REQUIRES_OK(ctx, read.CheckIds(name, ids[t]));
       OP_REQUIRES_OK(ctx, CheckSequenceGrad(name, grads[t], batch, dim,
                                             &len));
       OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
                                          ids[t].NumElements(), len));
-      const float* e = table->flat<float>().data();
       const int64_t* v = ids[t].flat<int64_t>().data();
       const int64_t* s = splits[t].flat<int64_t>().data();
       const int64_t* p = positions[t].flat<int64_t>().data();
@@ -419,7 +442,7 @@ class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
       float* dw = o->flat<float>().data();
       for (int64_t b = 0; b < batch; ++b) {
         for (int64_t j = s[b]; j < s[b + 1]; ++j) {
-          const float* row = e + v[j] * dim;
+          const float* row = read.Row(v, j);
           const float* gj = g + (b * len + p[j]) * dim;
           float dot = 0.0f;
           for (int64_t d = 0; d < dim; ++d) dot += row[d] * gj[d];
@@ -430,10 +453,14 @@ class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
   }
 
  private:
+  const bool snapshots_;
   float max_norm_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceWeightGrad")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingSequenceWeightGradOp);
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceWeightGradFromSnapshots")
                             .Device(DEVICE_CPU),
                         GroupEmbeddingSequenceWeightGradOp);
 

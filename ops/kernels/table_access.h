@@ -7,13 +7,85 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 
 namespace group_embedding {
 
 using ::tensorflow::Var;
+
+// The table a weight-gradient kernel reads: a resource variable (held
+// under its shared lock while this object lives), or the output of
+// GroupEmbeddingTableSnapshot: the whole table (`by_position` false) or
+// the rows of the ids, one per id (true). The snapshot form exists for
+// graphs: TF's automatic control dependencies order every op that takes
+// a resource before the next write to it, which makes it run every step;
+// an op reading a snapshot is pruned when no weight gradient is wanted.
+class TableRead {
+ public:
+  // `flag_input` < 0: `table_input` is a resource.
+  ::tensorflow::Status Open(::tensorflow::OpKernelContext* ctx,
+                            int table_input, int flag_input) {
+    if (flag_input >= 0) {
+      const ::tensorflow::Tensor& flag = ctx->input(flag_input);
+      if (flag.dims() != 0 || flag.dtype() != ::tensorflow::DT_BOOL) {
+        return ::tensorflow::errors::InvalidArgument(
+            "by_position must be a bool scalar, got shape ",
+            flag.shape().DebugString(), ".");
+      }
+      by_position_ = flag.scalar<bool>()();
+      tensor_ = &ctx->input(table_input);
+      return ::tensorflow::Status();
+    }
+    TF_RETURN_IF_ERROR(::tensorflow::LookupResource(
+        ctx, ::tensorflow::HandleFromInput(ctx, table_input), &var_));
+    // One table at a time and no thread pool: nothing waits on the lock.
+    lock_.emplace(*var_->mu());
+    tensor_ = var_->tensor();
+    return ::tensorflow::Status();
+  }
+  const ::tensorflow::Tensor* tensor() const { return tensor_; }
+
+  // Checks that every id has a row: in range of the table, or one row
+  // per id for a snapshot by position.
+  ::tensorflow::Status CheckIds(const std::string& name,
+                                const ::tensorflow::Tensor& ids) const {
+    const int64_t rows = tensor_->dim_size(0);
+    if (by_position_) {
+      if (rows != ids.NumElements()) {
+        return ::tensorflow::errors::InvalidArgument(
+            name, ": the snapshot has ", rows, " rows for ",
+            ids.NumElements(), " ids.");
+      }
+      return ::tensorflow::Status();
+    }
+    const auto v = ids.flat<int64_t>();
+    for (int64_t j = 0; j < v.size(); ++j) {
+      if (v(j) < 0 || v(j) >= rows) {
+        return ::tensorflow::errors::InvalidArgument(
+            name, ": id ", v(j), " is out of range [0, ", rows,
+            ") for this table.");
+      }
+    }
+    return ::tensorflow::Status();
+  }
+
+  // The row id j reads (`v`: the ids).
+  const float* Row(const int64_t* v, int64_t j) const {
+    const int64_t dim = tensor_->dim_size(1);
+    return tensor_->flat<float>().data() + (by_position_ ? j : v[j]) * dim;
+  }
+
+ private:
+  ::tensorflow::core::RefCountPtr<Var> var_;
+  std::optional<::tensorflow::tf_shared_lock> lock_;
+  const ::tensorflow::Tensor* tensor_ = nullptr;
+  bool by_position_ = false;
+};
 
 // Shared locks on several variables, taken once each in address order so
 // that they cannot deadlock with writers that lock in the same order.

@@ -125,9 +125,11 @@ def make_optimizer(name):
 class Model:
     """Grouped lookup -> concat with dense input -> linear layer."""
 
-    def __init__(self, tables, dense_w):
+    def __init__(self, tables, dense_w, concat=False):
         self.tables = tables
         self.dense_w = dense_w
+        # One [B, sum D] lookup output (concat_outputs) instead of a list.
+        self.concat = concat
 
     def loss(self, ids, weights, dense, label, partition, exchanged=None):
         if not isinstance(self.tables[EV_TABLE], tf.Variable):
@@ -136,8 +138,9 @@ class Model:
         with ge.distributed.use_exchanged_ids(exchanged or {}):
             embedded = ge.group_embedding_lookup_sparse(
                 self.tables, ids, COMBINERS, sp_weights=weights,
-                partition_strategy=partition)
-        x = tf.concat(embedded + [dense], 1)
+                partition_strategy=partition, concat_outputs=self.concat)
+        x = tf.concat([embedded, dense] if self.concat
+                      else embedded + [dense], 1)
         pred = tf.matmul(x, self.dense_w)
         return tf.reduce_mean(tf.square(pred - label))
 
@@ -158,6 +161,9 @@ def main():
     parser.add_argument("--pipeline", action="store_true")
     parser.add_argument("--placement", default="row",
                         choices=["row", "table", "plan"])
+    # The workers' lookup returns one concatenated output (the reference
+    # keeps per-table outputs).
+    parser.add_argument("--concat", action="store_true")
     args = parser.parse_args()
 
     hvd = ge.enable_distributed_strategy(
@@ -187,7 +193,7 @@ def main():
     # Rank 0's dense init must win: give the others garbage first.
     dense = tf.Variable(dense_init if rank == 0 else dense_init + 1.0)
     ge.broadcast_variables([dense])
-    model = Model(tables, dense)
+    model = Model(tables, dense, concat=args.concat)
 
     # The single-process values of every row, as one process would draw.
     ref_tables = [tf.Variable(sharded_variable.initial_rows(

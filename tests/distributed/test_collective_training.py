@@ -97,8 +97,11 @@ def test_pipelined_equals_single_process(workers, partition, optimizer,
                          "kernels", PLACEMENT_CASES)
 def test_placements_equal_single_process(workers, placement, partition,
                                          optimizer, uneven, kernels):
-    # The peer sockets are a C++ op too: without kernels, Horovod.
+    # The peer sockets are a C++ op too: without kernels, Horovod. The
+    # planner's mix also runs with `concat_outputs=True` (replicated
+    # tables concatenated by the kernel, sharded ones by tf.concat).
+    extra = ("--concat",) if placement == "plan" else ()
     assert_equals_single_process(
         workers, partition, optimizer, uneven, "--placement", placement,
-        transport="horovod" if kernels == "tf" else "sockets",
+        *extra, transport="horovod" if kernels == "tf" else "sockets",
         env={"GROUP_EMBEDDING_KERNELS": kernels})
