@@ -167,14 +167,19 @@ def to_feature_ids(sp_ids: List[Any], sp_weights: List[Any],
         else:
             raise TypeError(f"`{name}` must be a SparseTensor or "
                             f"RaggedTensor, got {type(ids).__name__}.")
+    batch_checked = False
     if sparse_at:
-        converted = ragged_ids.from_sparse(
+        # All SparseTensors: the conversion op can check the batch sizes
+        # (one check instead of a few graph ops per feature).
+        converted, batch_checked = ragged_ids.from_sparse(
             [sp_ids[i] for i in sparse_at],
             [sp_weights[i] for i in sparse_at],
-            [f"sp_ids[{i}]" for i in sparse_at], need_positions)
+            [f"sp_ids[{i}]" for i in sparse_at], need_positions,
+            same_batch=same_batch and len(sparse_at) == len(sp_ids))
         for i, f in zip(sparse_at, converted):
             feats[i] = f
-    if same_batch and not _check_batch_sizes(sp_ids):
+    if (same_batch and not _check_batch_sizes(sp_ids)
+            and not batch_checked):
         feats = _assert_same_batch(feats)
     return feats
 

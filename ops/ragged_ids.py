@@ -90,22 +90,30 @@ def from_ragged(ids: tf.RaggedTensor, weights: Optional[tf.RaggedTensor],
 
 
 def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
-                names: List[str],
-                need_positions: bool = False) -> List[FeatureIds]:
-    """Converts rank-2 SparseTensors to `FeatureIds`, once per feature."""
+                names: List[str], need_positions: bool = False,
+                same_batch: bool = False):
+    """Converts rank-2 SparseTensors to `FeatureIds`, once per feature.
+
+    Returns:
+        (features, batch_checked): `batch_checked` is True when the
+        conversion op itself verified that all features share one batch
+        size (asked by `same_batch`; the C++ op only).
+    """
     lib = kernel_library.load()
     if lib is None or need_positions:
-        return _from_sparse_tf(sp_ids, sp_weights, names, need_positions)
+        return (_from_sparse_tf(sp_ids, sp_weights, names, need_positions),
+                False)
     weights = [tf.zeros([0], tf.float32) if w is None
                else _float_weights(w.values) for w in sp_weights]
     values, splits, row_w, _ = lib.group_sparse_to_ragged(
         indices=[s.indices for s in sp_ids],
         ids=[tf.cast(s.values, tf.int64) for s in sp_ids],
         dense_shapes=[s.dense_shape for s in sp_ids],
-        weights=weights, feature_names=[f"`{n}`" for n in names])
-    return [FeatureIds(v, s, None if w is None else rw, None, None, n)
-            for v, s, rw, w, n in zip(values, splits, row_w, sp_weights,
-                                      names)]
+        weights=weights, feature_names=[f"`{n}`" for n in names],
+        same_batch=same_batch)
+    return ([FeatureIds(v, s, None if w is None else rw, None, None, n)
+             for v, s, rw, w, n in zip(values, splits, row_w, sp_weights,
+                                       names)], same_batch)
 
 
 def _register_gradient():

@@ -768,6 +768,9 @@ REGISTER_OP("GroupSparseToRagged")
     .Output("weight_positions: num_features * int64")
     .Attr("num_features: int >= 1")
     .Attr("feature_names: list(string)")
+    // Also require one batch size (dense_shape[0]) for all features: one
+    // check here instead of a few ops per feature in the graph.
+    .Attr("same_batch: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_features", &n));
@@ -791,6 +794,7 @@ class GroupSparseToRaggedOp : public OpKernel {
  public:
   explicit GroupSparseToRaggedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("feature_names", &names_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("same_batch", &same_batch_));
   }
 
   // Phases: checks and row_splits allocation (serial, cheap); row counts
@@ -851,6 +855,14 @@ class GroupSparseToRaggedOp : public OpKernel {
                   InvalidArgument(name, ": dense_shape[0] (the batch size) "
                                   "must lie in [0, ", kMaxBatch, "], got ",
                                   batch, "."));
+      if (same_batch_ && f > 0) {
+        const int64_t first = shapes[0].flat<int64_t>()(0);
+        OP_REQUIRES(ctx, batch == first,
+                    InvalidArgument(name, " has a different batch size "
+                                    "than ", names_[0], " (", batch, " vs ",
+                                    first, "); all features of one lookup "
+                                    "must share the batch."));
+      }
       OP_REQUIRES_OK(ctx, splits_out.allocate(f, TensorShape({batch + 1}),
                                               &splits[f]));
       total += nnz + batch;
@@ -926,6 +938,7 @@ class GroupSparseToRaggedOp : public OpKernel {
 
  private:
   std::vector<std::string> names_;
+  bool same_batch_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupSparseToRagged").Device(DEVICE_CPU),
