@@ -110,7 +110,7 @@ inline void PrefetchRow(const float* row, int64_t dim) {
   // Rows need not start on a cache line: fetch the line of the last one.
   __builtin_prefetch(row + dim - 1);
 }
-constexpr int64_t kPrefetchDistance = 8;
+constexpr int64_t kPrefetchDistance = 16;
 
 // Checks that ids/row_splits/weights of table `t` describe a ragged batch
 // and that every id addresses a row of a table with `vocab` rows (any id
