@@ -110,6 +110,8 @@ inline void PrefetchRow(const float* row, int64_t dim) {
   // Rows need not start on a cache line: fetch the line of the last one.
   __builtin_prefetch(row + dim - 1);
 }
+// 16 ids ahead measured faster than 8 on the criteo-like step (rows at
+// random, ~25 ns each per thread: 8 ahead was not enough to hide DRAM).
 constexpr int64_t kPrefetchDistance = 16;
 
 // Checks that ids/row_splits/weights of table `t` describe a ragged batch
