@@ -348,15 +348,21 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
     if lib is None or not _can_use_kernel(tables, max_norm):
         return _pooled_tf(tables, feats, combiners, table_names, max_norm,
                           training)
+    return _variable_kernel(lib.group_embedding_variable_lookup, tables,
+                            feats, combiners, table_names, max_norm)
+
+
+def _variable_kernel(op, tables, feats, combiners, table_names, max_norm):
+    """Calls a pooled lookup op of plain variables (per-table or
+    concatenated outputs); they take the same inputs and attrs."""
     _watch(tables)
-    return lib.group_embedding_variable_lookup(
-        tables=[t.handle for t in tables],
-        ids=[f.values for f in feats],
-        row_splits=[f.row_splits for f in feats],
-        weights=_kernel_weights(feats),
-        combiners=combiners, table_names=table_names,
-        embedding_dim=int(tables[0].shape[1]),
-        max_norm=_kernel_max_norm(max_norm))
+    return op(tables=[t.handle for t in tables],
+              ids=[f.values for f in feats],
+              row_splits=[f.row_splits for f in feats],
+              weights=_kernel_weights(feats),
+              combiners=combiners, table_names=table_names,
+              embedding_dim=int(tables[0].shape[1]),
+              max_norm=_kernel_max_norm(max_norm))
 
 
 def concat_pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
@@ -376,15 +382,8 @@ def concat_pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
             or not _can_use_kernel(tables, max_norm)):
         return tf.concat(pooled_lookup(tables, feats, combiners, table_names,
                                        max_norm, training), 1)
-    _watch(tables)
-    return lib.group_embedding_concat_lookup(
-        tables=[t.handle for t in tables],
-        ids=[f.values for f in feats],
-        row_splits=[f.row_splits for f in feats],
-        weights=_kernel_weights(feats),
-        combiners=combiners, table_names=table_names,
-        embedding_dim=int(tables[0].shape[1]),
-        max_norm=_kernel_max_norm(max_norm))
+    return _variable_kernel(lib.group_embedding_concat_lookup, tables, feats,
+                            combiners, table_names, max_norm)
 
 
 def _watch(tables):
