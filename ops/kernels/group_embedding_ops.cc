@@ -132,7 +132,8 @@ inline Status CheckSameBatch(const std::vector<std::string>& names,
 class GroupEmbeddingVariableLookupOp : public OpKernel {
  public:
   explicit GroupEmbeddingVariableLookupOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx), concat_(ctx->def().op() == "GroupEmbeddingConcatLookup") {
+      : OpKernel(ctx),
+        concat_(ctx->def().op() == "GroupEmbeddingConcatLookup") {
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
