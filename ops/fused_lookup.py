@@ -509,18 +509,26 @@ def _table_slices(lib, handles, uniq, sums, max_norm):
             for s, u, h in zip(sums, uniq, handles)]
 
 
-def _table_snapshots(lib, handles, ids, weights):
-    """(rows, by_position) per table for the weight-gradient ops.
+def _weight_grads(lib, handles, ids, weights, compute):
+    """The gradients w.r.t. the per-id weights of a lookup's tables.
 
-    The weight gradients read the tables' rows. Taking the variables as
-    resource inputs made TF's automatic control dependencies order those
-    ops before the optimizer's write, so they ran every training step even
-    when no weight was differentiated. `GroupEmbeddingTableSnapshot` is
-    the only resource reader here (registered read-only, cheap: it aliases
-    the table, or copies just the ids' rows when the variable is in
-    copy-on-read mode), and the weight-gradient op reading its outputs is
-    pruned when unused. Unweighted tables snapshot no ids.
+    None for every table when none has weights (all of them the empty
+    placeholders): nothing to differentiate, and nothing is built, which
+    matters in eager mode where the gradient function runs every op.
+    Else `compute(rows, by_position)` runs the weight-gradient op on
+    `GroupEmbeddingTableSnapshot` outputs.
+
+    Why snapshots: taking the variables as resource inputs made TF's
+    automatic control dependencies order the weight-gradient ops before
+    the optimizer's write, so they ran every training step even when no
+    weight was differentiated. The snapshot is the only resource reader
+    here (registered read-only, cheap: it aliases the table, or copies
+    just the ids' rows when the variable is in copy-on-read mode); the
+    weight-gradient op reading it is pruned when unused. Unweighted tables
+    snapshot no ids.
     """
+    if all(w.shape.as_list() == [0] for w in weights):
+        return [None] * len(weights)
     rows, by_position = [], []
     for i, (h, x, w) in enumerate(zip(handles, ids, weights)):
         if w.shape.as_list() == [0]:
@@ -529,7 +537,7 @@ def _table_snapshots(lib, handles, ids, weights):
                                                   table_name=f"table {i}")
         rows.append(r)
         by_position.append(p)
-    return rows, by_position
+    return list(compute(rows, by_position))
 
 
 def _register_gradient():
@@ -549,13 +557,15 @@ def _register_gradient():
             embedding_dim=op.get_attr("embedding_dim"))
         max_norm = op.get_attr("max_norm")
         table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
-        rows, by_position = _table_snapshots(lib, handles, ids, weights)
-        weight_grads = lib.group_embedding_weight_grad_from_snapshots(
-            tables=rows, by_position=by_position, ids=list(ids),
-            row_splits=list(splits), weights=list(weights),
-            grads=list(grads), pooled=list(op.outputs), combiners=combiners,
-            max_norm=max_norm)
-        return table_grads + [None] * (2 * k) + list(weight_grads)
+        weight_grads = _weight_grads(
+            lib, handles, ids, weights,
+            lambda rows, by_position:
+            lib.group_embedding_weight_grad_from_snapshots(
+                tables=rows, by_position=by_position, ids=list(ids),
+                row_splits=list(splits), weights=list(weights),
+                grads=list(grads), pooled=list(op.outputs),
+                combiners=combiners, max_norm=max_norm))
+        return table_grads + [None] * (2 * k) + weight_grads
 
     @tf.RegisterGradient("GroupEmbeddingConcatLookup")
     def _concat_lookup_grad(op, grad):
@@ -570,17 +580,18 @@ def _register_gradient():
             combiners=combiners, embedding_dim=op.get_attr("embedding_dim"))
         max_norm = op.get_attr("max_norm")
         table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
-        if all(w.shape.as_list() == [0] for w in weights):
-            # No weights (the empty placeholders): nothing to differentiate,
-            # and no split of the [B, K * D] tensors in eager mode either.
-            return table_grads + [None] * (3 * k)
-        rows, by_position = _table_snapshots(lib, handles, ids, weights)
-        weight_grads = lib.group_embedding_weight_grad_from_snapshots(
-            tables=rows, by_position=by_position, ids=ids, row_splits=splits,
-            weights=weights, grads=tf.split(grad, k, axis=1),
-            pooled=tf.split(op.outputs[0], k, axis=1),
-            combiners=combiners, max_norm=max_norm)
-        return table_grads + [None] * (2 * k) + list(weight_grads)
+        # The weight-gradient op takes per-table [B, D] blocks; the splits
+        # are only built when some table has weights.
+        weight_grads = _weight_grads(
+            lib, handles, ids, weights,
+            lambda rows, by_position:
+            lib.group_embedding_weight_grad_from_snapshots(
+                tables=rows, by_position=by_position, ids=ids,
+                row_splits=splits, weights=weights,
+                grads=tf.split(grad, k, axis=1),
+                pooled=tf.split(op.outputs[0], k, axis=1),
+                combiners=combiners, max_norm=max_norm))
+        return table_grads + [None] * (2 * k) + weight_grads
 
     @tf.RegisterGradient("GroupEmbeddingSequenceLookup")
     def _sequence_grad(op, *grads):
@@ -595,13 +606,14 @@ def _register_gradient():
             weights=weights, embedding_dim=op.get_attr("embedding_dim"))
         max_norm = op.get_attr("max_norm")
         table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
-        rows, by_position = _table_snapshots(lib, handles, ids, weights)
-        weight_grads = (
+        weight_grads = _weight_grads(
+            lib, handles, ids, weights,
+            lambda rows, by_position:
             lib.group_embedding_sequence_weight_grad_from_snapshots(
                 tables=rows, by_position=by_position, ids=ids,
                 row_splits=splits, positions=positions, weights=weights,
                 grads=grads, max_norm=max_norm))
-        return table_grads + [None] * (4 * k) + list(weight_grads)
+        return table_grads + [None] * (4 * k) + weight_grads
 
     @tf.RegisterGradient("EVGroupLookup")
     def _ev_lookup_grad(op, *grads):

@@ -41,7 +41,7 @@ CASES = {
 SEEDS = (0, 1)
 
 
-def _weights_of(outputs_width, seed):
+def _column_scale(outputs_width, seed):
     return tf.constant(np.random.default_rng(seed).normal(
         size=(1, outputs_width)).astype(np.float32))
 
@@ -52,7 +52,7 @@ def _weights_of(outputs_width, seed):
 def test_matches_concat_of_stock(kernel_mode, name, seed, max_norm):
     case = random_case(seed, **CASES[name])
     width = sum(int(t.shape[1]) for t in case.tables)
-    scale = _weights_of(width, seed)
+    scale = _column_scale(width, seed)
     w_vars = [None if f.weights is None else tf.Variable(f.flat_weights())
               for f in case.features]
 
