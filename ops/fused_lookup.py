@@ -541,57 +541,44 @@ def _weight_grads(lib, handles, ids, weights, compute):
 
 
 def _register_gradient():
-    @tf.RegisterGradient("GroupEmbeddingVariableLookup")
-    def _lookup_grad(op, *grads):
-        k = op.get_attr("num_tables")
-        combiners = [c.decode() if isinstance(c, bytes) else c
-                     for c in op.get_attr("combiners")]
-        handles = op.inputs[:k]
-        ids = op.inputs[k:2 * k]
-        splits = op.inputs[2 * k:3 * k]
-        weights = op.inputs[3 * k:]
-        lib = kernel_library.library()
-        uniq, sums = lib.group_embedding_variable_lookup_grad(
-            grads=list(grads), ids=list(ids), row_splits=list(splits),
-            weights=list(weights), combiners=combiners,
-            embedding_dim=op.get_attr("embedding_dim"))
-        max_norm = op.get_attr("max_norm")
-        table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
-        weight_grads = _weight_grads(
-            lib, handles, ids, weights,
-            lambda rows, by_position:
-            lib.group_embedding_weight_grad_from_snapshots(
-                tables=rows, by_position=by_position, ids=list(ids),
-                row_splits=list(splits), weights=list(weights),
-                grads=list(grads), pooled=list(op.outputs),
-                combiners=combiners, max_norm=max_norm))
-        return table_grads + [None] * (2 * k) + weight_grads
-
-    @tf.RegisterGradient("GroupEmbeddingConcatLookup")
-    def _concat_lookup_grad(op, grad):
+    def _pooled_grad(op, grads, concat):
+        # GroupEmbeddingVariableLookup: one [B, D] gradient per table;
+        # GroupEmbeddingConcatLookup: one [B, K * D] gradient for all.
         k = op.get_attr("num_tables")
         combiners = [c.decode() if isinstance(c, bytes) else c
                      for c in op.get_attr("combiners")]
         handles, ids, splits, weights = (
             list(op.inputs[i * k:(i + 1) * k]) for i in range(4))
         lib = kernel_library.library()
-        uniq, sums = lib.group_embedding_concat_lookup_grad(
-            grads=grad, ids=ids, row_splits=splits, weights=weights,
-            combiners=combiners, embedding_dim=op.get_attr("embedding_dim"))
+        grad_op = (lib.group_embedding_concat_lookup_grad if concat
+                   else lib.group_embedding_variable_lookup_grad)
+        uniq, sums = grad_op(
+            grads=grads[0] if concat else list(grads), ids=ids,
+            row_splits=splits, weights=weights, combiners=combiners,
+            embedding_dim=op.get_attr("embedding_dim"))
         max_norm = op.get_attr("max_norm")
         table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
-        # The weight-gradient op takes per-table [B, D] blocks; the splits
-        # are only built when some table has weights.
+
+        def per_table(tensors):
+            # The weight-gradient op takes per-table [B, D] blocks; split
+            # only when some table has weights (`_weight_grads` asks).
+            return tf.split(tensors[0], k, axis=1) if concat else tensors
+
         weight_grads = _weight_grads(
             lib, handles, ids, weights,
             lambda rows, by_position:
             lib.group_embedding_weight_grad_from_snapshots(
                 tables=rows, by_position=by_position, ids=ids,
                 row_splits=splits, weights=weights,
-                grads=tf.split(grad, k, axis=1),
-                pooled=tf.split(op.outputs[0], k, axis=1),
+                grads=per_table(list(grads)),
+                pooled=per_table(list(op.outputs)),
                 combiners=combiners, max_norm=max_norm))
         return table_grads + [None] * (2 * k) + weight_grads
+
+    tf.RegisterGradient("GroupEmbeddingVariableLookup")(
+        lambda op, *grads: _pooled_grad(op, grads, concat=False))
+    tf.RegisterGradient("GroupEmbeddingConcatLookup")(
+        lambda op, *grads: _pooled_grad(op, grads, concat=True))
 
     @tf.RegisterGradient("GroupEmbeddingSequenceLookup")
     def _sequence_grad(op, *grads):
