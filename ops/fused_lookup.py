@@ -114,27 +114,25 @@ def _checked_unique(tables, feats, table_names):
     waits for the check, so a bad table stops the whole group's gathers,
     gradients and optimizer updates.
     """
+    vocabs = [tf.shape(t, out_type=tf.int64)[0] for t in tables]
+    with tf.name_scope("group_range_check"):
+        # On the ids themselves, not the distinct ids: the check then runs
+        # beside the `unique`s instead of after all of them.
+        lows = tf.stack([tf.reduce_min(f.values) for f in feats])
+        highs = tf.stack([tf.reduce_max(f.values) for f in feats])
+        ok = tf.reduce_all((lows >= 0) & (highs < tf.stack(vocabs)))
+
+        def _fail():
+            with tf.control_dependencies(_range_asserts(
+                    [f.values for f in feats], vocabs, table_names)):
+                return tf.constant(False)
+
+        valid = tf.cond(ok, lambda: tf.constant(True), _fail)
     uniq, slots = [], []
     for f in feats:
         u, slot = tf.unique(f.values, out_idx=tf.int64)
         uniq.append(u)
         slots.append(slot)
-    vocabs = [tf.shape(t, out_type=tf.int64)[0] for t in tables]
-    with tf.name_scope("group_range_check"):
-        if len(uniq) == 1:
-            ok = tf.reduce_all((uniq[0] >= 0) & (uniq[0] < vocabs[0]))
-        else:
-            limit = tf.repeat(tf.stack(vocabs), tf.stack(
-                [tf.size(u, out_type=tf.int64) for u in uniq]))
-            every = tf.concat(uniq, 0)
-            ok = tf.reduce_all((every >= 0) & (every < limit))
-
-        def _fail():
-            with tf.control_dependencies(_range_asserts(uniq, vocabs,
-                                                        table_names)):
-                return tf.constant(False)
-
-        valid = tf.cond(ok, lambda: tf.constant(True), _fail)
     with tf.control_dependencies([valid]):
         return [tf.identity(u) for u in uniq], slots
 
@@ -435,8 +433,28 @@ def sequence_lookup(tables, feats: List[FeatureIds], table_names,
             return _sequence_kernel(lib, tables, feats, table_names,
                                     max_norm)
         return _sequence_variables_tf(tables, feats, table_names, max_norm)
+    lib = kernel_library.load()
+    if (lib is not None and max_norm is None
+            and all(f.weights is None for f in feats)):
+        return _sequence_ev(lib, tables, feats, training)
     rows = _gather_rows(tables, feats, max_norm, training)
     return sequence_rows(rows, feats)
+
+
+def _sequence_ev(lib, variables, feats: List[FeatureIds], training):
+    """`EVGroupSequenceLookup`: each key's row (as `EVGroupGather` reads
+    it) written straight into its `[B, T, D]` slot; its gradient gives each
+    variable its unique keys and their summed gradients. Unweighted."""
+    _watch(variables)
+    return lib.ev_group_sequence_lookup(
+        handles=[v.handle for v in variables],
+        keys=[f.values for f in feats],
+        row_splits=[f.row_splits for f in feats],
+        positions=[f.positions for f in feats],
+        max_lens=[tf.cast(f.max_len, tf.int64) for f in feats],
+        default_values=[v.default_values for v in variables],
+        training=tf.convert_to_tensor(training, tf.bool),
+        embedding_dim=int(variables[0].embedding_dim))
 
 
 def _sequence_kernel(lib, tables, feats, table_names, max_norm):
@@ -601,6 +619,23 @@ def _register_gradient():
                 row_splits=splits, positions=positions, weights=weights,
                 grads=grads, max_norm=max_norm))
         return table_grads + [None] * (4 * k) + weight_grads
+
+    @tf.RegisterGradient("EVGroupSequenceLookup")
+    def _ev_sequence_grad(op, *grads):
+        k = op.get_attr("num_tables")
+        keys, splits, positions = (list(op.inputs[i * k:(i + 1) * k])
+                                   for i in range(1, 4))
+        grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
+                 for g, o in zip(grads, op.outputs)]
+        empty = tf.zeros([0], tf.float32)
+        uniq, sums = kernel_library.library().\
+            group_embedding_sequence_lookup_grad(
+                grads=grads, ids=keys, row_splits=splits, positions=positions,
+                weights=[empty] * k,
+                embedding_dim=op.get_attr("embedding_dim"))
+        # Keys are not row numbers: no dense shape (as EVGroupGather's).
+        return ([tf.IndexedSlices(s, u) for s, u in zip(sums, uniq)]
+                + [None] * (5 * k + 1))
 
     @tf.RegisterGradient("EVGroupLookup")
     def _ev_lookup_grad(op, *grads):

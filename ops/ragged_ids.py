@@ -96,24 +96,32 @@ def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
 
     Returns:
         (features, batch_checked): `batch_checked` is True when the
-        conversion op itself verified that all features share one batch
-        size (asked by `same_batch`; the C++ op only).
+        conversion itself verified that all features share one batch
+        size (asked by `same_batch`).
     """
     lib = kernel_library.load()
-    if lib is None or need_positions:
-        return (_from_sparse_tf(sp_ids, sp_weights, names, need_positions),
-                False)
+    if lib is None:
+        return _from_sparse_tf(sp_ids, sp_weights, names, need_positions,
+                               same_batch)
     weights = [tf.zeros([0], tf.float32) if w is None
                else _float_weights(w.values) for w in sp_weights]
-    values, splits, row_w, _ = lib.group_sparse_to_ragged(
+    values, splits, row_w, _, positions = lib.group_sparse_to_ragged(
         indices=[s.indices for s in sp_ids],
         ids=[tf.cast(s.values, tf.int64) for s in sp_ids],
         dense_shapes=[s.dense_shape for s in sp_ids],
         weights=weights, feature_names=[f"`{n}`" for n in names],
-        same_batch=same_batch)
-    return ([FeatureIds(v, s, None if w is None else rw, None, None, n)
-             for v, s, rw, w, n in zip(values, splits, row_w, sp_weights,
-                                       names)], same_batch)
+        same_batch=same_batch, with_positions=need_positions)
+    feats = []
+    for v, s, rw, w, pos, sp, n in zip(values, splits, row_w, sp_weights,
+                                       positions, sp_ids, names):
+        max_len = None
+        if need_positions:
+            # Read once the op has checked that dense_shape has 2 entries.
+            with tf.control_dependencies([pos]):
+                max_len = tf.identity(sp.dense_shape)[1]
+        feats.append(FeatureIds(v, s, None if w is None else rw,
+                                pos if need_positions else None, max_len, n))
+    return feats, same_batch
 
 
 def _register_gradient():
@@ -123,7 +131,7 @@ def _register_gradient():
         # gradient back from where the sort put it.
         n = op.get_attr("num_features")
         w_grads = grads[2 * n:3 * n]
-        positions = op.outputs[3 * n:]
+        positions = op.outputs[3 * n:4 * n]
         out = []
         for g, pos, w in zip(w_grads, positions, op.inputs[3 * n:]):
             if g is None:
@@ -161,7 +169,7 @@ def _rank_checked(ids, name):
         return tf.identity(ids.indices), tf.identity(ids.dense_shape)
 
 
-def _failing_checks(parts, need_positions):
+def _failing_checks(parts, need_positions, same_batch):
     """Per-feature asserts, built only in the branch taken on bad input.
 
     They name the offending feature; the hot path runs one fused check.
@@ -173,6 +181,12 @@ def _failing_checks(parts, need_positions):
             (batch >= 0) & (batch <= MAX_BATCH),
             [f"`{name}`: dense_shape[0] (the batch size) must lie in "
              f"[0, {MAX_BATCH}]; got", batch]))
+        if same_batch:
+            first = parts[0]
+            checks.append(tf.debugging.Assert(
+                tf.equal(batch, first["batch"]),
+                [f"`{name}` has a different batch size than "
+                 f"`{first['name']}`:", batch, first["batch"]]))
         checks.append(tf.debugging.Assert(
             tf.reduce_all((rows >= 0) & (rows < batch)),
             [f"`{name}`: row index outside the batch [0, batch)."]))
@@ -194,16 +208,58 @@ def _failing_checks(parts, need_positions):
         return tf.constant(False)
 
 
-def _from_sparse_tf(sp_ids, sp_weights, names, need_positions):
+def _concat_rows(rows):
+    """Every feature's rows in one vector, and a 0 after them, so that
+    the first and last rows of features can be gathered even when no
+    feature has any."""
+    return tf.concat([tf.reshape(r, [-1]) for r in rows]
+                     + [tf.zeros([1], tf.int64)], 0)
+
+
+def _rows_in_order(every, starts, sizes):
+    """True if each feature's rows, concatenated in `every` (see
+    `_concat_rows`), are sorted.
+
+    A decrease between neighbours is allowed only where a feature starts:
+    one pass over all ids, whatever the number of features.
+    """
+    every = every[:-1]
+    falls = tf.cast(every[1:] < every[:-1], tf.int64)
+    # Positions of the falls allowed: just before each non-empty feature
+    # but the first (its rows may well restart at 0).
+    allowed = tf.boolean_mask(starts - 1, (starts > 0) & (sizes > 0))
+    return tf.equal(tf.reduce_sum(falls),
+                    tf.reduce_sum(tf.gather(falls, allowed)))
+
+
+def _first_last_in_batch(every, starts, sizes, batches):
+    """Rows sorted per feature: all lie in [0, batch) iff the first and
+    the last of each non-empty feature do. `every` as `_concat_rows`
+    makes it: an empty feature reads a valid position, then is ignored."""
+    nonempty = sizes > 0
+    firsts = tf.gather(every, starts)
+    lasts = tf.gather(every, tf.maximum(starts + sizes - 1, 0))
+    return tf.reduce_all(~nonempty | ((firsts >= 0) & (lasts < batches)))
+
+
+def _from_sparse_tf(sp_ids, sp_weights, names, need_positions,
+                    same_batch=False):
     """All SparseTensor features at once, in pure TF, feature by feature.
 
-    Nothing is concatenated: each feature keeps its own tensors and its
-    row indices serve as the pooling's segment ids (`row_ids`). One fused
-    check covers every feature: each one's rows in order (else every
-    feature is stably sorted by row, the only argsort), then, rows being
-    in order, their range is that of the first and the last.
-    `row_splits` come from a `searchsorted` that graphs prune when the
-    lookup does not use them (the pure-TF pooled path does not).
+    Nothing is concatenated but the row indices: each feature keeps its
+    own tensors and its row indices serve as the pooling's segment ids
+    (`row_ids`). ONE fused check over the concatenated rows covers every
+    feature, in a fixed number of ops: each one's rows in order (else
+    every feature is stably sorted by row, the only argsort), then, rows
+    being in order, their range is that of the first and the last; batch
+    sizes (the same for all when `same_batch`), column ranges and weight
+    counts join the same check. `row_splits` come from a `searchsorted`
+    that graphs prune when the lookup does not use them (the pure-TF
+    pooled path does not).
+
+    Returns:
+        (features, batch_checked): `batch_checked` is `same_batch`, which
+        the fused check covers.
     """
     parts = []
     for ids, weights, name in zip(sp_ids, sp_weights, names):
@@ -222,8 +278,9 @@ def _from_sparse_tf(sp_ids, sp_weights, names, need_positions):
     for c, p in zip(carried, parts):
         if p["weights"] is not None:
             c["weights"] = p["weights"]
-    in_order = tf.reduce_all(tf.stack(
-        [tf.reduce_all(p["rows"][1:] >= p["rows"][:-1]) for p in parts]))
+    sizes = tf.stack([tf.size(p["rows"], out_type=tf.int64) for p in parts])
+    starts = tf.cumsum(sizes, exclusive=True)
+    every = _concat_rows([p["rows"] for p in parts])
 
     def _sort():
         out = []
@@ -231,22 +288,33 @@ def _from_sparse_tf(sp_ids, sp_weights, names, need_positions):
             order = tf.argsort(c["rows"], stable=True)
             out.append({n: _gather_same_count(t, order, c["rows"])
                         for n, t in c.items()})
-        return out
+        return out, _concat_rows([c["rows"] for c in out])
 
-    carried = tf.cond(in_order, lambda: carried, _sort)
-    ok = []
-    for c, p in zip(carried, parts):
-        rows, batch = c["rows"], p["batch"]
-        ok += [batch >= 0, batch <= MAX_BATCH,
-               tf.reduce_all(rows[:1] >= 0), tf.reduce_all(rows[-1:] < batch)]
-        if need_positions:
-            cols = c["cols"]
-            ok.append(tf.reduce_all((cols >= 0) & (cols < p["width"])))
-        if p["weights"] is not None:
-            ok.append(tf.equal(tf.size(p["weights"], out_type=tf.int64),
-                               tf.size(p["rows"], out_type=tf.int64)))
+    carried, every = tf.cond(_rows_in_order(every, starts, sizes),
+                             lambda: (carried, every), _sort)
+    batches = tf.stack([p["batch"] for p in parts])
+    ok = [tf.reduce_all((batches >= 0) & (batches <= MAX_BATCH)),
+          _first_last_in_batch(every, starts, sizes, batches)]
+    if same_batch:
+        ok.append(tf.reduce_all(tf.equal(batches, batches[0])))
+    if need_positions:
+        # Each id's column against its own feature's width.
+        cols = tf.concat([c["cols"] for c in carried], 0)
+        feature = tf.searchsorted(starts + sizes,
+                                  tf.range(tf.size(cols, out_type=tf.int64)),
+                                  side="right")
+        widths = tf.gather(tf.stack([p["width"] for p in parts]), feature)
+        ok.append(tf.reduce_all((cols >= 0) & (cols < widths)))
+    weighted = [p for p in parts if p["weights"] is not None]
+    if weighted:
+        ok.append(tf.reduce_all(tf.equal(
+            tf.stack([tf.size(p["weights"], out_type=tf.int64)
+                      for p in weighted]),
+            tf.stack([tf.size(p["rows"], out_type=tf.int64)
+                      for p in weighted]))))
     valid = tf.cond(tf.reduce_all(tf.stack(ok)), lambda: tf.constant(True),
-                    lambda: _failing_checks(parts, need_positions))
+                    lambda: _failing_checks(parts, need_positions,
+                                            same_batch))
     feats = []
     with tf.control_dependencies([valid]):
         for c, p in zip(carried, parts):
@@ -257,12 +325,12 @@ def _from_sparse_tf(sp_ids, sp_weights, names, need_positions):
                 rows, tf.range(batch + 1, dtype=tf.int64), side="left",
                 out_type=tf.int64)
             feats.append(FeatureIds(
-                values=tf.identity(c["values"]), row_splits=splits,
+                values=c["values"], row_splits=splits,
                 weights=c.get("weights"),
                 positions=c["cols"] if need_positions else None,
                 max_len=p["width"], name=p["name"], row_ids=rows,
                 batch=batch))
-    return feats
+    return feats, same_batch
 
 
 def _gather_same_count(t, order, rows):

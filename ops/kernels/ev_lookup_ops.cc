@@ -36,6 +36,7 @@ using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::ParseCombiners;
 using ::group_embedding::PrefetchRow;
 using ::group_embedding::RowScale;
+using ::group_embedding::SequenceShape;
 using ::group_embedding::WeightGradRows;
 using ::tensorflow::OpOutputList;
 
@@ -345,6 +346,145 @@ class EVGroupLookupOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("EVGroupLookup").Device(DEVICE_CPU),
                         EVGroupLookupOp);
+
+// ---------------------------------------------------------------------------
+// Unpooled (is_sequence=True) lookup of a group of same-dim EVs: each key's
+// row, resolved exactly as EVGroupLookup resolves it, lands at
+// [row, position] of a padded [B, T, D] output; zeros elsewhere. EVGroupGather
+// + a TF segment sum computed the same with a [nnz, D] tensor each way.
+// Unweighted tables only (weighted ones keep that path, whose weight
+// gradient TF derives). Gradient (fused_lookup.py):
+// GroupEmbeddingSequenceLookupGrad with keys as ids, i.e. per variable its
+// unique keys and their summed gradients.
+// ---------------------------------------------------------------------------
+REGISTER_OP("EVGroupSequenceLookup")
+    .Input("handles: num_tables * resource")
+    .Input("keys: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("positions: num_tables * int64")
+    .Input("max_lens: num_tables * int64")
+    .Input("default_values: num_tables * float")
+    .Input("training: bool")
+    .Output("sequences: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("embedding_dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // keys..positions
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, n, 0));  // max_lens
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 2));  // default values
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 6 * n, 1, 0));  // training
+      for (int i = 0; i < n; ++i) {
+        tensorflow::shape_inference::DimensionHandle b, t;
+        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n + i), 0), 1,
+                                       &b));
+        TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(4 * n + i, &t));
+        c->set_output(i, c->MakeShape({b, t, c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
+class EVGroupSequenceLookupOp : public OpKernel {
+ public:
+  explicit EVGroupSequenceLookupOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList keys, splits, positions, max_lens, defaults;
+    OP_REQUIRES_OK(ctx, ctx->input_list("keys", &keys));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
+    OP_REQUIRES_OK(ctx, ctx->input_list("max_lens", &max_lens));
+    OP_REQUIRES_OK(ctx, ctx->input_list("default_values", &defaults));
+    const int k = keys.size();
+    bool training = false;
+    OP_REQUIRES_OK(ctx, ReadTraining(ctx, 6 * k, &training));
+    const int64_t dim = dim_;
+    std::vector<RefCountPtr<EVStorage>> refs(k);
+    std::vector<EVStorage*> evs(k);
+    std::vector<int64_t> offset(k + 1, 0), first_row(k + 1, 0), lens(k);
+    std::vector<std::vector<float>> no_permission(k);
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("sequences", &out));
+    std::vector<float*> outs(k);
+    const Tensor no_weights(tensorflow::DT_FLOAT, TensorShape({0}));
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, GetEV(ctx, t, &refs[t]));
+      evs[t] = refs[t].get();
+      const std::string& name = evs[t]->config().name;
+      OP_REQUIRES_OK(ctx, CheckGroupMember(evs[t], dim, defaults[t]));
+      OP_REQUIRES_OK(ctx, CheckRagged(name, keys[t], splits[t], no_weights,
+                                      -1, "keys"));
+      const int64_t nnz = keys[t].NumElements();
+      const int64_t batch = splits[t].NumElements() - 1;
+      TensorShape shape;
+      OP_REQUIRES_OK(ctx, SequenceShape(name, max_lens[t], positions[t], nnz,
+                                        batch, dim, &lens[t], &shape));
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, shape, &o));
+      outs[t] = o->flat<float>().data();
+      offset[t + 1] = offset[t] + nnz;
+      first_row[t + 1] = first_row[t] + batch;
+      no_permission[t].assign(dim, evs[t]->config().no_permission);
+    }
+
+    EVGroupLocks locks(evs, training);
+    std::vector<const float*> rows(offset[k]);
+    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, evs, keys, defaults,
+                                     locks.distinct(), training, offset,
+                                     no_permission, rows.data()));
+    const int64_t total_rows = first_row[k];
+    if (total_rows == 0) return;
+
+    int64_t total_slots = 0;
+    for (int t = 0; t < k; ++t) {
+      total_slots += (first_row[t + 1] - first_row[t]) * lens[t];
+    }
+    auto work = [&](int64_t begin, int64_t end) {
+      int t = static_cast<int>(
+          std::upper_bound(first_row.begin(), first_row.end(), begin) -
+          first_row.begin() - 1);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        while (unit >= first_row[t + 1]) ++t;
+        const int64_t b = unit - first_row[t];
+        const int64_t len = lens[t];
+        const int64_t* s = splits[t].flat<int64_t>().data();
+        const int64_t* p = positions[t].flat<int64_t>().data();
+        const float* const* ptr = rows.data() + offset[t];
+        const int64_t nnz = offset[t + 1] - offset[t];
+        float* o = outs[t] + b * len * dim;
+        std::fill(o, o + len * dim, 0.0f);
+        for (int64_t j = s[b]; j < s[b + 1]; ++j) {
+          if (j + kPrefetchDistance < nnz) {
+            PrefetchRow(ptr[j + kPrefetchDistance], dim);
+          }
+          // `+=`: a malformed SparseTensor may repeat a [row, column]; its
+          // keys then add up, as in the segment sum of the gather path.
+          const float* row = ptr[j];
+          float* dst = o + p[j] * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] += row[d];
+        }
+      }
+    };
+    const int64_t cost =
+        ((total_slots + offset[k]) / total_rows + 1) * dim * 3;
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, total_rows, cost,
+                      work);
+  }
+
+ private:
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVGroupSequenceLookup").Device(DEVICE_CPU),
+                        EVGroupSequenceLookupOp);
 
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. the per-key weights of EVGroupLookup (weighted tables

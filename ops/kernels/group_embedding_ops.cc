@@ -767,14 +767,21 @@ REGISTER_OP("GroupSparseToRagged")
     .Output("row_splits: num_features * int64")
     .Output("row_weights: num_features * float")
     .Output("weight_positions: num_features * int64")
+    // Each value's column (its slot in a sequence), in the order of
+    // `values`; empty unless `with_positions`.
+    .Output("positions: num_features * int64")
     .Attr("num_features: int >= 1")
     .Attr("feature_names: list(string)")
     // Also require one batch size (dense_shape[0]) for all features: one
     // check here instead of a few ops per feature in the graph.
     .Attr("same_batch: bool = false")
+    // Also output the columns, checked to lie in [0, dense_shape[1]).
+    .Attr("with_positions: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
+      bool with_positions;
       TF_RETURN_IF_ERROR(c->GetAttr("num_features", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("with_positions", &with_positions));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));   // indices
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // ids, shapes, w
       for (int i = 0; i < n; ++i) {
@@ -782,6 +789,8 @@ REGISTER_OP("GroupSparseToRagged")
         c->set_output(n + i, c->Vector(c->UnknownDim()));
         c->set_output(2 * n + i, c->input(3 * n + i));
         c->set_output(3 * n + i, c->Vector(c->UnknownDim()));
+        c->set_output(4 * n + i, with_positions ? c->input(n + i)
+                                                : c->Vector(0));
       }
       return Status();
     });
@@ -796,13 +805,14 @@ class GroupSparseToRaggedOp : public OpKernel {
   explicit GroupSparseToRaggedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("feature_names", &names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("same_batch", &same_batch_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_positions", &with_positions_));
   }
 
   // Phases: checks and row_splits allocation (serial, cheap); row counts
-  // (parallel over features); the outputs of features already in row
-  // order are forwarded and the others allocated (serial: no allocation
-  // from the pool's threads); the counting-sort scatter of those others
-  // (parallel over features).
+  // and column checks (parallel over features); the outputs of features
+  // already in row order are forwarded and the others allocated (serial:
+  // no allocation from the pool's threads); the counting-sort scatter of
+  // those others, and the columns (parallel over features).
   void Compute(OpKernelContext* ctx) override {
     OpInputList indices, ids, shapes, weights;
     OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
@@ -811,16 +821,17 @@ class GroupSparseToRaggedOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
     // weight_positions[f][j] = where input weight j went (for the
     // gradient); empty when nothing moved or there are no weights.
-    OpOutputList vals_out, splits_out, w_out, pos_out;
+    OpOutputList vals_out, splits_out, w_out, pos_out, cols_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("values", &vals_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("row_splits", &splits_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("row_weights", &w_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_positions", &pos_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("positions", &cols_out));
     const int n = ids.size();
     OP_REQUIRES(ctx, static_cast<int>(names_.size()) == n,
                 InvalidArgument("feature_names must have ", n,
                                 " entries, got ", names_.size(), "."));
-    std::vector<Tensor*> splits(n);
+    std::vector<Tensor*> splits(n), cols(n);
     int64_t total = 0;
     for (int f = 0; f < n; ++f) {
       const std::string& name = names_[f];
@@ -866,6 +877,9 @@ class GroupSparseToRaggedOp : public OpKernel {
       }
       OP_REQUIRES_OK(ctx, splits_out.allocate(f, TensorShape({batch + 1}),
                                               &splits[f]));
+      OP_REQUIRES_OK(ctx, cols_out.allocate(
+                              f, TensorShape({with_positions_ ? nnz : 0}),
+                              &cols[f]));
       total += nnz + batch;
     }
 
@@ -889,6 +903,19 @@ class GroupSparseToRaggedOp : public OpKernel {
           }
           if (j > 0 && r < in(j - 1, 0)) sorted[f] = 0;
           ++sp(r + 1);
+        }
+        if (with_positions_ && status[f].ok()) {
+          // A column outside [0, width) would land in another row's slots.
+          const int64_t width = shapes[f].flat<int64_t>()(1);
+          for (int64_t j = 0; j < nnz; ++j) {
+            const int64_t c = in(j, 1);
+            if (c < 0 || c >= width) {
+              status[f] = InvalidArgument(
+                  names_[f], ": column index ", c, " is outside [0, "
+                  "dense_shape[1]) = [0, ", width, ").");
+              break;
+            }
+          }
         }
         for (int64_t b = 0; b < batch; ++b) sp(b + 1) += sp(b);
       }
@@ -915,9 +942,16 @@ class GroupSparseToRaggedOp : public OpKernel {
     }
     auto scatter = [&](int64_t begin, int64_t end) {
       for (int64_t f = begin; f < end; ++f) {
-        if (sorted[f]) continue;
         const auto in = indices[f].matrix<int64_t>();
         const int64_t nnz = ids[f].NumElements();
+        int64_t* col = with_positions_ ? cols[f]->flat<int64_t>().data()
+                                       : nullptr;
+        if (sorted[f]) {
+          if (col != nullptr) {
+            for (int64_t j = 0; j < nnz; ++j) col[j] = in(j, 1);
+          }
+          continue;
+        }
         const auto sp = splits[f]->flat<int64_t>();
         const bool weighted = weights[f].NumElements() != 0;
         std::vector<int64_t> next(sp.data(), sp.data() + sp.size() - 1);
@@ -926,6 +960,7 @@ class GroupSparseToRaggedOp : public OpKernel {
         for (int64_t j = 0; j < nnz; ++j) {
           const int64_t dst = next[in(j, 0)]++;
           ov(dst) = iv(j);
+          if (col != nullptr) col[dst] = in(j, 1);
           if (weighted) {
             ws[f]->flat<float>()(dst) = weights[f].flat<float>()(j);
             pos[f]->flat<int64_t>()(j) = dst;
@@ -940,6 +975,7 @@ class GroupSparseToRaggedOp : public OpKernel {
  private:
   std::vector<std::string> names_;
   bool same_batch_;
+  bool with_positions_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupSparseToRagged").Device(DEVICE_CPU),

@@ -18,6 +18,7 @@ namespace group_embedding {
 
 using ::tensorflow::Status;
 using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
 using ::tensorflow::errors::InvalidArgument;
 
 enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
@@ -191,6 +192,43 @@ inline Status CheckMatrix(const std::string& what, const Tensor& t,
                            "], got ", t.shape().DebugString(), ".");
   }
   return Status();
+}
+
+// Checks that `positions` holds one slot in [0, max_len) per id.
+inline Status CheckPositions(const std::string& name,
+                             const Tensor& positions,
+                             int64_t nnz, int64_t max_len) {
+  if (positions.dims() != 1 || positions.NumElements() != nnz) {
+    return InvalidArgument(name, ": positions must be a vector of ", nnz,
+                           " entries (one per id), got shape ",
+                           positions.shape().DebugString(), ".");
+  }
+  const int64_t* p = positions.flat<int64_t>().data();
+  for (int64_t j = 0; j < nnz; ++j) {
+    if (p[j] < 0 || p[j] >= max_len) {
+      return InvalidArgument(name, ": position ", p[j], " of id ", j,
+                             " is outside the padded length [0, ", max_len,
+                             ").");
+    }
+  }
+  return Status();
+}
+
+// Checks a sequence lookup's padded length `max_len_t` (a scalar >= 0)
+// and `positions`; gives the length and the [batch, T, dim] output shape,
+// refused when its size overflows int64.
+inline Status SequenceShape(const std::string& name, const Tensor& max_len_t,
+                            const Tensor& positions, int64_t nnz,
+                            int64_t batch, int64_t dim, int64_t* len,
+                            TensorShape* shape) {
+  TF_RETURN_IF_ERROR(CheckScalar(max_len_t, "max_lens"));
+  *len = max_len_t.scalar<int64_t>()();
+  if (*len < 0) {
+    return InvalidArgument(name, ": max_lens (the padded length) must be "
+                           ">= 0, got ", *len, ".");
+  }
+  TF_RETURN_IF_ERROR(CheckPositions(name, positions, nnz, *len));
+  return TensorShape::BuildTensorShape({batch, *len, dim}, shape);
 }
 
 // d loss / d w_j of one weighted table, given the gradient `g` of the

@@ -38,25 +38,6 @@ using ::tensorflow::core::RefCountPtr;
 using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 
-// Checks that `positions` holds one slot in [0, max_len) per id.
-Status CheckPositions(const std::string& name, const Tensor& positions,
-                      int64_t nnz, int64_t max_len) {
-  if (positions.dims() != 1 || positions.NumElements() != nnz) {
-    return InvalidArgument(name, ": positions must be a vector of ", nnz,
-                           " entries (one per id), got shape ",
-                           positions.shape().DebugString(), ".");
-  }
-  const int64_t* p = positions.flat<int64_t>().data();
-  for (int64_t j = 0; j < nnz; ++j) {
-    if (p[j] < 0 || p[j] >= max_len) {
-      return InvalidArgument(name, ": position ", p[j], " of id ", j,
-                             " is outside the padded length [0, ", max_len,
-                             ").");
-    }
-  }
-  return Status();
-}
-
 // ---------------------------------------------------------------------------
 // Forward: out[t][b, positions[j], :] += w_j * clip(table_t[ids[j]]) for
 // every id j of row b; zeros elsewhere.
@@ -140,18 +121,12 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
                                   table->shape().DebugString()));
       OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
                                       table->dim_size(0)));
-      OP_REQUIRES_OK(ctx, CheckScalar(max_lens[t], "max_lens"));
-      const int64_t len = max_lens[t].scalar<int64_t>()();
-      OP_REQUIRES(ctx, len >= 0,
-                  InvalidArgument(name, ": max_lens (the padded length) must "
-                                  "be >= 0, got ", len, "."));
       const int64_t nnz = ids[t].NumElements();
-      OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t], nnz, len));
       const int64_t batch = splits[t].NumElements() - 1;
-      // BuildTensorShape refuses a [B, T, D] whose size overflows int64.
+      int64_t len = 0;
       TensorShape shape;
-      OP_REQUIRES_OK(ctx, TensorShape::BuildTensorShape({batch, len, dim_},
-                                                        &shape));
+      OP_REQUIRES_OK(ctx, SequenceShape(name, max_lens[t], positions[t], nnz,
+                                        batch, dim_, &len, &shape));
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, shape, &o));
       outs[t] = o->flat<float>().data();

@@ -6,8 +6,9 @@ Both paths run the same training steps on twin variables (same default
 matrix); outputs, table gradients (summed per key), weight gradients and
 the stored keys, values and frequencies must agree step after step, with
 weights, empty rows, duplicate keys, a CounterFilter and a variable that
-serves two tables of one group. EV sequences (both paths gather, then
-place rows in TF) are checked against a numpy oracle.
+serves two tables of one group. EV sequences (C++ `EVGroupSequenceLookup`
+when unweighted, else a gather placed in TF) are checked against a numpy
+oracle, and the sequence kernel against the gather path step by step.
 """
 
 import numpy as np
@@ -245,3 +246,67 @@ def test_sequence_weight_gradients_in_graph(monkeypatch, mode, order):
             want_g.append(float(row @ up[b, c]))
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g.numpy(), want_g, rtol=1e-5, atol=1e-5)
+
+
+def _sequence_step(evs, batches, upstream, optimizer, mode, monkeypatch,
+                   training=True):
+    """One unweighted sequence lookup (+ SGD update when training) of
+    evs[0], evs[1], evs[2] (filtered) and evs[0] again (shared)."""
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", mode)
+    params = [evs[0], evs[1], evs[2], evs[0]]
+
+    @tf.function
+    def lookup():
+        with tf.GradientTape() as tape:
+            outs = ge.group_embedding_lookup_sparse(
+                params, batches, "sum", is_sequence=True, training=training)
+            loss = tf.add_n([tf.reduce_sum(o * u)
+                             for o, u in zip(outs, upstream)])
+        return outs, tape.gradient(loss, evs)
+
+    graph = lookup.get_concrete_function().graph
+    kernel_ops = [op for op in graph.get_operations()
+                  if op.type == "EVGroupSequenceLookup"]
+    assert bool(kernel_ops) == (mode == "custom")
+    outs, grads = lookup()
+    if training:
+        optimizer.apply_gradients(zip(grads, evs))
+    return outs, grads
+
+
+def test_sequence_kernel_equals_gather_path(monkeypatch):
+    # Twin variables, four training steps then an inference lookup: the
+    # kernel's [B, T, D] outputs, per-key gradients (unique keys) and the
+    # stored keys, values and frequencies equal the gather path's, with a
+    # CounterFilter holding keys back and one variable serving two tables.
+    rng = np.random.default_rng(3)
+    fused, plain = _twins("seq_parity")
+    opts = {"custom": ge.optimizers.SGD(0.5), "tf": ge.optimizers.SGD(0.5)}
+    for step in range(5):
+        training = step < 4
+        inputs = [_sequence_input(rng, "shuffled" if t % 2 else "row_major")
+                  for t in range(4)]
+        batches = [k for k, _, _ in inputs]
+        upstream = [tf.constant(rng.normal(size=(6, 4, 4)), tf.float32)
+                    for _ in range(4)]
+        got, got_g = _sequence_step(fused, batches, upstream,
+                                    opts["custom"], "custom", monkeypatch,
+                                    training)
+        want, want_g = _sequence_step(plain, batches, upstream, opts["tf"],
+                                      "tf", monkeypatch, training)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5,
+                                       atol=1e-6, err_msg=f"step {step}")
+        for g in got_g[1:]:
+            # Unique keys (evs[0] serves two tables: two sets of them).
+            assert len(set(g.indices.numpy())) == len(g.indices.numpy())
+        for g, w in zip(got_g, want_g):
+            gk, wk = _per_key(g), _per_key(w)
+            assert gk.keys() == wk.keys()
+            for k in wk:
+                np.testing.assert_allclose(gk[k], wk[k], rtol=1e-5,
+                                           atol=1e-6)
+        for a, b in zip(fused, plain):
+            for x, y in zip(ev_cases.export_sorted(a)[:3],
+                            ev_cases.export_sorted(b)[:3]):
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)

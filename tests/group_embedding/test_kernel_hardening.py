@@ -273,7 +273,31 @@ def test_raw_kernels_reject_malformed_inputs():
                                    default_values=[dflt], training=training,
                                    embedding_dim=2)
 
-    for name, fn in (("EVGroupLookup", ev_lookup), ("EVGroupGather", ev_gather)):
+    def ev_sequence(training=tf.constant(True), keys=ok_ids,
+                    positions=i64([0, 1, 0]), max_len=i64(2)):
+        return lib.ev_group_sequence_lookup(
+            handles=[ev.handle], keys=[keys], row_splits=[ok_splits],
+            positions=[positions], max_lens=[max_len], default_values=[dflt],
+            training=training, embedding_dim=2)
+
+    expect_error("EVGroupSequenceLookup position 2 of max_len 2",
+                 lambda: ev_sequence(positions=i64([0, 2, 0])),
+                 "hardening_ev", "position 2", "[0, 2)")
+    expect_error("EVGroupSequenceLookup position -1",
+                 lambda: ev_sequence(positions=i64([0, -1, 0])),
+                 "position -1")
+    expect_error("EVGroupSequenceLookup 2 positions for 3 keys",
+                 lambda: ev_sequence(positions=i64([0, 1])), "positions",
+                 "3 entries")
+    expect_error("EVGroupSequenceLookup max_len -1",
+                 lambda: ev_sequence(max_len=i64(-1)), "max_lens", ">= 0")
+    expect_error("EVGroupSequenceLookup max_len [1]",
+                 lambda: ev_sequence(max_len=i64([2])),
+                 "max_lens must be a scalar")
+    expect_error("EVGroupSequenceLookup [B, T, D] overflowing int64",
+                 lambda: ev_sequence(max_len=i64(2**62)), "overflow")
+    for name, fn in (("EVGroupLookup", ev_lookup), ("EVGroupGather", ev_gather),
+                     ("EVGroupSequenceLookup", ev_sequence)):
         expect_error(f"{name} training [2]",
                      lambda: fn(training=tf.constant([True, False])),
                      "training must be a scalar")

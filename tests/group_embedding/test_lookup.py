@@ -329,6 +329,59 @@ def test_unsorted_columns_within_rows(kernel_mode):
         assert_close(got, stock_lookup(table, ids, weights, combiner, 5))
 
 
+def _mixed_order_features():
+    """Four [5, 3] SparseTensors: row-major; rows out of order; empty;
+    row-major again (its rows restart at 0 after the previous feature's)."""
+    def sp(indices, ids):
+        return tf.SparseTensor(np.array(indices, np.int64).reshape(-1, 2),
+                               tf.constant(ids, tf.int64), [5, 3])
+    return [sp([[0, 0], [2, 1], [4, 0]], [1, 2, 3]),
+            sp([[3, 0], [0, 1], [3, 1], [1, 0]], [4, 0, 2, 2]),
+            sp([], []),
+            sp([[0, 2], [1, 0], [1, 1]], [3, 3, 1])]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_mixed_row_orders_and_empty_features(kernel_mode, graph):
+    # One fused check covers all features: it must accept a decrease only
+    # where a feature starts, sort the feature out of order, and keep the
+    # empty one. Pooled against stock, sequences against to_dense.
+    rng = np.random.default_rng(7)
+    tables = [random_table(rng, 5, 4, f"mixed{i}") for i in range(4)]
+    feats = _mixed_order_features()
+
+    def lookup(sp_ids):
+        return (ge.group_embedding_lookup_sparse(tables, sp_ids, "mean"),
+                ge.group_embedding_lookup_sparse(tables, sp_ids, "sum",
+                                                 is_sequence=True))
+    if graph:
+        lookup = tf.function(lookup, input_signature=[[_ROW_MAJOR_SPEC] * 4])
+    pooled, seqs = lookup(feats)
+    for t, x, got, seq in zip(tables, feats, pooled, seqs):
+        x = tf.sparse.reorder(x)
+        assert_close(got, stock_lookup(t, x, None, "mean", 5))
+        dense_ids = tf.sparse.to_dense(x, default_value=-1)
+        mask = tf.cast(dense_ids >= 0, tf.float32)[..., None]
+        want = tf.gather(t, tf.maximum(dense_ids, 0)) * mask
+        assert_close(seq, want)
+
+
+@pytest.mark.parametrize("row", [5, -1])
+@pytest.mark.parametrize("is_sequence", [False, True])
+def test_row_outside_batch_in_a_later_feature(kernel_mode, row, is_sequence):
+    # After an empty feature and a feature out of order, the bad row of
+    # the last feature is reported under its own name.
+    rng = np.random.default_rng(8)
+    tables = [random_table(rng, 5, 4, f"late{i}") for i in range(4)]
+    feats = _mixed_order_features()
+    feats[3] = tf.SparseTensor([[0, 0], [row, 1]],
+                               tf.constant([1, 2], tf.int64), [5, 3])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"`sp_ids\[3\]`: row index"):
+        ge.group_embedding_lookup_sparse(tables, feats, "sum",
+                                         is_sequence=is_sequence)
+
+
 # ---------------------------------------------------------------------------
 # is_sequence=True: unpooled [B, T, D].
 # ---------------------------------------------------------------------------
