@@ -10,8 +10,8 @@ Two interchangeable paths compute the same numbers:
   (a number >= 0) clips each row as it is read, and
   `GroupEmbeddingSequenceLookup` writes each row into its `[B, T, D]` slot
   for sequences; the backward of both stays per unique id.
-* pure TF (GPU, other dtypes, a tensor or negative `max_norm`, EV
-  sequences, or when the kernels are not built): per table the ops of
+* pure TF (GPU, other dtypes, a tensor or negative `max_norm`, or when
+  the kernels are not built): per table the ops of
   stock `embedding_lookup_sparse` (a `unique`, a gather of the distinct
   rows, a sparse segment reduction: no `[nnz, D]` tensor unless weights
   scale single ids), behind ONE fused range check for the group; the
@@ -22,10 +22,11 @@ Two interchangeable paths compute the same numbers:
 
 EmbeddingVariable groups follow the same split: the C++ kernel
 `EVGroupLookup` resolves keys (inserting new ones in training, counting
-them, honouring the CounterFilter) and pools into `[B, D]` in one op;
-with `max_norm`, for sequences or with `GROUP_EMBEDDING_KERNELS=tf` ONE
-`EVGroupGather` fetches the `[nnz, D]` rows, pooled in TF
-(`pool_rows`, `sequence_rows`).
+them, honouring the CounterFilter) and pools into `[B, D]` in one op, and
+`EVGroupSequenceLookup` writes unweighted sequences into `[B, T, D]`;
+with `max_norm`, for weighted sequences or with
+`GROUP_EMBEDDING_KERNELS=tf` ONE `EVGroupGather` fetches the `[nnz, D]`
+rows, pooled or placed in TF (`pool_rows`, `sequence_rows`).
 """
 
 import math
@@ -235,8 +236,7 @@ def _sequence_variables_tf(tables, feats, table_names, max_norm):
                 ids_rows *= tf.cast(f.weights, r.dtype)[:, None]
             flats.append(tf.math.unsorted_segment_sum(ids_rows, k, n))
     else:
-        ordered = tf.reduce_all(tf.stack(
-            [tf.reduce_all(k[1:] >= k[:-1]) for k in keys]))
+        ordered = ragged_ids.all_sorted(keys)
 
         def _sort():
             # Columns out of order inside a row: sort the (small) index
@@ -501,8 +501,7 @@ def sequence_rows(rows: tf.Tensor,
         parts = tf.split(rows, tf.stack(
             [tf.size(f.values, out_type=tf.int64) for f in feats]),
             num=len(feats))
-    ordered = tf.reduce_all(tf.stack(
-        [tf.reduce_all(k[1:] >= k[:-1]) for k in keys]))
+    ordered = ragged_ids.all_sorted(keys)
     dim = rows.shape[1]
     outs = []
     for r, k, n, f in zip(parts, keys, sizes, feats):

@@ -232,6 +232,15 @@ def _rows_in_order(every, starts, sizes):
                     tf.reduce_sum(tf.gather(falls, allowed)))
 
 
+def all_sorted(vectors: List[tf.Tensor]) -> tf.Tensor:
+    """Scalar bool: True if each int64 vector of `vectors` is
+    non-decreasing. One pass over their concatenation, in a fixed number
+    of ops whatever the number of vectors."""
+    sizes = tf.stack([tf.size(v, out_type=tf.int64) for v in vectors])
+    return _rows_in_order(_concat_rows(vectors),
+                          tf.cumsum(sizes, exclusive=True), sizes)
+
+
 def _first_last_in_batch(every, starts, sizes, batches):
     """Rows sorted per feature: all lie in [0, batch) iff the first and
     the last of each non-empty feature do. `every` as `_concat_rows`
