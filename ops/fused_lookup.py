@@ -11,14 +11,15 @@ Two interchangeable paths compute the same numbers:
   `GroupEmbeddingSequenceLookup` writes each row into its `[B, T, D]` slot
   for sequences; the backward of both stays per unique id.
 * pure TF (GPU, other dtypes, a tensor or negative `max_norm`, or when
-  the kernels are not built): per table the ops of
-  stock `embedding_lookup_sparse` (a `unique`, a gather of the distinct
-  rows, a sparse segment reduction: no `[nnz, D]` tensor unless weights
-  scale single ids), behind ONE fused range check for the group; the
-  gradients are per-table IndexedSlices with unique indices. Stock TF has
-  no op that gathers from several variables, so this path cannot fuse the
-  gathers without copying the tables; fusing only the segment reduction
-  (concat of the rows, split of the outputs) measured slower on CPU.
+  the kernels are not built): per table a `unique`, a gather of the
+  distinct rows and a sparse `[B, n_distinct]` matrix (the ids' weights)
+  times those rows, whose gradient is the transposed product (no
+  `[nnz, D]` tensor either way, no sort), behind ONE fused range check
+  for the group; the gradients are per-table IndexedSlices with unique
+  indices. Stock TF has no op that gathers from several variables, so
+  this path cannot fuse the gathers without copying the tables; fusing
+  only the reduction (concat of the rows, split of the outputs) measured
+  slower on CPU.
 
 EmbeddingVariable groups follow the same split: the C++ kernel
 `EVGroupLookup` resolves keys (inserting new ones in training, counting
@@ -225,11 +226,11 @@ def _sorted_segment_sum(data, segments, batch):
 def _pooled_variables_tf(tables, feats, combiners, table_names, max_norm):
     """Pure-TF pooled lookup of a group of plain variables.
 
-    Per table the ops of stock `embedding_lookup_sparse` (unique, gather,
-    segment reduction), behind one fused check for the group. Measured on
-    2 CPU cores (26 tables), this beats concatenating the tables' rows
-    into one segment sum: the concat and the split of the outputs copy
-    more than the extra ops cost, and per-table ops run concurrently.
+    Per table a unique, a gather and `_pool_table`, behind one fused
+    check for the group. Measured on 2 CPU cores (26 tables), per-table
+    reductions beat concatenating the tables' rows into one: the concat
+    and the split of the outputs copy more than the extra ops cost, and
+    per-table ops run concurrently.
     """
     rows, slots = _distinct_rows(tables, feats, table_names, max_norm)
     return [_pool_table(r, s, f, c)

@@ -53,18 +53,27 @@ def dedup(indices, values):
 
 
 def checked_indices(indices, variable):
-    """`indices` (int64) behind an assert that they address rows.
+    """`indices` (int64) behind a check that they address rows.
 
     Every scatter of an update consumes them, so a bad index fails the
-    update before any row (of the variable or its slots) changes.
+    update before any row (of the variable or its slots) changes. The
+    assert, and the min and max it reports, are built only in the branch
+    taken on bad indices: an assert's data would be computed every step.
     """
     indices = tf.cast(indices, tf.int64)
     rows = tf.shape(variable, out_type=tf.int64)[0]
-    check = tf.debugging.Assert(
-        tf.reduce_all((indices >= 0) & (indices < rows)),
-        ["sparse update: index out of range [0, rows); min, max, rows:",
-         tf.reduce_min(indices), tf.reduce_max(indices), rows])
-    with tf.control_dependencies([check]):
+
+    def _fail():
+        check = tf.debugging.Assert(
+            False,
+            ["sparse update: index out of range [0, rows); min, max, rows:",
+             tf.reduce_min(indices), tf.reduce_max(indices), rows])
+        with tf.control_dependencies([check]):
+            return tf.constant(False)
+
+    valid = tf.cond(tf.reduce_all((indices >= 0) & (indices < rows)),
+                    lambda: tf.constant(True), _fail)
+    with tf.control_dependencies([valid]):
         return tf.identity(indices)
 
 

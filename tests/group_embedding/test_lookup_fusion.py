@@ -111,26 +111,22 @@ def test_custom_weighted_backward_has_no_per_table_gather(kernel_mode):
     assert _unfused_ops(graph) == {}
 
 
-def _segment_reductions(counts) -> int:
-    # The pure-TF path pools each table with stock's ops: a sparse segment
-    # reduction over distinct rows, or (weighted ids) a segment sum over
-    # the ids' rows.
-    return sum(n for t, n in counts.items()
-               if t.startswith("SparseSegment") and "Grad" not in t
-               or t in ("SegmentSum", "UnsortedSegmentSum"))
-
-
 @pytest.mark.parametrize("kernel_mode", ["tf"], indirect=True)
 def test_tf_path_pools_per_table_without_concat_or_split(kernel_mode):
-    # Per table one unique and one reduction; the tables' rows are never
-    # concatenated nor the outputs split (copies that cost more on CPU
-    # than the per-table ops they save). The weighted "mean" table (the
-    # 7th) also sums its weights.
+    # Per table one unique and one sparse-matrix product over its distinct
+    # rows; the tables' rows are never concatenated nor the outputs split
+    # (copies that cost more on CPU than the per-table ops they save).
+    # Each "mean" / "sqrtn" table also sums its ids' counts or weights,
+    # and nothing else reduces segments.
     case = _case()
     graph, outs = _forward(case)
     counts = op_counts(graph)
     assert counts["Unique"] == len(DIMS)
-    assert _segment_reductions(counts) == len(DIMS) + 1
+    assert counts["SparseTensorDenseMatMul"] == len(DIMS)
+    normalised = sum(c != "sum" for c in COMBINERS)
+    assert counts["UnsortedSegmentSum"] == normalised
+    assert not [t for t in counts if "Segment" in t
+                and t != "UnsortedSegmentSum"]
     assert counts["SplitV"] == 0 and counts["Split"] == 0
     assert counts["GroupEmbeddingVariableLookup"] == 0
     for got, want in zip(outs, case.stock(case.sp_weights())):
