@@ -37,6 +37,7 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.framework import auto_control_deps_utils as acd_utils
 
@@ -107,19 +108,15 @@ def _range_asserts(ids_list, vocabs, table_names):
     return checks
 
 
-def _checked_unique(tables, feats, table_names):
-    """Per table the distinct ids and each id's slot among them.
+def _group_range_check(tables, feats, table_names):
+    """ONE check that every id of the group addresses a row of its table.
 
-    ONE fused range check covers the whole group (on the distinct ids,
-    fewer than the ids); the per-table asserts that name the bad table are
-    built only in the branch taken when it fails. Every distinct-id tensor
-    waits for the check, so a bad table stops the whole group's gathers,
-    gradients and optimizer updates.
+    On the ids themselves, so that it runs from the start, beside what
+    reads them; the per-table asserts that name the bad table are built
+    only in the branch taken when it fails. Returns the check's op.
     """
     vocabs = [tf.shape(t, out_type=tf.int64)[0] for t in tables]
     with tf.name_scope("group_range_check"):
-        # On the ids themselves, not the distinct ids: the check then runs
-        # beside the `unique`s instead of after all of them.
         lows = tf.stack([tf.reduce_min(f.values) for f in feats])
         highs = tf.stack([tf.reduce_max(f.values) for f in feats])
         ok = tf.reduce_all((lows >= 0) & (highs < tf.stack(vocabs)))
@@ -129,7 +126,17 @@ def _checked_unique(tables, feats, table_names):
                     [f.values for f in feats], vocabs, table_names)):
                 return tf.constant(False)
 
-        valid = tf.cond(ok, lambda: tf.constant(True), _fail)
+        return tf.cond(ok, lambda: tf.constant(True), _fail)
+
+
+def _checked_unique(tables, feats, table_names):
+    """Per table the distinct ids and each id's slot among them.
+
+    Every distinct-id tensor waits for the group's range check, so a bad
+    table stops the whole group's gathers, gradients and optimizer
+    updates.
+    """
+    valid = _group_range_check(tables, feats, table_names)
     uniq, slots = [], []
     for f in feats:
         u, slot = tf.unique(f.values, out_idx=tf.int64)
@@ -186,15 +193,28 @@ def _scatter_rows(targets, slot, values, size, rows, weighted):
 def _pool_table(rows, slot, feat: FeatureIds, combiner: str) -> tf.Tensor:
     """`[B, D]` pooling of one table's ids from its distinct rows.
 
-    The (weighted) sum of the ids' rows (`_scatter_rows`), then divided
-    as stock divides it: by the row's id count or weight sum for "mean",
-    by the root of the count or of the sum of squared weights for "sqrtn".
+    The (weighted) sum of the ids' rows (`_scatter_rows`), then
+    `_combine`d.
     """
-    segments, batch = ragged_ids.row_ids(feat), ragged_ids.batch_size(feat)
-    weighted = feat.weights is not None
-    w = (tf.cast(feat.weights, rows.dtype) if weighted
-         else tf.ones(tf.shape(segments), rows.dtype))
+    segments, batch, w, weighted = _id_weights(feat, rows.dtype)
     pooled = _scatter_rows(segments, slot, w, batch, rows, weighted)
+    return _combine(pooled, w, segments, batch, combiner, weighted)
+
+
+def _id_weights(feat: FeatureIds, dtype):
+    """(row of each id, batch size, each id's weight (ones when
+    unweighted), whether weighted)."""
+    segments = ragged_ids.row_ids(feat)
+    weighted = feat.weights is not None
+    w = (tf.cast(feat.weights, dtype) if weighted
+         else tf.ones(tf.shape(segments), dtype))
+    return segments, ragged_ids.batch_size(feat), w, weighted
+
+
+def _combine(pooled, w, segments, batch, combiner, weighted):
+    """The weighted sums `pooled` `[B, D]`, divided as stock divides them:
+    by the row's id count or weight sum `w` for "mean", by the root of the
+    count or of the sum of squared weights for "sqrtn"."""
     if combiner == "sum":
         return pooled
     norm = tf.math.unsorted_segment_sum(
@@ -230,11 +250,58 @@ def _pooled_variables_tf(tables, feats, combiners, table_names, max_norm):
     check for the group. Measured on 2 CPU cores (26 tables), per-table
     reductions beat concatenating the tables' rows into one: the concat
     and the split of the outputs copy more than the extra ops cost, and
-    per-table ops run concurrently.
+    per-table ops run concurrently. When no gradient can be recorded
+    (inference), each table is pooled in place instead (`_pool_in_place`).
     """
+    if max_norm is None and not record.could_possibly_record():
+        valid = _group_range_check(tables, feats, table_names)
+        with tf.control_dependencies([valid]):
+            ids = [tf.identity(f.values) for f in feats]
+        return [_pool_in_place(t, i, f, c)
+                for t, i, f, c in zip(tables, ids, feats, combiners)]
     rows, slots = _distinct_rows(tables, feats, table_names, max_norm)
     return [_pool_table(r, s, f, c)
             for r, s, f, c in zip(rows, slots, feats, combiners)]
+
+
+def _pool_in_place(table, ids, feat: FeatureIds, combiner: str):
+    """`_pool_table` straight from the table: a sparse `[B, vocab]` matrix
+    times the table, without `unique` nor gather (measured 1.3x faster
+    than stock's inference on the criteo-like step).
+
+    Meant for inference; should a function traced without a tape be
+    differentiated after all (called under an outer tape), the gradient
+    is still per distinct id, as IndexedSlices.
+    """
+    read = getattr(table, "read_value_no_copy", None)
+    # A plain read would copy a table in copy-on-read mode (left so by
+    # sparse updates); stock's lookup reads the same way.
+    dense = read() if read is not None else tf.convert_to_tensor(table)
+    segments, batch, w, weighted = _id_weights(feat, dense.dtype)
+    vocab = tf.shape(dense, out_type=tf.int64)[0]
+    indices = tf.stack([segments, ids], 1)
+
+    @tf.custom_gradient
+    def product(values, dense):
+        matrix = tf.SparseTensor(indices, values, tf.stack([batch, vocab]))
+
+        def grad(g):
+            uniq, slot = tf.unique(ids, out_idx=tf.int64)
+            compact = tf.SparseTensor(
+                tf.stack([segments, slot], 1), values,
+                tf.stack([batch, tf.size(uniq, out_type=tf.int64)]))
+            d_rows = tf.sparse.sparse_dense_matmul(compact, g, adjoint_a=True)
+            d_values = None
+            if weighted:
+                d_values = tf.reduce_sum(
+                    tf.gather(dense, ids) * tf.gather(g, segments), 1)
+            return d_values, tf.IndexedSlices(d_rows, uniq,
+                                              tf.shape(dense, out_type=tf.int64))
+
+        return tf.sparse.sparse_dense_matmul(matrix, dense), grad
+
+    return _combine(product(w, dense), w, segments, batch, combiner,
+                    weighted)
 
 
 def _sequence_variables_tf(tables, feats, table_names, max_norm):

@@ -111,18 +111,28 @@ def test_custom_weighted_backward_has_no_per_table_gather(kernel_mode):
     assert _unfused_ops(graph) == {}
 
 
+@pytest.mark.parametrize("taped", [False, True],
+                         ids=["inference", "training"])
 @pytest.mark.parametrize("kernel_mode", ["tf"], indirect=True)
-def test_tf_path_pools_per_table_without_concat_or_split(kernel_mode):
-    # Per table one unique and one sparse-matrix product over its distinct
-    # rows; the tables' rows are never concatenated nor the outputs split
-    # (copies that cost more on CPU than the per-table ops they save).
-    # Each "mean" / "sqrtn" table also sums its ids' counts or weights,
-    # and nothing else reduces segments.
+def test_tf_path_pools_per_table_without_concat_or_split(kernel_mode, taped):
+    # Per table one sparse-matrix product: in training over the distinct
+    # rows (one unique each), in inference (no tape) straight over the
+    # table (no unique, no gather). The tables' rows are never
+    # concatenated nor the outputs split (copies that cost more on CPU
+    # than the per-table ops they save). Each "mean" / "sqrtn" table also
+    # sums its ids' counts or weights, and nothing else reduces segments.
     case = _case()
-    graph, outs = _forward(case)
+    if taped:
+        graph, _ = _backward(case, with_weights=True)
+        outs = case.stock(case.sp_weights())  # checked by the grad tests
+    else:
+        graph, outs = _forward(case)
     counts = op_counts(graph)
-    assert counts["Unique"] == len(DIMS)
-    assert counts["SparseTensorDenseMatMul"] == len(DIMS)
+    assert counts["Unique"] == (len(DIMS) if taped else 0)
+    assert counts["ResourceGather"] == (len(DIMS) if taped else 0)
+    products = counts["SparseTensorDenseMatMul"]
+    # Training: each forward product has a transposed one as gradient.
+    assert products == (2 * len(DIMS) if taped else len(DIMS))
     normalised = sum(c != "sum" for c in COMBINERS)
     assert counts["UnsortedSegmentSum"] == normalised
     assert not [t for t in counts if "Segment" in t
@@ -131,6 +141,50 @@ def test_tf_path_pools_per_table_without_concat_or_split(kernel_mode):
     assert counts["GroupEmbeddingVariableLookup"] == 0
     for got, want in zip(outs, case.stock(case.sp_weights())):
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("weighted", [False, True],
+                         ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("kernel_mode", ["tf"], indirect=True)
+def test_tf_inference_path_differentiated_from_outside(kernel_mode,
+                                                       weighted):
+    # A function traced without a tape pools straight from the tables;
+    # called under an outer tape it is differentiated all the same: per
+    # table IndexedSlices with unique indices (and the weights' gradient),
+    # equal to stock's.
+    case = random_case(0, DIMS, ["sparse"] * len(DIMS), COMBINERS,
+                       weighted=weighted,
+                       batch_size=5, vocab=9, max_len=3, empty_prob=0.2)
+    ids, weights = case.sp_ids(), case.sp_weights()
+    w_values = [w.values for w in weights] if weighted else []
+
+    def rebuilt(values):
+        # SparseTensor weights around the (watched) weight values.
+        if not weighted:
+            return None
+        return [tf.SparseTensor(w.indices, v, w.dense_shape)
+                for v, w in zip(values, weights)]
+
+    lookup = tf.function(lambda ids, values: ge.group_embedding_lookup_sparse(
+        case.tables, ids, case.combiners, sp_weights=rebuilt(values)))
+    graph = lookup.get_concrete_function(ids, w_values).graph
+    assert op_counts(graph)["Unique"] == 0  # traced as inference
+
+    def grads(run):
+        with tf.GradientTape() as tape:
+            tape.watch(w_values)
+            loss = tf.add_n([tf.reduce_sum(o * o) for o in run()])
+        return tape.gradient(loss, case.tables + w_values)
+
+    got = grads(lambda: lookup(ids, w_values))
+    want = grads(lambda: case.stock(rebuilt(w_values)))
+    for g, w in zip(got[:len(DIMS)], want[:len(DIMS)]):
+        assert isinstance(g, tf.IndexedSlices)
+        indices = g.indices.numpy()
+        assert len(set(indices.tolist())) == len(indices)
+        assert_close(g, w)
+    for g, w in zip(got[len(DIMS):], want[len(DIMS):]):
+        assert_close(g, w)
 
 
 @pytest.mark.parametrize("kernel_mode", ["tf"], indirect=True)
