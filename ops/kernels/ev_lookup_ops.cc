@@ -36,6 +36,7 @@ using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::ParseCombiners;
 using ::group_embedding::PrefetchRow;
 using ::group_embedding::RowScale;
+using ::group_embedding::SequenceOutputShapes;
 using ::group_embedding::SequenceShape;
 using ::group_embedding::WeightGradRows;
 using ::tensorflow::OpOutputList;
@@ -378,14 +379,7 @@ REGISTER_OP("EVGroupSequenceLookup")
       TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, n, 0));  // max_lens
       TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 2));  // default values
       TF_RETURN_IF_ERROR(InputsWithRank(c, 6 * n, 1, 0));  // training
-      for (int i = 0; i < n; ++i) {
-        tensorflow::shape_inference::DimensionHandle b, t;
-        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n + i), 0), 1,
-                                       &b));
-        TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(4 * n + i, &t));
-        c->set_output(i, c->MakeShape({b, t, c->MakeDim(dim)}));
-      }
-      return Status();
+      return SequenceOutputShapes(c, n, dim);
     });
 
 class EVGroupSequenceLookupOp : public OpKernel {

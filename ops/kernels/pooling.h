@@ -175,6 +175,20 @@ inline Status InputsWithRank(::tensorflow::shape_inference::InferenceContext* c,
   return Status();
 }
 
+// Shape functions of the sequence lookups: output i is
+// [rows of row_splits input (2n + i) - 1, max_lens input (4n + i), dim];
+// both ops put row_splits and max_lens at those input positions.
+inline Status SequenceOutputShapes(
+    ::tensorflow::shape_inference::InferenceContext* c, int n, int64_t dim) {
+  for (int i = 0; i < n; ++i) {
+    ::tensorflow::shape_inference::DimensionHandle b, t;
+    TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n + i), 0), 1, &b));
+    TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(4 * n + i, &t));
+    c->set_output(i, c->MakeShape({b, t, c->MakeDim(dim)}));
+  }
+  return Status();
+}
+
 // Checks that `t` is a scalar (rank 0); `what` names it.
 inline Status CheckScalar(const Tensor& t, const char* what) {
   if (t.dims() != 0) {

@@ -35,7 +35,6 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::OpOutputList;
 using ::tensorflow::TensorShape;
 using ::tensorflow::core::RefCountPtr;
-using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 
 // ---------------------------------------------------------------------------
@@ -64,14 +63,7 @@ REGISTER_OP("GroupEmbeddingSequenceLookup")
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // ids..positions
       TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, n, 0));  // max_lens
       TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 1));  // weights
-      for (int i = 0; i < n; ++i) {
-        DimensionHandle b, t;
-        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n + i), 0), 1,
-                                       &b));
-        TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(4 * n + i, &t));
-        c->set_output(i, c->MakeShape({b, t, c->MakeDim(dim)}));
-      }
-      return Status();
+      return SequenceOutputShapes(c, n, dim);
     });
 
 class GroupEmbeddingSequenceLookupOp : public OpKernel {
