@@ -57,6 +57,12 @@ CASES = {
     "many_tables_one_group": dict(dims=[2] * 7, kinds=["sparse"] * 7,
                                   combiners=["sum", "mean", "sqrtn"] * 2
                                   + ["mean"]),
+    # Rows wider than 16: the pure-TF path pools unweighted ones with a
+    # sparse segment sum rather than a sparse-dense product.
+    "wide_rows": dict(dims=[32, 32, 17, 17], kinds=["sparse", "ragged",
+                                                    "sparse", "ragged"],
+                      combiners=["sum", "mean", "sqrtn", "mean"],
+                      weighted=[False, False, False, True]),
 }
 
 MAX_NORM_CASES = {
@@ -64,6 +70,8 @@ MAX_NORM_CASES = {
                                                "sparse", "ragged"]),
     "max_norm_weighted": dict(_MIXED, kinds=["sparse", "ragged", "sparse",
                                              "ragged"], weighted=True),
+    "max_norm_wide": dict(dims=[32, 32], kinds=["sparse", "ragged"],
+                          combiners=["mean", "sqrtn"]),
 }
 
 _case_params = pytest.mark.parametrize(
