@@ -334,18 +334,34 @@ def _sequence_variables_tf(tables, feats, table_names, max_norm):
 
     Per table, each id's (weighted) distinct row is summed into its slot
     `row * T + position` of the flattened output (`_scatter_rows`), in
-    any slot order.
+    any slot order. For the unweighted wide tables, which add by segments,
+    the slots are sorted first when some are out of order (columns out of
+    order inside a row; one check for the group).
     """
     rows, slots = _distinct_rows(tables, feats, table_names, max_norm)
+    keys = [ragged_ids.row_ids(f) * tf.cast(f.max_len, tf.int64)
+            + f.positions for f in feats]
+    by_segments = [f.weights is None and not _narrow(r)
+                   for f, r in zip(feats, rows)]
+    to_sort = [i for i, b in enumerate(by_segments) if b]
+    if to_sort:
+        def _sort():
+            # Sort the (small) index vectors, never the rows.
+            orders = [tf.argsort(keys[i], stable=True) for i in to_sort]
+            return ([tf.gather(slots[i], o) for i, o in zip(to_sort, orders)],
+                    [tf.gather(keys[i], o) for i, o in zip(to_sort, orders)])
+
+        picked = ([slots[i] for i in to_sort], [keys[i] for i in to_sort])
+        sorted_slots, sorted_keys = tf.cond(
+            ragged_ids.all_sorted(picked[1]), lambda: picked, _sort)
+        for i, s_, k in zip(to_sort, sorted_slots, sorted_keys):
+            slots[i], keys[i] = s_, k
     flats = []
-    for r, s, f in zip(rows, slots, feats):
-        t = tf.cast(f.max_len, tf.int64)
-        keys = ragged_ids.row_ids(f) * t + f.positions
-        weighted = f.weights is not None
-        w = (tf.cast(f.weights, r.dtype) if weighted
-             else tf.ones(tf.shape(keys), r.dtype))
-        flats.append(_scatter_rows(keys, s, w, ragged_ids.batch_size(f) * t,
-                                   r, weighted))
+    for r, s, k, f, seg in zip(rows, slots, keys, feats, by_segments):
+        _, _, w, weighted = _id_weights(f, r.dtype)
+        size = ragged_ids.batch_size(f) * tf.cast(f.max_len, tf.int64)
+        flats.append(_scatter_rows(k, s, w, size, r, weighted,
+                                   sorted_targets=seg))
     return [tf.reshape(flat, tf.stack([ragged_ids.batch_size(f),
                                        tf.cast(f.max_len, tf.int64),
                                        flat.shape[1]]))

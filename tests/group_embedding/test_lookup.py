@@ -398,9 +398,10 @@ def test_row_outside_batch_in_a_later_feature(kernel_mode, row, is_sequence):
 @pytest.mark.parametrize("weighted", [False, True],
                          ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("kind", ["sparse", "ragged"])
-def test_sequence_matches_numpy(kernel_mode, kind, weighted, id_dtype):
+@pytest.mark.parametrize("dims", [[4, 8, 4], [32, 17, 32]],
+                         ids=["narrow", "wide"])
+def test_sequence_matches_numpy(kernel_mode, kind, weighted, id_dtype, dims):
     rng = np.random.default_rng(11)
-    dims = [4, 8, 4]
     tables = [random_table(rng, 7, d) for d in dims]
     feats = [random_feature(rng, kind=kind, batch_size=6, vocab=7,
                             max_len=4, weighted=weighted,
@@ -428,6 +429,42 @@ def test_sequence_matches_numpy(kernel_mode, kind, weighted, id_dtype):
                 w = f.weights[b][j] if weighted else 1.0
                 want_grad[k] += w * r[b, c]
         assert_close(grads[i], want_grad)
+
+
+@pytest.mark.parametrize("dim", [4, 32])
+def test_sequence_columns_out_of_order(kernel_mode, dim):
+    # Columns out of order inside rows, in two of three tables: each id
+    # still lands at its column (wide unweighted tables sort the slots
+    # first); the gradient is the gather's, as for a dense lookup.
+    rng = np.random.default_rng(12)
+    tables = [random_table(rng, 6, dim, f"cols{i}") for i in range(3)]
+    sps = [tf.SparseTensor([[0, 2], [0, 0], [1, 1], [2, 0], [2, 1]],
+                           tf.constant([1, 4, 2, 2, 5], tf.int64), [3, 3]),
+           tf.SparseTensor([[0, 0], [1, 0], [1, 1]],
+                           tf.constant([3, 0, 3], tf.int64), [3, 2]),
+           tf.SparseTensor([[1, 1], [1, 0], [2, 2], [2, 1]],
+                           tf.constant([0, 1, 5, 5], tf.int64), [3, 3])]
+    upstream = [rng.normal(size=(3, int(sp.dense_shape[1]), dim))
+                .astype(np.float32) for sp in sps]
+
+    def dense_lookup(table, sp):
+        dense_ids = tf.sparse.to_dense(tf.sparse.reorder(sp),
+                                       default_value=-1)
+        mask = tf.cast(dense_ids >= 0, tf.float32)[..., None]
+        return tf.gather(table, tf.maximum(dense_ids, 0)) * mask
+
+    with tf.GradientTape(persistent=True) as tape:
+        got = ge.group_embedding_lookup_sparse(tables, sps, "sum",
+                                               is_sequence=True)
+        want = [dense_lookup(t, sp) for t, sp in zip(tables, sps)]
+        got_loss = tf.add_n([tf.reduce_sum(o * u)
+                             for o, u in zip(got, upstream)])
+        want_loss = tf.add_n([tf.reduce_sum(o * u)
+                              for o, u in zip(want, upstream)])
+    for g, w, t in zip(got, want, tables):
+        assert_close(g, w)
+        assert_close(tape.gradient(got_loss, t),
+                     to_dense(tape.gradient(want_loss, t), t.shape))
 
 
 @pytest.mark.parametrize("kind", [
