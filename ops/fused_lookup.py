@@ -320,8 +320,8 @@ def _pool_in_place(table, ids, feat: FeatureIds, combiner: str):
             if weighted:
                 d_values = tf.reduce_sum(
                     tf.gather(dense, ids) * tf.gather(g, segments), 1)
-            return d_values, tf.IndexedSlices(d_rows, uniq,
-                                              tf.shape(dense, out_type=tf.int64))
+            shape = tf.shape(dense, out_type=tf.int64)
+            return d_values, tf.IndexedSlices(d_rows, uniq, shape)
 
         return tf.sparse.sparse_dense_matmul(matrix, dense), grad
 

@@ -296,7 +296,8 @@ def test_raw_kernels_reject_malformed_inputs():
                  "max_lens must be a scalar")
     expect_error("EVGroupSequenceLookup [B, T, D] overflowing int64",
                  lambda: ev_sequence(max_len=i64(2**62)), "overflow")
-    for name, fn in (("EVGroupLookup", ev_lookup), ("EVGroupGather", ev_gather),
+    for name, fn in (("EVGroupLookup", ev_lookup),
+                     ("EVGroupGather", ev_gather),
                      ("EVGroupSequenceLookup", ev_sequence)):
         expect_error(f"{name} training [2]",
                      lambda: fn(training=tf.constant([True, False])),
