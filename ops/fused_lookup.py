@@ -339,8 +339,10 @@ def _sequence_variables_tf(tables, feats, table_names, max_norm):
     order inside a row; one check for the group).
     """
     rows, slots = _distinct_rows(tables, feats, table_names, max_norm)
-    keys = [ragged_ids.row_ids(f) * tf.cast(f.max_len, tf.int64)
-            + f.positions for f in feats]
+    # (row of each id, batch, weights, weighted) per table, read once.
+    ids_of = [_id_weights(f, r.dtype) for f, r in zip(feats, rows)]
+    keys = [segments * tf.cast(f.max_len, tf.int64) + f.positions
+            for (segments, _, _, _), f in zip(ids_of, feats)]
     by_segments = [f.weights is None and not _narrow(r)
                    for f, r in zip(feats, rows)]
     to_sort = [i for i, b in enumerate(by_segments) if b]
@@ -357,9 +359,10 @@ def _sequence_variables_tf(tables, feats, table_names, max_norm):
         for i, s_, k in zip(to_sort, sorted_slots, sorted_keys):
             slots[i], keys[i] = s_, k
     flats = []
-    for r, s, k, f, seg in zip(rows, slots, keys, feats, by_segments):
-        _, _, w, weighted = _id_weights(f, r.dtype)
-        size = ragged_ids.batch_size(f) * tf.cast(f.max_len, tf.int64)
+    # Sorting only reorders unweighted tables, whose weights are all ones.
+    for r, s, k, f, seg, (_, batch, w, weighted) in zip(
+            rows, slots, keys, feats, by_segments, ids_of):
+        size = batch * tf.cast(f.max_len, tf.int64)
         flats.append(_scatter_rows(k, s, w, size, r, weighted,
                                    sorted_targets=seg))
     return [tf.reshape(flat, tf.stack([ragged_ids.batch_size(f),

@@ -314,13 +314,12 @@ def _from_sparse_tf(sp_ids, sp_weights, names, need_positions,
                                   side="right")
         widths = tf.gather(tf.stack([p["width"] for p in parts]), feature)
         ok.append(tf.reduce_all((cols >= 0) & (cols < widths)))
-    weighted = [p for p in parts if p["weights"] is not None]
+    weighted = [i for i, p in enumerate(parts) if p["weights"] is not None]
     if weighted:
         ok.append(tf.reduce_all(tf.equal(
-            tf.stack([tf.size(p["weights"], out_type=tf.int64)
-                      for p in weighted]),
-            tf.stack([tf.size(p["rows"], out_type=tf.int64)
-                      for p in weighted]))))
+            tf.stack([tf.size(parts[i]["weights"], out_type=tf.int64)
+                      for i in weighted]),
+            tf.gather(sizes, weighted))))
     valid = tf.cond(tf.reduce_all(tf.stack(ok)), lambda: tf.constant(True),
                     lambda: _failing_checks(parts, need_positions,
                                             same_batch))
