@@ -30,6 +30,8 @@ from group_embedding.stock_lookups import gather
 from group_embedding.stock_lookups import safe_embedding_lookup_sparse
 from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
+from group_embedding.packed_ids import PackedIds
+from group_embedding.packed_ids import pack_ids
 from group_embedding.distributed.checkpoint import latest_checkpoint
 from group_embedding.distributed.checkpoint import restore_tables
 from group_embedding.distributed.checkpoint import save_tables
@@ -67,6 +69,8 @@ __all__ = [
     "get_embedding_variable",
     "group_embedding_lookup",
     "group_embedding_lookup_sparse",
+    "pack_ids",
+    "PackedIds",
     "optimizers",
     "safe_embedding_lookup_sparse",
     "train",

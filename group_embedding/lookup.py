@@ -20,6 +20,8 @@ from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding import lookup_inputs
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.ops import fused_lookup
+from group_embedding.ops import ragged_ids
+from group_embedding.packed_ids import PackedIds
 
 
 def _group_key(table) -> Tuple:
@@ -81,11 +83,15 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
         sp_ids: list of K id batches, each a `tf.SparseTensor [B, T]` (indices
             in any order, duplicate ids allowed) or `tf.RaggedTensor
             [B, None]`, int32 or int64. For a `tf.Variable` table every id
-            must lie in `[0, vocab_i)`.
+            must lie in `[0, vocab_i)`. Or all K at once as the
+            `PackedIds` of `ge.pack_ids` (packed in the input pipeline:
+            cheaper to pass into a `tf.function` step, nothing left to
+            convert).
         combiners: "sum", "mean" or "sqrtn", one per table, or one string
             for all; honoured per table even inside one group.
         sp_weights: None, or a list of K entries, each None or float weights
-            of the same kind and layout as the matching ids.
+            of the same kind and layout as the matching ids (None with
+            `PackedIds`, which carry their weights).
         partition_strategy: "mod" (default) or "div": which shard owns an id
             once tables are sharded (collective mode); validated always.
         is_sequence: if True, return unpooled `[B, T, D]` tensors (zeros at
@@ -129,16 +135,38 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
         raise ValueError("`concat_outputs=True` concatenates pooled [B, D] "
                          "outputs; it cannot be used with "
                          "`is_sequence=True`.")
+    packed = None
+    if isinstance(sp_ids, PackedIds):
+        packed = _check_packed(params, sp_ids, sp_weights)
+        sp_ids, sp_weights = [packed.values] * len(params), None
     params, sp_ids, combiners, sp_weights = lookup_inputs.check_lists(
         params, sp_ids, combiners, sp_weights, partition_strategy,
         params_num_per_group)
     _check_ev_keys(params, sp_ids, "sp_ids")
     with tf.name_scope(name or "group_embedding_lookup_sparse"):
+        if packed is not None:
+            sp_ids = ragged_ids.from_packed(
+                packed.values, packed.row_splits, packed.offsets,
+                packed.batch,
+                None if packed.weights.shape.as_list() == [0]
+                else packed.weights, len(params), is_sequence)
         return _grouped_lookup(params, sp_ids, combiners, sp_weights,
                                is_sequence, params_num_per_group, max_norm,
                                same_batch=True, training=training,
                                partition_strategy=partition_strategy,
                                concat=concat_outputs)
+
+
+def _check_packed(params, packed, sp_weights) -> PackedIds:
+    """Static checks of `PackedIds` ids against the tables."""
+    if sp_weights is not None:
+        raise ValueError("Packed `sp_ids` carry their weights: pass them to "
+                         "`ge.pack_ids` and leave `sp_weights` None.")
+    k = packed.num_features
+    if k is not None and k != len(params):
+        raise ValueError(f"Packed `sp_ids` hold {k} features but `params` "
+                         f"has {len(params)} tables.")
+    return packed
 
 
 def _check_ev_keys(params, ids, argument):

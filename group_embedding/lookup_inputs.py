@@ -144,6 +144,9 @@ def to_feature_ids(sp_ids: List[Any], sp_weights: List[Any],
         ValueError: SparseTensor of rank != 2, RaggedTensor not 2-D, or
             batch sizes that differ between features (when static).
     """
+    if all(isinstance(ids, FeatureIds) for ids in sp_ids):
+        # Already converted (packed ids: one batch, checked on unpacking).
+        return list(sp_ids)
     feats: List[Optional[FeatureIds]] = [None] * len(sp_ids)
     sparse_at = []
     for i, (ids, w) in enumerate(zip(sp_ids, sp_weights)):

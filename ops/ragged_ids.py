@@ -81,12 +81,82 @@ def from_ragged(ids: tf.RaggedTensor, weights: Optional[tf.RaggedTensor],
             w = tf.identity(_float_weights(weights.values))
     positions = max_len = None
     if need_positions:
-        row_ids = tf.ragged.row_splits_to_segment_ids(splits)
-        positions = tf.range(tf.size(values, out_type=tf.int64),
-                             dtype=tf.int64) - tf.gather(splits, row_ids)
-        max_len = tf.reduce_max(tf.concat(
-            [splits[1:] - splits[:-1], tf.zeros([1], tf.int64)], 0))
+        positions, max_len = _positions(values, splits)
     return FeatureIds(values, splits, w, positions, max_len, name)
+
+
+def _positions(values, splits):
+    """Each id's slot in its row, and the longest row (the padded T)."""
+    row_ids = tf.ragged.row_splits_to_segment_ids(splits)
+    positions = tf.range(tf.size(values, out_type=tf.int64),
+                         dtype=tf.int64) - tf.gather(splits, row_ids)
+    max_len = tf.reduce_max(tf.concat(
+        [splits[1:] - splits[:-1], tf.zeros([1], tf.int64)], 0))
+    return positions, max_len
+
+
+def from_packed(values, row_splits, offsets, batch, weights,
+                num_features: int, need_positions: bool = False
+                ) -> List[FeatureIds]:
+    """The features of ids packed by `ge.pack_ids` (see `PackedIds`).
+
+    With the kernels, ONE op hands out views of the packed buffers; the
+    pure-TF path slices them (copies) and checks the layout in one
+    assert.
+    """
+    lib = kernel_library.load()
+    empty = tf.zeros([0], tf.float32)
+    w = empty if weights is None else weights
+    if lib is not None:
+        ids, splits, ws = lib.group_unpack_ids(
+            values=values, row_splits=row_splits, offsets=offsets,
+            batch=batch, weights=w, num_features=num_features)
+        ws = [None] * num_features if weights is None else ws
+    else:
+        ids, splits, ws = _unpack_tf(values, row_splits, offsets, batch,
+                                     weights, num_features)
+    feats = []
+    for i, (v, s, fw) in enumerate(zip(ids, splits, ws)):
+        positions = max_len = None
+        if need_positions:
+            positions, max_len = _positions(v, s)
+        feats.append(FeatureIds(v, s, fw, positions, max_len,
+                                f"packed ids[{i}]", batch=batch))
+    return feats
+
+
+def _unpack_tf(values, row_splits, offsets, batch, weights, num_features):
+    """`GroupUnpackIds` in TF ops: the same checks, in one assert."""
+    counts = row_splits[:, batch]
+    n = tf.size(values, out_type=tf.int64)
+    starts_ok = tf.reduce_all(tf.equal(row_splits[:, 0], 0))
+    ordered = tf.reduce_all(row_splits[:, 1:batch + 1]
+                            >= row_splits[:, :batch])
+    fits = tf.reduce_all((offsets >= 0) & (offsets + counts <= n))
+    ok = (tf.equal(tf.shape(offsets, out_type=tf.int64)[0], num_features)
+          & starts_ok & ordered & fits)
+    if weights is not None:
+        ok = ok & tf.equal(tf.size(weights, out_type=tf.int64), n)
+
+    def _fail():
+        check = tf.debugging.Assert(False, [
+            f"packed ids: expected {num_features} features whose row_splits "
+            "start at 0, never decrease and whose ids fit the packed values "
+            "(and as many weights as values); offsets, counts, values:",
+            offsets, counts, n])
+        with tf.control_dependencies([check]):
+            return tf.constant(False)
+
+    valid = tf.cond(ok, lambda: tf.constant(True), _fail)
+    with tf.control_dependencies([valid]):
+        offsets = tf.identity(offsets)
+    ids, splits, ws = [], [], []
+    for f in range(num_features):
+        ids.append(tf.slice(values, offsets[f:f + 1], counts[f:f + 1]))
+        splits.append(row_splits[f, :batch + 1])
+        ws.append(None if weights is None else
+                  tf.slice(weights, offsets[f:f + 1], counts[f:f + 1]))
+    return ids, splits, ws
 
 
 def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
