@@ -5,7 +5,10 @@ squares, backward, sparse Adagrad (lr 0.01, initial accumulator 0.1).
 Variants come in families; each `ge` variant is compared with the stock-TF
 variant of its family measured in the same run (see benchmarks/README.md):
 
-* pooled: stock_keras, stock_raw_adagrad, ge, ge_pure_tf;
+* pooled: stock_keras, stock_raw_adagrad, ge, ge_pure_tf; with ids packed
+  by `ge.pack_ids` once per batch outside the step (as an input pipeline
+  does, and as FBGEMM gets its ids): stock_packed, ge_packed,
+  ge_packed_pure_tf;
 * seq (`is_sequence=True`): stock_seq, ge_seq, ge_seq_pure_tf;
 * max_norm: stock_max_norm, ge_max_norm (C++ optimizer, TF lookup),
   ge_max_norm_pure_tf;
@@ -13,7 +16,8 @@ variant of its family measured in the same run (see benchmarks/README.md):
 * ev (EmbeddingVariable tables, pooled and sequence): stock_ev (a plain
   tf.Variable of the same size), ge_ev, stock_ev_seq, ge_ev_seq;
 * infer (`training=False`, forward only): stock_infer, ge_infer,
-  ge_infer_pure_tf;
+  ge_infer_pure_tf, and packed: stock_infer_packed, ge_infer_packed,
+  ge_infer_packed_pure_tf;
 * tf1 (graph, feature columns, `MonitoredTrainingSession`): stock_tf1,
   ge_tf1;
 * peers (`--peers`): fbgemm_tbe, FBGEMM TBE with exact Adagrad.
@@ -70,6 +74,21 @@ def _stock_lookup(tables, batch, weighted=False, max_norm=None):
     return [tf.nn.embedding_lookup_sparse(t, sp, w, combiner="sum",
                                           max_norm=max_norm)
             for t, sp, w in zip(tables, batch["ids"], weights)]
+
+
+def _stock_packed_lookup(tables, batch):
+    """Stock lookups of `ge.pack_ids` ids: each feature's slices of the
+    packed buffers as a RaggedTensor, which `embedding_lookup_sparse`
+    reads."""
+    p = batch["ids"]
+    outs = []
+    for f, t in enumerate(tables):
+        splits = p.row_splits[f, :p.batch + 1]
+        ids = tf.slice(p.values, p.offsets[f:f + 1], splits[-1:])
+        outs.append(tf.nn.embedding_lookup_sparse(
+            t, tf.RaggedTensor.from_row_splits(ids, splits, validate=False),
+            None, combiner="sum"))
+    return outs
 
 
 def _stock_sequence(tables, batch):
@@ -156,6 +175,9 @@ class Setup:
     tables: str = "variable"
     stock: bool = False
     kind: str = "tf2"
+    # Ids packed once per batch by `ge.pack_ids` outside the step, as a
+    # tf.data pipeline does (and as the FBGEMM peer gets its ids).
+    packed: bool = False
 
 
 SETUPS = {
@@ -165,6 +187,11 @@ SETUPS = {
     "stock_raw_adagrad": Setup("pooled", _stock_lookup, _RAW, stock=True),
     "ge": Setup("pooled", _ge_lookup, _GE_ADAGRAD),
     "ge_pure_tf": Setup("pooled", _ge_lookup, _GE_ADAGRAD, PURE_TF),
+    "stock_packed": Setup("pooled", _stock_packed_lookup, _RAW, stock=True,
+                          packed=True),
+    "ge_packed": Setup("pooled", _ge_lookup, _GE_ADAGRAD, packed=True),
+    "ge_packed_pure_tf": Setup("pooled", _ge_lookup, _GE_ADAGRAD, PURE_TF,
+                               packed=True),
     "stock_seq": Setup("seq", _stock_sequence, _RAW, stock=True),
     "ge_seq": Setup("seq", _p(_ge_lookup, is_sequence=True), _GE_ADAGRAD),
     "ge_seq_pure_tf": Setup("seq", _p(_ge_lookup, is_sequence=True),
@@ -191,6 +218,12 @@ SETUPS = {
     "ge_infer": Setup("infer", _p(_ge_lookup, training=False)),
     "ge_infer_pure_tf": Setup("infer", _p(_ge_lookup, training=False),
                               env=PURE_TF),
+    "stock_infer_packed": Setup("infer", _stock_packed_lookup, stock=True,
+                                packed=True),
+    "ge_infer_packed": Setup("infer", _p(_ge_lookup, training=False),
+                             packed=True),
+    "ge_infer_packed_pure_tf": Setup("infer", _p(_ge_lookup, training=False),
+                                     env=PURE_TF, packed=True),
     "stock_tf1": Setup("tf1", stock=True, kind="tf1"),
     "ge_tf1": Setup("tf1", kind="tf1"),
     "fbgemm_tbe": Setup("pooled", stock=False, kind="peer"),
@@ -234,6 +267,8 @@ class Variant:
         # given them, so that no variant pays for flattening 26 unused
         # SparseTensors at every call (~1.2 ms here).
         self.weighted = setup.family == "weighted"
+        self.packed = setup.packed
+        self._packed = {}
         if setup.tables == "ev":
             self.tables = _ev_tables(name, initial[0].shape[1], seed)
         else:
@@ -281,6 +316,10 @@ class Variant:
         return self.step_fn.experimental_get_tracing_count()
 
     def _inputs(self, batch):
+        if self.packed:
+            if id(batch) not in self._packed:
+                self._packed[id(batch)] = {"ids": ge.pack_ids(batch["ids"])}
+            return self._packed[id(batch)]
         return batch if self.weighted else {"ids": batch["ids"]}
 
 
@@ -649,9 +688,11 @@ def main(argv=None):
                    / results["ge"]["median_step_s"]
                    for base in ("stock_keras", "stock_raw_adagrad")
                    if "ge" in results and base in results})
-    if "ge" in results and "fbgemm_tbe" in results:
-        ratios["ge_over_fbgemm_tbe"] = (results["fbgemm_tbe"]["median_step_s"]
-                                        / results["ge"]["median_step_s"])
+    for ours in ("ge", "ge_packed"):
+        if ours in results and "fbgemm_tbe" in results:
+            ratios[f"{ours}_over_fbgemm_tbe"] = (
+                results["fbgemm_tbe"]["median_step_s"]
+                / results[ours]["median_step_s"])
 
     bandwidth = _gather_bandwidth(args.dim)
     step_bytes = _step_bytes(batches, args.dim)
@@ -675,7 +716,7 @@ def main(argv=None):
               f"{1e3 * r['median_step_s']:9.2f} ms/step "
               f"{r['samples_per_s']:10.0f} samples/s  {tag}")
     for name, ratio in ratios.items():
-        if name.startswith("ge_over_"):
+        if "_over_" in name:
             print(f"  speedup {name}: {ratio:.2f}x")
     print(f"memory floor: the pooled step moves {step_bytes / 1e6:.1f} MB; "
           f"numpy random-row gather runs at {bandwidth / 1e9:.1f} GB/s, so "
@@ -704,8 +745,7 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     png = os.path.splitext(args.out)[0] + ".png"
-    _plot(png, {n: r for n, r in ratios.items()
-                if not n.startswith("ge_over_")},
+    _plot(png, {n: r for n, r in ratios.items() if "_over_" not in n},
           f"criteo-like, dim {args.dim}, batch {args.batch}, cap "
           f"{args.cap} (TF {tf.__version__}, {os.cpu_count()} CPUs)")
     print(f"wrote {args.out} and {png} ({elapsed:.0f} s)")

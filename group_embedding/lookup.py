@@ -148,8 +148,8 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
             sp_ids = ragged_ids.from_packed(
                 packed.values, packed.row_splits, packed.offsets,
                 packed.batch,
-                None if packed.weights.shape.as_list() == [0]
-                else packed.weights, len(params), is_sequence)
+                packed.weights if packed.weighted else None, len(params),
+                is_sequence)
         return _grouped_lookup(params, sp_ids, combiners, sp_weights,
                                is_sequence, params_num_per_group, max_norm,
                                same_batch=True, training=training,

@@ -41,6 +41,26 @@ class PackedIds(tf.experimental.ExtensionType):
     batch: tf.Tensor
     weights: tf.Tensor
 
+    class Spec:
+        @classmethod
+        def from_value(cls, value):
+            # Only K is fixed: the id count and the batch change from batch
+            # to batch, and a `tf.function` step must not retrace for them.
+            # Whether there are weights stays static (`[0]`: none); a
+            # weighted batch without ids pools to zeros either way.
+            k = value.offsets.shape[0]
+            weighted = value.weights.shape[0] != 0
+            return cls(tf.TensorSpec([None], tf.int64),
+                       tf.TensorSpec([k, None], tf.int64),
+                       tf.TensorSpec([k], tf.int64),
+                       tf.TensorSpec([], tf.int64),
+                       tf.TensorSpec([None if weighted else 0], tf.float32))
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the features carry weights (known statically)."""
+        return self.weights.shape.as_list() != [0]
+
     @property
     def num_features(self) -> Optional[int]:
         """K, when known statically."""
