@@ -353,6 +353,50 @@ def test_raw_kernels_reject_malformed_inputs():
     """)
 
 
+def test_unpack_ids_rejects_malformed_inputs():
+    """GroupUnpackIds (packed ids) checks every input before viewing any
+    buffer: ranks, feature count, batch against the splits' width, offsets
+    and counts inside the values, weights count."""
+    _lib()
+    run_isolated("""
+    lib = kernel_library.library()
+    i64 = lambda x: tf.constant(x, tf.int64)
+
+    def unpack(values=i64([1, 2, 3]), splits=i64([[0, 1, 3]]),
+               offsets=i64([0]), batch=i64(2), weights=tf.zeros([0]), k=1):
+        return lib.group_unpack_ids(values=values, row_splits=splits,
+                                    offsets=offsets, batch=batch,
+                                    weights=weights, num_features=k)
+
+    expect_error("values [3, 1]", lambda: unpack(values=i64([[1], [2], [3]])),
+                 "must be vectors")
+    expect_error("splits vector", lambda: unpack(splits=i64([0, 1, 3])),
+                 "row_splits a matrix")
+    expect_error("batch [1]", lambda: unpack(batch=i64([2])), "batch")
+    expect_error("2 features asked", lambda: unpack(k=2), "1 features")
+    expect_error("batch past width", lambda: unpack(batch=i64(3)),
+                 "does not fit")
+    expect_error("negative batch", lambda: unpack(batch=i64(-1)),
+                 "does not fit")
+    expect_error("offset past values", lambda: unpack(offsets=i64([1])),
+                 "overflow")
+    expect_error("huge offset",
+                 lambda: unpack(offsets=i64([2**62])), "overflow")
+    expect_error("negative offset", lambda: unpack(offsets=i64([-1])),
+                 "overflow")
+    expect_error("splits start at 1", lambda: unpack(splits=i64([[1, 1, 3]])),
+                 "start at 0")
+    expect_error("splits decrease", lambda: unpack(splits=i64([[0, 3, 2]])),
+                 "non-decreasing")
+    expect_error("2 weights for 3 values",
+                 lambda: unpack(weights=tf.ones([2])), "2 weights")
+    ids, splits, w = unpack()
+    assert ids[0].numpy().tolist() == [1, 2, 3]
+    assert splits[0].numpy().tolist() == [0, 1, 3]
+    assert w[0].shape == [0]
+    """)
+
+
 def test_shape_functions_reject_known_bad_ranks():
     """Known wrong ranks fail when the graph is traced, naming the input."""
     lib = _lib()
