@@ -126,37 +126,43 @@ def from_packed(values, row_splits, offsets, batch, weights,
 
 
 def _unpack_tf(values, row_splits, offsets, batch, weights, num_features):
-    """`GroupUnpackIds` in TF ops: the same checks, in one assert."""
+    """`GroupUnpackIds` in TF ops: the same checks in one assert, and one
+    split of the values (features and the gaps between them)."""
     counts = row_splits[:, batch]
     n = tf.size(values, out_type=tf.int64)
-    starts_ok = tf.reduce_all(tf.equal(row_splits[:, 0], 0))
-    ordered = tf.reduce_all(row_splits[:, 1:batch + 1]
-                            >= row_splits[:, :batch])
-    fits = tf.reduce_all((offsets >= 0) & (offsets + counts <= n))
+    ends = offsets + counts
+    # Pieces: gap before feature 0, then each feature and the gap after it.
+    gaps = tf.concat([offsets[:1], offsets[1:] - ends[:-1],
+                      n[None] - ends[-1:]], 0)
     ok = (tf.equal(tf.shape(offsets, out_type=tf.int64)[0], num_features)
-          & starts_ok & ordered & fits)
+          & tf.reduce_all(tf.equal(row_splits[:, 0], 0))
+          & tf.reduce_all(row_splits[:, 1:batch + 1]
+                          >= row_splits[:, :batch])
+          & tf.reduce_all(counts >= 0) & tf.reduce_all(gaps >= 0))
     if weights is not None:
         ok = ok & tf.equal(tf.size(weights, out_type=tf.int64), n)
 
     def _fail():
         check = tf.debugging.Assert(False, [
-            f"packed ids: expected {num_features} features whose row_splits "
-            "start at 0, never decrease and whose ids fit the packed values "
-            "(and as many weights as values); offsets, counts, values:",
-            offsets, counts, n])
+            f"packed ids: expected {num_features} features in order whose "
+            "row_splits start at 0 and never decrease, and whose ids fit "
+            "the packed values without overlapping (as many weights as "
+            "values); offsets, counts, values:", offsets, counts, n])
         with tf.control_dependencies([check]):
             return tf.constant(False)
 
     valid = tf.cond(ok, lambda: tf.constant(True), _fail)
     with tf.control_dependencies([valid]):
-        offsets = tf.identity(offsets)
-    ids, splits, ws = [], [], []
-    for f in range(num_features):
-        ids.append(tf.slice(values, offsets[f:f + 1], counts[f:f + 1]))
-        splits.append(row_splits[f, :batch + 1])
-        ws.append(None if weights is None else
-                  tf.slice(weights, offsets[f:f + 1], counts[f:f + 1]))
-    return ids, splits, ws
+        sizes = tf.reshape(tf.stack([gaps[:-1], counts], 1), [-1])
+        sizes = tf.concat([sizes, gaps[-1:]], 0)
+
+    def features_of(flat):
+        return tf.split(flat, sizes, num=2 * num_features + 1)[1::2]
+
+    splits = tf.unstack(row_splits[:, :batch + 1], num=num_features)
+    ws = ([None] * num_features if weights is None
+          else features_of(weights))
+    return features_of(values), splits, ws
 
 
 def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,

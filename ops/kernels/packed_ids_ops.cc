@@ -112,6 +112,7 @@ class GroupUnpackIdsOp : public OpKernel {
     Tensor flat_splits;  // the [K * width] vector, same buffer
     OP_REQUIRES_OK(ctx, flat_splits.BitcastFrom(splits, tensorflow::DT_INT64,
                                                 TensorShape({k_ * width})));
+    int64_t start = 0;  // where the previous feature's ids end
     for (int f = 0; f < k_; ++f) {
       const int64_t* s = splits.flat<int64_t>().data() + f * width;
       OP_REQUIRES(ctx, s[0] == 0,
@@ -124,10 +125,15 @@ class GroupUnpackIdsOp : public OpKernel {
                                     ": row_splits must be non-decreasing."));
       }
       const int64_t count = s[batch];
-      OP_REQUIRES(ctx, off[f] >= 0 && off[f] <= n && count <= n - off[f],
+      // Features in order, none overlapping the one before (the layout
+      // `ge.pack_ids` makes, and the one the pure-TF path splits).
+      OP_REQUIRES(ctx, off[f] >= start && off[f] <= n && count <= n - off[f],
                   InvalidArgument("packed ids: feature ", f, ": its ", count,
                                   " ids at offset ", off[f],
-                                  " overflow the ", n, " packed values."));
+                                  " overflow the ", n, " packed values or "
+                                  "overlap the previous feature (which ends "
+                                  "at ", start, ")."));
+      start = off[f] + count;
       Status status;
       ids_out.set(f, SliceOrCopy(ctx, values, off[f], count, &status));
       OP_REQUIRES_OK(ctx, status);

@@ -175,6 +175,8 @@ def test_unaligned_hand_made_layout(kernel_mode):
 @pytest.mark.parametrize("field,value,needle", [
     ("offsets", [0, 5], "packed ids"),
     ("offsets", [-1, 3], "packed ids"),
+    ("offsets", [0, 0], "packed ids"),
+    ("offsets", [3, 0], "packed ids"),
     ("row_splits", [[1, 1, 3], [0, 2, 3]], "packed ids"),
     ("row_splits", [[0, 3, 1], [0, 2, 3]], "packed ids"),
 ])
