@@ -22,7 +22,8 @@ variant of its family measured in the same run (see benchmarks/README.md):
   ge_tf1;
 * peers (`--peers`): fbgemm_tbe, FBGEMM TBE with exact Adagrad.
 
-Every variant owns freshly initialised, identical tables and runs inside
+Every training variant owns freshly initialised, identical tables (the
+forward-only ones share one set) and runs inside
 `tf.function` (no XLA) or its own graph. Variants are timed round-robin
 (a few steps of each, several rounds) so that load changes on a shared
 machine hit all of them alike; the median step time per variant is
@@ -256,8 +257,13 @@ def _ev_tables(name, dim, seed):
             for i in range(len(criteo_like.CARDINALITIES))]
 
 
+# Tables of the forward-only variants, per initial values.
+_READ_ONLY_TABLES: dict[int, list] = {}
+
+
 class Variant:
-    """One way to run the step (TF2 `tf.function`), on its own tables."""
+    """One way to run the step (TF2 `tf.function`), on its own tables
+    (forward-only variants share theirs)."""
 
     def __init__(self, name: str, initial: list[np.ndarray], seed: int):
         setup = SETUPS[name]
@@ -271,6 +277,15 @@ class Variant:
         self._packed = {}
         if setup.tables == "ev":
             self.tables = _ev_tables(name, initial[0].shape[1], seed)
+        elif setup.update is None:
+            # Forward-only variants never write: they share one set of
+            # tables (at dim 64 a set is ~0.6 GB; the run must fit 24 GiB).
+            key = id(initial)
+            if key not in _READ_ONLY_TABLES:
+                _READ_ONLY_TABLES[key] = [
+                    tf.Variable(x, name=f"infer_table{i}")
+                    for i, x in enumerate(initial)]
+            self.tables = _READ_ONLY_TABLES[key]
         else:
             self.tables = [tf.Variable(x, name=f"{name}_table{i}")
                            for i, x in enumerate(initial)]
