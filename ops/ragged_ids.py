@@ -128,16 +128,20 @@ def from_packed(values, row_splits, offsets, batch, weights,
 def _unpack_tf(values, row_splits, offsets, batch, weights, num_features):
     """`GroupUnpackIds` in TF ops: the same checks in one assert, and one
     split of the values (features and the gaps between them)."""
-    counts = row_splits[:, batch]
+    width = tf.shape(row_splits, out_type=tf.int64)[1]
+    fits_width = (batch >= 0) & (batch < width)
+    # Clamped, so that a batch past the splits fails the check below
+    # instead of a slice.
+    b = tf.clip_by_value(batch, 0, tf.maximum(width - 1, 0))
+    counts = tf.gather(row_splits, b, axis=1)
     n = tf.size(values, out_type=tf.int64)
     ends = offsets + counts
     # Pieces: gap before feature 0, then each feature and the gap after it.
     gaps = tf.concat([offsets[:1], offsets[1:] - ends[:-1],
                       n[None] - ends[-1:]], 0)
     ok = (tf.equal(tf.shape(offsets, out_type=tf.int64)[0], num_features)
-          & tf.reduce_all(tf.equal(row_splits[:, 0], 0))
-          & tf.reduce_all(row_splits[:, 1:batch + 1]
-                          >= row_splits[:, :batch])
+          & fits_width & tf.reduce_all(tf.equal(row_splits[:, 0], 0))
+          & tf.reduce_all(row_splits[:, 1:b + 1] >= row_splits[:, :b])
           & tf.reduce_all(counts >= 0) & tf.reduce_all(gaps >= 0))
     if weights is not None:
         ok = ok & tf.equal(tf.size(weights, out_type=tf.int64), n)
@@ -145,9 +149,10 @@ def _unpack_tf(values, row_splits, offsets, batch, weights, num_features):
     def _fail():
         check = tf.debugging.Assert(False, [
             f"packed ids: expected {num_features} features in order whose "
-            "row_splits start at 0 and never decrease, and whose ids fit "
-            "the packed values without overlapping (as many weights as "
-            "values); offsets, counts, values:", offsets, counts, n])
+            "B + 1 row_splits fit the splits' width, start at 0 and never "
+            "decrease, and whose ids fit the packed values without "
+            "overlapping (as many weights as values); offsets, counts, "
+            "values, batch B:", offsets, counts, n, batch])
         with tf.control_dependencies([check]):
             return tf.constant(False)
 
@@ -159,7 +164,7 @@ def _unpack_tf(values, row_splits, offsets, batch, weights, num_features):
     def features_of(flat):
         return tf.split(flat, sizes, num=2 * num_features + 1)[1::2]
 
-    splits = tf.unstack(row_splits[:, :batch + 1], num=num_features)
+    splits = tf.unstack(row_splits[:, :b + 1], num=num_features)
     ws = ([None] * num_features if weights is None
           else features_of(weights))
     return features_of(values), splits, ws

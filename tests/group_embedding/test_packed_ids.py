@@ -179,6 +179,8 @@ def test_unaligned_hand_made_layout(kernel_mode):
     ("offsets", [3, 0], "packed ids"),
     ("row_splits", [[1, 1, 3], [0, 2, 3]], "packed ids"),
     ("row_splits", [[0, 3, 1], [0, 2, 3]], "packed ids"),
+    ("batch", 3, "packed ids"),
+    ("batch", -1, "packed ids"),
 ])
 def test_bad_layout_is_a_clear_error(kernel_mode, field, value, needle):
     fields = dict(values=tf.constant([1, 2, 3, 4, 5, 6], tf.int64),
