@@ -558,6 +558,14 @@ def sequence_lookup(tables, feats: List[FeatureIds], table_names,
     return sequence_rows(rows, feats)
 
 
+def _sequence_layout(feats: List[FeatureIds]) -> dict:
+    """Where each id goes in the `[B, T, D]` outputs, as both sequence
+    kernels take it: row splits, slots in the rows, padded lengths T."""
+    return dict(row_splits=[f.row_splits for f in feats],
+                positions=[f.positions for f in feats],
+                max_lens=[tf.cast(f.max_len, tf.int64) for f in feats])
+
+
 def _sequence_ev(lib, variables, feats: List[FeatureIds], training):
     """`EVGroupSequenceLookup`: each key's row (as `EVGroupGather` reads
     it) written straight into its `[B, T, D]` slot; its gradient gives each
@@ -566,9 +574,7 @@ def _sequence_ev(lib, variables, feats: List[FeatureIds], training):
     return lib.ev_group_sequence_lookup(
         handles=[v.handle for v in variables],
         keys=[f.values for f in feats],
-        row_splits=[f.row_splits for f in feats],
-        positions=[f.positions for f in feats],
-        max_lens=[tf.cast(f.max_len, tf.int64) for f in feats],
+        **_sequence_layout(feats),
         default_values=[v.default_values for v in variables],
         training=tf.convert_to_tensor(training, tf.bool),
         embedding_dim=int(variables[0].embedding_dim))
@@ -582,9 +588,7 @@ def _sequence_kernel(lib, tables, feats, table_names, max_norm):
     return lib.group_embedding_sequence_lookup(
         tables=[t.handle for t in tables],
         ids=[f.values for f in feats],
-        row_splits=[f.row_splits for f in feats],
-        positions=[f.positions for f in feats],
-        max_lens=[tf.cast(f.max_len, tf.int64) for f in feats],
+        **_sequence_layout(feats),
         weights=_kernel_weights(feats),
         table_names=table_names,
         embedding_dim=int(tables[0].shape[1]),

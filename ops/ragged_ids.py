@@ -105,12 +105,12 @@ def from_packed(values, row_splits, offsets, batch, weights,
     assert.
     """
     lib = kernel_library.load()
-    empty = tf.zeros([0], tf.float32)
-    w = empty if weights is None else weights
     if lib is not None:
         ids, splits, ws = lib.group_unpack_ids(
             values=values, row_splits=row_splits, offsets=offsets,
-            batch=batch, weights=w, num_features=num_features)
+            batch=batch,
+            weights=tf.zeros([0]) if weights is None else weights,
+            num_features=num_features)
         ws = [None] * num_features if weights is None else ws
     else:
         ids, splits, ws = _unpack_tf(values, row_splits, offsets, batch,
