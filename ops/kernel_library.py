@@ -52,6 +52,9 @@ _SOURCES = tuple(sorted(n for n in os.listdir(_KERNEL_DIR)
                         if n.endswith(".cc")))
 _HEADERS = tuple(sorted(n for n in os.listdir(_KERNEL_DIR)
                         if n.endswith(".h")))
+# NDEBUG as in TF's own release build: without it, TF's and Eigen's debug
+# checks stay in the inlined accessors of every hot loop.
+_FLAGS = ("-O3", "-fPIC", "-w", "-DNDEBUG")
 # Record of the library that `setup.py build_ext` puts into the package.
 PACKAGED_RECORD = os.path.join(_PACKAGE_DIR, "_group_embedding_ops.json")
 _PREFIX = "_group_embedding_ops_"
@@ -83,8 +86,9 @@ def cache_dir():
 
 
 def sources_digest():
-    """sha256 (hex, 16 chars) of the kernel sources and headers."""
+    """sha256 (hex, 16 chars) of the kernel sources, headers and flags."""
     digest = hashlib.sha256()
+    digest.update(" ".join(_FLAGS).encode() + b"\0")
     for name in _SOURCES + _HEADERS:
         with open(os.path.join(_KERNEL_DIR, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
@@ -142,7 +146,7 @@ def compile_library(path, record_path, native=True, verbose=False):
         RuntimeError: no compiler, or the build failed (with its output).
     """
     compiler = os.environ.get("CXX", "g++")
-    flags = ["-O3", "-fPIC", "-w"] + (["-march=native"] if native else [])
+    flags = list(_FLAGS) + (["-march=native"] if native else [])
     compile_flags = tf.sysconfig.get_compile_flags()
     jobs = max(1, min(len(_SOURCES), len(os.sched_getaffinity(0))))
     folder = os.path.dirname(os.path.abspath(path))

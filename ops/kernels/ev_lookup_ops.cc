@@ -32,6 +32,7 @@ using ::group_embedding::CheckRagged;
 using ::group_embedding::CheckScalar;
 using ::group_embedding::InputsWithRank;
 using ::group_embedding::Combiner;
+using ::group_embedding::DataOf;
 using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::ParseCombiners;
 using ::group_embedding::PrefetchRow;
@@ -303,6 +304,8 @@ class EVGroupLookupOp : public OpKernel {
     if (total_rows == 0) return;
 
     // Pooling, as GroupEmbeddingVariableLookup but through row pointers.
+    const auto split_data = DataOf<int64_t>(in.splits);
+    const auto weight_data = DataOf<float>(in.weights);
     auto work = [&](int64_t begin, int64_t end) {
       int t = static_cast<int>(
           std::upper_bound(first_row.begin(), first_row.end(), begin) -
@@ -310,10 +313,8 @@ class EVGroupLookupOp : public OpKernel {
       for (int64_t unit = begin; unit < end; ++unit) {
         while (unit >= first_row[t + 1]) ++t;
         const int64_t b = unit - first_row[t];
-        const int64_t* s = in.splits[t].flat<int64_t>().data();
-        const float* w = in.weights[t].NumElements()
-                             ? in.weights[t].flat<float>().data()
-                             : nullptr;
+        const int64_t* s = split_data[t];
+        const float* w = weight_data[t];
         const float* const* ptr = rows.data() + offset[t];
         const int64_t nnz = offset[t + 1] - offset[t];
         float* o = outs[t] + b * dim;
@@ -440,6 +441,8 @@ class EVGroupSequenceLookupOp : public OpKernel {
     for (int t = 0; t < k; ++t) {
       total_slots += (first_row[t + 1] - first_row[t]) * lens[t];
     }
+    const auto split_data = DataOf<int64_t>(splits);
+    const auto position_data = DataOf<int64_t>(positions);
     auto work = [&](int64_t begin, int64_t end) {
       int t = static_cast<int>(
           std::upper_bound(first_row.begin(), first_row.end(), begin) -
@@ -448,8 +451,8 @@ class EVGroupSequenceLookupOp : public OpKernel {
         while (unit >= first_row[t + 1]) ++t;
         const int64_t b = unit - first_row[t];
         const int64_t len = lens[t];
-        const int64_t* s = splits[t].flat<int64_t>().data();
-        const int64_t* p = positions[t].flat<int64_t>().data();
+        const int64_t* s = split_data[t];
+        const int64_t* p = position_data[t];
         const float* const* ptr = rows.data() + offset[t];
         const int64_t nnz = offset[t + 1] - offset[t];
         float* o = outs[t] + b * len * dim;

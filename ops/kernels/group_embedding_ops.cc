@@ -214,6 +214,9 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
     // reported (shards race), never read.
     std::atomic<bool> bad(false);
     std::atomic<int64_t> bad_table(-1), bad_pos(-1);
+    const auto id_data = DataOf<int64_t>(ids);
+    const auto split_data = DataOf<int64_t>(splits);
+    const auto weight_data = DataOf<float>(weights);
     auto work = [&](int64_t begin, int64_t end) {
       int t = static_cast<int>(
           std::upper_bound(first_row.begin(), first_row.end(), begin) -
@@ -221,11 +224,9 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
       for (int64_t unit = begin; unit < end; ++unit) {
         while (unit >= first_row[t + 1]) ++t;
         const int64_t b = unit - first_row[t];
-        const int64_t* v = ids[t].flat<int64_t>().data();
-        const int64_t* s = splits[t].flat<int64_t>().data();
-        const float* w = weights[t].NumElements()
-                             ? weights[t].flat<float>().data()
-                             : nullptr;
+        const int64_t* v = id_data[t];
+        const int64_t* s = split_data[t];
+        const float* w = weight_data[t];
         const float* table = tables[t];
         const uint64_t vocab = static_cast<uint64_t>(vocabs[t]);
         float* o = outs[t].base + b * outs[t].stride;
@@ -385,8 +386,6 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
     OpOutputList uniq_out, grad_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
-    int64_t total = 0;
-    for (int t = 0; t < k; ++t) total += ids[t].NumElements();
 
     std::vector<Status> status(k);
     const int64_t dim = dim_;
@@ -431,7 +430,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, k,
-                      (total / k + 1) * (dim + 1) * 8, work);
+                      (dim + 1) * 8 * 10000, work);
     for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
   }
 

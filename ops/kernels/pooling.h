@@ -115,6 +115,19 @@ inline void PrefetchRow(const float* row, int64_t dim) {
 // random, ~25 ns each per thread: 8 ahead was not enough to hide DRAM).
 constexpr int64_t kPrefetchDistance = 16;
 
+// The data of each tensor of an input list (null for an empty one, which
+// is how unweighted tables pass their weights), taken once before the
+// parallel loops: `Tensor::flat()` checks the dtype at every call, and
+// called per output row it cost as much as the gathers themselves.
+template <typename T>
+std::vector<const T*> DataOf(const ::tensorflow::OpInputList& list) {
+  std::vector<const T*> out(list.size());
+  for (int i = 0; i < list.size(); ++i) {
+    out[i] = list[i].NumElements() ? list[i].flat<T>().data() : nullptr;
+  }
+  return out;
+}
+
 // Checks that ids/row_splits/weights of table `t` describe a ragged batch
 // and that every id addresses a row of a table with `vocab` rows (any id
 // when `vocab` < 0, as for EmbeddingVariable keys).

@@ -133,6 +133,10 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
 
     const int64_t dim = dim_;
     const float max_norm = max_norm_;
+    const auto id_data = DataOf<int64_t>(ids);
+    const auto split_data = DataOf<int64_t>(splits);
+    const auto position_data = DataOf<int64_t>(positions);
+    const auto weight_data = DataOf<float>(weights);
     auto work = [&](int64_t begin, int64_t end) {
       int t = static_cast<int>(
           std::upper_bound(first_row.begin(), first_row.end(), begin) -
@@ -141,12 +145,10 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
         while (unit >= first_row[t + 1]) ++t;
         const int64_t b = unit - first_row[t];
         const int64_t len = lens[t];
-        const int64_t* v = ids[t].flat<int64_t>().data();
-        const int64_t* s = splits[t].flat<int64_t>().data();
-        const int64_t* p = positions[t].flat<int64_t>().data();
-        const float* w = weights[t].NumElements()
-                             ? weights[t].flat<float>().data()
-                             : nullptr;
+        const int64_t* v = id_data[t];
+        const int64_t* s = split_data[t];
+        const int64_t* p = position_data[t];
+        const float* w = weight_data[t];
         const float* table = tables[t];
         float* o = outs[t] + b * len * dim;
         std::fill(o, o + len * dim, 0.0f);
@@ -241,7 +243,6 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
     const int k = ids.size();
     std::vector<int64_t> lens(k);
-    int64_t total = 0;
     for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
       OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
@@ -251,7 +252,6 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
                                             dim_, &lens[t]));
       OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
                                          ids[t].NumElements(), lens[t]));
-      total += ids[t].NumElements();
     }
     OpOutputList uniq_out, grad_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
@@ -297,7 +297,7 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, k,
-                      (total / k + 1) * (dim + 1) * 8, work);
+                      (dim + 1) * 8 * 10000, work);
     for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
   }
 

@@ -76,8 +76,11 @@ class TableRead {
 
   // The row id j reads (`v`: the ids).
   const float* Row(const int64_t* v, int64_t j) const {
+    // Per id: `data()` skips the dtype check of `flat()` (callers checked
+    // a float32 matrix once).
     const int64_t dim = tensor_->dim_size(1);
-    return tensor_->flat<float>().data() + (by_position_ ? j : v[j]) * dim;
+    return static_cast<const float*>(tensor_->data()) +
+           (by_position_ ? j : v[j]) * dim;
   }
 
  private:
