@@ -39,6 +39,7 @@ using ::group_embedding::PrefetchRow;
 using ::group_embedding::RowScale;
 using ::group_embedding::SequenceOutputShapes;
 using ::group_embedding::SequenceShape;
+using ::group_embedding::WithStaticDim;
 using ::group_embedding::WeightGradRows;
 using ::tensorflow::OpOutputList;
 
@@ -306,39 +307,48 @@ class EVGroupLookupOp : public OpKernel {
     // Pooling, as GroupEmbeddingVariableLookup but through row pointers.
     const auto split_data = DataOf<int64_t>(in.splits);
     const auto weight_data = DataOf<float>(in.weights);
-    auto work = [&](int64_t begin, int64_t end) {
-      int t = static_cast<int>(
-          std::upper_bound(first_row.begin(), first_row.end(), begin) -
-          first_row.begin() - 1);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        while (unit >= first_row[t + 1]) ++t;
-        const int64_t b = unit - first_row[t];
-        const int64_t* s = split_data[t];
-        const float* w = weight_data[t];
-        const float* const* ptr = rows.data() + offset[t];
-        const int64_t nnz = offset[t + 1] - offset[t];
-        float* o = outs[t] + b * dim;
-        std::fill(o, o + dim, 0.0f);
-        const int64_t lo = s[b], hi = s[b + 1];
-        for (int64_t j = lo; j < hi; ++j) {
-          // Ahead across row boundaries: rows are often one key long.
-          if (j + kPrefetchDistance < nnz) {
-            PrefetchRow(ptr[j + kPrefetchDistance], dim);
-          }
-          const float* row = ptr[j];
-          const float wj = w ? w[j] : 1.0f;
-          for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
-        }
-        const float scale = RowScale(combiners_[t], w, lo, hi);
-        if (scale != 1.0f) {
-          for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
-        }
-      }
-    };
     const int64_t avg = offset[k] / total_rows + 1;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
-                      avg * dim * 4 + 20, work);
+    WithStaticDim(dim, [&](auto static_dim) {
+      // Sums in registers for the usual widths, as the plain lookup.
+      constexpr int64_t kDim = decltype(static_dim)::value;
+      const int64_t width = kDim > 0 ? kDim : dim;
+      auto work = [&](int64_t begin, int64_t end) {
+        int t = static_cast<int>(
+            std::upper_bound(first_row.begin(), first_row.end(), begin) -
+            first_row.begin() - 1);
+        float sums[kDim > 0 ? kDim : 1];
+        for (int64_t unit = begin; unit < end; ++unit) {
+          while (unit >= first_row[t + 1]) ++t;
+          const int64_t b = unit - first_row[t];
+          const int64_t* s = split_data[t];
+          const float* w = weight_data[t];
+          const float* const* ptr = rows.data() + offset[t];
+          const int64_t nnz = offset[t + 1] - offset[t];
+          float* o = outs[t] + b * width;
+          float* acc = kDim > 0 ? sums : o;
+          std::fill(acc, acc + width, 0.0f);
+          const int64_t lo = s[b], hi = s[b + 1];
+          for (int64_t j = lo; j < hi; ++j) {
+            // Ahead across row boundaries: rows are often one key long.
+            if (j + kPrefetchDistance < nnz) {
+              PrefetchRow(ptr[j + kPrefetchDistance], width);
+            }
+            const float* row = ptr[j];
+            const float wj = w ? w[j] : 1.0f;
+            for (int64_t d = 0; d < width; ++d) acc[d] += wj * row[d];
+          }
+          const float scale = RowScale(combiners_[t], w, lo, hi);
+          if (kDim > 0) {
+            for (int64_t d = 0; d < width; ++d) o[d] = acc[d] * scale;
+          } else if (scale != 1.0f) {
+            for (int64_t d = 0; d < width; ++d) o[d] *= scale;
+          }
+        }
+      };
+      tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
+                        avg * width * 4 + 20, work);
+    });
   }
 
  private:

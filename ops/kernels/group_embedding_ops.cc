@@ -217,50 +217,62 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
     const auto id_data = DataOf<int64_t>(ids);
     const auto split_data = DataOf<int64_t>(splits);
     const auto weight_data = DataOf<float>(weights);
-    auto work = [&](int64_t begin, int64_t end) {
-      int t = static_cast<int>(
-          std::upper_bound(first_row.begin(), first_row.end(), begin) -
-          first_row.begin() - 1);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        while (unit >= first_row[t + 1]) ++t;
-        const int64_t b = unit - first_row[t];
-        const int64_t* v = id_data[t];
-        const int64_t* s = split_data[t];
-        const float* w = weight_data[t];
-        const float* table = tables[t];
-        const uint64_t vocab = static_cast<uint64_t>(vocabs[t]);
-        float* o = outs[t].base + b * outs[t].stride;
-        std::fill(o, o + dim, 0.0f);
-        const int64_t lo = s[b], hi = s[b + 1];
-        const int64_t nnz = s[first_row[t + 1] - first_row[t]];
-        for (int64_t j = lo; j < hi; ++j) {
-          // One unsigned compare also catches negative ids.
-          if (static_cast<uint64_t>(v[j]) >= vocab) {
-            if (!bad.exchange(true)) {
-              bad_table = t;
-              bad_pos = j;
-            }
-            continue;
-          }
-          // Ahead across row boundaries: rows are often one id long.
-          const int64_t ahead = j + kPrefetchDistance;
-          if (ahead < nnz && static_cast<uint64_t>(v[ahead]) < vocab) {
-            PrefetchRow(table + v[ahead] * dim, dim);
-          }
-          const float* row = table + v[j] * dim;
-          const float wj = (w ? w[j] : 1.0f) * ClipFactor(row, dim, max_norm);
-          for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
-        }
-        const float scale = RowScale(combiners_[t], w, lo, hi);
-        if (scale != 1.0f) {
-          for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
-        }
-      }
-    };
     const int64_t avg = total_nnz / total_rows + 1;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
-                      avg * dim * 4 + 20, work);
+    WithStaticDim(dim, [&](auto static_dim) {
+      // kDim > 0: the sums live in `acc`, registers; a plain `o[d] +=`
+      // loop reloads and stores the output at every id (the compiler
+      // cannot tell the output from the rows).
+      constexpr int64_t kDim = decltype(static_dim)::value;
+      const int64_t width = kDim > 0 ? kDim : dim;
+      auto work = [&](int64_t begin, int64_t end) {
+        int t = static_cast<int>(
+            std::upper_bound(first_row.begin(), first_row.end(), begin) -
+            first_row.begin() - 1);
+        float sums[kDim > 0 ? kDim : 1];
+        for (int64_t unit = begin; unit < end; ++unit) {
+          while (unit >= first_row[t + 1]) ++t;
+          const int64_t b = unit - first_row[t];
+          const int64_t* v = id_data[t];
+          const int64_t* s = split_data[t];
+          const float* w = weight_data[t];
+          const float* table = tables[t];
+          const uint64_t vocab = static_cast<uint64_t>(vocabs[t]);
+          float* o = outs[t].base + b * outs[t].stride;
+          float* acc = kDim > 0 ? sums : o;
+          std::fill(acc, acc + width, 0.0f);
+          const int64_t lo = s[b], hi = s[b + 1];
+          const int64_t nnz = s[first_row[t + 1] - first_row[t]];
+          for (int64_t j = lo; j < hi; ++j) {
+            // One unsigned compare also catches negative ids.
+            if (static_cast<uint64_t>(v[j]) >= vocab) {
+              if (!bad.exchange(true)) {
+                bad_table = t;
+                bad_pos = j;
+              }
+              continue;
+            }
+            // Ahead across row boundaries: rows are often one id long.
+            const int64_t ahead = j + kPrefetchDistance;
+            if (ahead < nnz && static_cast<uint64_t>(v[ahead]) < vocab) {
+              PrefetchRow(table + v[ahead] * width, width);
+            }
+            const float* row = table + v[j] * width;
+            const float wj =
+                (w ? w[j] : 1.0f) * ClipFactor(row, width, max_norm);
+            for (int64_t d = 0; d < width; ++d) acc[d] += wj * row[d];
+          }
+          const float scale = RowScale(combiners_[t], w, lo, hi);
+          if (kDim > 0) {
+            for (int64_t d = 0; d < width; ++d) o[d] = acc[d] * scale;
+          } else if (scale != 1.0f) {
+            for (int64_t d = 0; d < width; ++d) o[d] *= scale;
+          }
+        }
+      };
+      tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
+                        avg * width * 4 + 20, work);
+    });
     if (bad) {
       const int64_t t = bad_table, j = bad_pos;
       ctx->SetStatus(InvalidArgument(
