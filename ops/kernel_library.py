@@ -54,7 +54,7 @@ _HEADERS = tuple(sorted(n for n in os.listdir(_KERNEL_DIR)
                         if n.endswith(".h")))
 # NDEBUG as in TF's own release build: without it, TF's and Eigen's debug
 # checks stay in the inlined accessors of every hot loop.
-_FLAGS = ("-O3", "-fPIC", "-w", "-DNDEBUG")
+_FLAGS = ("-O3", "-fPIC", "-w", "-DNDEBUG", "-fno-math-errno")
 # Record of the library that `setup.py build_ext` puts into the package.
 PACKAGED_RECORD = os.path.join(_PACKAGE_DIR, "_group_embedding_ops.json")
 _PREFIX = "_group_embedding_ops_"
