@@ -398,6 +398,8 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
     OpOutputList uniq_out, grad_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
+    int64_t total = 0;
+    for (int t = 0; t < k; ++t) total += ids[t].NumElements();
 
     std::vector<Status> status(k);
     const int64_t dim = dim_;
@@ -442,7 +444,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, k,
-                      (dim + 1) * 8 * 10000, work);
+                      (total / k + 1) * (dim + 1) * 8, work);
     for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
   }
 

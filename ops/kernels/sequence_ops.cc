@@ -243,6 +243,7 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
     const int k = ids.size();
     std::vector<int64_t> lens(k);
+    int64_t total = 0;
     for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
       OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
@@ -252,6 +253,7 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
                                             dim_, &lens[t]));
       OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
                                          ids[t].NumElements(), lens[t]));
+      total += ids[t].NumElements();
     }
     OpOutputList uniq_out, grad_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
@@ -297,7 +299,7 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, k,
-                      (dim + 1) * 8 * 10000, work);
+                      (total / k + 1) * (dim + 1) * 8, work);
     for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
   }
 
