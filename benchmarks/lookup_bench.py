@@ -502,6 +502,7 @@ def _check_losses(variants, losses: dict[str, list[float]],
 
 
 def _best_time(fn, repeats: int = 5) -> float:
+    """The shortest of `repeats` timed calls of `fn`, in seconds."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
