@@ -37,6 +37,12 @@ CASES = {
     "all_rows_empty": dict(dims=[2, 2], kinds=["sparse", "ragged"],
                            combiners=["sum", "mean"], batch_size=4,
                            empty_prob=1.0),
+    # Tables whose gradient sums outgrow the cache (the kernel's second
+    # way of building them).
+    "many_distinct_ids": dict(dims=[64, 64], kinds=["sparse", "ragged"],
+                              combiners=["sum", "sqrtn"],
+                              weighted=[False, True], vocab=6000,
+                              batch_size=2000, max_len=5),
 }
 SEEDS = (0, 1)
 

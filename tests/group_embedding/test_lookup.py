@@ -63,6 +63,14 @@ CASES = {
                                                     "sparse", "ragged"],
                       combiners=["sum", "mean", "sqrtn", "mean"],
                       weighted=[False, False, False, True]),
+    # Enough distinct ids that the C++ backward builds each id's gradient
+    # sum in turn (a table's sums over 512 KiB) for the dim-64 and dim-72
+    # tables, and adds into them in place for the dim-16 one.
+    "many_distinct_ids": dict(dims=[64, 64, 72, 16],
+                              kinds=["sparse", "ragged", "sparse", "ragged"],
+                              combiners=["sum", "mean", "sqrtn", "mean"],
+                              weighted=[False, True, True, False],
+                              vocab=6000, batch_size=2000, max_len=5),
 }
 
 MAX_NORM_CASES = {
