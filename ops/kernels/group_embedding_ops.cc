@@ -437,7 +437,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
           if (!status[t].ok()) return;
           int64_t* uids = uo->flat<int64_t>().data();
           float* gsum = go->flat<float>().data();
-          for (int64_t j = 0; j < nnz; ++j) uids[slot[j]] = v[j];
+          std::copy(map.keys().begin(), map.keys().end(), uids);
           if (u * width * sizeof(float) <= kCachedSumBytes) {
             // The sums stay in cache: add each gradient row to its id's.
             std::fill(gsum, gsum + u * width, 0.0f);
@@ -448,8 +448,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
               const float* gb = g + b * g_stride;
               for (int64_t j = lo; j < hi; ++j) {
                 const float f = scale * (w ? w[j] : 1.0f);
-                float* dst = gsum + slot[j] * width;
-                for (int64_t d = 0; d < width; ++d) dst[d] += f * gb[d];
+                AddScaledRow(gsum + slot[j] * width, gb, f, width);
               }
             }
             continue;

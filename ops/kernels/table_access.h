@@ -113,39 +113,57 @@ class SharedVarLocks {
 // Open-addressing id -> slot map used to deduplicate ids in O(nnz).
 class IdSlotMap {
  public:
+  // `expected`: an upper bound on the distinct ids (e.g. the id count).
+  // The buckets start small and double as ids arrive: sized for the id
+  // count up front, the map of a large multi-hot table (tens of thousands
+  // of ids, a few thousand distinct) outgrew L2, and its probes and its
+  // initialisation were most of the backward's dedup time.
   explicit IdSlotMap(int64_t expected) {
     int64_t cap = 16;
-    while (cap < 2 * expected) cap <<= 1;
+    while (cap < 2 * std::min<int64_t>(expected, kInitialIds)) cap <<= 1;
+    buckets_.assign(cap, -1);
     mask_ = cap - 1;
-    keys_.resize(cap);
-    slots_.assign(cap, -1);
   }
   // Returns the slot of `id`, assigning the next free slot if new.
   int64_t Insert(int64_t id) {
     uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
     while (true) {
-      if (slots_[h] < 0) {
-        keys_[h] = id;
-        slots_[h] = size_;
-        return size_++;
-      }
-      if (keys_[h] == id) return slots_[h];
+      const int64_t s = buckets_[h];
+      if (s < 0) break;
+      if (keys_[s] == id) return s;
       h = (h + 1) & mask_;
     }
+    const int64_t s = static_cast<int64_t>(keys_.size());
+    keys_.push_back(id);
+    buckets_[h] = s;
+    // Load at most 1/2: short probes.
+    if (2 * static_cast<int64_t>(keys_.size()) > mask_ + 1) Grow();
+    return s;
   }
-  int64_t size() const { return size_; }
+  int64_t size() const { return static_cast<int64_t>(keys_.size()); }
+  // The distinct ids, by slot (first-occurrence order).
+  const std::vector<int64_t>& keys() const { return keys_; }
 
  private:
+  static constexpr int64_t kInitialIds = 1024;
   static uint64_t Mix(uint64_t x) {
     x ^= x >> 33;
     x *= 0xff51afd7ed558ccdULL;
     x ^= x >> 33;
     return x;
   }
+  void Grow() {
+    buckets_.assign(2 * (mask_ + 1), -1);
+    mask_ = buckets_.size() - 1;
+    for (int64_t s = 0; s < size(); ++s) {
+      uint64_t h = Mix(static_cast<uint64_t>(keys_[s])) & mask_;
+      while (buckets_[h] >= 0) h = (h + 1) & mask_;
+      buckets_[h] = s;
+    }
+  }
   uint64_t mask_;
-  std::vector<int64_t> keys_;
-  std::vector<int64_t> slots_;
-  int64_t size_ = 0;
+  std::vector<int64_t> buckets_;  // slot, or -1 when free
+  std::vector<int64_t> keys_;     // id of each slot
 };
 
 }  // namespace group_embedding
