@@ -23,7 +23,7 @@ from typing import List
 from typing import Sequence
 
 import tensorflow as tf
-from tensorflow.python.eager import tape as tape_lib
+from tensorflow.python.ops import resource_variable_ops
 
 from group_embedding.ops import kernel_library
 from group_embedding.ops.ragged_ids import FeatureIds
@@ -103,10 +103,9 @@ def owner_gather(shards: Sequence[tf.Variable], received_ids: tf.Tensor,
         send them back with).
     """
     for s in shards:
-        if s.trainable:
-            # The kernel reads the shards through their handles: tell the
-            # tape (GradientTape, tf.function) that they were read.
-            tape_lib.variable_accessed(s)
+        # The kernel reads the shards through their handles: tell the
+        # tapes and the function being traced that they were read.
+        resource_variable_ops.variable_accessed(s)
     return _kernels().collective_owner_gather(
         shards=[s.handle for s in shards], received_ids=received_ids,
         received_splits=received_splits, dims=[int(d) for d in dims],

@@ -17,7 +17,7 @@ from typing import List
 from typing import Sequence
 
 import tensorflow as tf
-from tensorflow.python.eager import tape as tape_lib
+from tensorflow.python.ops import resource_variable_ops
 
 from group_embedding.ops import kernel_library
 
@@ -72,9 +72,9 @@ def group_gather(variables: Sequence, keys: List[tf.Tensor],
         float32 `[sum n_i, D]`.
     """
     for v in variables:
-        if v.trainable:
-            # Lets GradientTape see the storage handle as a watched source.
-            tape_lib.variable_accessed(v)
+        # Lets the tapes (and the function being traced, for later calls
+        # under a tape) see the storage handle as a watched source.
+        resource_variable_ops.variable_accessed(v)
     return library().ev_group_gather(
         handles=[v.handle for v in variables],
         keys=[tf.cast(k, tf.int64) for k in keys],

@@ -38,8 +38,8 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
-from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.framework import auto_control_deps_utils as acd_utils
+from tensorflow.python.ops import resource_variable_ops
 
 from group_embedding.ops import ev_storage
 from group_embedding.ops import kernel_library
@@ -273,11 +273,12 @@ def _pooled_variables_tf(tables, feats, combiners, table_names, max_norm):
     reductions beat concatenating the tables' rows into one: the concat
     and the split of the outputs copy more than the extra ops cost, and
     per-table ops run concurrently. When no gradient can be recorded
-    (inference), narrow tables are pooled in place instead
-    (`_pool_in_place`).
+    (inference), tables are pooled in place instead (`_pool_in_place`),
+    unless some table is wide and weighted.
     """
     if (max_norm is None and not record.could_possibly_record()
-            and all(_narrow(t) for t in tables)):
+            and all(_narrow(t) or f.weights is None
+                    for t, f in zip(tables, feats))):
         valid = _group_range_check(tables, feats, table_names)
         with tf.control_dependencies([valid]):
             ids = [tf.identity(f.values) for f in feats]
@@ -289,10 +290,12 @@ def _pooled_variables_tf(tables, feats, combiners, table_names, max_norm):
 
 
 def _pool_in_place(table, ids, feat: FeatureIds, combiner: str):
-    """`_pool_table` straight from the table: a sparse `[B, vocab]` matrix
-    times the table, without `unique` nor gather (on the criteo-like step
-    1.1x stock's inference at D = 16, but 0.6x at D = 64: narrow rows
-    only, see `_MATMUL_MAX_DIM`).
+    """`_pool_table` straight from the table, without `unique` nor gather:
+    narrow rows (see `_MATMUL_MAX_DIM`) as a sparse `[B, vocab]` matrix
+    times the table (on the criteo-like step 1.1x stock's inference at
+    D = 16, 0.6x at D = 64); wider unweighted rows by one sparse segment
+    sum over the table, as stock pools them (a unique and a gather first
+    made inference 0.86x stock at D = 64).
 
     Meant for inference; should a function traced without a tape be
     differentiated after all (called under an outer tape), the gradient
@@ -323,7 +326,11 @@ def _pool_in_place(table, ids, feat: FeatureIds, combiner: str):
             shape = tf.shape(dense, out_type=tf.int64)
             return d_values, tf.IndexedSlices(d_rows, uniq, shape)
 
-        return tf.sparse.sparse_dense_matmul(matrix, dense), grad
+        if weighted or _narrow(dense):
+            return tf.sparse.sparse_dense_matmul(matrix, dense), grad
+        # Ids come grouped by row (`FeatureIds`): sorted segments.
+        return tf.sparse.segment_sum(dense, ids, segments,
+                                     num_segments=batch), grad
 
     return _combine(product(w, dense), w, segments, batch, combiner,
                     weighted)
@@ -502,11 +509,12 @@ def concat_pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
 
 
 def _watch(tables):
-    # The kernels read the tables through their handles: tell the tape
-    # (GradientTape, tf.function) that the trainable ones were read.
+    # The kernels read the tables through their handles: tell the tapes
+    # and the function being traced, as a variable read does. (Telling
+    # the tapes only, a function traced without a tape gave no gradient
+    # when called under one later.)
     for t in tables:
-        if t.trainable:
-            tape_lib.variable_accessed(t)
+        resource_variable_ops.variable_accessed(t)
 
 
 def _kernel_weights(feats: List[FeatureIds]) -> List[tf.Tensor]:

@@ -331,6 +331,45 @@ def test_row_major_sparse_in_tf_function_matches_stock(kernel_mode,
     assert len(got_grads) == (6 if weighted else 3)
 
 
+@pytest.mark.parametrize("dims", [[4, 4, 8], [32, 64, 17]],
+                         ids=["narrow", "wide"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_lookup_traced_without_tape_matches_stock(kernel_mode, dims,
+                                                  combiner):
+    # Traced with no tape (inference), the pure-TF path pools straight
+    # from the tables. Called under a tape afterwards, both paths still
+    # give stock's gradient (the C++ path gave None: the traced function
+    # had not been told that its op read the tables).
+    case = random_case(5, dims=dims, kinds=["sparse", "ragged", "sparse"],
+                       combiners=[combiner] * 3, batch_size=9, vocab=40,
+                       max_len=5, trailing_empty=2)
+    upstream = [np.random.default_rng(i).normal(size=(9, d))
+                .astype(np.float32) for i, d in enumerate(dims)]
+
+    @tf.function
+    def lookup():
+        return ge.group_embedding_lookup_sparse(case.tables, case.sp_ids(),
+                                                combiner)
+
+    want_outs = [stock_lookup(t, x, None, combiner, 9)
+                 for t, x in zip(case.tables, case.sp_ids())]
+    for g, w in zip(lookup(), want_outs):
+        assert_close(g, w)
+    with tf.GradientTape(persistent=True) as tape:
+        got = tf.add_n([tf.reduce_sum(o * u)
+                        for o, u in zip(lookup(), upstream)])
+        want = tf.add_n([tf.reduce_sum(o * u) for o, u in zip(
+            [stock_lookup(t, x, None, combiner, 9)
+             for t, x in zip(case.tables, case.sp_ids())], upstream)])
+    for t in case.tables:
+        g = tape.gradient(got, t)
+        if kernel_mode == "tf":
+            # The C++ op's gradient leaves such a function densified
+            # (the known gap in the README's Guarantees); its values are right.
+            assert isinstance(g, tf.IndexedSlices)
+        assert_close(g, to_dense(tape.gradient(want, t), t.shape))
+
+
 def test_unsorted_columns_within_rows(kernel_mode):
     """Row-major rows with columns out of order inside a row."""
     indices = [[1, 2], [1, 0], [0, 1], [0, 0], [3, 1], [3, 0]]

@@ -148,9 +148,9 @@ def test_tf_path_pools_per_table_without_concat_or_split(kernel_mode, taped):
 @pytest.mark.parametrize("kernel_mode", ["tf"], indirect=True)
 def test_tf_path_wide_rows_add_by_segments(kernel_mode, taped):
     # Unweighted rows wider than 16 go forward through a sparse segment
-    # sum over the distinct rows (TF's sparse-dense product is slower
-    # there), also in inference; the gradient stays the transposed
-    # product.
+    # sum (TF's sparse-dense product is slower there): over the distinct
+    # rows in training, straight over the tables in inference (no
+    # unique); the gradient stays the transposed product.
     case = random_case(1, [32, 32], ["sparse", "ragged"], ["sum", "mean"],
                        batch_size=5, vocab=9, max_len=3, empty_prob=0.2)
     if taped:
@@ -162,7 +162,7 @@ def test_tf_path_wide_rows_add_by_segments(kernel_mode, taped):
         for got, want in zip(outs, case.stock(None)):
             assert_close(got, want)
     counts = op_counts(graph)
-    assert counts["Unique"] == 2
+    assert counts["Unique"] == (2 if taped else 0)
     assert counts["SparseSegmentSumWithNumSegments"] == 2
     assert counts["SparseTensorDenseMatMul"] == (2 if taped else 0)
 
