@@ -457,7 +457,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
           // sum missed the cache at most adds (most of this op's time at
           // dim 64). Instead group the occurrences by slot, in position
           // order (a counting sort), and build each sum in registers,
-          // written once. Both add in the same order: same results.
+          // written once. Both ways add in the same order.
           std::vector<int64_t> start(u + 1, 0);
           for (int64_t j = 0; j < nnz; ++j) ++start[slot[j] + 1];
           for (int64_t i = 0; i < u; ++i) start[i + 1] += start[i];

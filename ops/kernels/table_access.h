@@ -115,9 +115,8 @@ class IdSlotMap {
  public:
   // `expected`: an upper bound on the distinct ids (e.g. the id count).
   // The buckets start small and double as ids arrive: sized for the id
-  // count up front, the map of a large multi-hot table (tens of thousands
-  // of ids, a few thousand distinct) outgrew L2, and its probes and its
-  // initialisation were most of the backward's dedup time.
+  // count up front, the map of a large multi-hot table (22k ids, 7.7k
+  // distinct) took 1 MB, more than L2, and was initialised every call.
   explicit IdSlotMap(int64_t expected) {
     int64_t cap = 16;
     while (cap < 2 * std::min<int64_t>(expected, kInitialIds)) cap <<= 1;
