@@ -425,19 +425,12 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
                                : nullptr;
           const float* g = grad_rows[t].base;
           const int64_t g_stride = grad_rows[t].stride;
-          IdSlotMap map(nnz);
-          std::vector<int64_t> slot(nnz);
-          for (int64_t j = 0; j < nnz; ++j) slot[j] = map.Insert(v[j]);
-          const int64_t u = map.size();
-          Tensor* uo = nullptr;
-          Tensor* go = nullptr;
-          status[t] = uniq_out.allocate(t, TensorShape({u}), &uo);
-          if (!status[t].ok()) return;
-          status[t] = grad_out.allocate(t, TensorShape({u, dim}), &go);
-          if (!status[t].ok()) return;
-          int64_t* uids = uo->flat<int64_t>().data();
-          float* gsum = go->flat<float>().data();
-          std::copy(map.keys().begin(), map.keys().end(), uids);
+          std::vector<int64_t> slot;
+          float* gsum = nullptr;
+          status[t] = DedupToGradOutputs(v, nnz, dim, t, &uniq_out,
+                                         &grad_out, &slot, &gsum);
+          if (!status[t].ok()) continue;
+          const int64_t u = grad_out[t]->dim_size(0);
           if (u * width * sizeof(float) <= kCachedSumBytes) {
             // The sums stay in cache: add each gradient row to its id's.
             std::fill(gsum, gsum + u * width, 0.0f);

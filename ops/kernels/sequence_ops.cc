@@ -273,20 +273,12 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
                              ? weights[t].flat<float>().data()
                              : nullptr;
         const float* g = grads[t].flat<float>().data();
-        IdSlotMap map(nnz);
-        std::vector<int64_t> slot(nnz);
-        for (int64_t j = 0; j < nnz; ++j) slot[j] = map.Insert(v[j]);
-        const int64_t u = map.size();
-        Tensor* uo = nullptr;
-        Tensor* go = nullptr;
-        status[t] = uniq_out.allocate(t, TensorShape({u}), &uo);
+        std::vector<int64_t> slot;
+        float* gsum = nullptr;
+        status[t] = DedupToGradOutputs(v, nnz, dim, t, &uniq_out,
+                                       &grad_out, &slot, &gsum);
         if (!status[t].ok()) continue;
-        status[t] = grad_out.allocate(t, TensorShape({u, dim}), &go);
-        if (!status[t].ok()) continue;
-        int64_t* uids = uo->flat<int64_t>().data();
-        float* gsum = go->flat<float>().data();
-        std::fill(gsum, gsum + u * dim, 0.0f);
-        for (int64_t j = 0; j < nnz; ++j) uids[slot[j]] = v[j];
+        std::fill(gsum, gsum + grad_out[t]->NumElements(), 0.0f);
         for (int64_t b = 0; b < batch; ++b) {
           for (int64_t j = s[b]; j < s[b + 1]; ++j) {
             const float f = w ? w[j] : 1.0f;

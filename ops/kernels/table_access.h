@@ -165,6 +165,32 @@ class IdSlotMap {
   std::vector<int64_t> keys_;     // id of each slot
 };
 
+// How every per-unique-row backward starts, for one table: the slot of
+// each of the `nnz` ids `v` (first-occurrence order) into `slot`; output
+// `t` of `uniq_out` allocated and holding the distinct ids; output `t` of
+// `grad_out` allocated `[distinct, dim]` at `*sums`, for the caller to
+// fill.
+inline ::tensorflow::Status DedupToGradOutputs(
+    const int64_t* v, int64_t nnz, int64_t dim, int t,
+    ::tensorflow::OpOutputList* uniq_out,
+    ::tensorflow::OpOutputList* grad_out, std::vector<int64_t>* slot,
+    float** sums) {
+  IdSlotMap map(nnz);
+  slot->resize(nnz);
+  for (int64_t j = 0; j < nnz; ++j) (*slot)[j] = map.Insert(v[j]);
+  const int64_t u = map.size();
+  ::tensorflow::Tensor* uo = nullptr;
+  ::tensorflow::Tensor* go = nullptr;
+  TF_RETURN_IF_ERROR(
+      uniq_out->allocate(t, ::tensorflow::TensorShape({u}), &uo));
+  TF_RETURN_IF_ERROR(
+      grad_out->allocate(t, ::tensorflow::TensorShape({u, dim}), &go));
+  std::copy(map.keys().begin(), map.keys().end(),
+            uo->flat<int64_t>().data());
+  *sums = go->flat<float>().data();
+  return ::tensorflow::Status();
+}
+
 }  // namespace group_embedding
 
 #endif  // GROUP_EMBEDDING_OPS_KERNELS_TABLE_ACCESS_H_
