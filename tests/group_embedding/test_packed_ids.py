@@ -13,6 +13,7 @@ import keras
 import group_embedding as ge
 from group_embedding.ops import kernel_library
 from testing import assert_close
+from testing import to_dense
 from testing import random_case
 from testing import stock_lookup
 
@@ -115,17 +116,64 @@ def test_sequence_slots_follow_columns(kernel_mode):
         assert_close(out, want)
 
 
-def test_embedding_variables_match_lists(kernel_mode):
-    case = _case(6, weighted=(False,) * 4)
-    evs = [ge.get_embedding_variable(f"packed_ev{i}", embedding_dim=4,
-                                     initializer=tf.ones_initializer())
-           for i in range(2)]
-    ids = case.sp_ids()[:2]
-    want = ge.group_embedding_lookup_sparse(evs, ids, ["sum", "mean"])
-    got = ge.group_embedding_lookup_sparse(evs, ge.pack_ids(ids),
-                                           ["sum", "mean"])
-    for w, g in zip(want, got):
+def _per_key(grad):
+    """IndexedSlices keyed by key -> {key: summed gradient row}."""
+    out = {}
+    for k, g in zip(grad.indices.numpy(), grad.values.numpy()):
+        out[int(k)] = out.get(int(k), 0.0) + g
+    return out
+
+
+def test_embedding_variables_match_stock(kernel_mode):
+    """Packed keys into EVs look up (and differentiate) as stock lookups
+    of the same ids into plain tables holding the EVs' rows.
+
+    Each EV's default matrix is a random table of `vocab` rows with
+    `default_value_dim=vocab`, so key k starts from row k: a key that
+    pack_ids shifts or moves to another row reads another row (all-ones
+    tables, as before, saw only the row lengths). Ids repeat within and
+    across rows and come shuffled (SparseTensor features)."""
+    # 8 rows over 7 keys: ids repeat within and across rows.
+    case = random_case(6, [4, 4], ["sparse", "ragged"], ["sum", "mean"],
+                       weighted=[False, True], batch_size=8, vocab=7,
+                       max_len=5, trailing_empty=1)
+    tables = [t.numpy() for t in case.tables]
+    evs = [ge.get_embedding_variable(
+        f"packed_ev{i}_{kernel_mode}", embedding_dim=t.shape[1],
+        ev_option=ge.EmbeddingVariableOption(
+            init_option=ge.InitializerOption(
+                initializer=tf.constant_initializer(t),
+                default_value_dim=t.shape[0])))
+        for i, t in enumerate(tables)]
+    ids, weights = case.sp_ids(), case.sp_weights()
+    combiners = case.combiners
+    rng = np.random.default_rng(6)
+    upstream = [rng.normal(size=(case.batch_size, t.shape[1]))
+                .astype(np.float32) for t in tables]
+    with tf.GradientTape() as tape:
+        got = ge.group_embedding_lookup_sparse(
+            evs, ge.pack_ids(ids, weights), combiners)
+        loss = tf.add_n([tf.reduce_sum(o * u) for o, u in zip(got, upstream)])
+    grads = tape.gradient(loss, evs)
+    ref = [tf.Variable(t) for t in tables]
+    with tf.GradientTape() as tape:
+        want = [stock_lookup(t, i, w, c, case.batch_size)
+                for t, i, w, c in zip(ref, ids, weights, combiners)]
+        ref_loss = tf.add_n([tf.reduce_sum(o * u)
+                             for o, u in zip(want, upstream)])
+    ref_grads = tape.gradient(ref_loss, ref)
+    for ev, feature, g, w, grad, ref_grad in zip(
+            evs, case.features, got, want, grads, ref_grads):
         assert_close(g, w)
+        # Exactly the batch's keys were inserted, each key's gradient is
+        # the stock gradient of its row (all occurrences summed).
+        seen = np.unique(np.concatenate(feature.rows))
+        np.testing.assert_array_equal(np.sort(ev.export()[0].numpy()), seen)
+        dense = to_dense(ref_grad)
+        per_key = _per_key(grad)
+        assert sorted(per_key) == seen.tolist()
+        for k in seen:
+            assert_close(per_key[int(k)], dense[k])
 
 
 def test_tf_data_pipeline_traces_once(kernel_mode):
