@@ -105,3 +105,86 @@ def sorted_export(keys, *columns):
     order = np.argsort(keys)
     return (np.asarray(keys)[order],) + tuple(
         np.asarray(c)[order] for c in columns)
+
+
+# --- stock references ----------------------------------------------------
+
+# Ids of the stock-referenced cases: repeated (5 three times, 0 and 7
+# twice) and out of order, so that a key read from or written to the
+# wrong row, or an occurrence whose gradient is lost, changes the result.
+REPEATED_IDS = [5, 0, 7, 5, 2, 0, 6, 5, 1, 7]
+VOCAB = 8
+
+
+def random_rows(seed, dim, vocab=VOCAB):
+    """A `[vocab, dim]` float32 table of distinct random rows."""
+    rng = np.random.default_rng(seed)
+    return rng.uniform(-1.0, 1.0, (vocab, dim)).astype(np.float32)
+
+
+def ev_rows_initializer(rows):
+    """EV option whose key k starts from `rows[k]` (k < len(rows)): the
+    default matrix is `rows` itself."""
+    return V1.EmbeddingVariableOption(init_option=V1.InitializerOption(
+        initializer=V1.constant_initializer(rows),
+        default_value_dim=rows.shape[0]))
+
+
+def stock_optimizer(name, learning_rate=0.1):
+    """The stock `tf.compat.v1.train` optimizer (compat NOT installed)
+    whose numbers DeepRec's optimizer `name` must give on the stock
+    cases' inputs (the same ids every step, 5 steps):
+
+    * AdagradDecay: stock Adagrad (initial accumulator 0.1, as
+      AdagradDecay's floor); the decay period (100000 steps) never ends.
+    * AdamAsync: stock Adam; its per-variable beta powers advance once per
+      step as stock's shared ones do, and stock's sparse Adam moves only
+      rows whose m is non-zero, i.e. the touched ones.
+    """
+    train = tf.compat.v1.train
+    if name == "GradientDescent":
+        return train.GradientDescentOptimizer(learning_rate)
+    if name in ("Adagrad", "AdagradDecay"):
+        return train.AdagradOptimizer(learning_rate,
+                                      initial_accumulator_value=0.1)
+    if name in ("Adam", "AdamAsync"):
+        return train.AdamOptimizer(learning_rate)
+    if name == "FTRL":
+        return train.FtrlOptimizer(learning_rate,
+                                   l1_regularization_strength=2.0,
+                                   l2_regularization_strength=0.00001)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def train_rows(var, ids, coefficients, optimizer, steps, keys=None):
+    """Lookup of `ids`, loss `sum(emb * coefficients + emb^2)` (a
+    distinct gradient per occurrence, changing from step to step: with a
+    constant gradient Adam moves every row by lr * sign(g), blind to a
+    lost occurrence), `steps` training runs; returns the lookups of every
+    run and, with `keys`, their rows after training."""
+    emb = V1.nn.embedding_lookup(var, tf.constant(ids, tf.int64))
+    loss = tf.reduce_sum(emb * coefficients + tf.square(emb))
+    train = train_op(loss, optimizer)
+    rows = None if keys is None else V1.nn.embedding_lookup(
+        var, tf.constant(keys, tf.int64))
+    with V1.Session() as sess:
+        if hasattr(V1.GraphKeys, "EV_INIT_VAR_OPS"):
+            initialize(sess)
+        else:  # stock names: no EVs to initialise
+            sess.run(V1.global_variables_initializer())
+        history = [sess.run([emb, train])[0] for _ in range(steps)]
+        return history, None if rows is None else sess.run(rows)
+
+
+class stock_names:
+    """Context that uninstalls `group_embedding.compat` (so `tf.*` is
+    stock) and reinstalls it on exit."""
+
+    def __init__(self, compat):
+        self._compat = compat
+
+    def __enter__(self):
+        self._compat.uninstall()
+
+    def __exit__(self, *exc):
+        self._compat.install()

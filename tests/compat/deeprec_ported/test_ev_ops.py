@@ -4,7 +4,9 @@ Each test names the DeepRec case(s) it ports (`EmbeddingVariableTest.
 test...`). The inputs and expected numbers are DeepRec's; where DeepRec
 only printed results, the oracle is the same optimizer on a plain
 `tf.Variable` (or a stock feature column) fed the same ids. Everything runs
-in TF1 graph mode with the names `group_embedding.compat` installs.
+in TF1 graph mode with the names `group_embedding.compat` installs; the
+optimizer comparison builds its oracle with compat uninstalled (stock TF1
+optimizers and lookups), on distinct rows and repeated, shuffled ids.
 See README.md here for the cases not ported and why.
 """
 
@@ -17,7 +19,10 @@ from tensorflow.python.feature_column import sequence_feature_column as sfc
 
 import group_embedding as ge
 
+from ported_util import REPEATED_IDS
 from ported_util import V1
+from ported_util import VOCAB
+from ported_util import ev_rows_initializer
 from ported_util import checkpoint_rows
 from ported_util import checkpoint_table
 from ported_util import double_sum
@@ -25,9 +30,13 @@ from ported_util import initialize
 from ported_util import make_optimizer
 from ported_util import ones
 from ported_util import optimizer_params
+from ported_util import random_rows
 from ported_util import run_steps
 from ported_util import sorted_export
+from ported_util import stock_names
+from ported_util import stock_optimizer
 from ported_util import train_op
+from ported_util import train_rows
 
 IDS = [0, 1, 2, 5, 6, 7]
 L2_EVICT_IDS = [0, 0, 0, 1, 1, 2]
@@ -56,18 +65,37 @@ def _lookup_and_train(var, ids, optimizer, steps, *, use_global_step=False):
 
 @pytest.mark.parametrize("optimizer", optimizer_params())
 @pytest.mark.parametrize("num_shards", [1, 4])
-def test_optimizer_on_ev_equals_plain_variable(optimizer, num_shards):
+def test_optimizer_on_ev_equals_plain_variable(optimizer, num_shards,
+                                               compat):
     """_OpitmizerTestTemplate: testEmbeddingVariableForGradientDescent,
     ...ForAdagrad, ...ForAdagradDecay, ...ForAdam, ...ForAdamAsync (and
     ...ForFtrl, whose comparison DeepRec left commented out). num_shards=4
-    is the older versions' partitioned EV."""
+    is the older versions' partitioned EV.
+
+    DeepRec's inputs (all-ones tables, each id once, the same gradient on
+    every row) cannot tell one row from another, so the ids repeat and
+    come out of order, rows start distinct and every occurrence gets its
+    own gradient. Oracle: the stock TF1 optimizer (see
+    `stock_optimizer`) on a plain variable with stock lookups, compat
+    uninstalled, so no part of the reference runs through this library."""
+    dim = 3
+    rows = random_rows(0, dim)
+    coefficients = np.random.default_rng(1).normal(
+        size=(len(REPEATED_IDS), dim)).astype(np.float32)
+    keys = list(range(VOCAB))
+    with stock_names(compat), tf.Graph().as_default():
+        plain = V1.get_variable("var_2", initializer=rows)
+        want, want_rows = train_rows(plain, REPEATED_IDS, coefficients,
+                                     stock_optimizer(optimizer), 5, keys)
     with tf.Graph().as_default():
-        plain = V1.get_variable("var_2", shape=[100, 3], initializer=ones())
-        want = _lookup_and_train(plain, IDS, optimizer, 5)
-    with tf.Graph().as_default():
-        ev = _ev(partitioner=V1.fixed_size_partitioner(num_shards))
-        got = _lookup_and_train(ev, IDS, optimizer, 5)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        ev = _ev(dim=dim, initializer=None,
+                 ev_option=ev_rows_initializer(rows),
+                 partitioner=V1.fixed_size_partitioner(num_shards))
+        got, got_rows = train_rows(ev, REPEATED_IDS, coefficients,
+                                   make_optimizer(optimizer), 5, keys)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_rows, want_rows, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want_rows, rows)  # the step moved the rows
 
 
 def test_adam_with_global_step_as_beta1_equals_plain_variable():

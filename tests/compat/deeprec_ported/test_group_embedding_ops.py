@@ -17,10 +17,14 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 from ported_util import V1
+from ported_util import VOCAB
+from ported_util import ev_rows_initializer
 from ported_util import double_sum
 from ported_util import initialize
 from ported_util import ones
+from ported_util import random_rows
 from ported_util import run_steps
+from ported_util import stock_names
 from ported_util import train_op
 
 
@@ -78,26 +82,80 @@ def test_multi_embedding_sparse_lookup():
             _group_lookup_and_train(tables, ["mean", "sum"], 1))
 
 
+def _shuffled_ids():
+    """5 rows over keys 0..7 with ids repeated within and across rows,
+    indices out of row-major order (the last row is not empty, so stock
+    returns all 5 rows)."""
+    rows = [[5, 0, 5], [7], [2, 0, 6, 5], [], [1, 7, 7]]
+    entries = [(b, c, k) for b, row in enumerate(rows)
+               for c, k in enumerate(row)]
+    order = np.random.default_rng(3).permutation(len(entries))
+    entries = [entries[i] for i in order]
+    return tf.SparseTensor([e[:2] for e in entries],
+                           tf.constant([e[2] for e in entries], tf.int64),
+                           [len(rows), 4])
+
+
+@pytest.mark.parametrize("kinds", ["ev", "plain", "mixed"])
 @pytest.mark.parametrize("combiners", [("mean", "sum"), ("sqrtn", "mean")])
 def test_multi_kv_resource_gather_equals_multi_embedding_sparse_lookup(
-        combiners):
-    """testMultiKvResourceGatherEqualMultiEmbeddingSparseLookUp: two EVs and
-    two plain variables, all dim 16, in one group; after five Adagrad
-    steps each EV output equals the plain variable with the same combiner.
-    (`("mean", "sum")` is DeepRec's; `("sqrtn", "mean")` adds the combiner
-    DeepRec could not reach.)"""
+        combiners, kinds, compat):
+    """testMultiKvResourceGatherEqualMultiEmbeddingSparseLookUp: four
+    dim-16 tables in one group (EVs, plain variables or two of each),
+    five Adagrad steps. (`("mean", "sum")` is DeepRec's; `("sqrtn",
+    "mean")` adds the combiner DeepRec could not reach.)
+
+    DeepRec compared EVs with plain variables through the same library,
+    on all-ones tables where every key reads the same row. Here rows start
+    distinct (an EV's key k from row k), ids repeat and come shuffled,
+    every output column gets its own gradient, and the oracle is stock:
+    `tf.compat.v1.nn.embedding_lookup_sparse` per table and stock
+    `AdagradOptimizer` on plain variables, compat uninstalled. Every
+    step's outputs and the final rows must agree."""
+    dim, steps = 16, 5
+    combiners = list(combiners) * 2
+    tables = [random_rows(i, dim) for i in range(4)]
+    coefficients = np.random.default_rng(9).normal(
+        size=(5, 4 * dim)).astype(np.float32)
+    ev_flags = {"ev": [True] * 4, "plain": [False] * 4,
+                "mixed": [True, False, False, True]}[kinds]
+
+    def run(use_library):
+        if use_library:
+            params = [V1.get_embedding_variable(
+                f"emb_var_{i}", embedding_dim=dim,
+                ev_option=ev_rows_initializer(t)) if ev else
+                V1.get_variable(f"var_{i}", initializer=t)
+                for i, (t, ev) in enumerate(zip(tables, ev_flags))]
+            emb = V1.nn.group_embedding_lookup_sparse(
+                params, [_shuffled_ids()] * 4, combiners)
+        else:
+            params = [V1.get_variable(f"var_{i}", initializer=t)
+                      for i, t in enumerate(tables)]
+            ids = tf.sparse.reorder(_shuffled_ids())
+            emb = [V1.nn.embedding_lookup_sparse(p, ids, None, combiner=c)
+                   for p, c in zip(params, combiners)]
+        loss = tf.reduce_sum(tf.concat(emb, axis=-1) * coefficients)
+        train = V1.train.AdagradOptimizer(0.1).minimize(loss)
+        keys = tf.range(VOCAB, dtype=tf.int64)
+        rows = [V1.nn.embedding_lookup(p, keys) for p in params]
+        with V1.Session() as sess:
+            if use_library:
+                initialize(sess)
+            else:
+                sess.run(V1.global_variables_initializer())
+            history = [sess.run([emb, train])[0] for _ in range(steps)]
+            return history, sess.run(rows)
+
     with tf.Graph().as_default():
-        evs = [V1.get_embedding_variable(
-            f"emb_var_{i}", embedding_dim=16, initializer=ones())
-            for i in range(2)]
-        plain = [V1.get_variable(f"var_{i}", shape=(1000, 16),
-                                 initializer=ones()) for i in range(2)]
-        result = _group_lookup_and_train(evs + plain, list(combiners) * 2, 5)
-    for i in range(2):
-        np.testing.assert_allclose(result[i], result[2 + i], atol=1e-5)
-    # The two combiners of one group stay distinct (DeepRec's GPU kernel
-    # used the last one for the whole group).
-    assert np.abs(result[0] - result[1]).max() > 1e-3
+        got, got_rows = run(True)
+    with stock_names(compat), tf.Graph().as_default():
+        want, want_rows = run(False)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_rows, want_rows, rtol=1e-5, atol=1e-6)
+    # Training moved the touched rows; keys 3 and 4 never appear.
+    assert not np.allclose(want_rows[0][[0, 5]], tables[0][[0, 5]])
+    np.testing.assert_array_equal(want_rows[0][[3, 4]], tables[0][[3, 4]])
 
 
 def test_group_lookup_with_weights_equals_stock():
