@@ -30,24 +30,40 @@ def _columns(kind: str, scope_name: str):
                                                             dtype=tf.int64),
                     ge_fc.categorical_column_with_embedding("city")]
         else:
-            cats = [FC.categorical_column_with_identity("uid", 10),
-                    FC.categorical_column_with_vocabulary_list(
-                        "city", ["sf", "ny", "la"])]
+            return _stock_columns(ge_fc.embedding_column)
         return [ge_fc.embedding_column(c, 4, "sum") for c in cats]
 
 
+def _stock_columns(embedding_column):
+    # Seeded initializers, so that this library's graph and the stock
+    # reference graph (different op counts) start from the same tables.
+    cats = [FC.categorical_column_with_identity("uid", 10),
+            FC.categorical_column_with_vocabulary_list(
+                "city", ["sf", "ny", "la"])]
+    return [embedding_column(c, 4, "sum",
+                             initializer=V1.truncated_normal_initializer(
+                                 stddev=0.5, seed=i))
+            for i, c in enumerate(cats)]
+
+
 def _dense(x, units, name):
-    # tf.compat.v1.layers.dense is gone with Keras 3: plain variables.
+    # tf.compat.v1.layers.dense is gone with Keras 3: plain variables,
+    # seeded (see `_stock_columns`).
     with V1.variable_scope(name):
         w = V1.get_variable("kernel", [x.shape[1], units],
-                            initializer=V1.glorot_uniform_initializer())
+                            initializer=V1.glorot_uniform_initializer(
+                                seed=len(name)))
         b = V1.get_variable("bias", [units],
                             initializer=V1.zeros_initializer())
     return tf.matmul(x, w) + b
 
 
-def _model_fn(features, labels, mode, columns, make_optimizer):
-    x = ge_fc.input_layer(features, columns, training=mode == "train")
+def _model_fn(features, labels, mode, columns, make_optimizer,
+              input_layer=None):
+    if input_layer is None:
+        x = ge_fc.input_layer(features, columns, training=mode == "train")
+    else:
+        x = input_layer(features, columns)
     logits = _dense(tf.nn.relu(_dense(x, 8, "hidden")), 1, "logits")
     loss = tf.reduce_mean(tf.square(logits[:, 0] - labels))
     step = V1.train.get_or_create_global_step()
@@ -73,9 +89,16 @@ def _train(kind, ckpt_dir, scope_name, steps):
     with graph.as_default():
         V1.set_random_seed(0)
         features, labels = _input_fn(_frame())
-        loss, train_op = _model_fn(features, labels, "train",
-                                   _columns(kind, scope_name),
-                                   OPTIMIZERS[kind])
+        if kind == "reference":
+            # Stock columns, input_layer and Adagrad: no part of this
+            # library.
+            loss, train_op = _model_fn(
+                features, labels, "train", _stock_columns(FC.embedding_column),
+                OPTIMIZERS["stock"], V1.feature_column.input_layer)
+        else:
+            loss, train_op = _model_fn(features, labels, "train",
+                                       _columns(kind, scope_name),
+                                       OPTIMIZERS[kind])
         hooks = [V1.train.StopAtStepHook(last_step=steps)]
         losses = []
         with V1.train.MonitoredTrainingSession(
@@ -134,8 +157,34 @@ def test_monitored_training_session_trains_saves_and_restores(kind,
             # key); uid: 0..9 (-1 means missing).
             want = 4 if "city" in n else len(set(_frame()["uid"]) - {-1})
             assert len(restored[n][0]) == want, n
-        else:
-            assert np.isfinite(restored[n]).all()
+    if kind == "stock":
+        # The restored tables and layers are those of the same 30 steps
+        # run entirely on stock TF (stock columns, input_layer, Adagrad).
+        ref_dir = str(tmp_path / "reference")
+        _train("reference", ref_dir, None, steps=30)
+        ref = tf.train.latest_checkpoint(ref_dir)
+        compared = [n for n in restored
+                    if "embedding_weights" in n or "/kernel" in n]
+        assert len(compared) == 4, restored.keys()
+        for n in compared:
+            want = tf.train.load_variable(ref, n)
+            np.testing.assert_allclose(restored[n], want, rtol=1e-4,
+                                       atol=1e-5, err_msg=n)
+            if "embedding_weights" in n:
+                init = _stock_initial_table(n)
+                assert not np.allclose(want, init), n  # it trained
+
+
+def _stock_initial_table(name):
+    """The initial value of the stock table `name` (its seeded
+    initializer, evaluated in a graph of its own)."""
+    index = 0 if "uid" in name else 1
+    shape = [10, 4] if index == 0 else [3, 4]
+    with tf.Graph().as_default():
+        V1.set_random_seed(0)  # as `_train`
+        init = V1.truncated_normal_initializer(stddev=0.5, seed=index)
+        with V1.Session() as sess:
+            return sess.run(init(shape))
 
 
 def test_restored_values_equal_trained_values(tmp_path):
