@@ -123,10 +123,14 @@ def checkpoint_state(path):
     return out
 
 
-def reference_run(features, labels, eval_features, params, epochs=1):
+def reference_run(features, labels, eval_features, params, epochs=1,
+                  steps=None):
     """The oracle: a hand-written MonitoredTrainingSession loop over the
     same model_fn and batches (no checkpoints), then training=False
     predictions of `eval_features` in the same session.
+
+    Args:
+        steps: train steps; default every batch of `epochs` epochs.
 
     Returns:
         (state as `checkpoint_state` gives it, eval probabilities, steps).
@@ -143,7 +147,8 @@ def reference_run(features, labels, eval_features, params, epochs=1):
         exports = {ev.name: ev.export()[:2] for ev in graph.get_collection(
             V1.GraphKeys.SAVEABLE_OBJECTS)}
         variables = {v.op.name: v for v in V1.global_variables()}
-        steps = -(-len(labels) // BATCH) * epochs
+        if steps is None:
+            steps = -(-len(labels) // BATCH) * epochs
         with V1.train.MonitoredTrainingSession(
                 save_summaries_steps=None, save_checkpoint_secs=None,
                 log_step_count_steps=None) as session:
