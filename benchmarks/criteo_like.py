@@ -5,10 +5,14 @@ at `cap` rows; features 0-12 are one-hot, 13-25 multi-hot with a row length
 uniform in [1, 10]. Ids follow a Zipf law (alpha 1.05) truncated to the
 table, then go through a fixed random permutation of the table's ids, so
 hot ids are scattered over the table instead of packed at its start.
+
+`make_id_batches` needs only numpy (the GPU benchmark runs it on a machine
+without TensorFlow); `make_batches` wraps its ids into SparseTensors.
 """
 
+from __future__ import annotations
+
 import numpy as np
-import tensorflow as tf
 
 CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
@@ -43,9 +47,10 @@ class _ZipfIds:
         return self._perm[rank]
 
 
-def _sparse_batch(ids: np.ndarray, lengths: np.ndarray,
-                  width: int) -> tf.SparseTensor:
+def _sparse_batch(ids: np.ndarray, lengths: np.ndarray, width: int):
     """SparseTensor [batch, width] with row-major (sorted) indices."""
+    # Imported here: the numpy part of this module must load without TF.
+    import tensorflow as tf
     rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
     starts = np.cumsum(lengths) - lengths
     cols = np.arange(len(ids), dtype=np.int64) - np.repeat(starts, lengths)
@@ -53,13 +58,14 @@ def _sparse_batch(ids: np.ndarray, lengths: np.ndarray,
                            [len(lengths), width])
 
 
-def make_batches(cap: int, batch: int, num_batches: int,
-                 seed: int = 0) -> list[list[tf.SparseTensor]]:
-    """Pre-generates `num_batches` batches of the 26 id features.
+def make_id_batches(cap: int, batch: int, num_batches: int,
+                    seed: int = 0) -> list[list[tuple]]:
+    """Pre-generates `num_batches` batches of the 26 id features (numpy).
 
     Returns:
-        A list of batches; each is a list of 26 int64 `tf.SparseTensor`s,
-        `[batch, 1]` for one-hot and `[batch, 10]` for multi-hot features.
+        A list of batches; each is a list of 26 `(ids, lengths, width)`:
+        int64 ids in row-major order, int64 `[batch]` row lengths (all 1
+        for one-hot features) and the dense width (1 or 10).
     """
     rng = np.random.default_rng(seed)
     samplers = [_ZipfIds(v, rng) for v in vocab_sizes(cap)]
@@ -74,9 +80,22 @@ def make_batches(cap: int, batch: int, num_batches: int,
                 lengths = rng.integers(1, MAX_MULTI_HOT + 1, size=batch)
                 width = MAX_MULTI_HOT
             ids = sampler.sample(int(lengths.sum()), rng)
-            features.append(_sparse_batch(ids, lengths, width))
+            features.append((ids, lengths, width))
         batches.append(features)
     return batches
+
+
+def make_batches(cap: int, batch: int, num_batches: int,
+                 seed: int = 0) -> list:
+    """Pre-generates `num_batches` batches of the 26 id features.
+
+    Returns:
+        A list of batches; each is a list of 26 int64 `tf.SparseTensor`s,
+        `[batch, 1]` for one-hot and `[batch, 10]` for multi-hot features.
+    """
+    return [[_sparse_batch(ids, lengths, width)
+             for ids, lengths, width in features]
+            for features in make_id_batches(cap, batch, num_batches, seed)]
 
 
 def initial_tables(cap: int, dim: int, seed: int = 0) -> list[np.ndarray]:

@@ -1,0 +1,333 @@
+"""GPU benchmark of the CUDA core on the criteo-like workload (torch anchors).
+
+Runs on the GPU machine (CUDA, torch; no TensorFlow): the 26 Criteo
+tables capped at 10M rows, batch 65536, ids from `criteo_like` (13 one-hot
+features, 13 multi-hot with 1-10 ids, Zipf), every table pooled with sum.
+Per dim it measures, on one stream with CUDA events (median of the timed
+steps after warm-up):
+
+* `ge_forward`: the fused lookup of all 26 tables, ONE launch, into one
+  `[B, 26 * dim]` output;
+* `ge_step`: forward + backward + Adagrad (the core's fused backward-apply:
+  one sort for the group, sums in registers, update in place);
+* `ge_backward_slices`: the backward alone, to IndexedSlices;
+* `torch_per_table`: 26 x `F.embedding_bag(sparse=True)`, `torch.cat`,
+  backward, `torch.optim.Adagrad` (sparse);
+* `torch_concat`: ONE `embedding_bag` over the concatenated tables (ids
+  shifted by each table's first row; the TorchRec / SOK layout), backward,
+  sparse Adagrad;
+* `copy`: a 1 GiB device-to-device copy (bytes read + written per second).
+
+Before timing it checks the core against torch on the same tables: the
+forward equals the per-table `embedding_bag`, and one fused step leaves
+the rows that Adagrad (Keras' rule) gives from torch autograd's gradient.
+
+Writes JSON (`--json`): ms per step, GB/s, the ratios, the checks.
+"""
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
+
+import criteo_like  # noqa: E402
+
+
+def _load_cuda_core():
+    path = os.path.join(_REPO, "ops", "cuda_core.py")
+    spec = importlib.util.spec_from_file_location("_ge_cuda_core", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cc = _load_cuda_core()
+LR = 0.01
+EPS = 1e-10
+
+
+class Device:
+    """Where the benchmark runs: "cuda" (the CUDA core, events on the
+    current stream) or "cpu" (the host stand-in at tiny sizes: how CPU
+    CI checks this script before it ever reaches a GPU)."""
+
+    def __init__(self, torch, name):
+        self.torch, self.name = torch, name
+        self.cuda = name == "cuda"
+        self.stream = (torch.cuda.current_stream().cuda_stream
+                       if self.cuda else None)
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def empty_cache(self):
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def timed(self, fn, warmup, steps):
+        """(median, min) ms of `fn(i)` over `steps` runs."""
+        for _ in range(warmup):
+            fn(0)
+        self.sync()
+        times = []
+        for i in range(steps):
+            if self.cuda:
+                start = self.torch.cuda.Event(enable_timing=True)
+                end = self.torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(i + 1)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn(i + 1)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(times)), float(np.min(times))
+
+
+class Batch:
+    """One batch on the device: per table ids / splits, and the
+    concatenated example-major layout for `torch_concat`."""
+
+    def __init__(self, torch, features, row_base, dev):
+        self.ids, self.splits, self.offsets = [], [], []
+        for ids, lengths, _ in features:
+            splits = np.concatenate([[0], np.cumsum(lengths)])
+            self.ids.append(torch.from_numpy(ids).to(dev))
+            self.splits.append(torch.from_numpy(splits).to(dev))
+            self.offsets.append(torch.from_numpy(splits[:-1]).to(dev))
+        self.nnz = sum(len(f[0]) for f in features)
+        # Example-major bags (b, t) so that the output reshapes to
+        # [B, 26 * dim] without a copy.
+        batch = len(features[0][1])
+        k = len(features)
+        ids = np.concatenate([f[0] + row_base[t]
+                              for t, f in enumerate(features)])
+        bag = np.concatenate([
+            np.repeat(np.arange(batch, dtype=np.int64) * k + t, f[1])
+            for t, f in enumerate(features)])
+        order = np.argsort(bag, kind="stable")
+        cat_ids = ids[order].astype(np.int64)
+        counts = np.bincount(bag, minlength=batch * k)
+        cat_offsets = np.concatenate([[0], np.cumsum(counts)])
+        self.cat_ids = torch.from_numpy(cat_ids).to(dev)
+        self.cat_offsets = torch.from_numpy(cat_offsets[:-1]).to(dev)
+
+
+def describe(torch, tables, accums, batch, out, grad, dim):
+    """GeTable descriptors of the 26 tables for one batch (concat output,
+    concat gradient)."""
+    k = len(tables)
+    descs = (cc.GeTable * k)()
+    for t in range(k):
+        d = descs[t]
+        d.table = tables[t].data_ptr()
+        d.vocab = tables[t].shape[0]
+        d.ids = batch.ids[t].data_ptr()
+        d.splits = batch.splits[t].data_ptr()
+        d.nnz = batch.ids[t].numel()
+        d.batch = batch.splits[t].numel() - 1
+        d.combiner = cc.COMBINERS["sum"]
+        d.out = out.data_ptr() + 4 * t * dim
+        d.out_stride = k * dim
+        d.grad = grad.data_ptr() + 4 * t * dim
+        d.grad_stride = k * dim
+        d.slot0 = accums[t].data_ptr() if accums is not None else None
+    return descs
+
+
+def run_dim(dev, core, dim, batch_size, cap, steps, id_batches):
+    torch = dev.torch
+    import torch.nn.functional as F
+    vocabs = criteo_like.vocab_sizes(cap)
+    row_base = np.concatenate([[0], np.cumsum(vocabs)]).astype(np.int64)
+    k = len(vocabs)
+    stream = dev.stream
+    on = dev.name
+    gen = torch.Generator(device=on).manual_seed(dim)
+    base = [(torch.rand((v, dim), device=on, generator=gen) - 0.5) * 0.1
+            for v in vocabs]
+    batches = [Batch(torch, f, row_base, on) for f in id_batches]
+    grad = torch.randn((batch_size, k * dim), device=on, generator=gen)
+    out = torch.empty((batch_size, k * dim), device=on)
+    errors = torch.zeros(2, dtype=torch.int64, device=on)
+    result = {"dim": dim, "batch": batch_size, "tables": k,
+              "rows": int(row_base[-1]), "nnz_per_step": batches[0].nnz}
+
+    # -- ours ---------------------------------------------------------------
+    ours = [b.clone() for b in base]
+    accums = [torch.zeros_like(b) for b in base]
+    descs = [describe(torch, ours, accums, b, out, grad, dim)
+             for b in batches]
+    lookup_scratch = torch.empty(core.lib.ge_lookup_scratch_bytes(k),
+                                 dtype=torch.uint8, device=on)
+    bwd_bytes = max(core.lib.ge_backward_scratch_bytes(d, k, dim)
+                    for d in descs)
+    scratch = torch.empty(bwd_bytes, dtype=torch.uint8, device=on)
+    adagrad = cc.GeOptimizerConfig()
+    adagrad.kind = cc.OPTIMIZERS["adagrad"]
+    adagrad.lr, adagrad.epsilon = LR, EPS
+    total = max(b.nnz for b in batches)
+    uids = torch.empty(total, dtype=torch.int64, device=on)
+    ugrads = torch.empty((total, dim), device=on)
+    offsets = torch.empty(k + 1, dtype=torch.int64, device=on)
+
+    def forward(i):
+        core.check("lookup", core.lib.ge_lookup_pooled(
+            descs[i % 2], k, dim, -1.0, lookup_scratch.data_ptr(),
+            lookup_scratch.numel(), errors.data_ptr(), stream))
+
+    def step(i):
+        forward(i)
+        core.check("backward_apply", core.lib.ge_backward_apply(
+            descs[i % 2], k, dim, -1.0, ctypes.byref(adagrad),
+            scratch.data_ptr(), scratch.numel(), errors.data_ptr(), stream))
+
+    def backward_slices(i):
+        core.check("backward", core.lib.ge_backward(
+            descs[i % 2], k, dim, -1.0, scratch.data_ptr(), scratch.numel(),
+            uids.data_ptr(), ugrads.data_ptr(), offsets.data_ptr(),
+            errors.data_ptr(), stream))
+
+    # Checks against torch on batch 0, before anything is timed.
+    forward(0)
+    dev.sync()
+    per_table = [torch.nn.Parameter(b) for b in base]
+    want = torch.cat([
+        F.embedding_bag(batches[0].ids[t], per_table[t],
+                        batches[0].offsets[t], mode="sum")
+        for t in range(k)], dim=1)
+    result["check_forward_max_abs_diff"] = float((out - want).abs().max())
+    opt = torch.optim.Adagrad(per_table, lr=LR, eps=EPS, foreach=False)
+
+    def torch_step(i, update=True):
+        b = batches[i % 2]
+        opt.zero_grad(set_to_none=True)
+        y = torch.cat([
+            F.embedding_bag(b.ids[t], per_table[t], b.offsets[t],
+                            mode="sum", sparse=True)
+            for t in range(k)], dim=1)
+        y.backward(grad)
+        if update:
+            opt.step()
+
+    # One fused step of ours against Adagrad (our rule: epsilon inside the
+    # root) applied to torch autograd's gradient of the same step.
+    step(0)
+    torch_step(0, update=False)
+    dev.sync()
+    worst = 0.0
+    for t in range(k):
+        g = per_table[t].grad.coalesce()
+        rows, g = g.indices()[0][:4096], g.values()[:4096]
+        want = base[t][rows] - LR * g / torch.sqrt(g * g + EPS)
+        worst = max(worst, float(((ours[t][rows] - want).abs() /
+                                  (want.abs() + 1e-3)).max()))
+    result["check_adagrad_step_max_rel_diff"] = worst
+    result["check_error_counts"] = [int(v) for v in errors.cpu()]
+
+    result["ge_forward_ms"] = dev.timed(forward, 3, steps)
+    result["ge_step_ms"] = dev.timed(step, 3, steps)
+    result["ge_backward_slices_ms"] = dev.timed(backward_slices, 3, steps)
+    result["torch_per_table_ms"] = dev.timed(torch_step, 3, steps)
+    # Freed for the next variant (rebound, not deleted: closures use them).
+    ours = accums = opt = per_table = uids = ugrads = scratch = None
+    dev.empty_cache()
+
+    # -- torch, one concatenated table ----------------------------------------
+    cat = torch.nn.Parameter(torch.cat(base, dim=0))
+    base = None
+    dev.empty_cache()
+    cat_opt = torch.optim.Adagrad([cat], lr=LR, eps=EPS, foreach=False)
+
+    def torch_concat_step(i):
+        b = batches[i % 2]
+        cat_opt.zero_grad(set_to_none=True)
+        y = F.embedding_bag(b.cat_ids, cat, b.cat_offsets, mode="sum",
+                            sparse=True).reshape(batch_size, k * dim)
+        y.backward(grad)
+        cat_opt.step()
+
+    result["torch_concat_ms"] = dev.timed(torch_concat_step, 3, steps)
+    cat = cat_opt = None
+    dev.empty_cache()
+
+    # -- bandwidth --------------------------------------------------------------
+    src = torch.empty(1 << 28, device=on)
+    dst = torch.empty_like(src)
+    copy_ms = dev.timed(lambda i: dst.copy_(src), 3, steps)[0]
+    copy_gbs = 2 * src.numel() * 4 / copy_ms / 1e6
+    src = dst = None
+    nnz = batches[0].nnz
+    fwd_ms = result["ge_forward_ms"][0]
+    row_bytes = nnz * dim * 4
+    all_bytes = row_bytes + nnz * 8 + (batch_size + 1) * 8 * k + \
+        batch_size * k * dim * 4
+    result.update({
+        "copy_gbs": copy_gbs,
+        "ge_forward_row_gbs": row_bytes / fwd_ms / 1e6,
+        "ge_forward_all_gbs": all_bytes / fwd_ms / 1e6,
+        "forward_vs_copy": all_bytes / fwd_ms / 1e6 / copy_gbs,
+        "step_vs_torch_per_table":
+            result["torch_per_table_ms"][0] / result["ge_step_ms"][0],
+        "step_vs_torch_concat":
+            result["torch_concat_ms"][0] / result["ge_step_ms"][0],
+    })
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--core", required=True)
+    parser.add_argument("--dims", default="16,64")
+    parser.add_argument("--batch", type=int, default=65536)
+    parser.add_argument("--cap", type=int, default=10_000_000)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    import torch
+    dev = Device(torch, args.device)
+    core = cc.Core(args.core)
+    start = time.time()
+    id_batches = criteo_like.make_id_batches(args.cap, args.batch, 2)
+    print(f"ids generated in {time.time() - start:.1f} s", flush=True)
+    results = {"device": (torch.cuda.get_device_name() if dev.cuda
+                          else "cpu (host stand-in)"),
+               "torch": torch.__version__, "core": args.core,
+               "backend": core.backend, "runs": []}
+    for dim in (int(d) for d in args.dims.split(",")):
+        r = run_dim(dev, core, dim, args.batch, args.cap, args.steps,
+                    id_batches)
+        results["runs"].append(r)
+        print(json.dumps(r), flush=True)
+        dev.empty_cache()
+    # The checks against torch gate the exit status (the timings do not).
+    failed = [f"dim {r['dim']}" for r in results["runs"]
+              if r["check_forward_max_abs_diff"] > 1e-4
+              or r["check_adagrad_step_max_rel_diff"] > 1e-4
+              or r["check_error_counts"] != [0, 0]]
+    results["checks_passed"] = not failed
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if failed:
+        print(f"checks against torch FAILED: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA core, in one run on the GPU machine (CUDA 13,
+# CuPy, torch, compute-sanitizer; no TensorFlow, no network):
+#   1. records the device, driver and toolchain;
+#   2. builds the core with the machine's nvcc;
+#   3. runs every parity case (tests/ops/cuda_parity.py) against the numpy
+#      oracle: the machine's build through CuPy pointers, and the build
+#      made on the CPU machine with PyPI's nvcc (build/gpu/libge_cuda.so,
+#      when carried) through torch pointers;
+#   4. runs the quick parity cases under compute-sanitizer memcheck and
+#      racecheck (exit code 9 on any finding);
+#   5. benchmarks the criteo-like step against torch (benchmarks/gpu/bench.py).
+# Writes everything under $OUT (default benchmarks/results/gpu): the logs,
+# parity_*.json, bench.json and summary.json (commit id from GE_COMMIT).
+# Exit status: 0 only if every step passed.
+#
+# Usage (from the repository root):
+#   GE_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu/check.sh [OUT]
+set -uo pipefail
+OUT=${1:-${OUT:-benchmarks/results/gpu}}
+BUILD=${BUILD:-/tmp/ge_gpu_build}
+mkdir -p "$OUT" "$BUILD"
+exec > >(tee "$OUT/check.log") 2>&1
+PY=${PYTHON:-python3}
+STEPS_FAILED=()
+step() {  # step NAME TIMEOUT CMD...: runs and records a step
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@"
+    local rc=$?
+    echo "=== $name: exit $rc in $((SECONDS - t0)) s"
+    [ "$rc" = 0 ] || STEPS_FAILED+=("$name($rc)")
+}
+
+# 1. Where this ran.
+NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+SANITIZER=$(command -v compute-sanitizer ||
+            echo "$(dirname "$NVCC")/compute-sanitizer")
+CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
+ARCH=sm_${CAP/./}
+nvidia-smi
+"$NVCC" --version
+"$PY" - "$OUT/environment.json" "$NVCC" <<'EOF'
+import json, subprocess, sys
+def run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception as e:  # recorded, not fatal
+        return f"unavailable: {e}"
+env = {
+    "gpu": run(["nvidia-smi", "--query-gpu=name,driver_version,"
+                "memory.total,compute_cap", "--format=csv,noheader"]),
+    "nvcc": run([sys.argv[2], "--version"]).splitlines()[-1:],
+}
+for mod in ("cupy", "torch"):
+    try:
+        env[mod] = __import__(mod).__version__
+    except Exception as e:
+        env[mod] = f"unavailable: {e}"
+json.dump(env, open(sys.argv[1], "w"), indent=1)
+print(env)
+EOF
+
+# 2. The core, built here.
+CORE="$BUILD/libge_cuda.so"
+step build 300 "$NVCC" -O3 -std=c++17 -arch="$ARCH" \
+    -Xcompiler -fPIC,-fvisibility=hidden -shared -o "$CORE" \
+    ops/cuda/lookup_kernels.cu ops/cuda/backward_kernels.cu
+
+# 3. Parity: this machine's build (CuPy) and the carried one (torch).
+step parity_machine_build 300 "$PY" tests/ops/cuda_parity.py \
+    --core "$CORE" --memory cupy --json "$OUT/parity_machine_build.json"
+if [ -f build/gpu/libge_cuda.so ]; then
+    step parity_carried_build 300 "$PY" tests/ops/cuda_parity.py \
+        --core build/gpu/libge_cuda.so --memory torch \
+        --json "$OUT/parity_carried_build.json"
+else
+    echo "no carried build (build/gpu/libge_cuda.so): skipped"
+    STEPS_FAILED+=("parity_carried_build(missing)")
+fi
+
+# 4. compute-sanitizer on the quick cases.
+for tool in memcheck racecheck; do
+    step "sanitizer_$tool" 300 "$SANITIZER" --tool "$tool" \
+        --error-exitcode 9 --log-file "$OUT/sanitizer_$tool.log" \
+        "$PY" tests/ops/cuda_parity.py --core "$CORE" --memory cupy \
+        --quick --json "$OUT/sanitizer_${tool}_parity.json"
+    tail -5 "$OUT/sanitizer_$tool.log"
+done
+
+# 5. Speed against torch.
+step bench 400 "$PY" benchmarks/gpu/bench.py --core "$CORE" \
+    --json "$OUT/bench.json"
+
+"$PY" - "$OUT" "${GE_COMMIT:-unknown}" "${STEPS_FAILED[*]:-}" <<'EOF'
+import json, os, sys
+out, commit, failed = sys.argv[1], sys.argv[2], sys.argv[3].split()
+summary = {"commit": commit, "failed_steps": failed}
+for name in ("environment", "parity_machine_build", "parity_carried_build",
+             "sanitizer_memcheck_parity", "sanitizer_racecheck_parity",
+             "bench"):
+    path = os.path.join(out, name + ".json")
+    if os.path.exists(path):
+        data = json.load(open(path))
+        if "cases" in data:  # keep the counts, the cases stay in the file
+            data = {k: v for k, v in data.items() if k != "cases"}
+        summary[name] = data
+for tool in ("memcheck", "racecheck"):
+    path = os.path.join(out, f"sanitizer_{tool}.log")
+    if os.path.exists(path):
+        summary[f"sanitizer_{tool}_summary"] = open(path).read().strip(
+            ).splitlines()[-1:]
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+print(json.dumps(summary, indent=1))
+EOF
+if [ ${#STEPS_FAILED[@]} -ne 0 ]; then
+    echo "FAILED: ${STEPS_FAILED[*]}"
+    exit 1
+fi
+echo "all GPU checks passed"

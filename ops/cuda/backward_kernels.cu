@@ -1,0 +1,481 @@
+// Backward kernels of the CUDA core: the ids of all tables of a group are
+// deduplicated on the device with ONE radix sort, each distinct id's
+// gradient is summed in registers from its occurrences (no atomics: the
+// result is deterministic and adds in the CPU kernel's order), and then
+// either written out (IndexedSlices) or applied by a sparse optimizer in
+// place (the fused training step). Also the per-id weight gradients.
+//
+// Steps of a backward call, all enqueued on the caller's stream:
+//  1. Prepare: one thread per example row writes, for each of its ids,
+//     key = row_base[t] + id (the all-ones key for a bad id, which sorts
+//     last and is skipped) and payload = (gradient row << 32) | factor
+//     bits, the factor being scale_b * w_j (pooled) or w_j (sequence).
+//  2. cub radix sort of (key, payload) over the key's bits; the sort is
+//     stable, so each id's occurrences stay in position order.
+//  3. Heads (first of each key) are scanned into distinct-id numbers;
+//     run starts and per-table offsets follow.
+//  4. Sum: one group of lanes per distinct id adds its occurrences'
+//     gradient rows, applies the max_norm clip's backward with the
+//     table's row, and stores or applies the result.
+
+#include <cuda_runtime.h>
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include "core_checks.h"
+#include "embedding_math.h"
+#include "group_embedding_cuda.h"
+#include "group_rows.cuh"
+
+namespace ge_cuda {
+namespace {
+
+__global__ void __launch_bounds__(kBlock)
+    PrepareKernel(DeviceGroup g, uint64_t* __restrict__ keys,
+                  uint64_t* __restrict__ payload) {
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x +
+                       threadIdx.x;
+  if (unit >= g.units) return;
+  const int t = FindSegment(g.unit_base, g.n, unit);
+  const GeTable& x = g.tables[t];
+  const int64_t b = unit - g.unit_base[t];
+  int64_t lo, hi;
+  RowRange(x, b, true, g.errors, &lo, &hi);
+  const bool sequence = x.positions != nullptr;
+  const float* w = x.weights;
+  float scale = 1.0f;
+  if (!sequence && x.combiner != GE_SUM) {
+    double wsum = 0.0, w2sum = 0.0;
+    if (w) {
+      for (int64_t j = lo; j < hi; ++j) {
+        wsum += w[j];
+        w2sum += static_cast<double>(w[j]) * w[j];
+      }
+    }
+    scale = ge_math::RowScale(x.combiner, w != nullptr, hi - lo, wsum, w2sum);
+  }
+  const uint64_t vocab = static_cast<uint64_t>(x.vocab);
+  const int64_t base = g.row_base[t];
+  const int64_t occ = g.occ_base[t];
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t id = x.ids[j];
+    int64_t row = b;
+    float f = w ? w[j] : 1.0f;
+    if (sequence) {
+      const int64_t p = x.positions[j];
+      if (p < 0 || p >= x.seq_len) {
+        CountError(g.errors, GE_BAD_LAYOUT);
+        continue;  // its key stays all ones (skipped)
+      }
+      row = b * x.seq_len + p;
+    } else {
+      f *= scale;
+    }
+    if (static_cast<uint64_t>(id) >= vocab) {
+      CountError(g.errors, GE_BAD_IDS);
+      continue;
+    }
+    keys[occ + j] = static_cast<uint64_t>(base + id);
+    payload[occ + j] = (static_cast<uint64_t>(row) << 32) |
+                       __float_as_uint(f);
+  }
+}
+
+// heads[i] = 1 for the first occurrence of each valid key.
+__global__ void HeadsKernel(const uint64_t* __restrict__ keys, int64_t n,
+                            uint64_t rows, int* __restrict__ heads) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x +
+                    threadIdx.x;
+  if (i >= n) return;
+  heads[i] = keys[i] < rows && (i == 0 || keys[i] != keys[i - 1]);
+}
+
+// run_start[u] = sorted position of distinct id u.
+__global__ void RunsKernel(const int* __restrict__ heads,
+                           const int* __restrict__ number, int64_t n,
+                           int64_t* __restrict__ run_start) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x +
+                    threadIdx.x;
+  if (i >= n || !heads[i]) return;
+  run_start[number[i] - 1] = i;
+}
+
+// First sorted position whose key is >= v.
+__device__ int64_t LowerBound(const uint64_t* keys, int64_t n, uint64_t v) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] < v) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// offsets[t] = distinct ids of the tables before t; offsets[n] = all of
+// them (U), and run_start[U] = the end of the valid keys.
+__global__ void OffsetsKernel(DeviceGroup g, const uint64_t* __restrict__ keys,
+                              const int* __restrict__ number,
+                              int64_t* __restrict__ offsets,
+                              int64_t* __restrict__ run_start) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t > g.n) return;
+  const int64_t pos = LowerBound(keys, g.occurrences,
+                                 static_cast<uint64_t>(g.row_base[t]));
+  offsets[t] = pos == 0 ? 0 : number[pos - 1];
+  if (t == g.n) run_start[offsets[t]] = pos;
+}
+
+struct SumTargets {
+  const uint64_t* keys;
+  const uint64_t* payload;
+  const int64_t* run_start;
+  const int64_t* offsets;
+  int64_t* unique_ids;    // store mode
+  float* unique_grads;    // store mode
+  bool apply;
+  GeOptimizerConfig optimizer;
+};
+
+template <int VEC, int G, int CH>
+__global__ void __launch_bounds__(kBlock)
+    SumKernel(DeviceGroup g, SumTargets s) {
+  const Lanes<G> me;
+  // Launched for the occurrence count, an upper bound of the distinct
+  // ids, whose number is known only on the device.
+  if (me.unit >= s.offsets[g.n]) return;
+  const int64_t u = me.unit;
+  const int t = FindSegment(s.offsets, g.n, u);
+  const GeTable& x = g.tables[t];
+  const int64_t i0 = s.run_start[u], i1 = s.run_start[u + 1];
+  const int64_t id = static_cast<int64_t>(s.keys[i0]) - g.row_base[t];
+  const int64_t dim = g.dim;
+  const float* __restrict__ grad = x.grad;
+  const int64_t stride = x.grad_stride;
+  // Sequence rows are numbered b * seq_len + position; a block of
+  // seq_len rows may be padded (grad_stride >= seq_len * dim).
+  const int64_t len = x.positions ? x.seq_len : 0;
+  constexpr int kAhead = CH == 1 ? 2 : 1;
+  float acc[CH][VEC] = {};
+  for (int64_t i = i0; i < i1; i += kAhead) {
+    float rows[kAhead][CH][VEC];
+    float f[kAhead];
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+      if (i + k < i1) {
+        const uint64_t p = s.payload[i + k];
+        f[k] = __uint_as_float(static_cast<uint32_t>(p));
+        const int64_t r = static_cast<int64_t>(p >> 32);
+        const float* row = len ? grad + r / len * stride + r % len * dim
+                               : grad + r * stride;
+        LoadRow<VEC, G, CH>(row, dim, me.lane, rows[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+      if (i + k >= i1) continue;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[c][v] += f[k] * rows[k][c][v];
+      }
+    }
+  }
+  float* value = x.table + id * dim;
+  if (g.max_norm >= 0.0f) {
+    float e[CH][VEC];
+    LoadRow<VEC, G, CH>(value, dim, me.lane, e);
+    const float ss = RowSquaredNorm<VEC, G, CH>(e, me.mask);
+    const float eg = RowDot<VEC, G, CH>(e, acc, me.mask);
+    const ge_math::ClipGrad cg = ge_math::ClipGradOf(ss, eg, g.max_norm);
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        acc[c][v] = cg.a * (acc[c][v] - e[c][v] * cg.b);
+      }
+    }
+  }
+  if (!s.apply) {
+    if (me.lane == 0) s.unique_ids[u] = id;
+    StoreRow<VEC, G, CH>(s.unique_grads + u * dim, dim, me.lane, acc);
+    return;
+  }
+  float* slot0 = x.slot0 ? x.slot0 + id * dim : nullptr;
+  float* slot1 = x.slot1 ? x.slot1 + id * dim : nullptr;
+  float dummy = 0.0f;
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int64_t col = ColumnOf<VEC, G>(c, me.lane);
+    if (col >= dim) continue;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      ge_math::ApplyElement(s.optimizer, value + col + v,
+                            slot0 ? slot0 + col + v : &dummy,
+                            slot1 ? slot1 + col + v : &dummy, acc[c][v]);
+    }
+  }
+}
+
+// d loss / d w_j of the weighted tables: one group per example row.
+template <int VEC, int G, int CH>
+__global__ void __launch_bounds__(kBlock)
+    WeightGradKernel(DeviceGroup g) {
+  const Lanes<G> me;
+  if (me.unit >= g.units) return;
+  const int t = FindSegment(g.unit_base, g.n, me.unit);
+  const GeTable& x = g.tables[t];
+  if (x.weights == nullptr) return;
+  const int64_t b = me.unit - g.unit_base[t];
+  const int64_t dim = g.dim;
+  int64_t lo, hi;
+  RowRange(x, b, me.lane == 0, g.errors, &lo, &hi);
+  const bool sequence = x.positions != nullptr;
+  const float* w = x.weights;
+  float gb[CH][VEC];
+  float scale = 1.0f, pg = 0.0f;
+  if (!sequence) {
+    LoadRow<VEC, G, CH>(x.grad + b * x.grad_stride, dim, me.lane, gb);
+    if (x.combiner != GE_SUM) {
+      double wsum = 0.0, w2sum = 0.0;
+      for (int64_t j = lo; j < hi; ++j) {
+        wsum += w[j];
+        w2sum += static_cast<double>(w[j]) * w[j];
+      }
+      scale = ge_math::RowScale(x.combiner, true, hi - lo, wsum, w2sum);
+      float pooled[CH][VEC];
+      LoadRow<VEC, G, CH>(x.pooled + b * x.grad_stride, dim, me.lane,
+                          pooled);
+      pg = RowDot<VEC, G, CH>(pooled, gb, me.mask);
+    }
+  }
+  const uint64_t vocab = static_cast<uint64_t>(x.vocab);
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t id = x.ids[j];
+    float dw = 0.0f;
+    bool ok = static_cast<uint64_t>(id) < vocab;
+    if (sequence) {
+      const int64_t p = x.positions[j];
+      if (p < 0 || p >= x.seq_len) {
+        if (me.lane == 0) CountError(g.errors, GE_BAD_LAYOUT);
+        ok = false;
+      } else {
+        LoadRow<VEC, G, CH>(x.grad + b * x.grad_stride + p * dim, dim,
+                            me.lane, gb);
+      }
+    }
+    if (static_cast<uint64_t>(id) >= vocab && me.lane == 0) {
+      CountError(g.errors, GE_BAD_IDS);
+    }
+    if (ok) {
+      float e[CH][VEC];
+      LoadRow<VEC, G, CH>(x.table + id * dim, dim, me.lane, e);
+      float eg = RowDot<VEC, G, CH>(e, gb, me.mask);
+      if (g.max_norm >= 0.0f) {
+        eg *= ge_math::ClipFactor(RowSquaredNorm<VEC, G, CH>(e, me.mask),
+                                  g.max_norm);
+      }
+      dw = sequence ? eg : ge_math::WeightGrad(x.combiner, eg, pg, w[j],
+                                               scale);
+    }
+    if (me.lane == 0) x.weight_grad[j] = dw;
+  }
+}
+
+// Scratch of a backward call, after the descriptors.
+struct BackwardBlocks {
+  uint64_t *keys_in, *keys_out, *payload_in, *payload_out;
+  int *heads, *number;
+  int64_t *run_start, *offsets;
+  void* temp;
+  size_t temp_bytes;
+};
+
+int TakeBackwardBlocks(ge_core::ScratchLayout* layout, int n, int64_t occ,
+                       int key_bits, BackwardBlocks* b) {
+  TakeGroupBlocks(layout, n);
+  b->keys_in = layout->Take<uint64_t>(occ);
+  b->keys_out = layout->Take<uint64_t>(occ);
+  b->payload_in = layout->Take<uint64_t>(occ);
+  b->payload_out = layout->Take<uint64_t>(occ);
+  b->heads = layout->Take<int>(occ);
+  b->number = layout->Take<int>(occ);
+  b->run_start = layout->Take<int64_t>(occ + 1);
+  b->offsets = layout->Take<int64_t>(n + 1);
+  size_t sort_bytes = 0, scan_bytes = 0;
+  const int items = static_cast<int>(occ);
+  cudaError_t e = cub::DeviceRadixSort::SortPairs(
+      nullptr, sort_bytes, b->keys_in, b->keys_out, b->payload_in,
+      b->payload_out, items, 0, key_bits);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  e = cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, b->heads,
+                                    b->number, items);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  b->temp_bytes = sort_bytes > scan_bytes ? sort_bytes : scan_bytes;
+  b->temp = layout->Take<char>(static_cast<int64_t>(b->temp_bytes));
+  return GE_OK;
+}
+
+// Steps 1-4 of the file comment; `targets` says where the sums go.
+int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
+             const GeOptimizerConfig* optimizer, void* scratch,
+             size_t scratch_bytes, int64_t* unique_ids, float* unique_grads,
+             int64_t* offsets, unsigned long long* errors, void* stream) {
+  ge_core::GroupPlan plan;
+  unsigned need = ge_core::kGrad;
+  if (max_norm >= 0.0f || optimizer) need |= ge_core::kTableRows;
+  int status = ge_core::CheckTables(tables, n, dim, need, &plan);
+  if (status != GE_OK) return status;
+  if (optimizer) {
+    status = ge_core::CheckOptimizer(tables, n, optimizer);
+  } else if (unique_ids == nullptr || offsets == nullptr ||
+             (unique_grads == nullptr && dim > 0 && plan.occurrences() > 0)) {
+    status = GE_ERR_ARGUMENT;
+  }
+  if (status != GE_OK) return status;
+  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
+  const size_t needed = ge_backward_scratch_bytes(tables, n, dim);
+  if (needed == 0) return GE_ERR_ARGUMENT;
+  if (scratch == nullptr || scratch_bytes < needed) return GE_ERR_SCRATCH;
+  auto s = static_cast<cudaStream_t>(stream);
+  const int64_t occ = plan.occurrences();
+  const int key_bits = ge_math::KeyBits(static_cast<uint64_t>(plan.rows()));
+  ge_core::ScratchLayout layout(scratch);
+  BackwardBlocks blocks;
+  status = TakeBackwardBlocks(&layout, n, occ, key_bits, &blocks);
+  if (status != GE_OK) return status;
+  int64_t* offs = optimizer ? blocks.offsets : offsets;
+  if (occ == 0) {
+    // Nothing to sort: every table has no distinct id.
+    const cudaError_t e =
+        cudaMemsetAsync(offs, 0, sizeof(int64_t) * (n + 1), s);
+    return e == cudaSuccess ? GE_OK : static_cast<int>(e);
+  }
+  DeviceGroup g;
+  cudaError_t e = UploadGroup(tables, n, plan, scratch, s, &g);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  g.dim = dim;
+  g.max_norm = max_norm;
+  g.errors = errors;
+  // All-ones keys: what a skipped occurrence (bad id) keeps.
+  e = cudaMemsetAsync(blocks.keys_in, 0xff, sizeof(uint64_t) * occ, s);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  if (g.units > 0) {
+    PrepareKernel<<<GridFor(g.units, 1), kBlock, 0, s>>>(g, blocks.keys_in,
+                                                         blocks.payload_in);
+  }
+  const int items = static_cast<int>(occ);
+  size_t temp_bytes = blocks.temp_bytes;
+  e = cub::DeviceRadixSort::SortPairs(
+      blocks.temp, temp_bytes, blocks.keys_in, blocks.keys_out,
+      blocks.payload_in, blocks.payload_out, items, 0, key_bits, s);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  const unsigned grid = GridFor(occ, 1);
+  HeadsKernel<<<grid, kBlock, 0, s>>>(blocks.keys_out, occ,
+                                      static_cast<uint64_t>(plan.rows()),
+                                      blocks.heads);
+  temp_bytes = blocks.temp_bytes;
+  e = cub::DeviceScan::InclusiveSum(blocks.temp, temp_bytes, blocks.heads,
+                                    blocks.number, items, s);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  RunsKernel<<<grid, kBlock, 0, s>>>(blocks.heads, blocks.number, occ,
+                                     blocks.run_start);
+  OffsetsKernel<<<(n + 1 + 63) / 64, 64, 0, s>>>(
+      g, blocks.keys_out, blocks.number, offs, blocks.run_start);
+  SumTargets targets{blocks.keys_out, blocks.payload_out, blocks.run_start,
+                     offs, unique_ids, unique_grads, optimizer != nullptr,
+                     optimizer ? *optimizer : GeOptimizerConfig{}};
+  bool vec4 = RowsVec4(tables, n, dim);
+  if (!optimizer) {
+    vec4 = vec4 && ge_cuda::Aligned16(unique_grads);
+  }
+  return WithShape(dim, vec4, [&](auto shape) {
+    using S = decltype(shape);
+    SumKernel<S::kVec, S::kG, S::kCh>
+        <<<GridFor(occ, S::kG), kBlock, 0, s>>>(g, targets);
+    return LaunchStatus();
+  });
+}
+
+}  // namespace
+}  // namespace ge_cuda
+
+extern "C" {
+
+size_t ge_backward_scratch_bytes(const GeTable* tables, int num_tables,
+                                 int64_t dim) {
+  ge_core::GroupPlan plan;
+  if (ge_core::CheckTables(tables, num_tables, dim, 0, &plan) != GE_OK) {
+    return 0;
+  }
+  ge_core::ScratchLayout layout(nullptr);
+  ge_cuda::BackwardBlocks blocks;
+  const int key_bits = ge_math::KeyBits(static_cast<uint64_t>(plan.rows()));
+  if (ge_cuda::TakeBackwardBlocks(&layout, num_tables, plan.occurrences(),
+                                  key_bits, &blocks) != GE_OK) {
+    return 0;
+  }
+  return layout.used();
+}
+
+int ge_backward(const GeTable* tables, int num_tables, int64_t dim,
+                float max_norm, void* scratch, size_t scratch_bytes,
+                int64_t* unique_ids, float* unique_grads, int64_t* offsets,
+                unsigned long long* errors, void* stream) {
+  return ge_cuda::Backward(tables, num_tables, dim, max_norm, nullptr,
+                           scratch, scratch_bytes, unique_ids, unique_grads,
+                           offsets, errors, stream);
+}
+
+int ge_backward_apply(const GeTable* tables, int num_tables, int64_t dim,
+                      float max_norm, const GeOptimizerConfig* optimizer,
+                      void* scratch, size_t scratch_bytes,
+                      unsigned long long* errors, void* stream) {
+  if (optimizer == nullptr) return GE_ERR_ARGUMENT;
+  return ge_cuda::Backward(tables, num_tables, dim, max_norm, optimizer,
+                           scratch, scratch_bytes, nullptr, nullptr, nullptr,
+                           errors, stream);
+}
+
+int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
+                    float max_norm, void* scratch, size_t scratch_bytes,
+                    unsigned long long* errors, void* stream) {
+  ge_core::GroupPlan plan;
+  int status = ge_core::CheckTables(
+      tables, num_tables, dim,
+      ge_core::kWeightGrad | ge_core::kTableRows, &plan);
+  if (status != GE_OK) return status;
+  for (int t = 0; t < num_tables; ++t) {
+    const GeTable& x = tables[t];
+    const int64_t block = x.positions ? x.seq_len * dim : dim;
+    if (x.weights && x.batch > 0 && block > 0 && x.grad_stride < block) {
+      return GE_ERR_ARGUMENT;
+    }
+  }
+  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
+  if (scratch == nullptr ||
+      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+    return GE_ERR_SCRATCH;
+  }
+  if (plan.units() == 0) return GE_OK;
+  auto s = static_cast<cudaStream_t>(stream);
+  ge_cuda::DeviceGroup g;
+  const cudaError_t e =
+      ge_cuda::UploadGroup(tables, num_tables, plan, scratch, s, &g);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  g.dim = dim;
+  g.max_norm = max_norm;
+  g.errors = errors;
+  return ge_cuda::WithShape(
+      dim, ge_cuda::RowsVec4(tables, num_tables, dim), [&](auto shape) {
+        using S = decltype(shape);
+        ge_cuda::WeightGradKernel<S::kVec, S::kG, S::kCh>
+            <<<ge_cuda::GridFor(g.units, S::kG), ge_cuda::kBlock, 0, s>>>(g);
+        return ge_cuda::LaunchStatus();
+      });
+}
+
+}  // extern "C"

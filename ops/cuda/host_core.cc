@@ -1,0 +1,360 @@
+// Host-memory stand-in of the CUDA core: the same C interface, the same
+// argument checks (core_checks.h), formulas (embedding_math.h), output
+// layouts and error counting, computed with plain loops on host pointers.
+// CPU-only CI runs the GPU parity cases through it (ctypes + numpy), so
+// that the bindings, descriptors, strides and layouts are checked on
+// every run, and compares it with the C++ CPU kernels; the CUDA core runs
+// the same cases on the GPU machine. It is a test double, not a backend.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "core_checks.h"
+#include "embedding_math.h"
+#include "group_embedding_cuda.h"
+
+namespace ge_host {
+namespace {
+
+using ge_core::GroupPlan;
+
+void RowRange(const GeTable& x, int64_t b, unsigned long long* errors,
+              int64_t* lo, int64_t* hi) {
+  if (x.splits == nullptr) {
+    *lo = b;
+    *hi = b + 1;
+    return;
+  }
+  int64_t a = x.splits[b], e = x.splits[b + 1];
+  if (a < 0 || e < a || e > x.nnz || (b == 0 && a != 0) ||
+      (b == x.batch - 1 && e != x.nnz)) {
+    ++errors[GE_BAD_LAYOUT];
+    a = e = 0;
+  }
+  *lo = a;
+  *hi = e;
+}
+
+float Dot(const float* a, const float* b, int64_t dim) {
+  float s = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
+  return s;
+}
+
+float ScaleOf(const GeTable& x, int64_t lo, int64_t hi) {
+  double wsum = 0.0, w2sum = 0.0;
+  if (x.weights) {
+    for (int64_t j = lo; j < hi; ++j) {
+      wsum += x.weights[j];
+      w2sum += static_cast<double>(x.weights[j]) * x.weights[j];
+    }
+  }
+  return ge_math::RowScale(x.combiner, x.weights != nullptr, hi - lo, wsum,
+                           w2sum);
+}
+
+bool GoodId(const GeTable& x, int64_t id) {
+  return static_cast<uint64_t>(id) < static_cast<uint64_t>(x.vocab);
+}
+
+int Lookup(bool sequence, const GeTable* tables, int n, int64_t dim,
+           float max_norm, size_t scratch_bytes, void* scratch,
+           unsigned long long* errors) {
+  GroupPlan plan;
+  const unsigned need = ge_core::kOut | ge_core::kTableRows |
+                        (sequence ? ge_core::kSequence : 0u);
+  const int status = ge_core::CheckTables(tables, n, dim, need, &plan);
+  if (status != GE_OK) return status;
+  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
+  if (scratch == nullptr || scratch_bytes < ge_lookup_scratch_bytes(n)) {
+    return GE_ERR_SCRATCH;
+  }
+  std::vector<float> acc(dim);
+  for (int t = 0; t < n; ++t) {
+    const GeTable& x = tables[t];
+    for (int64_t b = 0; b < x.batch; ++b) {
+      float* out = x.out + b * x.out_stride;
+      if (sequence) {
+        for (int64_t i = 0; i < x.seq_len * dim; ++i) out[i] = 0.0f;
+      }
+      int64_t lo, hi;
+      RowRange(x, b, errors, &lo, &hi);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t id = x.ids[j];
+        float* dst = acc.data();
+        if (sequence) {
+          const int64_t p = x.positions[j];
+          if (p < 0 || p >= x.seq_len) {
+            ++errors[GE_BAD_LAYOUT];
+            continue;
+          }
+          dst = out + p * dim;
+        }
+        if (!GoodId(x, id)) {
+          ++errors[GE_BAD_IDS];
+          continue;
+        }
+        const float* row = x.table + id * dim;
+        const float f =
+            (x.weights ? x.weights[j] : 1.0f) *
+            ge_math::ClipFactor(Dot(row, row, dim), max_norm);
+        for (int64_t d = 0; d < dim; ++d) dst[d] += f * row[d];
+      }
+      if (!sequence) {
+        const float scale = ScaleOf(x, lo, hi);
+        for (int64_t d = 0; d < dim; ++d) out[d] = acc[d] * scale;
+      }
+    }
+  }
+  return GE_OK;
+}
+
+struct Occurrence {
+  uint64_t key;
+  int64_t grad_row;
+  float factor;
+};
+
+// Scratch: the descriptors' blocks, then one Occurrence per id.
+size_t BackwardScratch(int n, int64_t occurrences) {
+  ge_core::ScratchLayout layout(nullptr);
+  layout.Take<GeTable>(n);
+  layout.Take<Occurrence>(occurrences);
+  return layout.used();
+}
+
+int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
+             const GeOptimizerConfig* optimizer, void* scratch,
+             size_t scratch_bytes, int64_t* unique_ids, float* unique_grads,
+             int64_t* offsets, unsigned long long* errors) {
+  GroupPlan plan;
+  unsigned need = ge_core::kGrad;
+  if (max_norm >= 0.0f || optimizer) need |= ge_core::kTableRows;
+  int status = ge_core::CheckTables(tables, n, dim, need, &plan);
+  if (status != GE_OK) return status;
+  if (optimizer) {
+    status = ge_core::CheckOptimizer(tables, n, optimizer);
+  } else if (unique_ids == nullptr || offsets == nullptr ||
+             (unique_grads == nullptr && dim > 0 && plan.occurrences() > 0)) {
+    status = GE_ERR_ARGUMENT;
+  }
+  if (status != GE_OK) return status;
+  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
+  if (scratch == nullptr ||
+      scratch_bytes < BackwardScratch(n, plan.occurrences())) {
+    return GE_ERR_SCRATCH;
+  }
+  ge_core::ScratchLayout layout(scratch);
+  layout.Take<GeTable>(n);
+  Occurrence* occ = layout.Take<Occurrence>(plan.occurrences());
+  int64_t count = 0;
+  for (int t = 0; t < n; ++t) {
+    const GeTable& x = tables[t];
+    const bool sequence = x.positions != nullptr;
+    for (int64_t b = 0; b < x.batch; ++b) {
+      int64_t lo, hi;
+      RowRange(x, b, errors, &lo, &hi);
+      const float scale = sequence ? 1.0f : ScaleOf(x, lo, hi);
+      for (int64_t j = lo; j < hi; ++j) {
+        int64_t row = b;
+        if (sequence) {
+          const int64_t p = x.positions[j];
+          if (p < 0 || p >= x.seq_len) {
+            ++errors[GE_BAD_LAYOUT];
+            continue;
+          }
+          row = b * x.seq_len + p;
+        }
+        if (!GoodId(x, x.ids[j])) {
+          ++errors[GE_BAD_IDS];
+          continue;
+        }
+        const float w = x.weights ? x.weights[j] : 1.0f;
+        occ[count++] = {static_cast<uint64_t>(plan.row_base[t] + x.ids[j]),
+                        row, sequence ? w : scale * w};
+      }
+    }
+  }
+  // Stable: each id's occurrences stay in position order, as on the GPU.
+  std::stable_sort(occ, occ + count,
+                   [](const Occurrence& a, const Occurrence& b) {
+                     return a.key < b.key;
+                   });
+  std::vector<float> sum(dim);
+  int64_t u = 0;
+  int t = 0;
+  if (!optimizer) offsets[0] = 0;
+  for (int64_t i = 0; i < count;) {
+    while (occ[i].key >= static_cast<uint64_t>(plan.row_base[t + 1])) {
+      ++t;
+      if (!optimizer) offsets[t] = u;
+    }
+    const GeTable& x = tables[t];
+    const int64_t id = static_cast<int64_t>(occ[i].key) - plan.row_base[t];
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    int64_t k = i;
+    for (; k < count && occ[k].key == occ[i].key; ++k) {
+      const int64_t r = occ[k].grad_row;
+      const float* g =
+          x.positions ? x.grad + r / x.seq_len * x.grad_stride +
+                            r % x.seq_len * dim
+                      : x.grad + r * x.grad_stride;
+      for (int64_t d = 0; d < dim; ++d) sum[d] += occ[k].factor * g[d];
+    }
+    float* value = x.table ? x.table + id * dim : nullptr;
+    if (max_norm >= 0.0f) {
+      const ge_math::ClipGrad cg = ge_math::ClipGradOf(
+          Dot(value, value, dim), Dot(value, sum.data(), dim), max_norm);
+      for (int64_t d = 0; d < dim; ++d) {
+        sum[d] = cg.a * (sum[d] - value[d] * cg.b);
+      }
+    }
+    if (optimizer) {
+      float dummy = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) {
+        ge_math::ApplyElement(*optimizer, value + d,
+                              x.slot0 ? x.slot0 + id * dim + d : &dummy,
+                              x.slot1 ? x.slot1 + id * dim + d : &dummy,
+                              sum[d]);
+      }
+    } else {
+      unique_ids[u] = id;
+      memcpy(unique_grads + u * dim, sum.data(), sizeof(float) * dim);
+    }
+    ++u;
+    i = k;
+  }
+  if (!optimizer) {
+    while (t < n) offsets[++t] = u;
+  }
+  return GE_OK;
+}
+
+}  // namespace
+}  // namespace ge_host
+
+extern "C" {
+
+size_t ge_lookup_scratch_bytes(int num_tables) {
+  if (num_tables < 1) return 0;
+  ge_core::ScratchLayout layout(nullptr);
+  layout.Take<GeTable>(num_tables);
+  return layout.used();
+}
+
+int ge_lookup_pooled(const GeTable* tables, int num_tables, int64_t dim,
+                     float max_norm, void* scratch, size_t scratch_bytes,
+                     unsigned long long* errors, void* /*stream*/) {
+  return ge_host::Lookup(false, tables, num_tables, dim, max_norm,
+                         scratch_bytes, scratch, errors);
+}
+
+int ge_lookup_sequence(const GeTable* tables, int num_tables, int64_t dim,
+                       float max_norm, void* scratch, size_t scratch_bytes,
+                       unsigned long long* errors, void* /*stream*/) {
+  return ge_host::Lookup(true, tables, num_tables, dim, max_norm,
+                         scratch_bytes, scratch, errors);
+}
+
+size_t ge_backward_scratch_bytes(const GeTable* tables, int num_tables,
+                                 int64_t dim) {
+  ge_core::GroupPlan plan;
+  if (ge_core::CheckTables(tables, num_tables, dim, 0, &plan) != GE_OK) {
+    return 0;
+  }
+  return ge_host::BackwardScratch(num_tables, plan.occurrences());
+}
+
+int ge_backward(const GeTable* tables, int num_tables, int64_t dim,
+                float max_norm, void* scratch, size_t scratch_bytes,
+                int64_t* unique_ids, float* unique_grads, int64_t* offsets,
+                unsigned long long* errors, void* /*stream*/) {
+  return ge_host::Backward(tables, num_tables, dim, max_norm, nullptr,
+                           scratch, scratch_bytes, unique_ids, unique_grads,
+                           offsets, errors);
+}
+
+int ge_backward_apply(const GeTable* tables, int num_tables, int64_t dim,
+                      float max_norm, const GeOptimizerConfig* optimizer,
+                      void* scratch, size_t scratch_bytes,
+                      unsigned long long* errors, void* /*stream*/) {
+  if (optimizer == nullptr) return GE_ERR_ARGUMENT;
+  return ge_host::Backward(tables, num_tables, dim, max_norm, optimizer,
+                           scratch, scratch_bytes, nullptr, nullptr, nullptr,
+                           errors);
+}
+
+int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
+                    float max_norm, void* scratch, size_t scratch_bytes,
+                    unsigned long long* errors, void* /*stream*/) {
+  ge_core::GroupPlan plan;
+  const int status = ge_core::CheckTables(
+      tables, num_tables, dim, ge_core::kWeightGrad | ge_core::kTableRows,
+      &plan);
+  if (status != GE_OK) return status;
+  for (int t = 0; t < num_tables; ++t) {
+    const GeTable& x = tables[t];
+    const int64_t block = x.positions ? x.seq_len * dim : dim;
+    if (x.weights && x.batch > 0 && block > 0 && x.grad_stride < block) {
+      return GE_ERR_ARGUMENT;
+    }
+  }
+  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
+  if (scratch == nullptr ||
+      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+    return GE_ERR_SCRATCH;
+  }
+  for (int t = 0; t < num_tables; ++t) {
+    const GeTable& x = tables[t];
+    if (x.weights == nullptr) continue;
+    const bool sequence = x.positions != nullptr;
+    for (int64_t b = 0; b < x.batch; ++b) {
+      int64_t lo, hi;
+      ge_host::RowRange(x, b, errors, &lo, &hi);
+      const float* gb = x.grad + b * x.grad_stride;
+      float scale = 1.0f, pg = 0.0f;
+      if (!sequence && x.combiner != GE_SUM) {
+        scale = ge_host::ScaleOf(x, lo, hi);
+        pg = ge_host::Dot(x.pooled + b * x.grad_stride, gb, dim);
+      }
+      for (int64_t j = lo; j < hi; ++j) {
+        float dw = 0.0f;
+        bool ok = ge_host::GoodId(x, x.ids[j]);
+        const float* g = gb;
+        if (sequence) {
+          const int64_t p = x.positions[j];
+          if (p < 0 || p >= x.seq_len) {
+            ++errors[GE_BAD_LAYOUT];
+            ok = false;
+          } else {
+            g = gb + p * dim;
+          }
+        }
+        if (!ge_host::GoodId(x, x.ids[j])) ++errors[GE_BAD_IDS];
+        if (ok) {
+          const float* e = x.table + x.ids[j] * dim;
+          const float eg = ge_host::Dot(e, g, dim) *
+                           ge_math::ClipFactor(ge_host::Dot(e, e, dim),
+                                               max_norm);
+          dw = sequence ? eg
+                        : ge_math::WeightGrad(x.combiner, eg, pg,
+                                              x.weights[j], scale);
+        }
+        x.weight_grad[j] = dw;
+      }
+    }
+  }
+  return GE_OK;
+}
+
+int ge_abi_version(void) { return GE_CUDA_ABI_VERSION; }
+
+const char* ge_backend_name(void) { return "host"; }
+
+}  // extern "C"
