@@ -24,7 +24,10 @@ def _lookup(evs, batches, combiner, training=True):
 class TestGroupedLookup:
 
     @pytest.mark.parametrize("combiner", COMBINERS)
-    def test_matches_stock_and_gradients(self, combiner):
+    def test_matches_stock_and_gradients(self, combiner, kernel_mode):
+        # Both EV paths (C++ fused lookup, pure-TF gather); weighted,
+        # shared and filtered EV training against stock:
+        # test_ev_fused_lookup.py::test_training_equals_stock.
         rng = np.random.default_rng(0)
         evs = [ev_cases.make_ev(f"ev{i}", dim, seed=i)
                for i, dim in enumerate((4, 4, 8))]

@@ -1,6 +1,7 @@
 """The fused EmbeddingVariable lookup (C++ `EVGroupLookup`) against the
 pure-TF EV path (`GROUP_EMBEDDING_KERNELS=tf`: one `EVGroupGather`, then
-TF pooling), which test_embedding_variable.py checks against stock TF.
+TF pooling), and both against stock TF (`test_training_equals_stock`: the
+two paths share the storage code, so parity alone misses its defects).
 
 Both paths run the same training steps on twin variables (same default
 matrix); outputs, table gradients (summed per key), weight gradients and
@@ -310,3 +311,112 @@ def test_sequence_kernel_equals_gather_path(monkeypatch):
             for x, y in zip(ev_cases.export_sorted(a)[:3],
                             ev_cases.export_sorted(b)[:3]):
                 np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _stock_pooled(table, rows, weights, combiner):
+    """Stock `embedding_lookup_sparse` of oracle row numbers (ragged),
+    weighted when `weights` (ragged) is given, padded to the batch."""
+    sp = rows.to_sparse()
+    sp_w = None if weights is None else weights.to_sparse()
+    out = tf.nn.embedding_lookup_sparse(table, sp, sp_w, combiner=combiner)
+    pad = tf.cast(sp.dense_shape[0], tf.int32) - tf.shape(out)[0]
+    return tf.pad(out, [[0, pad], [0, 0]])
+
+
+class _StockTwin:
+    """The stock-TF oracle of `_step`'s three EVs: plain tables whose row
+    r holds key `KEYS[r]` (from its initial row), stock lookups, and SGD
+    written out in TF ops. The CounterFilter is counted here in numpy:
+    a key reads the filter's constant while counted fewer than
+    `filter_freq` times before the batch, and the batch's gradient
+    reaches its row once the batch's own occurrences admit it."""
+
+    def __init__(self, evs, filter_freq, no_permission, lr):
+        self.tables = [tf.Variable(ev_cases.initial_rows(ev, ev_cases.KEYS))
+                       for ev in evs]
+        self.counts = np.zeros(len(ev_cases.KEYS), np.int64)
+        self.seen = [set() for _ in evs]  # oracle rows of stored keys
+        self.filter_freq, self.no_permission, self.lr = (
+            filter_freq, no_permission, lr)
+
+    def step(self, batches, weights, proj, training=True):
+        rows = [ev_cases.to_rows(b) for b in batches]
+        filtered_ids = rows[2].values.numpy()
+        before = self.counts >= self.filter_freq
+        after_counts = self.counts + np.bincount(
+            filtered_ids, minlength=len(self.counts))
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            reads = [t.read_value() for t in self.tables]
+            tape.watch(reads)
+            # Keys not admitted before the batch read the constant.
+            reads_filtered = tf.where(before[:, None], reads[2],
+                                      self.no_permission)
+            params = [reads[0], reads[1], reads_filtered, reads[0]]
+            sp_weights = [tf.RaggedTensor.from_row_splits(
+                weights, batches[0].row_splits), None, None, None]
+            outs = [_stock_pooled(p, r, w, c) for p, r, w, c in
+                    zip(params, rows, sp_weights, COMBINERS)]
+            loss = tf.add_n([tf.reduce_sum(o * p)
+                             for o, p in zip(outs, proj)])
+        # The filtered table's gradient is taken at what its keys read,
+        # held back or not: the library applies it to a key admitted by
+        # this very batch.
+        grads = tape.gradient(loss, reads[:2] + [reads_filtered, weights])
+        grads = [tf.convert_to_tensor(g).numpy() for g in grads[:3]] + [
+            grads[3].numpy()]
+        if training:
+            self.counts = after_counts
+            admitted = (after_counts >= self.filter_freq)[:, None]
+            updates = grads[:2] + [grads[2] * admitted]
+            for t, g in zip(self.tables, updates):
+                t.assign_sub(self.lr * g)
+            for s, r in zip(self.seen, [rows[0], rows[1], rows[2]]):
+                s.update(r.values.numpy().tolist())
+            self.seen[0].update(rows[3].values.numpy().tolist())
+        return outs, grads
+
+
+@pytest.mark.parametrize("mode", ["custom", "tf"])
+def test_training_equals_stock(monkeypatch, mode):
+    """Each EV path against stock TF (not against the other path, with
+    which it shares the storage code): a weighted EV that also serves a
+    second table of the group, a plain one and a CounterFilter'ed one,
+    four SGD steps on batches with duplicate keys within and across rows.
+    Outputs, per-key table gradients, weight gradients, and after each
+    step the stored keys and rows must equal the stock oracle's."""
+    rng = np.random.default_rng(0)
+    evs, _ = _twins(f"stock_{mode}")
+    opt = ge.optimizers.SGD(0.5)
+    oracle = _StockTwin(evs, 2, 0.5, 0.5)
+    index = {int(k): i for i, k in enumerate(ev_cases.KEYS)}
+    for step in range(4):
+        keys = [_batch(rng) for _ in range(4)]
+        batches = [k for k, _ in keys]
+        weights = keys[0][1]
+        proj = [tf.constant(rng.normal(size=(7, 4)), tf.float32)
+                for _ in range(4)]
+        got, got_g = _step(evs, batches, weights, proj, opt, mode,
+                           monkeypatch)
+        want, want_g = oracle.step(batches, weights, proj)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5,
+                                       atol=1e-6, err_msg=f"step {step}")
+        for t, (g, w) in enumerate(zip(got_g[:3], want_g[:3])):
+            per_key = _per_key(g)
+            # Keys the batch holds, with their summed gradient rows; the
+            # oracle's gradient rows of other keys are zero.
+            for k, row in per_key.items():
+                np.testing.assert_allclose(row, w[index[k]], rtol=1e-5,
+                                           atol=1e-6, err_msg=(step, t, k))
+            absent = [i for k, i in index.items() if k not in per_key]
+            assert not np.any(w[absent])
+        np.testing.assert_allclose(got_g[3].numpy(), want_g[3], rtol=1e-5,
+                                   atol=1e-6)
+        for t, (ev, table) in enumerate(zip(evs, oracle.tables)):
+            stored, values, _, _ = ev_cases.export_sorted(ev)
+            assert sorted(index[int(k)] for k in stored) == sorted(
+                oracle.seen[t])
+            np.testing.assert_allclose(
+                values, table.numpy()[[index[int(k)] for k in stored]],
+                rtol=1e-5, atol=1e-6, err_msg=f"step {step} table {t}")
