@@ -129,6 +129,15 @@ __global__ void OffsetsKernel(DeviceGroup g, const uint64_t* __restrict__ keys,
   if (t == g.n) run_start[offsets[t]] = pos;
 }
 
+// A distinct id with more occurrences than this is summed in chunks of
+// kChunk positions by many groups, then the chunks' partial sums by one
+// block (the "long runs"). On the criteo-like step, ids of the tiny
+// tables (3-30 rows) occur ~10^5 times each: summed by one group, such a
+// run alone took ~50 ms of latency-bound loads.
+constexpr int64_t kLongRun = 32;
+constexpr int64_t kChunk = 32;
+constexpr int kLongBlock = 256;
+
 struct SumTargets {
   const uint64_t* keys;
   const uint64_t* payload;
@@ -138,28 +147,31 @@ struct SumTargets {
   float* unique_grads;    // store mode
   bool apply;
   GeOptimizerConfig optimizer;
+  // Long runs: counters [long runs, chunks] (zeroed), each long run's
+  // (run, first chunk, chunk count), each chunk's (run, index), and the
+  // chunks' partial sums [chunks, dim].
+  unsigned long long* counters;
+  int64_t* long_run;
+  int64_t* long_first;
+  int64_t* long_chunks;
+  int64_t* chunk_run;
+  int64_t* chunk_index;
+  float* partials;
 };
 
+// acc += the gradient rows of sorted positions [i0, i1).
 template <int VEC, int G, int CH>
-__global__ void __launch_bounds__(kBlock)
-    SumKernel(DeviceGroup g, SumTargets s) {
-  const Lanes<G> me;
-  // Launched for the occurrence count, an upper bound of the distinct
-  // ids, whose number is known only on the device.
-  if (me.unit >= s.offsets[g.n]) return;
-  const int64_t u = me.unit;
-  const int t = FindSegment(s.offsets, g.n, u);
-  const GeTable& x = g.tables[t];
-  const int64_t i0 = s.run_start[u], i1 = s.run_start[u + 1];
-  const int64_t id = static_cast<int64_t>(s.keys[i0]) - g.row_base[t];
-  const int64_t dim = g.dim;
+__device__ __forceinline__ void AddOccurrences(const GeTable& x,
+                                               const SumTargets& s,
+                                               int64_t dim, int lane,
+                                               int64_t i0, int64_t i1,
+                                               float (&acc)[CH][VEC]) {
   const float* __restrict__ grad = x.grad;
   const int64_t stride = x.grad_stride;
   // Sequence rows are numbered b * seq_len + position; a block of
   // seq_len rows may be padded (grad_stride >= seq_len * dim).
   const int64_t len = x.positions ? x.seq_len : 0;
   constexpr int kAhead = CH == 1 ? 2 : 1;
-  float acc[CH][VEC] = {};
   for (int64_t i = i0; i < i1; i += kAhead) {
     float rows[kAhead][CH][VEC];
     float f[kAhead];
@@ -171,7 +183,7 @@ __global__ void __launch_bounds__(kBlock)
         const int64_t r = static_cast<int64_t>(p >> 32);
         const float* row = len ? grad + r / len * stride + r % len * dim
                                : grad + r * stride;
-        LoadRow<VEC, G, CH>(row, dim, me.lane, rows[k]);
+        LoadRow<VEC, G, CH>(row, dim, lane, rows[k]);
       }
     }
 #pragma unroll
@@ -184,6 +196,17 @@ __global__ void __launch_bounds__(kBlock)
       }
     }
   }
+}
+
+// The end of a distinct id's sum: the max_norm clip's backward with the
+// table's row, then stored (IndexedSlices) or applied by the optimizer.
+template <int VEC, int G, int CH>
+__device__ __forceinline__ void Finish(const DeviceGroup& g,
+                                       const SumTargets& s, const GeTable& x,
+                                       int64_t u, int64_t id,
+                                       const Lanes<G>& me,
+                                       float (&acc)[CH][VEC]) {
+  const int64_t dim = g.dim;
   float* value = x.table + id * dim;
   if (g.max_norm >= 0.0f) {
     float e[CH][VEC];
@@ -218,6 +241,121 @@ __global__ void __launch_bounds__(kBlock)
                             slot1 ? slot1 + col + v : &dummy, acc[c][v]);
     }
   }
+}
+
+// Table, id and sorted positions of distinct id u.
+struct Run {
+  int t;
+  int64_t id, i0, i1;
+};
+__device__ __forceinline__ Run RunOf(const DeviceGroup& g,
+                                     const SumTargets& s, int64_t u) {
+  Run r;
+  r.t = FindSegment(s.offsets, g.n, u);
+  r.i0 = s.run_start[u];
+  r.i1 = s.run_start[u + 1];
+  r.id = static_cast<int64_t>(s.keys[r.i0]) - g.row_base[r.t];
+  return r;
+}
+
+// One group per distinct id: short runs are summed and finished here,
+// long ones are cut into chunks for ChunkKernel and FinishLongKernel.
+template <int VEC, int G, int CH>
+__global__ void __launch_bounds__(kBlock)
+    SumKernel(DeviceGroup g, SumTargets s) {
+  const Lanes<G> me;
+  // Launched for the occurrence count, an upper bound of the distinct
+  // ids, whose number is known only on the device.
+  if (me.unit >= s.offsets[g.n]) return;
+  const int64_t u = me.unit;
+  const Run r = RunOf(g, s, u);
+  const int64_t len = r.i1 - r.i0;
+  if (len > kLongRun) {
+    // Where the chunks go depends on the atomics' order, the sums do not.
+    const int64_t chunks = (len + kChunk - 1) / kChunk;
+    int64_t first = 0;
+    if (me.lane == 0) {
+      const int64_t l = static_cast<int64_t>(atomicAdd(s.counters, 1ull));
+      first = static_cast<int64_t>(atomicAdd(
+          s.counters + 1, static_cast<unsigned long long>(chunks)));
+      s.long_run[l] = u;
+      s.long_first[l] = first;
+      s.long_chunks[l] = chunks;
+    }
+    first = __shfl_sync(me.mask, first, me.mask == 0xffffffffu
+                                            ? 0 : __ffs(me.mask) - 1);
+    for (int64_t c = me.lane; c < chunks; c += G) {
+      s.chunk_run[first + c] = u;
+      s.chunk_index[first + c] = c;
+    }
+    return;
+  }
+  const GeTable& x = g.tables[r.t];
+  float acc[CH][VEC] = {};
+  AddOccurrences<VEC, G, CH>(x, s, g.dim, me.lane, r.i0, r.i1, acc);
+  Finish<VEC, G, CH>(g, s, x, u, r.id, me, acc);
+}
+
+// One group per chunk of a long run: its partial sum.
+template <int VEC, int G, int CH>
+__global__ void __launch_bounds__(kBlock)
+    ChunkKernel(DeviceGroup g, SumTargets s) {
+  const Lanes<G> me;
+  if (me.unit >= static_cast<int64_t>(s.counters[1])) return;
+  const int64_t u = s.chunk_run[me.unit];
+  const int64_t c = s.chunk_index[me.unit];
+  const Run r = RunOf(g, s, u);
+  const int64_t i0 = r.i0 + c * kChunk;
+  const int64_t i1 = min(r.i1, i0 + kChunk);
+  float acc[CH][VEC] = {};
+  AddOccurrences<VEC, G, CH>(g.tables[r.t], s, g.dim, me.lane, i0, i1, acc);
+  StoreRow<VEC, G, CH>(s.partials + me.unit * g.dim, g.dim, me.lane, acc);
+}
+
+// One block per long run: its groups add the chunks' partial sums
+// (group q takes chunks q, q + groups, ...), a fixed tree in shared
+// memory adds the groups' sums, and group 0 finishes the run. Fixed
+// orders throughout, so the result does not depend on scheduling.
+template <int VEC, int G, int CH>
+__global__ void __launch_bounds__(kLongBlock)
+    FinishLongKernel(DeviceGroup g, SumTargets s) {
+  extern __shared__ float group_sums[];  // [kLongBlock / G, dim]
+  if (blockIdx.x >= s.counters[0]) return;
+  const Lanes<G> me;
+  const int q = threadIdx.x / G;
+  constexpr int kGroups = kLongBlock / G;
+  const int64_t dim = g.dim;
+  const int64_t u = s.long_run[blockIdx.x];
+  const int64_t first = s.long_first[blockIdx.x];
+  const int64_t chunks = s.long_chunks[blockIdx.x];
+  float acc[CH][VEC] = {};
+  for (int64_t c = q; c < chunks; c += kGroups) {
+    float part[CH][VEC];
+    LoadRow<VEC, G, CH>(s.partials + (first + c) * dim, dim, me.lane, part);
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[i][v] += part[i][v];
+    }
+  }
+  StoreRow<VEC, G, CH>(group_sums + q * dim, dim, me.lane, acc);
+  for (int half = kGroups / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (q < half) {
+      float other[CH][VEC];
+      LoadRow<VEC, G, CH>(group_sums + (q + half) * dim, dim, me.lane,
+                          other);
+#pragma unroll
+      for (int i = 0; i < CH; ++i) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[i][v] += other[i][v];
+      }
+      StoreRow<VEC, G, CH>(group_sums + q * dim, dim, me.lane, acc);
+    }
+  }
+  if (q != 0) return;
+  const Run r = RunOf(g, s, u);
+  Finish<VEC, G, CH>(g, s, g.tables[r.t], u, r.id, me, acc);
 }
 
 // d loss / d w_j of the weighted tables: one group per example row.
@@ -290,12 +428,16 @@ struct BackwardBlocks {
   uint64_t *keys_in, *keys_out, *payload_in, *payload_out;
   int *heads, *number;
   int64_t *run_start, *offsets;
+  unsigned long long* counters;
+  int64_t *long_run, *long_first, *long_chunks, *chunk_run, *chunk_index;
+  float* partials;
+  int64_t max_long, max_chunks;
   void* temp;
   size_t temp_bytes;
 };
 
 int TakeBackwardBlocks(ge_core::ScratchLayout* layout, int n, int64_t occ,
-                       int key_bits, BackwardBlocks* b) {
+                       int64_t dim, int key_bits, BackwardBlocks* b) {
   TakeGroupBlocks(layout, n);
   b->keys_in = layout->Take<uint64_t>(occ);
   b->keys_out = layout->Take<uint64_t>(occ);
@@ -305,6 +447,17 @@ int TakeBackwardBlocks(ge_core::ScratchLayout* layout, int n, int64_t occ,
   b->number = layout->Take<int>(occ);
   b->run_start = layout->Take<int64_t>(occ + 1);
   b->offsets = layout->Take<int64_t>(n + 1);
+  // A long run has > kLongRun occurrences and at most one chunk shorter
+  // than kChunk.
+  b->max_long = occ / kLongRun + 1;
+  b->max_chunks = occ / kChunk + b->max_long;
+  b->counters = layout->Take<unsigned long long>(2);
+  b->long_run = layout->Take<int64_t>(b->max_long);
+  b->long_first = layout->Take<int64_t>(b->max_long);
+  b->long_chunks = layout->Take<int64_t>(b->max_long);
+  b->chunk_run = layout->Take<int64_t>(b->max_chunks);
+  b->chunk_index = layout->Take<int64_t>(b->max_chunks);
+  b->partials = layout->Take<float>(b->max_chunks * dim);
   size_t sort_bytes = 0, scan_bytes = 0;
   const int items = static_cast<int>(occ);
   cudaError_t e = cub::DeviceRadixSort::SortPairs(
@@ -345,7 +498,7 @@ int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
   const int key_bits = ge_math::KeyBits(static_cast<uint64_t>(plan.rows()));
   ge_core::ScratchLayout layout(scratch);
   BackwardBlocks blocks;
-  status = TakeBackwardBlocks(&layout, n, occ, key_bits, &blocks);
+  status = TakeBackwardBlocks(&layout, n, occ, dim, key_bits, &blocks);
   if (status != GE_OK) return status;
   int64_t* offs = optimizer ? blocks.offsets : offsets;
   if (occ == 0) {
@@ -385,17 +538,30 @@ int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
                                      blocks.run_start);
   OffsetsKernel<<<(n + 1 + 63) / 64, 64, 0, s>>>(
       g, blocks.keys_out, blocks.number, offs, blocks.run_start);
+  e = cudaMemsetAsync(blocks.counters, 0, 2 * sizeof(unsigned long long),
+                      s);
+  if (e != cudaSuccess) return static_cast<int>(e);
   SumTargets targets{blocks.keys_out, blocks.payload_out, blocks.run_start,
                      offs, unique_ids, unique_grads, optimizer != nullptr,
-                     optimizer ? *optimizer : GeOptimizerConfig{}};
+                     optimizer ? *optimizer : GeOptimizerConfig{},
+                     blocks.counters, blocks.long_run, blocks.long_first,
+                     blocks.long_chunks, blocks.chunk_run, blocks.chunk_index,
+                     blocks.partials};
   bool vec4 = RowsVec4(tables, n, dim);
   if (!optimizer) {
     vec4 = vec4 && ge_cuda::Aligned16(unique_grads);
   }
+  vec4 = vec4 && ge_cuda::Aligned16(blocks.partials);
   return WithShape(dim, vec4, [&](auto shape) {
     using S = decltype(shape);
     SumKernel<S::kVec, S::kG, S::kCh>
         <<<GridFor(occ, S::kG), kBlock, 0, s>>>(g, targets);
+    ChunkKernel<S::kVec, S::kG, S::kCh>
+        <<<GridFor(blocks.max_chunks, S::kG), kBlock, 0, s>>>(g, targets);
+    const size_t shared = sizeof(float) * (kLongBlock / S::kG) * dim;
+    FinishLongKernel<S::kVec, S::kG, S::kCh>
+        <<<static_cast<unsigned>(blocks.max_long), kLongBlock, shared, s>>>(
+            g, targets);
     return LaunchStatus();
   });
 }
@@ -415,7 +581,7 @@ size_t ge_backward_scratch_bytes(const GeTable* tables, int num_tables,
   ge_cuda::BackwardBlocks blocks;
   const int key_bits = ge_math::KeyBits(static_cast<uint64_t>(plan.rows()));
   if (ge_cuda::TakeBackwardBlocks(&layout, num_tables, plan.occurrences(),
-                                  key_bits, &blocks) != GE_OK) {
+                                  dim, key_bits, &blocks) != GE_OK) {
     return 0;
   }
   return layout.used();

@@ -477,6 +477,52 @@ def case_many_rows(ctx, dim):
               np.stack([want[i] for i in ids]), rtol=1e-4, atol=1e-2)
 
 
+def case_long_runs(ctx, dim, max_norm):
+    """Ids with more occurrences than one group sums alone (the CUDA
+    core's long runs: > 32, cut into chunks of 32), around the cut:
+    31, 32, 33, 64, 65 occurrences, and hundreds."""
+    rng = np.random.default_rng(800 + dim)
+    counts = {3: 31, 4: 32, 5: 33, 6: 64, 7: 65, 8: 1}
+    ids = np.concatenate([np.full(c, i) for i, c in counts.items()])
+    ids = rng.permutation(ids).astype(np.int64)
+    lengths = rng.integers(0, 4, size=200)
+    lengths[-1] += len(ids) - lengths.sum() if lengths.sum() < len(ids) \
+        else 0
+    splits = np.minimum(np.concatenate([[0], np.cumsum(lengths)]),
+                        len(ids)).astype(np.int64)
+    hot_splits, hot_ids = ragged(rng, 300, 2, max_len=6)
+    tables = [
+        cc.TableBatch(table=rng.normal(size=(10, dim)).astype(np.float32),
+                      ids=ids, splits=splits, combiner="mean",
+                      weights=rng.uniform(0.5, 2, len(ids)).astype(
+                          np.float32)),
+        cc.TableBatch(table=rng.normal(size=(2, dim)).astype(np.float32),
+                      ids=hot_ids, splits=hot_splits, combiner="sqrtn"),
+    ]
+    for x in tables:
+        x.slots = [rng.uniform(0.1, 1, x.table.shape).astype(np.float32)]
+    call = cc.GroupCall(ctx.core, ctx.mem, tables, max_norm=max_norm)
+    grads = _grads_like(rng, call.lookup())
+    call.set_grads(grads)
+    for t, (got_ids, g) in enumerate(call.backward()):
+        want = oracle_grad_sums(tables[t], grads[t], max_norm)
+        equal(f"table {t} distinct ids", list(got_ids), sorted(want))
+        close(f"table {t} gradient sums", g,
+              np.stack([want[i] for i in got_ids]), rtol=1e-4, atol=1e-4)
+    hyper = OPT_HYPER["adagrad"]
+    result = call.backward_apply(call.optimizer_config("adagrad", **hyper))
+    for t, (value, (acc,)) in enumerate(result):
+        x = tables[t]
+        want_v = x.table.astype(np.float64).copy()
+        want_a = x.slots[0].astype(np.float64).copy()
+        for i, g in oracle_grad_sums(x, grads[t], max_norm).items():
+            v, (a,) = oracle_apply("adagrad", hyper, x.table[i],
+                                   [x.slots[0][i]], g)
+            want_v[i], want_a[i] = v, a
+        close(f"table {t} values", value, want_v, rtol=1e-4, atol=1e-5)
+        close(f"table {t} accumulator", acc, want_a, rtol=1e-4, atol=1e-4)
+
+
 def all_cases(quick=False):
     """(name, fn(ctx)) of every case; `quick`: a small subset (the
     sanitizer runs)."""
@@ -506,6 +552,11 @@ def all_cases(quick=False):
         cases.append((f"bad_ids_d{dim}", lambda c, d=dim: case_bad_ids(c, d)))
         cases.append((f"bad_layout_d{dim}",
                       lambda c, d=dim: case_bad_layout(c, d)))
+    for dim in ((16, 7) if quick else (16, 64, 3, 200)):
+        for max_norm in (-1.0, 0.8):
+            cases.append((f"long_runs_d{dim}_mn{max_norm}",
+                          lambda c, d=dim, m=max_norm:
+                          case_long_runs(c, d, m)))
     cases.append(("arguments", case_arguments))
     if not quick:
         for dim in (16, 64):
