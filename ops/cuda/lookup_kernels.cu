@@ -15,14 +15,21 @@ namespace {
 // Ids read ahead per step of the id loop: their rows are loaded before
 // any is added, so up to this many row reads are in flight per group
 // (most rows are one or a few ids long; a warp serves several rows).
+#ifndef GE_POOLED_IDS_AHEAD
+#define GE_POOLED_IDS_AHEAD 4
+#endif
+#ifndef GE_POOLED_MIN_BLOCKS
+#define GE_POOLED_MIN_BLOCKS 1
+#endif
 template <int CH>
 struct IdsAhead {
-  static constexpr int kValue = CH == 1 ? 4 : CH == 2 ? 2 : 1;
+  static constexpr int kValue = CH == 1 ? GE_POOLED_IDS_AHEAD
+                                : CH == 2 ? 2 : 1;
 };
 
 // out[b] = scale_b * sum_j w_j clip(e_j): one group per output row.
 template <int VEC, int G, int CH>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, CH == 1 ? GE_POOLED_MIN_BLOCKS : 1)
     PooledLookupKernel(DeviceGroup g) {
   const Lanes<G> me;
   if (me.unit >= g.units) return;
