@@ -12,15 +12,19 @@
 namespace ge_cuda {
 namespace {
 
-// Ids read ahead per step of the id loop: their rows are loaded before
-// any is added, so up to this many row reads are in flight per group
-// (most rows are one or a few ids long; a warp serves several rows).
+// Ids read ahead per step of the id loop, and the minimum resident
+// blocks per SM of the pooled kernel (caps its registers at 48). Measured
+// on an H200 (benchmarks/results/gpu/tune/, criteo-like forward): with
+// 4 ahead and no cap (70 registers, 37% occupancy) the dim-16 forward
+// took 0.255 ms; 2 ahead with 5 blocks 0.203 ms (dim 64: 0.82 -> 0.60).
+// Occupancy hides the latency of random rows better than reading ahead.
 #ifndef GE_POOLED_IDS_AHEAD
-#define GE_POOLED_IDS_AHEAD 4
+#define GE_POOLED_IDS_AHEAD 2
 #endif
 #ifndef GE_POOLED_MIN_BLOCKS
-#define GE_POOLED_MIN_BLOCKS 1
+#define GE_POOLED_MIN_BLOCKS 5
 #endif
+// Wider rows (CH > 1) read fewer ahead: their registers would spill.
 template <int CH>
 struct IdsAhead {
   static constexpr int kValue = CH == 1 ? GE_POOLED_IDS_AHEAD
