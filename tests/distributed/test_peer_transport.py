@@ -89,6 +89,10 @@ def test_errors_instead_of_hangs(mode, workers):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count(f"{mode} ok") == workers, out[-4000:]
+    # The worker that noticed names the problem (the dead rank for
+    # "dead"); the others may only see it close its connection. Before,
+    # every worker could pass on "closed its connection" alone.
+    assert out.count(f"{mode} named by worker") >= 1, out[-4000:]
 
 
 def _op():
