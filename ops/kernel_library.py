@@ -123,6 +123,26 @@ def _run_compiler(cmd, verbose):
             "`apt-get install g++`") from e
 
 
+def _native_flags(compiler):
+    """`-march=native`, without AVX512-FP16 where the compiler knows it.
+
+    On a CPU with AVX512-FP16 (Sapphire Rapids), `-march=native` makes
+    GCC 12 compile Eigen's FP16 packet math, which TF 2.21's Eigen headers
+    fail to build ("expected initializer before '<'" in
+    PacketMathFP16.h); the kernels use no FP16 arithmetic.
+    """
+    flags = ["-march=native"]
+    try:
+        probe = subprocess.run(
+            [compiler, "-mno-avx512fp16", "-x", "c++", "-E", "-o",
+             os.devnull, os.devnull], capture_output=True, check=False)
+    except FileNotFoundError:
+        return flags
+    if probe.returncode == 0:
+        flags.append("-mno-avx512fp16")
+    return flags
+
+
 def compile_library(path, record_path, native=True, verbose=False):
     """Compiles the kernels into `path` and writes its record.
 
@@ -146,7 +166,7 @@ def compile_library(path, record_path, native=True, verbose=False):
         RuntimeError: no compiler, or the build failed (with its output).
     """
     compiler = os.environ.get("CXX", "g++")
-    flags = list(_FLAGS) + (["-march=native"] if native else [])
+    flags = list(_FLAGS) + (_native_flags(compiler) if native else [])
     compile_flags = tf.sysconfig.get_compile_flags()
     jobs = max(1, min(len(_SOURCES), len(os.sched_getaffinity(0))))
     folder = os.path.dirname(os.path.abspath(path))
