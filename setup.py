@@ -21,6 +21,8 @@ gets its library compiled into the user cache on first use.
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import setuptools
 from setuptools.command.build_ext import build_ext
@@ -81,6 +83,20 @@ class BuildKernels(build_ext):
                   f"(TensorFlow {kernels.tf.__version__})")
             kernels.compile_library(path, record, native=native,
                                     verbose=bool(self.verbose > 1))
+        self._build_gpu_kernels()
+
+    def _build_gpu_kernels(self):
+        # The GPU library (ops/gpu_kernel_library.py) where TF is a CUDA
+        # build and a CUDA compiler is found, into the user cache. Run
+        # from the built package (build_py ran before build_ext); an
+        # editable install gets it from scripts/setup.sh or on first use.
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(self.build_lib),
+                   TF_CPP_MIN_LOG_LEVEL="2")
+        proc = subprocess.run(
+            [sys.executable, "-m", "group_embedding.ops.gpu_kernel_library"],
+            env=env, capture_output=True, text=True, check=False)
+        print((proc.stdout.strip().splitlines() or [""])[-1] or
+              f"GPU kernels not built: {proc.stderr.strip()[-500:]}")
 
     def get_outputs(self):
         if self._editable():
@@ -105,7 +121,9 @@ setuptools.setup(
     package_dir={"group_embedding": "group_embedding",
                  **{"group_embedding." + top: top for top in _MAPPED}},
     # The sources ship for the compile-on-first-use fallback.
-    package_data={"group_embedding.ops": ["kernels/*.cc", "kernels/*.h"]},
+    package_data={"group_embedding.ops": ["kernels/*.cc", "kernels/*.h",
+                                          "cuda/*.cu", "cuda/*.cuh",
+                                          "cuda/*.cc", "cuda/*.h"]},
     exclude_package_data={"group_embedding.ops": ["kernels/*.so",
                                                    "kernels/*.lock"]},
     # No Python sources: BuildKernels compiles ops/kernels/*.cc itself.

@@ -48,6 +48,7 @@ def main():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import group_embedding  # pylint: disable=import-outside-toplevel
+    from group_embedding.ops import gpu_kernel_library  # pylint: disable=import-outside-toplevel
     from group_embedding.ops import kernel_library  # pylint: disable=import-outside-toplevel
 
     gpus = tf.config.list_physical_devices("GPU")
@@ -66,6 +67,13 @@ def main():
         print(f"kernels: UNAVAILABLE ({status['error']}); lookups run the "
               f"slow pure-TF path, EmbeddingVariables fail. Details: "
               f"`{kernel_library.DIAGNOSE_COMMAND}`")
+    gpu = gpu_kernel_library.status()
+    if gpu["loaded"]:
+        print(f"GPU kernels: loaded ({gpu['path']}); GPU lookups of "
+              "float32 variables run them")
+    else:
+        print(f"GPU kernels: not loaded ({gpu['error']}); CUDA compiler: "
+              f"{gpu['nvcc'] or 'none found'}")
     print(f"kernel cache: {kernel_library.cache_dir()}")
     print(f"horovod: {_horovod()}")
     print(f"threads: {_threads(tf)}")

@@ -42,6 +42,7 @@ from tensorflow.python.framework import auto_control_deps_utils as acd_utils
 from tensorflow.python.ops import resource_variable_ops
 
 from group_embedding.ops import ev_storage
+from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import kernel_library
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
@@ -436,7 +437,11 @@ def _kernel_max_norm(max_norm) -> Optional[float]:
 def _can_use_kernel(tables, max_norm):
     if _kernel_max_norm(max_norm) is None:
         return False
-    if tf.config.list_logical_devices("GPU"):
+    # With a GPU, the lookup ops run where the tables live: on the GPU
+    # through the GPU kernels when they are loaded (else the pure-TF
+    # path, whose ops TF has GPU kernels for).
+    if (gpu_kernel_library.gpu_present()
+            and not gpu_kernel_library.use_gpu_kernels()):
         return False
     return all(isinstance(t, tf.Variable) and t.dtype == tf.float32
                for t in tables)

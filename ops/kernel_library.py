@@ -27,7 +27,8 @@ lookups then run their pure-TF path (slow on CPU, the path used on GPU)
 and EmbeddingVariables, which need the kernels, fail.
 
 Set `GROUP_EMBEDDING_KERNELS=tf` to force the pure-TF path, `=custom` to
-require the C++ kernels (an error instead of the fallback).
+require the C++ kernels (an error instead of the fallback), `=cuda` to
+require the GPU kernels on a GPU (see `gpu_kernel_library`).
 """
 
 import fcntl
@@ -43,7 +44,9 @@ import warnings
 
 import tensorflow as tf
 
-KERNEL_MODES = ("auto", "custom", "tf")
+# "cuda": the GPU kernels of gpu_kernel_library on GPU variables (an
+# error where they cannot be had); the C++ kernels everywhere else.
+KERNEL_MODES = ("auto", "custom", "tf", "cuda")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _KERNEL_DIR = os.path.join(_PACKAGE_DIR, "kernels")
 # Every source of the folder goes into the one library (a new kernel file
@@ -376,8 +379,8 @@ def load():
     if mode == "tf":
         return None
     module = library()
-    if module is None and mode == "custom":
-        raise RuntimeError("GROUP_EMBEDDING_KERNELS=custom but the C++ "
+    if module is None and mode in ("custom", "cuda"):
+        raise RuntimeError(f"GROUP_EMBEDDING_KERNELS={mode} but the C++ "
                            f"kernels could not be built: {_state['error']}")
     return module
 

@@ -150,6 +150,18 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
                     float max_norm, void* scratch, size_t scratch_bytes,
                     unsigned long long* errors, void* stream);
 
+// Stream-ordered memory helpers, so that a framework adaptor needs no
+// CUDA runtime of its own: copy `bytes` device -> host (to_host = 1; the
+// caller then synchronises) or device -> device (0), zero `bytes`, and
+// wait for the stream. Return 0 or a cudaError_t.
+GE_API
+int ge_copy_async(void* dst, const void* src, size_t bytes, int to_host,
+                  void* stream);
+GE_API
+int ge_zero_async(void* dst, size_t bytes, void* stream);
+GE_API
+int ge_synchronize(void* stream);
+
 // GE_CUDA_ABI_VERSION of the library (checked by the bindings).
 GE_API
 int ge_abi_version(void);

@@ -208,6 +208,26 @@ int ge_lookup_sequence(const GeTable* tables, int num_tables, int64_t dim,
                                scratch_bytes, errors, stream);
 }
 
+int ge_copy_async(void* dst, const void* src, size_t bytes, int to_host,
+                  void* stream) {
+  if (bytes == 0) return GE_OK;
+  return static_cast<int>(cudaMemcpyAsync(
+      dst, src, bytes,
+      to_host ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice,
+      static_cast<cudaStream_t>(stream)));
+}
+
+int ge_zero_async(void* dst, size_t bytes, void* stream) {
+  if (bytes == 0) return GE_OK;
+  return static_cast<int>(
+      cudaMemsetAsync(dst, 0, bytes, static_cast<cudaStream_t>(stream)));
+}
+
+int ge_synchronize(void* stream) {
+  return static_cast<int>(
+      cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
 int ge_abi_version(void) { return GE_CUDA_ABI_VERSION; }
 
 const char* ge_backend_name(void) { return "cuda"; }

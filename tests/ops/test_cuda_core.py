@@ -1,0 +1,393 @@
+"""The CUDA core and its TF adaptor, checked on a machine without a GPU.
+
+* every parity case of `cuda_parity.py` (the ones the GPU machine runs on
+  the CUDA core) through the core's host stand-in, numpy oracle;
+* the host stand-in against the C++ CPU kernels on the same inputs;
+* the CUDA sources compile with PyPI's nvcc, and the library loads and
+  reports a CUDA error (not a crash) where there is no GPU;
+* the GPU op library (adaptor + core) links with `--no-undefined` against
+  tensorflow-cpu and loads into it; a reference to a GPU-only TF symbol
+  fails that same link (negative control);
+* the adaptor's TF plumbing runs through TF on CPU: built with
+  GE_ADAPTOR_ON_HOST it registers the same kernels under the label
+  "ge_host_core", and graphs using that label must match the CPU kernels.
+* marked `gpu_wheel` (run with GE_TEST_GPU_WHEEL=/path/to/venv/bin/python,
+  a venv with the GPU `tensorflow==2.21.0` wheel): the GPU op library
+  loads into the TF that GPU users have.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import cuda_parity
+from group_embedding.ops import gpu_kernel_library
+from group_embedding.ops import kernel_library
+
+cc = cuda_parity.cc
+NVCC = gpu_kernel_library.find_nvcc()
+needs_nvcc = pytest.mark.skipif(
+    NVCC is None, reason="no CUDA compiler (pip install .[cuda-build])")
+
+
+@pytest.fixture(scope="module")
+def host_core(tmp_path_factory):
+    path = tmp_path_factory.mktemp("core") / "libge_host.so"
+    return cc.Core(gpu_kernel_library.compile_host_core(str(path)))
+
+
+@pytest.fixture(scope="module")
+def ctx(host_core):
+    return cuda_parity.Context(host_core, cc.HostMemory())
+
+
+@pytest.mark.parametrize("name,case", cuda_parity.all_cases(),
+                         ids=[n for n, _ in cuda_parity.all_cases()])
+def test_host_stand_in_parity(ctx, name, case):
+    case(ctx)
+
+
+def test_parity_cases_catch_a_wrong_sum(ctx, monkeypatch):
+    """Negative control: an oracle off by one occurrence fails a case."""
+    real = cuda_parity.oracle_grad_sums
+
+    def dropped(x, grad, max_norm):
+        sums = real(x, grad, max_norm)
+        first = sorted(sums)[0]
+        sums[first] = sums[first] * 0.5
+        return sums
+
+    monkeypatch.setattr(cuda_parity, "oracle_grad_sums", dropped)
+    with pytest.raises(cuda_parity.Failure):
+        cuda_parity.case_pooled(ctx, 16, False, -1.0, False)
+
+
+# -- the host stand-in against the C++ CPU kernels ---------------------------
+def _cpu_lib():
+    lib = kernel_library.library()
+    assert lib is not None, kernel_library.unavailable_reason()
+    return lib
+
+
+def _tables(seed, dim, weighted, sequence=False, concat=False):
+    rng = np.random.default_rng(seed)
+    specs = cuda_parity.SEQ_SPECS if sequence else cuda_parity.SPECS
+    if concat:
+        specs = [(v, 40, c) for v, _, c in specs]
+    return rng, cuda_parity.make_tables(rng, specs, dim, weighted=weighted,
+                                        sequence=sequence)
+
+
+def _weights(x):
+    return (tf.constant(x.weights) if x.weights is not None
+            else tf.zeros([0], tf.float32))
+
+
+@pytest.mark.parametrize("dim", [16, 7])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("max_norm", [-1.0, 0.8])
+def test_pooled_matches_cpu_kernels(ctx, dim, weighted, max_norm):
+    lib = _cpu_lib()
+    rng, tables = _tables(dim + weighted, dim, weighted)
+    variables = [tf.Variable(x.table) for x in tables]
+    common = dict(ids=[tf.constant(x.ids) for x in tables],
+                  row_splits=[tf.constant(x.splits) for x in tables],
+                  weights=[_weights(x) for x in tables])
+    want = lib.group_embedding_variable_lookup(
+        tables=[v.handle for v in variables], **common,
+        combiners=[x.combiner for x in tables],
+        table_names=[f"t{i}" for i in range(len(tables))],
+        embedding_dim=dim, max_norm=max_norm)
+    call = cc.GroupCall(ctx.core, ctx.mem, tables, max_norm=max_norm)
+    got = call.lookup()
+    for t in range(len(tables)):
+        np.testing.assert_allclose(got[t], want[t].numpy(), rtol=1e-6,
+                                   atol=1e-6)
+    grads = [rng.normal(size=g.shape).astype(np.float32) for g in got]
+    call.set_grads(grads)
+    cpu_ids, cpu_grads = lib.group_embedding_variable_lookup_grad(
+        grads=grads, **common, combiners=[x.combiner for x in tables],
+        embedding_dim=dim)
+    for t, (ids, g) in enumerate(call.backward()):
+        order = np.argsort(cpu_ids[t].numpy())
+        np.testing.assert_array_equal(ids, cpu_ids[t].numpy()[order])
+        if max_norm < 0:
+            np.testing.assert_allclose(g, cpu_grads[t].numpy()[order],
+                                       rtol=1e-6, atol=1e-6)
+    if weighted:
+        cpu_dw = lib.group_embedding_weight_grad(
+            tables=[v.handle for v in variables], **common, grads=grads,
+            pooled=[w.numpy() for w in want],
+            combiners=[x.combiner for x in tables], max_norm=max_norm)
+        got_dw = call.weight_grads([w.numpy() for w in want])
+        for t in range(len(tables)):
+            np.testing.assert_allclose(got_dw[t], cpu_dw[t].numpy(),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_concat_and_sequence_match_cpu_kernels(ctx):
+    lib = _cpu_lib()
+    rng, tables = _tables(5, 16, True, concat=True)
+    variables = [tf.Variable(x.table) for x in tables]
+    want = lib.group_embedding_concat_lookup(
+        tables=[v.handle for v in variables],
+        ids=[x.ids for x in tables], row_splits=[x.splits for x in tables],
+        weights=[x.weights for x in tables],
+        combiners=[x.combiner for x in tables],
+        table_names=[f"t{i}" for i in range(len(tables))],
+        embedding_dim=16, max_norm=-1.0)
+    got = cc.GroupCall(ctx.core, ctx.mem, tables, concat=True).lookup()
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
+
+    rng, tables = _tables(6, 16, True, sequence=True)
+    variables = [tf.Variable(x.table) for x in tables]
+    common = dict(ids=[x.ids for x in tables],
+                  row_splits=[x.splits for x in tables],
+                  positions=[x.positions for x in tables],
+                  weights=[x.weights for x in tables])
+    want = lib.group_embedding_sequence_lookup(
+        tables=[v.handle for v in variables], **common,
+        max_lens=[np.int64(x.seq_len) for x in tables],
+        table_names=[f"t{i}" for i in range(len(tables))],
+        embedding_dim=16, max_norm=0.8)
+    call = cc.GroupCall(ctx.core, ctx.mem, tables, max_norm=0.8)
+    got = call.lookup()
+    for t in range(len(tables)):
+        np.testing.assert_allclose(got[t], want[t].numpy(), rtol=1e-6,
+                                   atol=1e-6)
+    grads = [rng.normal(size=g.shape).astype(np.float32) for g in got]
+    call = cc.GroupCall(ctx.core, ctx.mem, tables)  # no clip: same op
+    call.set_grads(grads)
+    cpu_ids, cpu_grads = lib.group_embedding_sequence_lookup_grad(
+        grads=grads, **common, embedding_dim=16)
+    for t, (ids, g) in enumerate(call.backward()):
+        order = np.argsort(cpu_ids[t].numpy())
+        np.testing.assert_array_equal(ids, cpu_ids[t].numpy()[order])
+        np.testing.assert_allclose(g, cpu_grads[t].numpy()[order],
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_adagrad_matches_cpu_kernel(ctx):
+    lib = _cpu_lib()
+    rng = np.random.default_rng(9)
+    x = cc.TableBatch(
+        table=rng.normal(size=(30, 16)).astype(np.float32),
+        ids=rng.integers(0, 12, 70).astype(np.int64),
+        slots=[rng.uniform(0.1, 1, (30, 16)).astype(np.float32)])
+    grad = rng.normal(size=(70, 16)).astype(np.float32)
+    var, acc = tf.Variable(x.table), tf.Variable(x.slots[0])
+    lib.group_sparse_apply_adagrad(var=var.handle, accum=acc.handle, lr=0.1,
+                                   epsilon=1e-7, indices=x.ids, grad=grad)
+    call = cc.GroupCall(ctx.core, ctx.mem, [x])
+    call.set_grads([grad])
+    (value, (accum,)), = call.backward_apply(
+        call.optimizer_config("adagrad", lr=0.1, epsilon=1e-7))
+    np.testing.assert_allclose(value, var.numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(accum, acc.numpy(), rtol=1e-6, atol=1e-6)
+
+
+# -- building with a CUDA toolchain -----------------------------------------
+@needs_nvcc
+def test_core_compiles_with_pypi_nvcc_and_fails_cleanly_without_gpu(
+        tmp_path):
+    path = gpu_kernel_library.compile_core(str(tmp_path / "libge_cuda.so"),
+                                           capabilities=("90",))
+    core = cc.Core(path)
+    assert core.backend == "cuda"
+    # No GPU here: the call returns a CUDA error code instead of crashing.
+    x = cc.TableBatch(table=np.ones((4, 8), np.float32),
+                      ids=np.arange(3, dtype=np.int64))
+    call = cc.GroupCall(core, cc.HostMemory(), [x])
+    with pytest.raises(cc.CoreError, match="CUDA error"):
+        call.launch_lookup()
+
+
+_GPU_ONLY_REFERENCE = r"""
+#include <string>
+namespace Eigen { struct GpuDevice; }
+namespace tensorflow {
+template <typename D> struct DeviceName;
+template <> struct DeviceName<Eigen::GpuDevice> {
+  static const std::string value;
+};
+}
+extern "C" const void* ge_probe() {
+  return &tensorflow::DeviceName<Eigen::GpuDevice>::value;
+}
+"""
+
+
+def _link_like_the_gpu_library(tmp_path, source):
+    """Compiles and links `source` as the GPU library is linked."""
+    src = tmp_path / "probe.cc"
+    src.write_text(source)
+    out = tmp_path / "probe.so"
+    gpu_kernel_library._run(
+        ["g++", "-shared", "-fPIC", str(src), "-o", str(out)]
+        + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()
+        + ["-Wl,--no-undefined"], "linking the probe", False)
+    return out
+
+
+@needs_nvcc
+def test_gpu_library_links_and_loads_into_tensorflow_cpu(tmp_path):
+    path = gpu_kernel_library.compile_tf_library(
+        str(tmp_path / "gpu_ops.so"), capabilities=("90",))
+    # A fresh process: the CPU library first (it defines the ops).
+    code = ("import tensorflow as tf\n"
+            "from group_embedding.ops import kernel_library as k\n"
+            "assert k.library() is not None\n"
+            f"tf.load_op_library({path!r})\n"
+            "print('loaded')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, env=dict(os.environ,
+                                              TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded" in proc.stdout
+    # The same link refuses a GPU-only framework symbol.
+    with pytest.raises(RuntimeError, match="undefined reference"):
+        _link_like_the_gpu_library(tmp_path, _GPU_ONLY_REFERENCE)
+
+
+# -- the adaptor through TF, on the host stand-in -----------------------------
+LABELLED = ("GroupEmbeddingVariableLookup", "GroupEmbeddingConcatLookup",
+            "GroupEmbeddingSequenceLookup", "GroupEmbeddingVariableLookupGrad",
+            "GroupEmbeddingConcatLookupGrad",
+            "GroupEmbeddingSequenceLookupGrad")
+
+
+@pytest.fixture(scope="module")
+def host_adaptor(tmp_path_factory):
+    _cpu_lib()
+    path = tmp_path_factory.mktemp("adaptor") / "adaptor_on_host.so"
+    gpu_kernel_library.compile_tf_library(str(path), on_host=True)
+    tf.load_op_library(str(path))
+    return _cpu_lib()
+
+
+def _both(fn):
+    """fn() run as a graph with the CPU kernels and with the adaptor."""
+    plain = tf.function(fn)()
+
+    @tf.function
+    def labelled():
+        graph = tf.compat.v1.get_default_graph()
+        with graph._kernel_label_map({op: "ge_host_core" for op in LABELLED}):
+            return fn()
+    return plain, labelled()
+
+
+def test_adaptor_runs_through_tf(host_adaptor):
+    lib = host_adaptor
+    rng, tables = _tables(11, 16, True, concat=True)
+    variables = [tf.Variable(x.table) for x in tables]
+    k = len(tables)
+    ragged = dict(ids=[x.ids for x in tables],
+                  row_splits=[x.splits for x in tables],
+                  weights=[x.weights for x in tables])
+    names = [f"t{i}" for i in range(k)]
+    combiners = [x.combiner for x in tables]
+    grad = rng.normal(size=(40, 16 * k)).astype(np.float32)
+
+    def pooled_and_grads():
+        per_table = lib.group_embedding_variable_lookup(
+            tables=[v.handle for v in variables], **ragged,
+            combiners=combiners, table_names=names, embedding_dim=16,
+            max_norm=0.8)
+        concat = lib.group_embedding_concat_lookup(
+            tables=[v.handle for v in variables], **ragged,
+            combiners=combiners, table_names=names, embedding_dim=16)
+        ids, grads = lib.group_embedding_concat_lookup_grad(
+            grads=grad, **ragged, combiners=combiners, embedding_dim=16)
+        return per_table, concat, ids, grads
+
+    (want_p, want_c, want_i, want_g), (got_p, got_c, got_i, got_g) = \
+        _both(pooled_and_grads)
+    for w, g in zip(want_p, got_p):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6,
+                                   atol=1e-6)
+    np.testing.assert_allclose(got_c.numpy(), want_c.numpy(), rtol=1e-6,
+                               atol=1e-6)
+    for t in range(k):
+        order = np.argsort(want_i[t].numpy())
+        np.testing.assert_array_equal(got_i[t].numpy(),
+                                      want_i[t].numpy()[order])
+        np.testing.assert_allclose(got_g[t].numpy(),
+                                   want_g[t].numpy()[order], rtol=1e-6,
+                                   atol=1e-6)
+
+    rng, seq = _tables(12, 8, False, sequence=True)
+    seq_vars = [tf.Variable(x.table) for x in seq]
+    seq_grads = [rng.normal(size=(x.batch, x.seq_len, 8)).astype(np.float32)
+                 for x in seq]
+
+    def sequence():
+        args = dict(ids=[x.ids for x in seq],
+                    row_splits=[x.splits for x in seq],
+                    positions=[x.positions for x in seq],
+                    weights=[tf.zeros([0]) for _ in seq])
+        out = lib.group_embedding_sequence_lookup(
+            tables=[v.handle for v in seq_vars], **args,
+            max_lens=[np.int64(x.seq_len) for x in seq],
+            table_names=[f"s{i}" for i in range(len(seq))],
+            embedding_dim=8)
+        ids, grads = lib.group_embedding_sequence_lookup_grad(
+            grads=seq_grads, **args, embedding_dim=8)
+        return out, ids, grads
+
+    (want_o, want_i, want_g), (got_o, got_i, got_g) = _both(sequence)
+    for t in range(len(seq)):
+        np.testing.assert_allclose(got_o[t].numpy(), want_o[t].numpy(),
+                                   rtol=1e-6, atol=1e-6)
+        order = np.argsort(want_i[t].numpy())
+        np.testing.assert_array_equal(got_i[t].numpy(),
+                                      want_i[t].numpy()[order])
+        np.testing.assert_allclose(got_g[t].numpy(),
+                                   want_g[t].numpy()[order], rtol=1e-6,
+                                   atol=1e-6)
+
+
+def test_adaptor_names_the_table_of_a_bad_id(host_adaptor):
+    lib = host_adaptor
+    table = tf.Variable(np.ones((5, 4), np.float32))
+
+    def lookup():
+        return lib.group_embedding_variable_lookup(
+            tables=[table.handle, table.handle],
+            ids=[np.array([1, 2], np.int64), np.array([0, 7], np.int64)],
+            row_splits=[np.array([0, 1, 2], np.int64)] * 2,
+            weights=[tf.zeros([0])] * 2, combiners=["sum", "sum"],
+            table_names=["users", "items"], embedding_dim=4)
+
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"items: id 7 is out of range \[0, 5\)"):
+        _both(lookup)
+
+
+# -- the GPU TF wheel (documented run, not every CI run) ----------------------
+@pytest.mark.skipif(not os.environ.get("GE_TEST_GPU_WHEEL"),
+                    reason="set GE_TEST_GPU_WHEEL to the python of a venv "
+                    "with tensorflow==2.21.0 (the GPU wheel)")
+@needs_nvcc
+def test_gpu_library_loads_into_the_gpu_tensorflow_wheel(tmp_path):
+    """Builds the CPU and GPU libraries against tensorflow-cpu's headers
+    and loads both into the GPU wheel of the same version."""
+    python = os.environ["GE_TEST_GPU_WHEEL"]
+    cpu_lib = kernel_library.build()
+    gpu_lib = gpu_kernel_library.compile_tf_library(
+        str(tmp_path / "gpu_ops.so"), capabilities=("90",))
+    code = ("import tensorflow as tf\n"
+            "assert tf.test.is_built_with_cuda()\n"
+            f"tf.load_op_library({cpu_lib!r})\n"
+            f"tf.load_op_library({gpu_lib!r})\n"
+            "print('loaded into', tf.__version__, "
+            "tf.sysconfig.get_build_info()['cuda_version'])\n")
+    proc = subprocess.run([python, "-c", code], capture_output=True,
+                          text=True, env=dict(os.environ,
+                                              TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded into 2.21.0" in proc.stdout
