@@ -10,9 +10,9 @@ their gradients, whose ops the C++ CPU library defines (loaded first).
 
 Which lookups use it (`GROUP_EMBEDDING_KERNELS`):
 
-* `auto` (default): the GPU kernels when this library loads and a GPU is
-  present, else the C++ CPU kernels (no GPU) or the pure-TF path (a GPU
-  without this library);
+* `auto` (default): on a GPU, the GPU kernels when this library loads
+  (once `GPU_KERNELS_BY_DEFAULT` is set) else the pure-TF path; without a
+  GPU, the C++ CPU kernels;
 * `cuda`: the GPU kernels, or an error saying why they cannot be had;
 * `custom`: the C++ CPU kernels (on a GPU machine: the pure-TF path);
 * `tf`: the pure-TF path everywhere.
@@ -43,6 +43,10 @@ DEFAULT_ARCHS = ("75", "80", "86", "89", "90")
 _NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden")
 _CXX_FLAGS = ("-O2", "-fPIC", "-w", "-DNDEBUG")
 _PREFIX = "_group_embedding_gpu_ops_"
+# Whether `auto` picks the GPU kernels: True once the core of this commit
+# has passed the GPU check (benchmarks/gpu/check.sh, results in
+# benchmarks/results/gpu/); until then they are opt-in (`cuda`).
+GPU_KERNELS_BY_DEFAULT = False
 _state = {"tried": False, "module": None, "error": None, "path": None}
 _gpus = []
 
@@ -289,7 +293,8 @@ def use_gpu_kernels():
             cannot be had (with the reason).
     """
     mode = kernel_library.kernel_mode()
-    if mode in ("tf", "custom"):
+    if mode in ("tf", "custom") or (mode == "auto"
+                                    and not GPU_KERNELS_BY_DEFAULT):
         return False
     module = library()
     if module is None and mode == "cuda":
