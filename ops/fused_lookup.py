@@ -434,14 +434,19 @@ def _kernel_max_norm(max_norm) -> Optional[float]:
     return None
 
 
-def _can_use_kernel(tables, max_norm):
+def _can_use_kernel(tables, max_norm, feats):
     if _kernel_max_norm(max_norm) is None:
         return False
     # With a GPU, the lookup ops run where the tables live: on the GPU
-    # through the GPU kernels when they are loaded (else the pure-TF
-    # path, whose ops TF has GPU kernels for).
-    if (gpu_kernel_library.gpu_present()
-            and not gpu_kernel_library.use_gpu_kernels()):
+    # through the GPU kernels when they are loaded, else the pure-TF path
+    # (whose ops TF has GPU kernels for). The backward of weighted tables
+    # and of max_norm reads the tables in ops with CPU kernels only
+    # (GroupEmbeddingTableSnapshot, GroupEmbeddingClipGrad), which cannot
+    # take a GPU variable: those groups take the pure-TF path there.
+    if gpu_kernel_library.gpu_present() and (
+            not gpu_kernel_library.use_gpu_kernels()
+            or max_norm is not None
+            or any(f.weights is not None for f in feats)):
         return False
     return all(isinstance(t, tf.Variable) and t.dtype == tf.float32
                for t in tables)
@@ -472,7 +477,7 @@ def pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
             and hasattr(tables[0], "lookup_rows")):
         # EmbeddingVariable group: resolve and pool in one C++ op.
         return _pooled_ev(lib, tables, feats, combiners, training)
-    if lib is None or not _can_use_kernel(tables, max_norm):
+    if lib is None or not _can_use_kernel(tables, max_norm, feats):
         return _pooled_tf(tables, feats, combiners, table_names, max_norm,
                           training)
     return _variable_kernel(lib.group_embedding_variable_lookup, tables,
@@ -506,7 +511,7 @@ def concat_pooled_lookup(tables: List[tf.Variable], feats: List[FeatureIds],
     """
     lib = kernel_library.load()
     if (lib is None or hasattr(tables[0], "lookup_rows")
-            or not _can_use_kernel(tables, max_norm)):
+            or not _can_use_kernel(tables, max_norm, feats)):
         return tf.concat(pooled_lookup(tables, feats, combiners, table_names,
                                        max_norm, training), 1)
     return _variable_kernel(lib.group_embedding_concat_lookup, tables, feats,
@@ -559,7 +564,7 @@ def sequence_lookup(tables, feats: List[FeatureIds], table_names,
     """
     if not hasattr(tables[0], "lookup_rows"):
         lib = kernel_library.load()
-        if lib is not None and _can_use_kernel(tables, max_norm):
+        if lib is not None and _can_use_kernel(tables, max_norm, feats):
             return _sequence_kernel(lib, tables, feats, table_names,
                                     max_norm)
         return _sequence_variables_tf(tables, feats, table_names, max_norm)
