@@ -282,12 +282,18 @@ def train(tf, args, sess_config, loss, train_op, global_step, data_init_op,
           steps, checkpoint_dir, hooks=()):
     """DeepRec's `train`: MonitoredTrainingSession to `steps`, one
     checkpoint at the end. Returns the losses of the first and last tenth
-    of the steps."""
+    of the steps, the number of steps, and the EVs' keys at the last step
+    (None for stock)."""
     scaffold = tf.train.Scaffold(
         local_init_op=tf.group(tf.local_variables_initializer(),
                                data_init_op),
         saver=tf.train.Saver(max_to_keep=args.keep_checkpoint_max))
     hooks = list(hooks) + [tf.train.StopAtStepHook(last_step=steps)]
+    rows_op = embedding_rows(tf)
+    counter = None
+    if rows_op is not None:
+        counter = _rows_at_last_step_hook(tf, rows_op, steps)
+        hooks.append(counter)
     if args.tf and args.stock_l2_evict is not None:
         hooks.append(stock_l2_eviction_hook(
             tf, args.stock_l2_evict, scaffold.saver, global_step,
@@ -304,7 +310,7 @@ def train(tf, args, sess_config, loss, train_op, global_step, data_init_op,
             losses.append(float(sess.run([loss, train_op])[0]))
     tenth = max(1, len(losses) // 10)
     return (sum(losses[:tenth]) / tenth, sum(losses[-tenth:]) / tenth,
-            len(losses))
+            len(losses), None if counter is None else counter.rows)
 
 
 def stock_l2_eviction_hook(tf, threshold, saver, global_step,
@@ -334,18 +340,55 @@ def stock_l2_eviction_hook(tf, threshold, saver, global_step,
     return StockL2Evict()
 
 
+def embedding_rows(tf):
+    """An op counting the keys stored in this worker's EVs, or None
+    without EVs (the stock baseline). A run whose embeddings all read zero
+    (nothing admitted, everything evicted) has none."""
+    evs = [v for v in tf.get_collection(tf.GraphKeys.SAVEABLE_OBJECTS)
+           if type(v).__name__ == "EmbeddingVariable"]
+    if not evs:
+        return None
+    return tf.add_n([tf.cast(ev.size(), tf.int64) for ev in evs])
+
+
+def _rows_at_last_step_hook(tf, rows_op, steps):
+    """A hook that fetches `rows_op` with the last training step, i.e.
+    before the final save, which runs the eviction policy; it keeps the
+    value in `.rows`. (A factory: `tf` is imported by the script.)"""
+
+    class RowsAtLastStep(tf.train.SessionRunHook):
+        def __init__(self):
+            self.runs, self.rows = 0, None
+
+        def before_run(self, run_context):
+            self.runs += 1
+            if self.runs == steps:
+                return tf.train.SessionRunArgs(rows_op)
+            return None
+
+        def after_run(self, run_context, run_values):
+            if self.runs == steps:
+                self.rows = int(run_values.results)
+
+    return RowsAtLastStep()
+
+
 def evaluate(tf, sess_config, auc_op, data_init_op, steps, checkpoint_dir):
     """DeepRec's `eval`: restores the checkpoint into a fresh session and
-    runs the streaming AUC over the eval set. Returns the AUC."""
+    runs the streaming AUC over the eval set. Returns the AUC and the
+    restored tables' `embedding_rows`."""
+    rows_op = embedding_rows(tf)
     scaffold = tf.train.Scaffold(local_init_op=tf.group(
         tf.local_variables_initializer(), data_init_op))
     creator = tf.train.ChiefSessionCreator(
         scaffold=scaffold, checkpoint_dir=checkpoint_dir, config=sess_config)
-    value = float("nan")
+    value, rows = float("nan"), None
     with tf.train.MonitoredSession(session_creator=creator) as sess:
+        if rows_op is not None:
+            rows = int(sess.run(rows_op))
         for _ in range(steps):
             value = float(sess.run(auc_op))
-    return value
+    return value, rows
 
 
 def session_config(tf, args):
@@ -356,10 +399,14 @@ def session_config(tf, args):
     return config
 
 
-def report(args, model, auc, first_loss, last_loss, steps, optimizer=None):
-    """Prints the one JSON line the test reads."""
+def report(args, model, evaluation, training, optimizer=None):
+    """Prints the one JSON line the test reads; `evaluation` and
+    `training` are what `evaluate` and `train` return."""
+    auc, rows = evaluation
+    first_loss, last_loss, steps, trained_rows = training
     print(json.dumps({
-        "model": model, "auc": auc, "first_loss": first_loss,
+        "model": model, "auc": auc, "embedding_rows": rows,
+        "trained_rows": trained_rows, "first_loss": first_loss,
         "last_loss": last_loss, "steps": steps, "stock": bool(args.tf),
         "ev": args.ev, "ev_filter": args.ev_filter,
         "ev_elimination": args.ev_elimination,

@@ -153,12 +153,11 @@ def main():
     _, auc_op = tf.metrics.auc(labels=labels, predictions=probability,
                                num_thresholds=1000)
     sess_config = common.session_config(tf, args)
-    first, last, steps = common.train(tf, args, sess_config, loss, train_op,
-                                      step, train_init_op, train_steps,
-                                      checkpoint_dir)
-    auc = common.evaluate(tf, sess_config, auc_op, test_init_op, test_steps,
-                          checkpoint_dir)
-    common.report(args, "dcnv2", auc, first, last, steps, "adagrad")
+    training = common.train(tf, args, sess_config, loss, train_op, step,
+                            train_init_op, train_steps, checkpoint_dir)
+    evaluation = common.evaluate(tf, sess_config, auc_op, test_init_op,
+                                 test_steps, checkpoint_dir)
+    common.report(args, "dcnv2", evaluation, training, "adagrad")
 
 
 if __name__ == "__main__":

@@ -129,12 +129,12 @@ def main():
     model = DeepFM(tf, args, wide_column, sparse_column, deep_column,
                    next_element, input_layer_partitioner,
                    dense_layer_partitioner)
-    first, last, steps = common.train(
+    training = common.train(
         tf, args, sess_config, model.loss, model.train_op, model.global_step,
         train_init_op, train_steps, checkpoint_dir)
-    auc = common.evaluate(tf, sess_config, model.auc_op, test_init_op,
-                          test_steps, checkpoint_dir)
-    common.report(args, "deepfm", auc, first, last, steps)
+    evaluation = common.evaluate(tf, sess_config, model.auc_op,
+                                 test_init_op, test_steps, checkpoint_dir)
+    common.report(args, "deepfm", evaluation, training)
 
 
 if __name__ == "__main__":
