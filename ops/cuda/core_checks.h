@@ -9,6 +9,7 @@
 
 #include <stdint.h>
 
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -138,6 +139,59 @@ inline int CheckOptimizer(const GeTable* tables, int n,
       return GE_ERR_ARGUMENT;
     }
   }
+  return GE_OK;
+}
+
+// The checks of a lookup call before its scratch size.
+inline int CheckLookup(const GeTable* tables, int n, int64_t dim,
+                       float max_norm, bool sequence,
+                       const unsigned long long* errors, GroupPlan* plan) {
+  const unsigned need = kOut | kTableRows | (sequence ? kSequence : 0u);
+  const int status = CheckTables(tables, n, dim, need, plan);
+  if (status != GE_OK) return status;
+  if (errors == nullptr || !std::isfinite(max_norm)) return GE_ERR_ARGUMENT;
+  return GE_OK;
+}
+
+// The checks of a backward call (optimizer != NULL: the fused apply)
+// before its scratch size.
+inline int CheckBackward(const GeTable* tables, int n, int64_t dim,
+                         float max_norm, const GeOptimizerConfig* optimizer,
+                         const int64_t* unique_ids, const float* unique_grads,
+                         const int64_t* offsets,
+                         const unsigned long long* errors, GroupPlan* plan) {
+  unsigned need = kGrad;
+  if (max_norm >= 0.0f || optimizer) need |= kTableRows;
+  int status = CheckTables(tables, n, dim, need, plan);
+  if (status != GE_OK) return status;
+  if (optimizer) {
+    status = CheckOptimizer(tables, n, optimizer);
+  } else if (unique_ids == nullptr || offsets == nullptr ||
+             (unique_grads == nullptr && dim > 0 &&
+              plan->occurrences() > 0)) {
+    status = GE_ERR_ARGUMENT;
+  }
+  if (status != GE_OK) return status;
+  if (errors == nullptr || !std::isfinite(max_norm)) return GE_ERR_ARGUMENT;
+  return GE_OK;
+}
+
+// The checks of a weight-gradient call before its scratch size: the
+// gradient of each weighted table must cover its rows.
+inline int CheckWeightGrads(const GeTable* tables, int n, int64_t dim,
+                            float max_norm, const unsigned long long* errors,
+                            GroupPlan* plan) {
+  const int status =
+      CheckTables(tables, n, dim, kWeightGrad | kTableRows, plan);
+  if (status != GE_OK) return status;
+  for (int t = 0; t < n; ++t) {
+    const GeTable& x = tables[t];
+    const int64_t block = x.positions ? x.seq_len * dim : dim;
+    if (x.weights && x.batch > 0 && block > 0 && x.grad_stride < block) {
+      return GE_ERR_ARGUMENT;
+    }
+  }
+  if (errors == nullptr || !std::isfinite(max_norm)) return GE_ERR_ARGUMENT;
   return GE_OK;
 }
 

@@ -66,11 +66,9 @@ int Lookup(bool sequence, const GeTable* tables, int n, int64_t dim,
            float max_norm, size_t scratch_bytes, void* scratch,
            unsigned long long* errors) {
   GroupPlan plan;
-  const unsigned need = ge_core::kOut | ge_core::kTableRows |
-                        (sequence ? ge_core::kSequence : 0u);
-  const int status = ge_core::CheckTables(tables, n, dim, need, &plan);
+  const int status = ge_core::CheckLookup(tables, n, dim, max_norm, sequence,
+                                          errors, &plan);
   if (status != GE_OK) return status;
-  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
   if (scratch == nullptr || scratch_bytes < ge_lookup_scratch_bytes(n)) {
     return GE_ERR_SCRATCH;
   }
@@ -134,18 +132,11 @@ int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
              size_t scratch_bytes, int64_t* unique_ids, float* unique_grads,
              int64_t* offsets, unsigned long long* errors) {
   GroupPlan plan;
-  unsigned need = ge_core::kGrad;
-  if (max_norm >= 0.0f || optimizer) need |= ge_core::kTableRows;
-  int status = ge_core::CheckTables(tables, n, dim, need, &plan);
+  const int status = ge_core::CheckBackward(tables, n, dim, max_norm,
+                                            optimizer, unique_ids,
+                                            unique_grads, offsets, errors,
+                                            &plan);
   if (status != GE_OK) return status;
-  if (optimizer) {
-    status = ge_core::CheckOptimizer(tables, n, optimizer);
-  } else if (unique_ids == nullptr || offsets == nullptr ||
-             (unique_grads == nullptr && dim > 0 && plan.occurrences() > 0)) {
-    status = GE_ERR_ARGUMENT;
-  }
-  if (status != GE_OK) return status;
-  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
   if (scratch == nullptr ||
       scratch_bytes < BackwardScratch(n, plan.occurrences())) {
     return GE_ERR_SCRATCH;
@@ -294,18 +285,9 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
                     float max_norm, void* scratch, size_t scratch_bytes,
                     unsigned long long* errors, void* /*stream*/) {
   ge_core::GroupPlan plan;
-  const int status = ge_core::CheckTables(
-      tables, num_tables, dim, ge_core::kWeightGrad | ge_core::kTableRows,
-      &plan);
+  const int status = ge_core::CheckWeightGrads(tables, num_tables, dim,
+                                               max_norm, errors, &plan);
   if (status != GE_OK) return status;
-  for (int t = 0; t < num_tables; ++t) {
-    const GeTable& x = tables[t];
-    const int64_t block = x.positions ? x.seq_len * dim : dim;
-    if (x.weights && x.batch > 0 && block > 0 && x.grad_stride < block) {
-      return GE_ERR_ARGUMENT;
-    }
-  }
-  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
   if (scratch == nullptr ||
       scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
     return GE_ERR_SCRATCH;

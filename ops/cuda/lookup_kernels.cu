@@ -154,11 +154,9 @@ int Lookup(const GeTable* tables, int n, int64_t dim, float max_norm,
            void* scratch, size_t scratch_bytes, unsigned long long* errors,
            void* stream) {
   ge_core::GroupPlan plan;
-  const unsigned need = ge_core::kOut | ge_core::kTableRows |
-                        (kSequence ? ge_core::kSequence : 0u);
-  int status = ge_core::CheckTables(tables, n, dim, need, &plan);
+  const int status = ge_core::CheckLookup(tables, n, dim, max_norm,
+                                          kSequence, errors, &plan);
   if (status != GE_OK) return status;
-  if (errors == nullptr || !isfinite(max_norm)) return GE_ERR_ARGUMENT;
   if (scratch == nullptr || scratch_bytes < ge_lookup_scratch_bytes(n)) {
     return GE_ERR_SCRATCH;
   }

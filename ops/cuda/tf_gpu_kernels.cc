@@ -174,6 +174,17 @@ Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
   return InvalidArgument(host[GE_BAD_IDS], " ids out of range.");
 }
 
+// The `combiners` attr of a pooled op as GeCombiner values.
+Status CombinersAttr(OpKernelConstruction* ctx, std::vector<int32_t>* out) {
+  std::vector<std::string> names;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("combiners", &names));
+  for (const auto& c : names) {
+    out->push_back(0);
+    TF_RETURN_IF_ERROR(ParseCombiner(c, &out->back()));
+  }
+  return Status();
+}
+
 enum class Layout { kPerTable, kConcat, kSequence };
 
 Layout LayoutOf(const std::string& op) {
@@ -192,12 +203,7 @@ class LookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("max_norm", &max_norm_));
     if (layout_ != Layout::kSequence) {
-      std::vector<std::string> combiners;
-      OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &combiners));
-      for (const auto& c : combiners) {
-        combiners_.push_back(0);
-        OP_REQUIRES_OK(ctx, ParseCombiner(c, &combiners_.back()));
-      }
+      OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
     }
   }
 
@@ -332,12 +338,7 @@ class LookupGradOp : public OpKernel {
       : OpKernel(ctx), layout_(LayoutOf(ctx->def().op())) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
     if (layout_ != Layout::kSequence) {
-      std::vector<std::string> combiners;
-      OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &combiners));
-      for (const auto& c : combiners) {
-        combiners_.push_back(0);
-        OP_REQUIRES_OK(ctx, ParseCombiner(c, &combiners_.back()));
-      }
+      OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
     }
   }
 
