@@ -43,7 +43,7 @@ _NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden")
 _CXX_FLAGS = ("-O2", "-fPIC", "-w", "-DNDEBUG")
 _PREFIX = "_group_embedding_gpu_ops_"
 # Whether `auto` picks the GPU kernels: True since the core passed the GPU
-# check (benchmarks/gpu/check.sh at ca2b479 on an H200: every parity case,
+# check (benchmarks/gpu/check.sh at fe7148a on an H200: every parity case,
 # compute-sanitizer memcheck and racecheck clean; benchmarks/results/gpu/).
 # An edit of ops/cuda/ should be checked there again before it ships.
 GPU_KERNELS_BY_DEFAULT = True
