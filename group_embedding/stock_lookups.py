@@ -70,8 +70,12 @@ def _one_id_rows(flat_ids):
 
 
 def _rows(ev: EmbeddingVariable, ids, max_norm, partition_strategy,
-          argument: str) -> tf.Tensor:
-    """Rows of `ev` for dense `ids` of shape S: returns `S + [D]`."""
+          argument: str):
+    """Rows of `ev` for `ids` of shape S: returns `S + [D]`, ragged where
+    `ids` is (as stock returns for ragged ids)."""
+    if isinstance(ids, tf.RaggedTensor):
+        return ids.with_flat_values(_rows(ev, ids.flat_values, max_norm,
+                                          partition_strategy, argument))
     ids = tf.convert_to_tensor(ids)
     ev.check_keys(ids, argument)
     (flat,) = lookup.group_embedding_lookup_sparse(
@@ -90,8 +94,8 @@ def embedding_lookup(params, ids, partition_strategy="mod", name=None,
         params: an `EmbeddingVariable` (or a one-element list of one), or
             whatever stock accepts (tensor, variable, list of shards,
             `PartitionedVariable`).
-        ids: integer tensor of any shape S. For an EV: keys (any value of
-            its key dtype); new keys are inserted.
+        ids: integer tensor of any shape S, or a `tf.RaggedTensor`. For an
+            EV: keys (any value of its key dtype); new keys are inserted.
         partition_strategy: "mod" (default) or "div"; for an EV only
             validated.
         name: optional name scope.
@@ -99,7 +103,7 @@ def embedding_lookup(params, ids, partition_strategy="mod", name=None,
         max_norm: if set, rows whose L2 norm exceeds it are rescaled to it.
 
     Returns:
-        `S + [D]` tensor.
+        `S + [D]` tensor (a `tf.RaggedTensor` for ragged `ids`).
 
     Raises:
         TypeError: non-integer keys, or int64 keys for an int32 EV.
@@ -122,14 +126,16 @@ def gather(params, indices, validate_indices=None, axis=None, batch_dims=0,
     Args:
         params: an `EmbeddingVariable`, or whatever stock `tf.gather`
             accepts.
-        indices: integer tensor of any shape S (keys, for an EV).
+        indices: integer tensor of any shape S, or a `tf.RaggedTensor`
+            (keys, for an EV).
         validate_indices: deprecated and unused, as in stock.
         axis: for an EV, None or 0 (its rows).
         batch_dims: for an EV, 0.
         name: optional name scope.
 
     Returns:
-        `S + [D]` for an EV; the stock result otherwise.
+        `S + [D]` for an EV (ragged for ragged `indices`); the stock result
+        otherwise.
 
     Raises:
         ValueError: an EV with `axis` other than 0 or `batch_dims` != 0.
@@ -222,8 +228,10 @@ def safe_embedding_lookup_sparse(embedding_weights, sparse_ids,
     Args:
         embedding_weights: an `EmbeddingVariable` (or a one-element list of
             one), or whatever stock accepts.
-        sparse_ids: `tf.SparseTensor [d_0, ..., d_n]` of ids.
-        sparse_weights: None or a `tf.SparseTensor` like `sparse_ids`.
+        sparse_ids: `tf.SparseTensor [d_0, ..., d_n]` of ids, or a rank-2
+            `tf.RaggedTensor [d_0, None]` (as stock TF 2.21 accepts).
+        sparse_weights: None or weights like `sparse_ids` (sparse or
+            ragged).
         combiner: "mean" (default), "sum" or "sqrtn".
         default_id: id (key) read by empty rows; None gives zeros.
         name: optional name scope.
@@ -236,7 +244,8 @@ def safe_embedding_lookup_sparse(embedding_weights, sparse_ids,
         `[d_0, ..., d_{n-1}, D]` tensor.
 
     Raises:
-        TypeError: `sparse_ids` is not a SparseTensor.
+        TypeError: `sparse_ids` is neither a SparseTensor nor a
+            RaggedTensor.
         ValueError: unknown combiner.
     """
     ev = as_embedding_variable(embedding_weights, "embedding_weights")
@@ -247,10 +256,16 @@ def safe_embedding_lookup_sparse(embedding_weights, sparse_ids,
             partition_strategy=partition_strategy, max_norm=max_norm,
             allow_fast_lookup=allow_fast_lookup)
     del allow_fast_lookup
+    if isinstance(sparse_ids, tf.RaggedTensor):
+        # Stock prunes, fills and pools ragged ids exactly as their sparse
+        # form: the same [d_0, D] result.
+        sparse_ids = sparse_ids.to_sparse()
+        if isinstance(sparse_weights, tf.RaggedTensor):
+            sparse_weights = sparse_weights.to_sparse()
     if not isinstance(sparse_ids, tf.SparseTensor):
         raise TypeError(f"safe_embedding_lookup_sparse on EmbeddingVariable "
-                        f"'{ev.name}': `sparse_ids` must be a SparseTensor, "
-                        f"got {type(sparse_ids).__name__}.")
+                        f"'{ev.name}': `sparse_ids` must be a SparseTensor "
+                        f"or RaggedTensor, got {type(sparse_ids).__name__}.")
     with tf.name_scope(name or "safe_embedding_lookup_sparse"):
         shape = tf.cast(sparse_ids.dense_shape, tf.int64)
         flat_shape = tf.stack([tf.reduce_prod(shape[:-1]), shape[-1]])

@@ -95,6 +95,46 @@ def test_eager_ge_reads_match_stock_and_train_like_stock(combiner):
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_ragged_ids_read_like_stock(combiner):
+    """Ragged ids give what stock gives on the EV's rows: a RaggedTensor
+    from `embedding_lookup` / `gather`, `[B, D]` from the safe lookup
+    (negative ids and non-positive weights pruned), and the same update."""
+    ev, var = _ev_and_oracle(f"ragged_{combiner}")
+    ids = tf.ragged.constant([[3, 5, 3], [], [11], [-1, 7]], dtype=tf.int64)
+    weights = tf.ragged.constant([[1.0, 0.5, 2.0], [], [0.0], [1.0, 1.5]])
+    nested = tf.ragged.constant([[[1, 2], [4]], [[9, 9, 0]]], dtype=tf.int64)
+    keep = tf.ragged.boolean_mask(ids, ids >= 0)
+    with tf.GradientTape() as tape:
+        outs = [ge.embedding_lookup(ev, keep), ge.gather(ev, nested),
+                ge.safe_embedding_lookup_sparse(ev, ids, weights,
+                                                combiner=combiner),
+                ge.safe_embedding_lookup_sparse(ev, ids, combiner=combiner,
+                                                default_id=6)]
+        loss = sum(tf.reduce_sum(o * o) for o in outs)
+    with tf.GradientTape() as stock_tape:
+        stock = [tf.nn.embedding_lookup(var, keep), tf.gather(var, nested),
+                 tf.nn.safe_embedding_lookup_sparse(var, ids, weights,
+                                                    combiner=combiner),
+                 tf.nn.safe_embedding_lookup_sparse(var, ids,
+                                                    combiner=combiner,
+                                                    default_id=6)]
+        stock_loss = sum(tf.reduce_sum(o * o) for o in stock)
+    for ours, want in zip(outs, stock):
+        assert type(ours) is type(want)
+        if isinstance(want, tf.RaggedTensor):
+            np.testing.assert_array_equal(ours.nested_row_splits[0],
+                                          want.nested_row_splits[0])
+            ours, want = ours.flat_values, want.flat_values
+        assert ours.shape == want.shape
+        np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6)
+    ge.optimizers.SGD(0.1).apply([tape.gradient(loss, ev)], [ev])
+    var.assign_sub(0.1 * tf.convert_to_tensor(
+        stock_tape.gradient(stock_loss, var)))
+    np.testing.assert_allclose(_ev_rows(ev), var.numpy(), rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_safe_lookup_rank3_negative_ids_and_default_id():
     ev, var = _ev_and_oracle("safe_rank3")
     indices = [[0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 1, 0], [1, 1, 1]]
