@@ -27,8 +27,9 @@ fi
 echo "setup: kernels at $(TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python -c \
     'from group_embedding.ops import kernel_library as k; print(k.build())')"
 # The GPU kernels, where TF is a CUDA build (here it says why not).
-echo "setup: $(TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python -m \
-    group_embedding.ops.gpu_kernel_library)"
+echo "setup: $(TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python -c \
+    'from group_embedding.ops import gpu_kernel_library as g
+print(g.build_at_install())')"
 if [ "${WITH_HOROVOD:-1}" = 1 ]; then
     bash scripts/build_horovod.sh .venv/bin/python
 fi
