@@ -123,10 +123,11 @@ def test_invalid_params_num_per_group_fails(kernel_mode, tables, sp_ids,
 
 
 def test_invalid_kernel_mode_env_fails(monkeypatch, tables, sp_ids):
-    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "cuda")
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "rocm")
     with pytest.raises(ValueError, match=r"Invalid "
                                          r"`GROUP_EMBEDDING_KERNELS`: "
-                                         r"'cuda', use one of"):
+                                         r"'rocm', use one of auto, custom, "
+                                         r"tf, cuda"):
         _lookup(tables, sp_ids)
 
 
