@@ -70,6 +70,22 @@ def _column_from_config(config: Dict[str, Any]):
 
 
 @keras.saving.register_keras_serializable(package="group_embedding")
+def _is_deferred(table) -> bool:
+    """Whether `table` is a Keras variable whose value does not exist yet
+    (created while Keras traces a model symbolically)."""
+    return isinstance(table, keras.Variable) and table._value is None
+
+
+def _batch_size(features) -> tf.Tensor:
+    """The batch size of a features dict (dense, sparse or ragged)."""
+    value = next(iter(features.values()))
+    if isinstance(value, tf.SparseTensor):
+        return tf.cast(value.dense_shape[0], tf.int32)
+    if isinstance(value, tf.RaggedTensor):
+        return tf.cast(value.nrows(), tf.int32)
+    return tf.shape(value)[0]
+
+
 class GroupEmbeddingFeatures(keras.layers.Layer):
     """Turns a features dict into one dense tensor, like `input_layer`.
 
@@ -232,6 +248,12 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
         self.build()
 
     def call(self, features, training=None):
+        if any(_is_deferred(t) for t in self._tables.values()):
+            # Keras traces call() symbolically to build a subclassed model,
+            # with variables created there left uninitialised: no table
+            # exists to read yet, and only the output's shape is asked.
+            return tf.zeros(tf.stack([_batch_size(features),
+                                      self.compute_output_shape(None)[1]]))
         prepared = sparse_ids.prepare_features(features,
                                                self._feature_columns)
         cache = fc_v2.FeatureTransformationCache(prepared)

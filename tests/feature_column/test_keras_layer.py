@@ -3,6 +3,7 @@ weights; training with `model.fit` on a pandas/CSV `tf.data` pipeline;
 save/load and config round trips."""
 
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -198,6 +199,27 @@ def test_fit_on_sparse_and_ragged_inputs(kind):
     model.fit(ds, epochs=2, verbose=0)
     assert model.evaluate(ds.take(1), verbose=0) < before
     assert np.isfinite(losses).all()
+
+
+def test_subclassed_model_builds_without_warnings():
+    """Keras traces a subclassed model's call() symbolically to build it;
+    that must not fail inside the lookup (it warned "`params[0]` must be
+    a tf.Variable, ..., got SymbolicTensor" and "unbuilt state")."""
+    cats = fc_cases.stock_categorical_columns("unused")[:3]
+    with ge_fc.group_embedding_column_scope(fc_cases.unique_name("sw")):
+        cols = [ge_fc.embedding_column(c, 4) for c in cats]
+    model = TowerModel(cols)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    features = fc_cases.make_features("ragged", ["uid", "tag", "city"])
+    labels = tf.constant([[1.0], [0.0], [1.0], [0.0], [1.0], [0.0]])
+    ds = tf.data.Dataset.from_tensors((features, labels)).repeat(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(ds, epochs=1, verbose=0)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages
+                if "SymbolicTensor" in m or "unbuilt state" in m], messages
+    assert model.predict(features, verbose=0).shape == (6, 1)
 
 
 def test_ev_tables_train_with_ge_optimizer_in_a_custom_loop():
