@@ -69,7 +69,6 @@ def _column_from_config(config: Dict[str, Any]):
     return serialization.deserialize_feature_column(config)
 
 
-@keras.saving.register_keras_serializable(package="group_embedding")
 def _is_deferred(table) -> bool:
     """Whether `table` is a Keras variable whose value does not exist yet
     (created while Keras traces a model symbolically)."""
@@ -86,6 +85,7 @@ def _batch_size(features) -> tf.Tensor:
     return tf.shape(value)[0]
 
 
+@keras.saving.register_keras_serializable(package="group_embedding")
 class GroupEmbeddingFeatures(keras.layers.Layer):
     """Turns a features dict into one dense tensor, like `input_layer`.
 
