@@ -144,14 +144,17 @@ def _register_gradients():
     def _owner_gather_grad(op, grad_rows, grad_splits):
         del grad_splits  # integer output
         k = op.get_attr("num_tables")
-        handles = op.inputs[:k]
+        shapes = [tf.raw_ops.VariableShape(input=h, out_type=tf.int64)
+                  for h in op.inputs[:k]]
+        names = [n.decode() if isinstance(n, bytes) else n
+                 for n in op.get_attr("table_names")]
         indices, values = _kernels().collective_owner_gather_grad(
             grad=grad_rows, received_ids=op.inputs[k],
-            received_splits=op.inputs[k + 1], num_tables=k,
-            dims=op.get_attr("dims"))
-        slices = [tf.IndexedSlices(v, i, tf.raw_ops.VariableShape(
-                      input=h, out_type=tf.int64))
-                  for i, v, h in zip(indices, values, handles)]
+            received_splits=op.inputs[k + 1],
+            shard_rows=tf.stack([s[0] for s in shapes]), num_tables=k,
+            dims=op.get_attr("dims"), table_names=names)
+        slices = [tf.IndexedSlices(v, i, s)
+                  for i, v, s in zip(indices, values, shapes)]
         return slices + [None, None]
 
     @tf.RegisterGradient("CollectivePool")

@@ -338,7 +338,12 @@ Status CheckDims(const std::vector<int64_t>& dims, int k) {
                            dims.size(), ".");
   }
   for (int64_t d : dims) {
-    if (d < 0) return InvalidArgument("`dims` must be >= 0, got ", d, ".");
+    // A row travels in one int32 split; the bound also keeps every
+    // count * dim product below 2**63.
+    if (d < 0 || d > kMaxSplit) {
+      return InvalidArgument("`dims` must be in [0, ", kMaxSplit, "], got ",
+                             d, ".");
+    }
   }
   return Status();
 }
@@ -432,17 +437,19 @@ Status ParseReceived(const Tensor& ids, const Tensor& splits, int k,
       out->count[s * k + t] = c;
       out->elem_begin[s * k + t] = elem + source_elems;
       ids_at += c;
+      // c <= int32 max and dims[t] <= kMaxSplit: no overflow, and checked
+      // per table so that the sum cannot overflow either.
       source_elems += c * dims[t];
+      if (source_elems > kMaxSplit) {
+        return InvalidArgument("source ", s, " asks for ", source_elems,
+                               " floats, more than an int32 split allows; "
+                               "use smaller batches.");
+      }
     }
     if (ids_at != at + len) {
       return InvalidArgument("source ", s, ": counts add up to ",
                              ids_at - at - k, " ids but the segment holds ",
                              len - k, ".");
-    }
-    if (source_elems > kMaxSplit) {
-      return InvalidArgument("source ", s, " asks for ", source_elems,
-                             " floats, more than an int32 split allows; "
-                             "use smaller batches.");
     }
     out->elems_per_source[s] = source_elems;
     elem += source_elems;
@@ -569,8 +576,9 @@ class CollectiveRouteIdsOp : public OpKernel {
         r.owner.resize(u);
         r.pos.resize(u);
         r.count.assign(n, 0);
-        // div: blocks of ceil(V / N) rows (ShardedVariable.owner).
-        const int64_t per = (vocab + n - 1) / n;
+        // div: blocks of ceil(V / N) rows (ShardedVariable.owner);
+        // V + N - 1 would overflow for V near 2**63.
+        const int64_t per = vocab / n + (vocab % n != 0);
         // A power-of-two N (the common case) needs no 64-bit division.
         const bool pow2 = (n & (n - 1)) == 0;
         int shift = 0;
@@ -617,13 +625,17 @@ class CollectiveRouteIdsOp : public OpKernel {
         send_at[o * k + t] = send_total + len;
         elem_at[o * k + t] = elem_total + elems;
         len += routes[t].count[o];
+        // Checked per table, count before the product: no overflow.
+        OP_REQUIRES(ctx, len <= kMaxSplit,
+                    InvalidArgument("worker ", o, " would receive ", len,
+                                    " ids or more, more than an int32 "
+                                    "split allows; use smaller batches."));
         elems += routes[t].count[o] * dims_[t];
+        OP_REQUIRES(ctx, elems <= kMaxSplit,
+                    InvalidArgument("worker ", o, " would send back ", elems,
+                                    " floats or more, more than an int32 "
+                                    "split allows; use smaller batches."));
       }
-      OP_REQUIRES(ctx, len <= kMaxSplit && elems <= kMaxSplit,
-                  InvalidArgument("worker ", o, " would receive ", len,
-                                  " ids (", elems, " floats back), more "
-                                  "than an int32 split allows; use smaller "
-                                  "batches."));
       splits(o) = static_cast<int32_t>(len);
       send_total += len;
       elem_total += elems;
@@ -815,21 +827,25 @@ REGISTER_KERNEL_BUILDER(Name("CollectiveOwnerGather").Device(DEVICE_CPU),
 
 // Its gradient: per shard, the distinct local rows asked for by any source
 // and the sum of their gradients (duplicates across sources added).
+// `shard_rows` [K]: the rows of each shard, the bound every received
+// local row is checked against (the op may run apart from its forward).
 REGISTER_OP("CollectiveOwnerGatherGrad")
     .Input("grad: float")
     .Input("received_ids: int64")
     .Input("received_splits: int32")
+    .Input("shard_rows: int64")
     .Output("indices: num_tables * int64")
     .Output("values: num_tables * float")
     .Attr("num_tables: int >= 1")
     .Attr("dims: list(int)")
+    .Attr("table_names: list(string) = []")
     .SetShapeFn([](InferenceContext* c) {
       int k;
       std::vector<int64_t> dims;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
       TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
       TF_RETURN_IF_ERROR(CheckDims(dims, k));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 3, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 4, 1));
       for (int t = 0; t < k; ++t) {
         c->set_output(t, c->Vector(c->UnknownDim()));
         c->set_output(k + t, c->MakeShape({c->UnknownDim(),
@@ -846,11 +862,26 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
     OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names));
+    OP_REQUIRES(ctx, names.empty() || static_cast<int>(names.size()) == k,
+                InvalidArgument("CollectiveOwnerGatherGrad: table_names "
+                                "must have ", k, " entries, got ",
+                                names.size(), "."));
+    for (int t = 0; t < k; ++t) {
+      names_.push_back(names.empty() ? absl::StrCat("table ", t) : names[t]);
+    }
   }
 
   void Compute(OpKernelContext* ctx) override {
     const int k = static_cast<int>(dims_.size());
     const Tensor& grad = ctx->input(0);
+    const Tensor& rows_t = ctx->input(3);
+    OP_REQUIRES(ctx, rows_t.dims() == 1 && rows_t.NumElements() == k,
+                InvalidArgument("CollectiveOwnerGatherGrad: shard_rows must "
+                                "be a vector of ", k, " row counts, got "
+                                "shape ", rows_t.shape().DebugString(), "."));
+    const auto shard_rows = rows_t.flat<int64_t>();
     ReceivedLayout layout;
     OP_REQUIRES_OK(ctx, ParseReceived(ctx->input(1), ctx->input(2), k, dims_,
                                       &layout));
@@ -872,15 +903,19 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
         const int64_t dim = dims_[t];
         int64_t total = 0;
         for (int64_t s = 0; s < n; ++s) total += layout.count[s * k + t];
-        // Local rows are >= 0 (checked by the forward); bound them for
-        // the direct map.
+        // Every local row must lie in the shard; once it does, the
+        // direct map's bound `id + 1` cannot overflow (an id of 2**63-1
+        // once wrapped it negative and the map wrote out of bounds).
+        const int64_t rows = shard_rows(t);
         int64_t bound = 0;
         for (int64_t s = 0; s < n; ++s) {
           const int64_t* ids = v + layout.id_begin[s * k + t];
           for (int64_t i = 0; i < layout.count[s * k + t]; ++i) {
-            if (ids[i] < 0) {
-              status[t] = InvalidArgument("table ", t, ": negative local "
-                                          "row ", ids[i], ".");
+            if (ids[i] < 0 || ids[i] >= rows) {
+              status[t] = InvalidArgument(
+                  "CollectiveOwnerGatherGrad: ", names_[t], ": worker ", s,
+                  " sent a gradient for local row ", ids[i], " outside "
+                  "this shard's [0, ", rows, ").");
               return;
             }
             bound = std::max(bound, ids[i] + 1);
@@ -936,6 +971,7 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
  private:
   IdScratch scratch_;
   std::vector<int64_t> dims_;
+  std::vector<std::string> names_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("CollectiveOwnerGatherGrad").Device(DEVICE_CPU),

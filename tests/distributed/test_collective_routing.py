@@ -252,6 +252,48 @@ class CollectiveRoutingTest(tf.test.TestCase):
             collective_routing.owner_gather(
                 shards, received, tf.constant([4], tf.int32), DIMS, NAMES)
 
+    def test_owner_gather_grad_row_outside_the_shard_fails(self):
+        # Local row 2**63 - 1 once overflowed `id + 1` in the kernel's
+        # dedup map and crashed the process (issue 25.7).
+        lib = collective_routing.library()
+        for bad in (2**63 - 1, 7, -1):
+            with self.assertRaisesRegex(
+                    tf.errors.InvalidArgumentError,
+                    rf"CollectiveOwnerGatherGrad: t0: worker 0 sent a "
+                    rf"gradient for local row {bad} outside this shard's "
+                    rf"\[0, 7\)"):
+                lib.collective_owner_gather_grad(
+                    grad=tf.zeros([8]),
+                    received_ids=tf.constant([2, 1, bad], tf.int64),
+                    received_splits=tf.constant([3], tf.int32),
+                    shard_rows=tf.constant([7], tf.int64), num_tables=1,
+                    dims=[4], table_names=["t0"])
+
+    def test_div_route_of_a_vocab_near_int64_max(self):
+        # ceil(V / N) as (V + N - 1) / N overflowed here and wrote the
+        # counts of owner -1, aborting the process (issue 25.7).
+        send, splits, _ = collective_routing.route_ids(
+            [tf.constant([5, 2**62 + 1], tf.int64)], [2**63 - 1], [4],
+            ["div"], 2, ["big"])
+        # Blocks of 2**62 rows: id 5 is row 5 of worker 0, 2**62 + 1 row 1
+        # of worker 1.
+        np.testing.assert_array_equal(send.numpy(), [1, 5, 1, 1])
+        np.testing.assert_array_equal(splits.numpy(), [2, 2])
+
+    def test_dims_past_an_int32_split_fail(self):
+        # Such dims made count * dim sums overflow into negative buffer
+        # sizes that passed the split check.
+        lib = collective_routing.library()
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    r"`dims` must be in \[0, 2147483647\], "
+                                    r"got 4611686018427387904"):
+            lib.collective_owner_gather_grad(
+                grad=tf.zeros([0]),
+                received_ids=tf.constant([1, 1, 0, 0], tf.int64),
+                received_splits=tf.constant([4], tf.int32),
+                shard_rows=tf.constant([7, 7], tf.int64), num_tables=2,
+                dims=[2**62, 2**62])
+
     def test_offsets_outside_the_rows_fail(self):
         feat = FeatureIds(tf.constant([0], tf.int64),
                           tf.constant([0, 1], tf.int64), None, None, None,
