@@ -99,6 +99,9 @@ def test_wheel_contents(wheel):
     for name in kernels:
         assert ops + "kernels/" + name in names
     assert "group_embedding/__main__.py" in names
+    # The CUDA sources ship for the GPU library's build on first use.
+    for path in (REPO / "ops" / "cuda").iterdir():
+        assert ops + "cuda/" + path.name in names, path.name
     # Every package of the tree ships (the mapped folders included).
     for top, target in (("group_embedding", "group_embedding"),
                         ("feature_column", "group_embedding/feature_column"),
