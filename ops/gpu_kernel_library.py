@@ -224,9 +224,13 @@ def compile_tf_library(path, on_host=False, nvcc=None, capabilities=None,
 
 
 def gpu_present():
-    """Whether TF sees a GPU; probed once per process."""
+    """Whether TF sees a GPU; probed once per process.
+
+    Logical devices, as placement sees them: a GPU hidden with
+    `tf.config.set_visible_devices` does not count.
+    """
     if not _gpus:
-        _gpus.append(bool(tf.config.list_physical_devices("GPU")))
+        _gpus.append(bool(tf.config.list_logical_devices("GPU")))
     return _gpus[0]
 
 
