@@ -17,12 +17,17 @@ A save is all-or-nothing and never touches the checkpoint `latest` names:
 3. once every worker has written its file, worker 0 writes
    `manifest.json` (shard count, size and SHA-256 of every shard) LAST,
    renames the folder to `ckpt-STEP-TOKEN`, repoints `latest` (atomic
-   renames), and only then deletes older checkpoints of the same step.
+   renames, each followed by an fsync of the directory so that it
+   survives a power loss), and only then deletes older checkpoints of the
+   same step.
 
 A crash at any point leaves `latest` naming a complete checkpoint (the
 previous one, or the new one). `restore_tables` refuses a folder without
-a manifest, with a missing, extra-sized or corrupted shard file, or with
-a shard written at another worker count than the manifest says. The
+a manifest, a manifest whose shard count is not a positive integer or
+differs from the shards it lists (checked before anything is built per
+shard), a missing, extra-sized or corrupted shard file, a shard written
+at another worker count than the manifest says, and saved row ids
+outside the table (naming the table and the file). The
 folder must be visible to all workers (a shared filesystem when they run
 on several hosts).
 
@@ -83,6 +88,17 @@ def _shard_name(rank: int, size: int) -> str:
     return f"shard-{rank}-of-{size}.npz"
 
 
+def _fsync_dir(path: str):
+    """Makes the renames inside folder `path` durable: a file's fsync
+    does not cover its directory entry, so after a power loss `latest`
+    could name a folder whose rename was lost."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_manifest(folder: str, step: int, size: int):
     """Worker 0, after every shard is written: sizes and checksums."""
     shards = {}
@@ -98,6 +114,7 @@ def _write_manifest(folder: str, step: int, size: int):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(folder, MANIFEST))
+    _fsync_dir(folder)
 
 
 def _remove_stale(directory: str, step: int, keep: str):
@@ -184,6 +201,7 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
+        _fsync_dir(partial)
     except Exception as e:  # noqa: BLE001 - reported to all workers below
         error = e
     if not _barrier_all_ok(error is None):
@@ -196,12 +214,16 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
         try:
             _write_manifest(partial, step, size)
             os.replace(partial, final)
+            # The folder's new name must be on disk before `latest` can
+            # name it, and `latest` itself before the save returns.
+            _fsync_dir(directory)
             pointer = os.path.join(directory, LATEST)
             with open(pointer + ".tmp", "w") as f:
                 f.write(os.path.basename(final))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(pointer + ".tmp", pointer)
+            _fsync_dir(directory)
         except Exception as e:  # noqa: BLE001 - reported to all workers
             error = e
     # Nobody reads `latest` before it moved, and all workers fail alike.
@@ -224,9 +246,39 @@ def latest_checkpoint(directory: str):
         return os.path.join(directory, f.read().strip())
 
 
+def _check_manifest(path, manifest) -> int:
+    """The shard count of a manifest, checked before anything is built
+    per shard: a count of 10**9 must not cost 10**9 names."""
+    def invalid(what):
+        return ValueError(f"Checkpoint {path}: {MANIFEST} is invalid: "
+                          f"{what}.")
+
+    if not isinstance(manifest, dict):
+        raise invalid(f"expected an object, got {type(manifest).__name__}")
+    size = manifest.get("num_shards")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise invalid(f"num_shards must be a positive integer, got "
+                      f"{size!r}")
+    listed = manifest.get("shards")
+    if not isinstance(listed, dict):
+        raise invalid(f"shards must map file names to sizes and checksums,"
+                      f" got {type(listed).__name__}")
+    if len(listed) != size:
+        names = ", ".join(sorted(listed)[:4])
+        more = ", ..." if len(listed) > 4 else ""
+        raise invalid(f"num_shards is {size} but it lists {len(listed)} "
+                      f"shard{'s' if len(listed) != 1 else ''} "
+                      f"({names}{more})")
+    return size
+
+
 def _load_shards(path):
     """Reads every shard of a finished checkpoint, verified against its
-    manifest (count, presence, size, SHA-256, worker count)."""
+    manifest (count, presence, size, SHA-256, worker count).
+
+    Returns:
+        (file path, arrays) per shard, in rank order.
+    """
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise ValueError(f"Checkpoint {path} does not exist.")
@@ -237,7 +289,7 @@ def _load_shards(path):
             f"'{LATEST}'.")
     with open(manifest_path) as f:
         manifest = json.load(f)
-    size = int(manifest["num_shards"])
+    size = _check_manifest(path, manifest)
     expected = {_shard_name(r, size) for r in range(size)}
     listed = set(manifest["shards"])
     if listed != expected:
@@ -266,7 +318,7 @@ def _load_shards(path):
                 f"Checkpoint {path}: shard file {name} was written by "
                 f"{int(shard['num_shards'])} workers, the manifest says "
                 f"{size}.")
-        shards.append(shard)
+        shards.append((file, shard))
     return shards
 
 
@@ -283,15 +335,26 @@ def _restore_rows(name, table, shards, rank, size):
     found = np.zeros(len(wanted), bool)
     position = np.full(vocab, -1, np.int64)
     position[wanted] = np.arange(len(wanted))
-    for shard in shards:
+    for file, shard in shards:
         if f"{name}/rows" not in shard:
             continue
         rows, values = shard[f"{name}/rows"], shard[f"{name}/values"]
-        if values.shape[1:] != tuple(target.shape[1:]) or rows.max(
-                initial=-1) >= vocab:
+        where = (f"Table '{name}': shard file {os.path.basename(file)} of "
+                 f"checkpoint {os.path.dirname(file)}")
+        if values.shape[1:] != tuple(target.shape[1:]):
             raise ValueError(
-                f"Table '{name}': checkpoint rows/dim {values.shape} do not "
-                f"fit the table's shape [{vocab}, {target.shape[1]}].")
+                f"{where} holds rows of shape {values.shape[1:]}, the "
+                f"table's are {tuple(target.shape[1:])}.")
+        if rows.shape != values.shape[:1]:
+            raise ValueError(
+                f"{where} holds {rows.size} row ids for {len(values)} rows "
+                "of values.")
+        # Checked before indexing: numpy would map row -1 to the last.
+        outside = (rows < 0) | (rows >= vocab)
+        if outside.any():
+            raise ValueError(
+                f"{where} holds row {int(rows[outside][0])}, outside the "
+                f"table's [0, {vocab}).")
         at = position[rows]
         keep = at >= 0
         value[at[keep]] = values[keep]
@@ -311,7 +374,7 @@ def _restore_ev(name, table, shards, rank, size):
     fields = _EV_PER_KEY
     parts = {f: [] for f in fields}
     meta = None
-    for shard in shards:
+    for _, shard in shards:
         if f"{name}/keys" not in shard:
             continue
         keys = shard[f"{name}/keys"]
@@ -339,9 +402,11 @@ def restore_tables(path: str, tables: Dict[str, object]):
             the number of workers, may differ).
 
     Raises:
-        ValueError: no checkpoint; an unfinished one (no manifest); a shard
-            file missing, of the wrong size or corrupted; a table missing
-            from it; rows that do not fit the table; EV keys out of the
+        ValueError: no checkpoint; an unfinished one (no manifest); an
+            invalid manifest (shard count); a shard file missing, of the
+            wrong size or corrupted; a table missing from it; rows that do
+            not fit the table (negative or >= its rows, another dim, ids
+            and values of different lengths); EV keys out of the
             variable's key_dtype range.
     """
     if os.path.exists(os.path.join(path, LATEST)):
