@@ -43,6 +43,74 @@ def _alltoall(hvd, data, splits, name):
     return hvd.alltoall(data, splits=splits)
 
 
+# An EV key's count travels to tf.repeat: bounded like one int32 split.
+_MAX_COUNT = 2**31 - 1
+
+
+def _first_failure(bad, parts):
+    """An assert that fails when any of `bad` holds; its message joins
+    `parts` (strings, or int64 [n] tensors read at the first bad entry)."""
+    any_bad = tf.reduce_any(bad)
+
+    def message():  # built only on failure (and never for an empty `bad`)
+        at = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
+        return tf.strings.join([
+            p if isinstance(p, str) else
+            (p[at] if p.dtype == tf.string else tf.strings.as_string(p[at]))
+            for p in parts])
+
+    text = tf.cond(any_bad, message, lambda: tf.constant(""))
+    return tf.debugging.Assert(tf.logical_not(any_bad), [text],
+                               name="check_received_ids")
+
+
+def _check_received(tables, received, received_splits, names, rank, size,
+                    is_ev):
+    """Checks what the peers sent this owner before it looks anything up:
+    a table slot of the group, EV keys this worker owns (key mod N ==
+    rank; another's key would be inserted here and make the checkpoint
+    unrestorable) with counts in [1, _MAX_COUNT], shard rows inside the
+    shard. Errors name the table and the sending worker.
+
+    Returns:
+        The assert ops; run them before the lookup.
+    """
+    k = len(tables)
+    slot, ids, count = received[:, 0], received[:, 1], received[:, 2]
+    n = tf.shape(received, out_type=tf.int64)[0]
+    sender = tf.searchsorted(
+        tf.cumsum(tf.cast(received_splits, tf.int64)), tf.range(n),
+        side="right")
+    bad_slot = (slot < 0) | (slot >= k)
+    checks = [_first_failure(bad_slot, [
+        "worker ", sender, " sent an id of table slot ", slot,
+        (f", the group has {k} table{'s' if k > 1 else ''} "
+         f"({', '.join(names)}).")])]
+    name = tf.gather(tf.constant(list(names)),
+                     tf.where(bad_slot, tf.zeros_like(slot), slot))
+    if is_ev:
+        owner = tf.math.floormod(ids, size)
+        bad_count = ~bad_slot & ((count < 1) | (count > _MAX_COUNT))
+        checks.append(_first_failure(bad_count, [
+            name, ": worker ", sender, " sent key ", ids, " with count ",
+            count, f", outside [1, {_MAX_COUNT}]."]))
+        checks.append(_first_failure(~bad_slot & (owner != rank), [
+            name, ": worker ", sender, " sent key ", ids,
+            ", owned by worker ", owner,
+            f" (key mod {size}), not by this worker ({rank})."]))
+    else:
+        rows = tf.constant([t.shard_variable.shape[0] for t in tables],
+                           tf.int64)
+        limit = tf.gather(rows, tf.where(bad_slot, tf.zeros_like(slot),
+                                         slot))
+        checks.append(_first_failure(~bad_slot & ((ids < 0) | (ids >= limit)),
+                                     [name, ": worker ", sender,
+                                      " sent local row ", ids,
+                                      ", outside this shard's [0, ", limit,
+                                      ")."]))
+    return checks
+
+
 def _one_id_rows(ids: tf.Tensor, name: str) -> FeatureIds:
     # A ragged batch of one-id rows: "sum" pooling is then a plain gather.
     splits = tf.range(tf.size(ids, out_type=tf.int64) + 1)
@@ -146,6 +214,10 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
                               maxlength=size)
     key = group_key(names)
     received, received_splits = _alltoall(hvd, send, splits, f"ids:{key}")
+    with tf.control_dependencies(_check_received(
+            tables, received, received_splits, names, hvd.rank(), size,
+            is_ev)):
+        received = tf.identity(received)
     # Owner side: one fused lookup of what was received, per table.
     which = tf.cast(received[:, 0], tf.int32)
     parts = tf.dynamic_partition(received[:, 1], which, k)
