@@ -94,7 +94,8 @@ def _check_received(tables, received, received_splits, names, rank, size,
         checks.append(_first_failure(bad_count, [
             name, ": worker ", sender, " sent key ", ids, " with count ",
             count, f", outside [1, {_MAX_COUNT}]."]))
-        checks.append(_first_failure(~bad_slot & (owner != rank), [
+        # tf.not_equal, not `!=`: TF1 graphs may compare tensors as objects.
+        checks.append(_first_failure(~bad_slot & tf.not_equal(owner, rank), [
             name, ": worker ", sender, " sent key ", ids,
             ", owned by worker ", owner,
             f" (key mod {size}), not by this worker ({rank})."]))
