@@ -387,7 +387,8 @@ class TF1Variant:
             if use_ge:
                 x = ge_fc.input_layer(features, columns)
                 opt = ge.train.AdagradOptimizer(
-                    LEARNING_RATE, initial_accumulator_value=INITIAL_ACCUMULATOR)
+                    LEARNING_RATE,
+                    initial_accumulator_value=INITIAL_ACCUMULATOR)
             else:
                 x = v1.feature_column.input_layer(features, columns)
                 opt = v1.train.AdagradOptimizer(

@@ -704,7 +704,8 @@ def main():
                                   summary_pipelined, 26 * args.dim)
     eff = eff_pipelined = eff_hvd = None
     if 1 in summary and 2 in summary_hvd:
-        eff_hvd = summary[1]["median_step_ms"] / summary_hvd[2]["median_step_ms"]
+        eff_hvd = (summary[1]["median_step_ms"]
+                   / summary_hvd[2]["median_step_ms"])
     if 1 in summary and 2 in summary:
         eff = summary[1]["median_step_ms"] / summary[2]["median_step_ms"]
     if 1 in summary and 2 in summary_pipelined:

@@ -15,7 +15,8 @@ from tensorflow.python.feature_column import serialization
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import sharded_variable
 from group_embedding.embedding_variable.variable import get_embedding_variable
-from group_embedding.embedding_variable.keras_variable import KerasEmbeddingVariable
+from group_embedding.embedding_variable.keras_variable import (
+    KerasEmbeddingVariable)
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column import sparse_ids

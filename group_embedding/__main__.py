@@ -38,8 +38,10 @@ def _threads(tf):
     cpus = len(os.sched_getaffinity(0))
     intra = tf.config.threading.get_intra_op_parallelism_threads()
     inter = tf.config.threading.get_inter_op_parallelism_threads()
-    describe = (lambda n: f"{n} (set)" if n
-                else f"{cpus} (default: CPUs available)")
+
+    def describe(n):
+        return f"{n} (set)" if n else f"{cpus} (default: CPUs available)"
+
     return f"intra-op {describe(intra)}, inter-op {describe(inter)}"
 
 

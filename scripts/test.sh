@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh), then runs the whole test suite.
+# Sets everything up (scripts/setup.sh), lints the package with ruff, then
+# runs the whole test suite.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k lookup`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 export TF_CPP_MIN_LOG_LEVEL=2
+# Lint first (seconds): the package and the benchmarks, pyproject's rules.
+.venv/bin/ruff check group_embedding ops feature_column benchmarks
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"

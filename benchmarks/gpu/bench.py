@@ -311,7 +311,7 @@ def run_dim(dev, core, dim, batch_size, cap, steps, id_batches,
     cat = cat_opt = None
     dev.empty_cache()
 
-    # -- bandwidth --------------------------------------------------------------
+    # -- bandwidth -----------------------------------------------------------
     forward_bandwidth(result, batches[0].nnz, dim, batch_size, k,
                       copy_bandwidth(dev, steps))
     result.update({

@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import transport
-from group_embedding.embedding_variable.keras_variable import embedding_variable_of
+from group_embedding.embedding_variable.keras_variable import (
+    embedding_variable_of)
 from group_embedding.ops import sparse_apply
 
 

@@ -13,7 +13,8 @@ from group_embedding.embedding_variable.options import InitializerOption
 from group_embedding.embedding_variable.options import L2WeightEvict
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.embedding_variable.variable import get_embedding_variable
-from group_embedding.embedding_variable.keras_variable import KerasEmbeddingVariable
+from group_embedding.embedding_variable.keras_variable import (
+    KerasEmbeddingVariable)
 
 __all__ = [
     "CBFFilter",

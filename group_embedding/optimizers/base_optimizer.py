@@ -15,7 +15,8 @@ from typing import Tuple
 import tensorflow as tf
 
 from group_embedding.embedding_variable.variable import EmbeddingVariable
-from group_embedding.embedding_variable.keras_variable import embedding_variable_of
+from group_embedding.embedding_variable.keras_variable import (
+    embedding_variable_of)
 
 # Keras options that the EV update path cannot honour.
 _UNSUPPORTED_WITH_EV = ("clipnorm", "clipvalue", "global_clipnorm",
