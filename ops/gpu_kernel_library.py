@@ -106,7 +106,8 @@ def sources_digest(capabilities=None):
     for name in sorted(os.listdir(CUDA_DIR)):
         with open(os.path.join(CUDA_DIR, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
-    for name in ("table_access.h",):
+    # The CPU kernels' headers the adaptor includes.
+    for name in ("pooling.h", "table_access.h"):
         with open(os.path.join(kernel_library._KERNEL_DIR, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]

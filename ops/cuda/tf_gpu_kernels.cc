@@ -36,6 +36,7 @@
 #ifndef GE_ADAPTOR_ON_HOST
 #include "xla/stream_executor/stream.h"
 #endif
+#include "../kernels/pooling.h"
 #include "../kernels/table_access.h"
 #include "group_embedding_cuda.h"
 
@@ -103,20 +104,6 @@ T* DataOr(const Tensor& t) {
   return t.NumElements() ? const_cast<T*>(t.flat<T>().data()) : nullptr;
 }
 
-Status ParseCombiner(const std::string& name, int32_t* out) {
-  if (name == "sum") {
-    *out = GE_SUM;
-  } else if (name == "mean") {
-    *out = GE_MEAN;
-  } else if (name == "sqrtn") {
-    *out = GE_SQRTN;
-  } else {
-    return InvalidArgument("Invalid combiner '", name,
-                           "', use one of sum, mean, sqrtn.");
-  }
-  return Status();
-}
-
 // The ranks and sizes of table t's ragged ids (values on the device are
 // checked by the core).
 Status CheckRaggedShapes(const std::string& name, const Tensor& ids,
@@ -174,16 +161,49 @@ Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
   return InvalidArgument(host[GE_BAD_IDS], " ids out of range.");
 }
 
-// The `combiners` attr of a pooled op as GeCombiner values.
+// The `combiners` attr of a pooled op, parsed as the CPU kernels parse
+// it (pooling.h), as GeCombiner values.
+static_assert(kSum == GE_SUM && kMean == GE_MEAN && kSqrtn == GE_SQRTN,
+              "the core's combiner codes are the CPU kernels'");
 Status CombinersAttr(OpKernelConstruction* ctx, std::vector<int32_t>* out) {
   std::vector<std::string> names;
   TF_RETURN_IF_ERROR(ctx->GetAttr("combiners", &names));
-  for (const auto& c : names) {
-    out->push_back(0);
-    TF_RETURN_IF_ERROR(ParseCombiner(c, &out->back()));
-  }
+  std::vector<Combiner> parsed;
+  TF_RETURN_IF_ERROR(ParseCombiners(names, &parsed));
+  out->assign(parsed.begin(), parsed.end());
   return Status();
 }
+
+// The ragged inputs every op of this file takes (positions: sequence ops).
+struct RaggedInputs {
+  OpInputList ids, splits, weights, positions;
+  Status Read(OpKernelContext* ctx, bool sequence) {
+    TF_RETURN_IF_ERROR(ctx->input_list("ids", &ids));
+    TF_RETURN_IF_ERROR(ctx->input_list("row_splits", &splits));
+    TF_RETURN_IF_ERROR(ctx->input_list("weights", &weights));
+    if (sequence) TF_RETURN_IF_ERROR(ctx->input_list("positions", &positions));
+    return Status();
+  }
+  // Checks table t's shapes and fills the id fields of its descriptor.
+  Status Describe(int t, const std::string& name, GeTable* d) const {
+    TF_RETURN_IF_ERROR(CheckRaggedShapes(name, ids[t], splits[t],
+                                         weights[t]));
+    std::memset(d, 0, sizeof(*d));
+    d->ids = DataOr<int64_t>(ids[t]);
+    d->splits = DataOr<int64_t>(splits[t]);
+    d->weights = DataOr<float>(weights[t]);
+    d->nnz = ids[t].NumElements();
+    d->batch = splits[t].NumElements() - 1;
+    if (positions.size() > 0) {
+      if (positions[t].NumElements() != d->nnz) {
+        return InvalidArgument(name, ": has ", d->nnz, " ids but ",
+                               positions[t].NumElements(), " positions.");
+      }
+      d->positions = DataOr<int64_t>(positions[t]);
+    }
+    return Status();
+  }
+};
 
 enum class Layout { kPerTable, kConcat, kSequence };
 
@@ -201,23 +221,19 @@ class LookupOp : public OpKernel {
       : OpKernel(ctx), layout_(LayoutOf(ctx->def().op())) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("max_norm", &max_norm_));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
     if (layout_ != Layout::kSequence) {
       OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
     }
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList ids, splits, weights, positions, max_lens;
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
     const bool sequence = layout_ == Layout::kSequence;
-    if (sequence) {
-      OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
-      OP_REQUIRES_OK(ctx, ctx->input_list("max_lens", &max_lens));
-    }
-    const int k = ids.size();
+    RaggedInputs in;
+    OP_REQUIRES_OK(ctx, in.Read(ctx, sequence));
+    OpInputList max_lens;
+    if (sequence) OP_REQUIRES_OK(ctx, ctx->input_list("max_lens", &max_lens));
+    const int k = in.ids.size();
     OP_REQUIRES(ctx, static_cast<int>(names_.size()) == k &&
                          (sequence || static_cast<int>(combiners_.size()) == k),
                 InvalidArgument("table_names/combiners must have ", k,
@@ -230,7 +246,7 @@ class LookupOp : public OpKernel {
       vars[t] = refs[t].get();
     }
     SharedVarLocks locks(vars);
-    const int64_t batch0 = splits[0].NumElements() - 1;
+    const int64_t batch0 = in.splits[0].NumElements() - 1;
     Tensor* concat_out = nullptr;
     if (layout_ == Layout::kConcat) {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
@@ -252,26 +268,17 @@ class LookupOp : public OpKernel {
                   InvalidArgument(names_[t], ": expected a float32 [vocab, ",
                                   dim_, "] table, got ",
                                   table->shape().DebugString()));
-      OP_REQUIRES_OK(ctx, CheckRaggedShapes(names_[t], ids[t], splits[t],
-                                            weights[t]));
-      const int64_t batch = splits[t].NumElements() - 1;
       GeTable& d = descs[t];
-      std::memset(&d, 0, sizeof(d));
+      OP_REQUIRES_OK(ctx, in.Describe(t, names_[t], &d));
+      const int64_t batch = d.batch;
       d.table = DataOr<float>(*table);
       d.vocab = table->dim_size(0);
-      d.ids = DataOr<int64_t>(ids[t]);
-      d.splits = DataOr<int64_t>(splits[t]);
-      d.weights = DataOr<float>(weights[t]);
-      d.nnz = ids[t].NumElements();
-      d.batch = batch;
-      id_tensors[t] = &ids[t];
+      id_tensors[t] = &in.ids[t];
       vocabs[t] = d.vocab;
       if (sequence) {
-        OP_REQUIRES(ctx, max_lens[t].dims() == 0 &&
-                             positions[t].NumElements() == d.nnz,
-                    InvalidArgument(names_[t], ": max_lens must be a scalar "
-                                    "and positions have one entry per id."));
-        d.positions = DataOr<int64_t>(positions[t]);
+        OP_REQUIRES(ctx, max_lens[t].dims() == 0,
+                    InvalidArgument(names_[t], ": max_lens must be a "
+                                    "scalar."));
         d.seq_len = max_lens[t].scalar<int64_t>()();
         OP_REQUIRES(ctx, d.seq_len >= 0,
                     InvalidArgument(names_[t], ": max_lens must be >= 0, "
@@ -343,15 +350,11 @@ class LookupGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList ids, splits, weights, positions, grads;
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
     const bool sequence = layout_ == Layout::kSequence;
-    if (sequence) {
-      OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
-    }
-    const int k = ids.size();
+    RaggedInputs in;
+    OP_REQUIRES_OK(ctx, in.Read(ctx, sequence));
+    OpInputList grads;
+    const int k = in.ids.size();
     OP_REQUIRES(ctx, sequence || static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries."));
     if (layout_ != Layout::kConcat) {
@@ -363,18 +366,11 @@ class LookupGradOp : public OpKernel {
     int64_t total = 0;
     for (int t = 0; t < k; ++t) {
       names[t] = absl::StrCat("table ", t);
-      OP_REQUIRES_OK(ctx, CheckRaggedShapes(names[t], ids[t], splits[t],
-                                            weights[t]));
-      const int64_t batch = splits[t].NumElements() - 1;
       GeTable& d = descs[t];
-      std::memset(&d, 0, sizeof(d));
+      OP_REQUIRES_OK(ctx, in.Describe(t, names[t], &d));
+      const int64_t batch = d.batch;
       d.vocab = kBackwardVocab;
-      d.ids = DataOr<int64_t>(ids[t]);
-      d.splits = DataOr<int64_t>(splits[t]);
-      d.weights = DataOr<float>(weights[t]);
-      d.nnz = ids[t].NumElements();
-      d.batch = batch;
-      id_tensors[t] = &ids[t];
+      id_tensors[t] = &in.ids[t];
       total += d.nnz;
       if (layout_ == Layout::kConcat) {
         const Tensor& g = ctx->input(0);
@@ -389,12 +385,10 @@ class LookupGradOp : public OpKernel {
       } else if (sequence) {
         const Tensor& g = grads[t];
         OP_REQUIRES(ctx, g.dims() == 3 && g.dim_size(0) == batch &&
-                             g.dim_size(2) == dim_ &&
-                             positions[t].NumElements() == d.nnz,
+                             g.dim_size(2) == dim_,
                     InvalidArgument(names[t], ": grads must be [", batch,
                                     ", T, ", dim_, "], got ",
                                     g.shape().DebugString()));
-        d.positions = DataOr<int64_t>(positions[t]);
         d.seq_len = g.dim_size(1);
         d.grad = DataOr<float>(g);
         d.grad_stride = d.seq_len * dim_;
