@@ -32,6 +32,7 @@ from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
 from group_embedding.packed_ids import PackedIds
 from group_embedding.packed_ids import pack_ids
+from group_embedding.deeprec_checkpoint import restore_deeprec_checkpoint
 from group_embedding.distributed.checkpoint import latest_checkpoint
 from group_embedding.distributed.checkpoint import restore_tables
 from group_embedding.distributed.checkpoint import save_tables
@@ -50,6 +51,7 @@ __all__ = [
     "enable_distributed_strategy",
     "get_embedding_table",
     "latest_checkpoint",
+    "restore_deeprec_checkpoint",
     "restore_tables",
     "save_tables",
     "CBFFilter",
