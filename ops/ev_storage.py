@@ -18,6 +18,7 @@ from typing import Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.saved_model import save_context
 
 from group_embedding.ops import kernel_library
 
@@ -71,6 +72,11 @@ def group_gather(variables: Sequence, keys: List[tf.Tensor],
     Returns:
         float32 `[sum n_i, D]`.
     """
+    if save_context.in_save_context():
+        # A SavedModel is being written: read the EVs' frozen snapshots
+        # (stock ops; see ev_snapshot).
+        from group_embedding.ops import ev_snapshot
+        return ev_snapshot.frozen_gather(variables, keys)
     for v in variables:
         # Lets the tapes (and the function being traced, for later calls
         # under a tape) see the storage handle as a watched source.
@@ -113,6 +119,37 @@ def export(handle, embedding_dim: int):
     """Consistent snapshot: (keys, values, freqs, versions, slot_names,
     slot_inits, slots [n, S * D], step)."""
     return library().ev_export(handle, embedding_dim=embedding_dim)
+
+
+def export_changes(handle, embedding_dim: int, since):
+    """Incremental-checkpoint snapshot, under one lock: every live key
+    (`since` == 0) or the keys written (inserted, counted, stamped,
+    updated, imported) since the confirmed save `since`, laid out as
+    `export`, plus the keys evicted since, and this export's number.
+
+    Returns:
+        (keys, values, freqs, versions, slot_names, slot_inits, slots,
+        step, removed, covered); pass `covered` to `confirm_save` once
+        the files are durable.
+
+    Raises:
+        FailedPreconditionError: `since` is not the base `delta_base`
+            names (a restore, a new slot, an untracked eviction or
+            another confirmed save came since); export with `since` = 0.
+    """
+    return library().ev_export_changes(handle, tf.cast(since, tf.int64),
+                                       embedding_dim=embedding_dim)
+
+
+def confirm_save(handle, covered):
+    """Export `covered` is durable: the next delta extends it."""
+    return library().ev_confirm_save(handle, tf.cast(covered, tf.int64))
+
+
+def delta_base(handle, restored: bool = False):
+    """The `since` the next delta may use (0: none, save in full). With
+    `restored` (right after a restore), the content becomes that base."""
+    return library().ev_delta_base(handle, restored=restored)
 
 
 def import_(handle, keys, values, freqs, versions, slot_names, slot_inits,

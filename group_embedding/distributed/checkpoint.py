@@ -31,6 +31,16 @@ outside the table (naming the table and the file). The
 folder must be visible to all workers (a shared filesystem when they run
 on several hosts).
 
+Incremental mode (`full_every=K`): a full save, then up to K - 1 deltas
+holding, per worker and EV, only the keys written (inserted, counted,
+updated) or evicted since the previous save, each written and finished
+exactly as a full save (the same folders, manifest, renames and fsyncs);
+its manifest names the checkpoint it extends (`parent`, with the SHA-256
+of its manifest). `restore_tables` of a delta replays its full save and
+every delta in order, checking each link; a checkpoint that a delta
+extends is never deleted by a save. Dense tables are saved in full in
+every delta. See `incremental_checkpoint`.
+
 Dense variables and the optimizer slots of `tf.Variable` shards are not
 resharded: save them with `tf.train.Checkpoint` on worker 0 (dense values
 are identical on every worker).
@@ -46,6 +56,7 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
+from group_embedding.distributed import incremental_checkpoint as incremental
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import shard_rows
@@ -54,6 +65,7 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 _PARTIAL = ".partial"
 _FORMAT = 1
+_DELTA_FORMAT = 2  # older readers would restore a delta as a full save
 
 
 def _barrier_all_ok(ok: bool) -> bool:
@@ -99,15 +111,18 @@ def _fsync_dir(path: str):
         os.close(fd)
 
 
-def _write_manifest(folder: str, step: int, size: int):
-    """Worker 0, after every shard is written: sizes and checksums."""
+def _write_manifest(folder: str, step: int, size: int, chain: Dict):
+    """Worker 0, after every shard is written: sizes and checksums, and
+    (incremental mode) `chain`: kind, depth and the parent of a delta."""
     shards = {}
     for rank in range(size):
         path = os.path.join(folder, _shard_name(rank, size))
         shards[_shard_name(rank, size)] = {
             "bytes": os.path.getsize(path), "sha256": _sha256(path)}
     manifest = {"format": _FORMAT, "step": int(step), "num_shards": size,
-                "shards": shards}
+                "shards": shards, **chain}
+    if chain.get("kind") == "delta":
+        manifest["format"] = _DELTA_FORMAT
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -119,10 +134,16 @@ def _write_manifest(folder: str, step: int, size: int):
 
 def _remove_stale(directory: str, step: int, keep: str):
     """Deletes other checkpoints and unfinished saves of `step`; they are
-    unreachable once `latest` names `keep`."""
+    unreachable once `latest` names `keep`, unless `keep` extends them
+    (incremental mode)."""
     prefix = f"ckpt-{step}-"
+    try:
+        needed = {os.path.basename(p)
+                  for p, _ in _chain(os.path.join(directory, keep))}
+    except (OSError, ValueError):
+        return  # the chain cannot be read: delete nothing
     for name in os.listdir(directory):
-        if name.startswith(prefix) and name != keep:
+        if name.startswith(prefix) and name not in needed:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     legacy = os.path.join(directory, f"ckpt-{step}")  # pre-manifest layout
     for path in (legacy, legacy + _PARTIAL):
@@ -164,7 +185,31 @@ def _table_arrays(name, table, rank) -> Dict[str, np.ndarray]:
             f"{name}/values": table.numpy()}
 
 
-def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
+def _latest_name(directory: str):
+    """(folder name `latest` names, SHA-256 of its manifest), or Nones."""
+    path = latest_checkpoint(directory)
+    manifest = path and os.path.join(path, MANIFEST)
+    if not manifest or not os.path.exists(manifest):
+        return None, None
+    return os.path.basename(path), _sha256(manifest)
+
+
+def _plan(directory, evs, size, full_every):
+    """The base the save extends with a delta (None: full), the same on
+    every worker."""
+    if full_every is None:
+        return None
+    if isinstance(full_every, bool) or not isinstance(full_every, int) \
+            or full_every < 1:
+        raise ValueError(f"full_every must be None or an integer >= 1, "
+                         f"got {full_every!r}.")
+    base = incremental.usable_base(directory, evs, size, full_every,
+                                   *_latest_name(directory))
+    return base if _barrier_all_ok(base is not None) else None
+
+
+def save_tables(directory: str, tables: Dict[str, object], step: int, *,
+                full_every=None) -> str:
     """Writes this worker's part of `tables`; call on every worker.
 
     Args:
@@ -174,7 +219,18 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
         step: number used in the checkpoint folder's name
             (`ckpt-STEP-TOKEN`, a fresh TOKEN per save). Saving a step
             again writes a new folder; older folders of that step are
-            deleted only after `latest` names the new one.
+            deleted only after `latest` names the new one (never one
+            that the new one extends).
+        full_every: None (default): a full save. An integer K turns on
+            incremental saves: a save of the same EVs (same objects)
+            into a directory whose `latest` this process saved or
+            restored is a delta of it, holding per EV only the keys
+            inserted, updated or evicted since (values, every slot,
+            freq, version, removals; dense tables in full), until K - 1
+            deltas follow a full save; then a full save again. A save
+            is full when there is no such base (a new process, another
+            worker count, other tables, a restore or a new optimizer
+            slot since), on every worker alike.
 
     Returns:
         The path of the finished checkpoint (what `latest` now names).
@@ -185,6 +241,9 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
             checkpoint. The error names the failure on this worker.
     """
     rank, size = distributed_strategy.world()
+    evs = {n: t for n, t in tables.items() if _is_ev(t)}
+    base = _plan(directory, evs, size, full_every)
+    covered = {}
     # A fresh name per save: never reuse (or delete first) a folder that a
     # failed save or the current `latest` may be using.
     final = os.path.join(directory, f"ckpt-{step}-{_save_token()}")
@@ -194,7 +253,12 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
         os.makedirs(partial, exist_ok=True)
         arrays = {"num_shards": np.asarray(size)}
         for name, table in tables.items():
-            arrays.update(_table_arrays(name, table, rank))
+            if full_every is None or name not in evs:
+                arrays.update(_table_arrays(name, table, rank))
+                continue
+            part, covered[name] = incremental.export_ev(
+                name, table, base.covered[name][1] if base else 0)
+            arrays.update(part)
         path = os.path.join(partial, _shard_name(rank, size))
         with open(path + ".tmp", "wb") as f:
             np.savez(f, **arrays)
@@ -210,9 +274,15 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
             f"{'this worker: ' + repr(error) if error else 'another worker'}"
             f"; '{LATEST}' still names the previous checkpoint.")
     error = None
+    chain = {}
+    if full_every is not None:
+        chain = {"kind": "full", "depth": 0} if base is None else {
+            "kind": "delta", "depth": base.depth + 1,
+            "parent": base.checkpoint,
+            "parent_manifest_sha256": base.manifest_sha256}
     if rank == 0:
         try:
-            _write_manifest(partial, step, size)
+            _write_manifest(partial, step, size, chain)
             os.replace(partial, final)
             # The folder's new name must be on disk before `latest` can
             # name it, and `latest` itself before the save returns.
@@ -232,6 +302,11 @@ def save_tables(directory: str, tables: Dict[str, object], step: int) -> str:
             f"Finishing checkpoint {final} failed on worker 0"
             f"{': ' + repr(error) if error else ''}; '{LATEST}' names the "
             "previous checkpoint or this one, both complete.")
+    if full_every is not None:
+        # Durable on every worker: later deltas extend this save.
+        incremental.record(directory, os.path.basename(final),
+                           _sha256(os.path.join(final, MANIFEST)),
+                           chain["depth"], size, evs, covered)
     if rank == 0:
         _remove_stale(directory, step, os.path.basename(final))
     return final
@@ -272,13 +347,9 @@ def _check_manifest(path, manifest) -> int:
     return size
 
 
-def _load_shards(path):
-    """Reads every shard of a finished checkpoint, verified against its
-    manifest (count, presence, size, SHA-256, worker count).
-
-    Returns:
-        (file path, arrays) per shard, in rank order.
-    """
+def _read_manifest(path):
+    """The manifest of finished checkpoint `path`, its shard count
+    checked."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise ValueError(f"Checkpoint {path} does not exist.")
@@ -288,8 +359,92 @@ def _load_shards(path):
             "(or it predates manifests); restore a checkpoint named by "
             f"'{LATEST}'.")
     with open(manifest_path) as f:
-        manifest = json.load(f)
-    size = _check_manifest(path, manifest)
+        try:
+            manifest = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"Checkpoint {path}: {MANIFEST} is not valid "
+                             f"JSON ({e}).") from None
+    _check_manifest(path, manifest)
+    return manifest
+
+
+def _chain(path):
+    """Checkpoint `path` and, for a delta, every checkpoint it extends
+    down to its full save, each link checked: (path, manifest), newest
+    first."""
+    chain = []
+    while True:
+        manifest = _read_manifest(path)
+        kind = manifest.get("kind", "full")
+        chain.append((path, manifest))
+        if kind == "full":
+            return chain
+        where = f"Checkpoint {path}: {MANIFEST}"
+        parent = manifest.get("parent")
+        depth = manifest.get("depth")
+        digest = manifest.get("parent_manifest_sha256")
+        if kind != "delta":
+            raise ValueError(f"{where} has kind {kind!r}, expected 'full' "
+                             "or 'delta'.")
+        if not isinstance(parent, str) or parent in ("", ".", "..") or \
+                os.path.basename(parent) != parent or "\\" in parent:
+            raise ValueError(f"{where} names parent {parent!r}, not a "
+                             "checkpoint folder of the same directory.")
+        if isinstance(depth, bool) or not isinstance(depth, int) or \
+                depth < 1 or not isinstance(digest, str):
+            raise ValueError(f"{where} is a delta without a valid depth "
+                             f"({depth!r}) or parent checksum.")
+        parent_path = os.path.join(os.path.dirname(path), parent)
+        parent_manifest = os.path.join(parent_path, MANIFEST)
+        if not os.path.exists(parent_manifest):
+            raise ValueError(
+                f"Checkpoint {path} is a delta of {parent}, which is "
+                f"missing from {os.path.dirname(path)} (or unfinished): a "
+                "delta restores only with its full save and every delta "
+                "in between.")
+        if _sha256(parent_manifest) != digest:
+            raise ValueError(
+                f"Checkpoint {path} is a delta of {parent}, but "
+                f"{parent}/{MANIFEST} is not the one it extended "
+                "(SHA-256 differs).")
+        up = _read_manifest(parent_path)
+        if up.get("depth", 0) != depth - 1 or \
+                up["num_shards"] != manifest["num_shards"]:
+            raise ValueError(
+                f"Checkpoint {path} (delta {depth}, "
+                f"{manifest['num_shards']} shards) does not follow "
+                f"{parent} (depth {up.get('depth', 0)}, "
+                f"{up['num_shards']} shards).")
+        path = parent_path
+
+
+def _replay(chain):
+    """The shards a full save at the chain's last delta would hold:
+    the full save's, with every delta's EV rows merged in order (dense
+    tables and per-variable fields from the newest)."""
+    shards = _load_shards(chain[-1][0], chain[-1][1])
+    for path, manifest in reversed(chain[:-1]):
+        merged = []
+        for (_, old), (file, new) in zip(shards,
+                                         _load_shards(path, manifest)):
+            now = dict(new)
+            where = (f"delta file {os.path.basename(file)} of checkpoint "
+                     f"{path}")
+            for name in incremental.delta_evs(new):
+                now.update(incremental.apply_delta(name, old, new, where))
+            merged.append((file, now))
+        shards = merged
+    return shards
+
+
+def _load_shards(path, manifest):
+    """Reads every shard of a finished checkpoint, verified against its
+    manifest (count, presence, size, SHA-256, worker count).
+
+    Returns:
+        (file path, arrays) per shard, in rank order.
+    """
+    size = manifest["num_shards"]
     expected = {_shard_name(r, size) for r in range(size)}
     listed = set(manifest["shards"])
     if listed != expected:
@@ -407,15 +562,30 @@ def restore_tables(path: str, tables: Dict[str, object]):
             wrong size or corrupted; a table missing from it; rows that do
             not fit the table (negative or >= its rows, another dim, ids
             and values of different lengths); EV keys out of the
-            variable's key_dtype range.
+            variable's key_dtype range. For a delta (`full_every`):
+            a checkpoint it extends is missing, was replaced (its
+            manifest's SHA-256 differs) or does not precede it (depth,
+            worker count); a delta file whose arrays do not fit the
+            variable (lengths, dims, slots, a key listed twice). Every
+            error names the checkpoint and file.
+
+    In incremental mode, the next `save_tables(..., full_every=K)` of the
+    same EVs into the same directory may then be a delta of `path`.
     """
     if os.path.exists(os.path.join(path, LATEST)):
         path = latest_checkpoint(path)
     rank, size = distributed_strategy.world()
-    shards = _load_shards(path)
+    chain = _chain(path)
+    shards = _replay(chain)
     for name, table in tables.items():
         if _is_ev(table):
             owner_size = size if distributed_strategy.is_collective() else 1
             _restore_ev(name, table, shards, rank % owner_size, owner_size)
         else:
             _restore_rows(name, table, shards, rank, size)
+    manifest = chain[0][1]
+    if "kind" in manifest:  # incremental mode: deltas may extend it
+        incremental.record_restore(
+            path, _sha256(os.path.join(path, MANIFEST)), manifest["depth"],
+            manifest["num_shards"], size,
+            {n: t for n, t in tables.items() if _is_ev(t)})

@@ -159,6 +159,65 @@ class EVSizeOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("EVSize").Device(DEVICE_CPU), EVSizeOp);
 
+// Outputs 0-7 of EVExport and EVExportChanges: keys, values, freqs,
+// versions, slot_names, slot_inits, slots [n, S * D], step.
+Status SnapshotShapes(InferenceContext* c) {
+  int64_t dim;
+  TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+  auto n = c->UnknownDim();
+  c->set_output(0, c->Vector(n));
+  c->set_output(1, c->MakeShape({n, c->MakeDim(dim)}));
+  c->set_output(2, c->Vector(n));
+  c->set_output(3, c->Vector(n));
+  c->set_output(4, c->Vector(c->UnknownDim()));
+  c->set_output(5, c->Vector(c->UnknownDim()));
+  c->set_output(6, c->MakeShape({n, c->UnknownDim()}));
+  c->set_output(7, c->Scalar());
+  return Status();
+}
+
+// Writes `rows` of `ev` (the caller holds its lock) to outputs 0-7.
+template <typename Row>
+Status WriteSnapshot(OpKernelContext* ctx, EVStorage* ev,
+                     const std::vector<Row>& rows) {
+  const int64_t n = rows.size();
+  const int64_t dim = ev->dim();
+  const int64_t s = ev->slot_names().size();
+  Tensor *keys, *values, *freqs, *versions, *names, *inits, *slots, *step;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({n}), &keys));
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_output(1, TensorShape({n, dim}), &values));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({n}), &freqs));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(3, TensorShape({n}), &versions));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(4, TensorShape({s}), &names));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(5, TensorShape({s}), &inits));
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_output(6, TensorShape({n, s * dim}), &slots));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(7, TensorShape({}), &step));
+  auto k = keys->flat<int64_t>();
+  auto f = freqs->flat<int64_t>();
+  auto v = versions->flat<int64_t>();
+  float* val = values->flat<float>().data();
+  float* sl = slots->flat<float>().data();
+  for (int64_t i = 0; i < s; ++i) {
+    names->flat<tensorflow::tstring>()(i) = ev->slot_names()[i];
+    inits->flat<float>()(i) = ev->slot_inits()[i];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = rows[i];
+    k(i) = ev->Key(r);
+    f(i) = *ev->Freq(r);
+    v(i) = *ev->Version(r);
+    std::memcpy(val + i * dim, ev->Value(r), sizeof(float) * dim);
+    for (int64_t j = 0; j < s; ++j) {
+      std::memcpy(sl + (i * s + j) * dim, ev->Slot(j, r),
+                  sizeof(float) * dim);
+    }
+  }
+  step->scalar<int64_t>()() = ev->current_step();
+  return Status();
+}
+
 REGISTER_OP("EVExport")
     .Input("handle: resource")
     .Output("keys: int64")
@@ -171,20 +230,7 @@ REGISTER_OP("EVExport")
     .Output("step: int64")
     .Attr("embedding_dim: int >= 1")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
-      auto n = c->UnknownDim();
-      c->set_output(0, c->Vector(n));
-      c->set_output(1, c->MakeShape({n, c->MakeDim(dim)}));
-      c->set_output(2, c->Vector(n));
-      c->set_output(3, c->Vector(n));
-      c->set_output(4, c->Vector(c->UnknownDim()));
-      c->set_output(5, c->Vector(c->UnknownDim()));
-      c->set_output(6, c->MakeShape({n, c->UnknownDim()}));
-      c->set_output(7, c->Scalar());
-      return Status();
-    });
+    .SetShapeFn(SnapshotShapes);
 
 class EVExportOp : public OpKernel {
  public:
@@ -195,45 +241,143 @@ class EVExportOp : public OpKernel {
     // One lock for the whole snapshot: keys, values and slots agree.
     tensorflow::tf_shared_lock lock(*ev->mu());
     const std::vector<uint32_t> rows = ev->LiveRows();
-    const int64_t n = rows.size();
-    const int64_t dim = ev->dim();
-    const int64_t s = ev->slot_names().size();
-    Tensor *keys, *values, *freqs, *versions, *names, *inits, *slots, *step;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &keys));
-    OP_REQUIRES_OK(ctx,
-                   ctx->allocate_output(1, TensorShape({n, dim}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n}), &freqs));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}), &versions));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({s}), &names));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(5, TensorShape({s}), &inits));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(6, TensorShape({n, s * dim}),
-                                             &slots));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(7, TensorShape({}), &step));
-    auto k = keys->flat<int64_t>();
-    auto f = freqs->flat<int64_t>();
-    auto v = versions->flat<int64_t>();
-    float* val = values->flat<float>().data();
-    float* sl = slots->flat<float>().data();
-    for (int64_t i = 0; i < s; ++i) {
-      names->flat<tensorflow::tstring>()(i) = ev->slot_names()[i];
-      inits->flat<float>()(i) = ev->slot_inits()[i];
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = rows[i];
-      k(i) = ev->Key(r);
-      f(i) = *ev->Freq(r);
-      v(i) = *ev->Version(r);
-      std::memcpy(val + i * dim, ev->Value(r), sizeof(float) * dim);
-      for (int64_t j = 0; j < s; ++j) {
-        std::memcpy(sl + (i * s + j) * dim, ev->Slot(j, r),
-                    sizeof(float) * dim);
-      }
-    }
-    step->scalar<int64_t>()() = ev->current_step();
+    OP_REQUIRES_OK(ctx, WriteSnapshot(ctx, ev.get(), rows));
   }
 };
 
 REGISTER_KERNEL_BUILDER(Name("EVExport").Device(DEVICE_CPU), EVExportOp);
+
+// Incremental checkpoints (see "Change tracking" in ev_storage.h).
+REGISTER_OP("EVExportChanges")
+    .Input("handle: resource")
+    .Input("since: int64")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("freqs: int64")
+    .Output("versions: int64")
+    .Output("slot_names: string")
+    .Output("slot_inits: float")
+    .Output("slots: float")
+    .Output("step: int64")
+    .Output("removed: int64")
+    .Output("covered: int64")
+    .Attr("embedding_dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(SnapshotShapes(c));
+      c->set_output(8, c->Vector(c->UnknownDim()));
+      c->set_output(9, c->Scalar());
+      return Status();
+    });
+
+// Every live key (`since` == 0) or the keys written since the confirmed
+// save `since` (EVConfirmSave), as EVExport lays them out, the keys
+// evicted since, and this export's number (`covered`, to confirm once
+// its files are durable). One lock: a write racing the export is marked
+// for the next one.
+class EVExportChangesOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    RefCountPtr<EVStorage> ev;
+    OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
+    const Tensor& since_t = ctx->input(1);
+    const std::string& var = ev->config().name;
+    OP_REQUIRES(ctx, since_t.dims() == 0,
+                InvalidArgument(var, ": `since` must be a scalar, got "
+                                "shape ", since_t.shape().DebugString(),
+                                "."));
+    const int64_t since = since_t.scalar<int64_t>()();
+    // Exclusive: starting an export moves the marks.
+    tensorflow::mutex_lock lock(*ev->mu());
+    OP_REQUIRES(ctx, since == 0 || (since > 0 && since == ev->delta_base()),
+                tensorflow::errors::FailedPrecondition(
+                    var, ": no delta can be exported since save ", since,
+                    " (the changes are tracked since ",
+                    ev->delta_base() > 0
+                        ? "save " + std::to_string(ev->delta_base())
+                        : std::string("no save: a restore, a new optimizer "
+                                      "slot or an eviction before "
+                                      "incremental saves began came since"),
+                    "); save in full."));
+    const int64_t id = ev->StartExport();
+    OP_REQUIRES_OK(ctx, since == 0
+                            ? WriteSnapshot(ctx, ev.get(), ev->LiveRows())
+                            : WriteSnapshot(ctx, ev.get(),
+                                            ev->ExportedRows()));
+    const std::vector<int64_t> removed =
+        since == 0 ? std::vector<int64_t>() : ev->RemovedKeys();
+    Tensor *gone, *covered;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            8, TensorShape({static_cast<int64_t>(
+                                   removed.size())}), &gone));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(9, TensorShape({}), &covered));
+    std::copy(removed.begin(), removed.end(), gone->flat<int64_t>().data());
+    covered->scalar<int64_t>()() = id;
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVExportChanges").Device(DEVICE_CPU),
+                        EVExportChangesOp);
+
+REGISTER_OP("EVDeltaBase")
+    .Input("handle: resource")
+    .Output("base: int64")
+    .Attr("restored: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape);
+
+// The confirmed save the next delta may extend (0: none). With
+// `restored`, after a restore: the restored content becomes that base.
+class EVDeltaBaseOp : public OpKernel {
+ public:
+  explicit EVDeltaBaseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("restored", &restored_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    RefCountPtr<EVStorage> ev;
+    OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
+    tensorflow::mutex_lock lock(*ev->mu());
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() =
+        restored_ ? ev->MarkRestored() : ev->delta_base();
+  }
+
+ private:
+  bool restored_ = false;
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVDeltaBase").Device(DEVICE_CPU),
+                        EVDeltaBaseOp);
+
+REGISTER_OP("EVConfirmSave")
+    .Input("handle: resource")
+    .Input("covered: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext*) { return Status(); });
+
+// The files of export `covered` are durable: the next delta extends it;
+// the marks and evictions it wrote are dropped, so that they stay as
+// small as one save interval's.
+class EVConfirmSaveOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    RefCountPtr<EVStorage> ev;
+    OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
+    const Tensor& covered = ctx->input(1);
+    OP_REQUIRES(ctx, covered.dims() == 0,
+                InvalidArgument(ev->config().name, ": `covered` must be a "
+                                "scalar, got shape ",
+                                covered.shape().DebugString(), "."));
+    tensorflow::mutex_lock lock(*ev->mu());
+    ev->ConfirmSave(covered.scalar<int64_t>()());
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("EVConfirmSave").Device(DEVICE_CPU),
+                        EVConfirmSaveOp);
 
 REGISTER_OP("EVImport")
     .Input("handle: resource")

@@ -123,7 +123,9 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   // Versions of keys seen but not admitted, serially: duplicates share a
   // row.
   for (int64_t j = 0; filtered && j < n; ++j) {
-    if (unadmitted[j] >= 0) *ev->Version(unadmitted[j]) = version;
+    if (unadmitted[j] < 0) continue;
+    *ev->Version(unadmitted[j]) = version;
+    ev->MarkChanged(unadmitted[j]);
   }
 
   // 2. Distinct rows and their (summed) gradients.
@@ -171,6 +173,7 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
       for (size_t s = 0; s < idx.size(); ++s) sp[s] = ev->Slot(idx[s], r);
       update(ev->Value(r), ugrads[u], sp, dim);
       *ev->Version(r) = version;
+      ev->MarkChanged(r);
     }
   };
   tensorflow::Shard(pool->num_threads, pool->workers, m, dim * 30, work);

@@ -19,6 +19,19 @@
 //              float[D], S parallel float[D] slot arenas
 // Rows live in fixed-size chunks, so growth never moves a row; evicted
 // rows go to a free list and are reused by the next insert.
+//
+// Change tracking (incremental checkpoints, EVExportChanges), two bits
+// per row instead of a 64-bit stamp (8 bytes a key, 8% of a dim-16
+// row): every write to a row (insert, count, version, optimizer
+// update, import) sets its `changed` bit; an export numbers itself
+// with a 64-bit sequence, moves `changed` into `exported` and writes
+// the rows in `exported`, i.e. everything changed since the last save
+// confirmed durable (EVConfirmSave), failed saves included: a save that
+// fails before its confirmation loses no marks. The confirmation clears
+// `exported` and makes that export the base of the next delta. Keys
+// evicted are recorded with the sequence of the next export (once an
+// incremental export asked for them); a change no delta can express (an
+// untracked eviction, a new slot, an import) leaves no base.
 
 #include <algorithm>
 #include <cmath>
@@ -234,6 +247,9 @@ class EVStorage : public tensorflow::ResourceBase {
     }
     r = AllocateRow();
     *meta_.Row(r) = {key, 0, ClampStep(current_step_)};
+    MarkChanged(r);
+    // Re-inserted: the delta carries its row, not its removal.
+    if (!removed_.empty()) removed_.erase(key);
     std::memcpy(values_.Row(r), DefaultRowOf(key, defaults, default_rows, dim()),
                 sizeof(float) * dim());
     for (size_t s = 0; s < slots_.size(); ++s) {
@@ -253,6 +269,15 @@ class EVStorage : public tensorflow::ResourceBase {
       h = (h + 1) & mask();
     }
     if (buckets_[h] == kEmpty) return;
+    // A free row is in no delta; its key is, as removed.
+    const uint64_t bit = uint64_t{1} << (buckets_[h] & 63);
+    changed_[buckets_[h] >> 6] &= ~bit;
+    exported_[buckets_[h] >> 6] &= ~bit;
+    if (tracking_removals_) {
+      removed_[key] = exports_ + 1;
+    } else {
+      delta_base_ = 0;
+    }
     free_rows_.push_back(buckets_[h]);
     buckets_[h] = kEmpty;
     --size_;
@@ -315,6 +340,71 @@ class EVStorage : public tensorflow::ResourceBase {
   void Touch(int64_t row) {
     int64_t* v = &meta_.Row(row)->version;
     *v = std::max(*v, ClampStep(current_step_));
+    MarkChanged(row);
+  }
+
+  // Records a write to `row` (the version, a value, a slot, the freq)
+  // for the next incremental checkpoint. Atomic: the sharded optimizer
+  // updates write distinct rows, but neighbours share a word.
+  void MarkChanged(int64_t row) {
+    __atomic_fetch_or(&changed_[row >> 6], uint64_t{1} << (row & 63),
+                      __ATOMIC_RELAXED);
+  }
+
+  // The export the next delta is relative to (0: none, save in full).
+  int64_t delta_base() const { return delta_base_; }
+  // Starts export number exports() + 1 (returned): the rows changed
+  // since the last confirmed save are those of ExportedRows() until the
+  // next StartExport or ConfirmSave.
+  int64_t StartExport() {
+    tracking_removals_ = true;
+    for (size_t w = 0; w < changed_.size(); ++w) {
+      exported_[w] |= changed_[w];
+      changed_[w] = 0;
+    }
+    return ++exports_;
+  }
+  std::vector<int64_t> ExportedRows() const {
+    std::vector<int64_t> rows;
+    for (size_t w = 0; w < exported_.size(); ++w) {
+      for (uint64_t bits = exported_[w]; bits != 0; bits &= bits - 1) {
+        rows.push_back(static_cast<int64_t>(w) * 64 +
+                       __builtin_ctzll(bits));
+      }
+    }
+    return rows;
+  }
+  // Keys evicted since the last confirmed save (still absent).
+  std::vector<int64_t> RemovedKeys() const {
+    std::vector<int64_t> keys;
+    keys.reserve(removed_.size());
+    for (const auto& kv : removed_) keys.push_back(kv.first);
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  }
+  // Export `id`'s files are durable: the next delta is relative to it.
+  // An export since (`id` is not the latest) leaves no base: its marks
+  // and those of `id` are mixed in `exported`.
+  void ConfirmSave(int64_t id) {
+    if (id != exports_) {
+      delta_base_ = 0;
+      return;
+    }
+    std::fill(exported_.begin(), exported_.end(), 0);
+    for (auto it = removed_.begin(); it != removed_.end();) {
+      it = it->second <= id ? removed_.erase(it) : std::next(it);
+    }
+    delta_base_ = id;
+  }
+  // The content was just restored from a checkpoint: it is the base of
+  // the next delta (returned).
+  int64_t MarkRestored() {
+    std::fill(changed_.begin(), changed_.end(), 0);
+    std::fill(exported_.begin(), exported_.end(), 0);
+    removed_.clear();
+    tracking_removals_ = true;
+    delta_base_ = ++exports_;
+    return delta_base_;
   }
 
   int64_t Key(int64_t r) const { return meta_.Row(r)->key; }
@@ -333,6 +423,8 @@ class EVStorage : public tensorflow::ResourceBase {
         return static_cast<int>(s);
       }
     }
+    // A delta cannot add a slot column to the rows it leaves out.
+    delta_base_ = 0;
     slot_names_.push_back(name);
     slot_inits_.push_back(init);
     slots_.emplace_back(dim());
@@ -371,6 +463,11 @@ class EVStorage : public tensorflow::ResourceBase {
     values_.Clear();
     for (auto& s : slots_) s.Clear();
     current_step_ = 0;
+    // The content is replaced wholesale: no delta reaches across.
+    removed_.clear();
+    changed_.clear();
+    exported_.clear();
+    delta_base_ = 0;
     // Counts of keys not admitted yet are not checkpointed either.
     std::fill(cbf_.begin(), cbf_.end(), 0);
     sparse_cbf_.clear();
@@ -392,7 +489,12 @@ class EVStorage : public tensorflow::ResourceBase {
     // A node of the sparse map: key, count, next pointer, cached hash.
     const int64_t sparse = static_cast<int64_t>(
         sparse_cbf_.size() * 32 + sparse_cbf_.bucket_count() * 8);
-    return b + static_cast<int64_t>(cbf_.size()) + sparse;
+    // Evicted keys awaiting the next incremental save: key, export,
+    // next pointer, cached hash.
+    const int64_t removed = static_cast<int64_t>(removed_.size() * 32);
+    const int64_t bits = static_cast<int64_t>(
+        (changed_.capacity() + exported_.capacity()) * sizeof(uint64_t));
+    return b + static_cast<int64_t>(cbf_.size()) + sparse + removed + bits;
   }
 
  private:
@@ -439,6 +541,10 @@ class EVStorage : public tensorflow::ResourceBase {
       return r;
     }
     const int64_t r = num_rows_++;
+    if ((r >> 6) >= static_cast<int64_t>(changed_.size())) {
+      changed_.resize((r >> 6) + 1, 0);
+      exported_.resize((r >> 6) + 1, 0);
+    }
     meta_.Reserve(num_rows_);
     values_.Reserve(num_rows_);
     for (auto& s : slots_) s.Reserve(num_rows_);
@@ -472,6 +578,13 @@ class EVStorage : public tensorflow::ResourceBase {
   std::vector<float> slot_inits_;
   std::vector<ChunkedArray<float>> slots_;
   int64_t current_step_ = 0;
+  // Change tracking (see the top of this file): one bit per row each.
+  std::vector<uint64_t> changed_;   // written since the last export
+  std::vector<uint64_t> exported_;  // exported, not confirmed durable
+  int64_t exports_ = 0;             // exports so far
+  int64_t delta_base_ = 0;          // confirmed export; 0: none
+  bool tracking_removals_ = false;
+  std::unordered_map<int64_t, int64_t> removed_;  // key -> export
   std::vector<uint8_t> cbf_;  // counting Bloom filter (CBFFilter only)
   // The same counters when the array would be too large:
   // counter index -> count, zero counters absent.
