@@ -34,6 +34,8 @@ What `install()` changes, in `tf` and in `tf.compat.v1`:
   `AdagradOptimizer`, `AdamOptimizer`, `FtrlOptimizer` become the
   `ge.train` subclasses, which also update EmbeddingVariables (in DeepRec
   the stock optimizers do). On plain variables they are the stock update.
+  `Saver` becomes `deeprec_checkpoint.Saver`, whose `restore` also reads
+  DeepRec / Deepray checkpoints of EVs (`ge.restore_deeprec_checkpoint`);
 
 * DeepRec runtime features stock TF lacks (`group_embedding.
   runtime_features`): `staged`, `make_prefetch_hook`,
@@ -82,6 +84,7 @@ from tensorflow.python.framework import config as tf_framework_config
 from group_embedding.embedding_variable import variable as embedding_variable
 from group_embedding.embedding_variable import options
 from group_embedding import stock_lookups as ev_reads
+from group_embedding import deeprec_checkpoint
 from group_embedding import lookup
 from group_embedding import runtime_features
 from group_embedding import train
@@ -485,6 +488,8 @@ def _names() -> List[Tuple[Any, str, Any]]:
             out.append((root, "contrib", _CONTRIB))
     for name in train.__all__:
         out.append((tf.compat.v1.train, name, getattr(train, name)))
+    # Restores DeepRec's checkpoints too (`Saver().restore(sess, path)`).
+    out.append((tf.compat.v1.train, "Saver", deeprec_checkpoint.Saver))
     out += [(tf.compat.v1.train, k, _unsupported(*v))
             for k, v in _UNSUPPORTED_V1_TRAIN.items()]
     # TF 2.16+ ships no tf.estimator: DeepRec's Estimator scripts get ours.

@@ -584,6 +584,10 @@ def _run_in_graph(sess, ckpt, plans, dense, step, keras_iterations):
     try:
         with graph.as_default():
             run = _GraphRunner(sess)
+            # DeepRec checkpoints hold no default matrix: a restore before
+            # the initializers (MonitoredTrainingSession's) initializes it
+            # (the initializer assigns only once, see EmbeddingVariable).
+            sess.run([p.ev.default_values.initializer for p in plans])
             defaults = sess.run([p.ev.default_values for p in plans])
             for plan, dflt in zip(plans, defaults):
                 ev = plan.ev
