@@ -439,3 +439,54 @@ def test_monitored_session_restores_deeprec_checkpoint(compat, tmp_path):
             got = sess.run([loss, train])[0]
     np.testing.assert_allclose(
         got, exp["continuation"]["losses_deepray"][0], rtol=1e-5)
+
+
+def test_keras_model_continues_as_deepray():
+    """A Keras model of EV feature columns (`GroupEmbeddingFeatures`),
+    restored through a dict {checkpoint name: EV} (the layer names its
+    tables), trains on with `train_on_batch` to Deepray's losses."""
+    import keras
+    from group_embedding import feature_column as ge_fc
+
+    exp = _expected("deepray_adam_part2")
+    cfg = exp["config"]
+    init = np.array(cfg["init_table"], np.float32)
+    cols = []
+    for f in FEATURES:
+        freq = cfg["filter_freq"][f]
+        option = ge.EmbeddingVariableOption(
+            filter_option=ge.CounterFilter(freq) if freq else None,
+            init_option=ge.InitializerOption(
+                initializer=tf.constant_initializer(init),
+                default_value_dim=cfg["default_value_dim"]))
+        cols.append(ge_fc.embedding_column(
+            ge_fc.categorical_column_with_embedding(
+                f, dtype=tf.int64, ev_option=option),
+            cfg["dim"], combiner="sum"))
+
+    class Model(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.features = ge_fc.GroupEmbeddingFeatures(cols)
+
+        def call(self, inputs):
+            return self.features(inputs)
+
+    def features(batch):
+        return {f: tf.ragged.constant(batch[f], tf.int64) for f in FEATURES}
+
+    model = Model()
+    opt = _make_optimizer(cfg)
+    model.compile(optimizer=opt,
+                  loss=lambda y, p: tf.reduce_mean(tf.square(p)))
+    model(features(exp["batches"][0]))   # builds the tables
+    tables = model.features.tables
+    evs = {f: next(ev for name, ev in tables.items() if f in name)
+           for f in FEATURES}
+    ge.restore_deeprec_checkpoint(
+        os.path.join(DATA, "deepray_adam_part2", "model"), evs, opt)
+    _check_state(evs, exp["keys"], cfg, _atol(cfg))
+    cont = exp["continuation"]
+    losses = [float(model.train_on_batch(features(b), np.zeros([3, 1])))
+              for b in cont["batches"]]
+    np.testing.assert_allclose(losses, cont["losses_deepray"], rtol=1e-5)
