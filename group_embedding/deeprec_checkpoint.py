@@ -641,8 +641,12 @@ class Saver(saver_lib.Saver):
 
     def restore(self, sess, save_path):
         evs, dense = self._split_var_list()
-        if not evs or save_path is None or \
-                not is_deeprec_checkpoint(save_path, list(evs)):
+        try:
+            deeprec = bool(evs) and save_path is not None and \
+                is_deeprec_checkpoint(save_path, list(evs))
+        except (tf.errors.OpError, ValueError):
+            deeprec = False   # the stock restore says what is wrong
+        if not deeprec:
             return super().restore(sess, save_path)
         # One call per set of slots (the graph's optimizers may differ per
         # EV); the variables go with the first.

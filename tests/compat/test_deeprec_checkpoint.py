@@ -490,3 +490,12 @@ def test_keras_model_continues_as_deepray():
     losses = [float(model.train_on_batch(features(b), np.zeros([3, 1])))
               for b in cont["batches"]]
     np.testing.assert_allclose(losses, cont["losses_deepray"], rtol=1e-5)
+
+
+def test_compat_saver_bad_path_is_the_stock_error(tmp_path):
+    with tf.Graph().as_default():
+        ge.get_embedding_variable("ev", 3)
+        saver = deeprec_checkpoint.Saver()
+        with tf.compat.v1.Session() as sess:
+            with pytest.raises(ValueError, match="not a valid checkpoint"):
+                saver.restore(sess, str(tmp_path / "nothing"))
