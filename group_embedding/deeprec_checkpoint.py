@@ -648,6 +648,8 @@ class Saver(saver_lib.Saver):
             deeprec = False   # the stock restore says what is wrong
         if not deeprec:
             return super().restore(sess, save_path)
+        dense = _deeprec_dense_names(_Checkpoint(_checkpoint_path(
+            save_path)), dense)
         # One call per set of slots (the graph's optimizers may differ per
         # EV); the variables go with the first.
         groups = {}
@@ -684,6 +686,20 @@ class Saver(saver_lib.Saver):
         dense = {k: v for k, v in dense.items()
                  if _variable_name(v) not in defaults}
         return evs, dense
+
+
+def _deeprec_dense_names(ckpt: _Checkpoint, dense: Dict[str, object]):
+    """`dense` with TF1 Adam's beta powers under DeepRec's names: stock
+    TF1 creates `beta1_power` / `beta2_power` outside the optimizer's name
+    scope, `ge.train.AdamOptimizer` on EVs inside it (`Adam/beta1_power`)."""
+    out = {}
+    for name, var in dense.items():
+        base = name.rsplit("/", 1)[-1]
+        if not ckpt.has(name) and base in ("beta1_power", "beta2_power") \
+                and ckpt.has(base):
+            name = base
+        out[name] = var
+    return out
 
 
 class _SlotList:

@@ -346,17 +346,24 @@ def test_nothing_written_when_a_later_ev_fails(tmp_path):
 
 # --- TF1: Saver().restore under compat --------------------------------------
 
+def _tf1_optimizer(cfg):
+    if cfg["optimizer"] == "adam":
+        return tf.compat.v1.train.AdamOptimizer(
+            cfg["lr"], cfg["beta1"], cfg["beta2"], cfg["adam_epsilon"])
+    return tf.compat.v1.train.AdagradOptimizer(
+        cfg["lr"], initial_accumulator_value=cfg["init_acc"])
+
+
 def _tf1_continuation(case, saver_cls, prefix):
-    """A DeepRec TF1 script: EVs, tf.train.AdagradOptimizer, Saver().restore
-    of the checkpoint, then the continuation batches; returns the losses."""
+    """A DeepRec TF1 script: EVs, a tf.train optimizer, Saver().restore of
+    the checkpoint, then the continuation batches; returns the losses."""
     exp = _expected(case)
     cfg = exp["config"]
     graph = tf.Graph()
     with graph.as_default():
         gs = tf.compat.v1.train.get_or_create_global_step()
         evs = _make_evs(cfg)
-        opt = ge.train.AdagradOptimizer(
-            cfg["lr"], initial_accumulator_value=cfg["init_acc"])
+        opt = _tf1_optimizer(cfg)
         steps = []
         for batch in exp["continuation"]["batches"]:
             ids = [tf.ragged.constant(batch[f], tf.int64) for f in FEATURES]
@@ -378,10 +385,11 @@ def _tf1_continuation(case, saver_cls, prefix):
     return exp, losses
 
 
-def test_compat_saver_restores_deeprec_checkpoint(compat):
+@pytest.mark.parametrize("case", ["deepray_adagrad", "deepray_adam_part2"])
+def test_compat_saver_restores_deeprec_checkpoint(compat, case):
+    """Adagrad, and Adam over a 2-part EV with TF1 Adam's beta powers."""
     assert tf.compat.v1.train.Saver is deeprec_checkpoint.Saver
-    exp, losses = _tf1_continuation("deepray_adagrad",
-                                    tf.compat.v1.train.Saver,
+    exp, losses = _tf1_continuation(case, tf.compat.v1.train.Saver,
                                     "deeprec/model")
     np.testing.assert_allclose(
         losses, exp["continuation"]["losses_deepray"], rtol=1e-5)

@@ -17,7 +17,8 @@ shipped checkpoint); what changed:
     are in expected.json under "continuation";
   * --deeprec-names: also writes OUT_DIR/deeprec/model.*, the same tensors renamed as DeepRec
     (TF 1.15) names them: no ':0', slot EVs <ev>/<Optimizer>, <ev>/<Optimizer>_1 (slot_creator's
-    unique names in slot-creation order), the global step as "global_step".
+    unique names in slot-creation order), the global step as "global_step" (with Adam also
+    TF1 Adam's "beta1_power", "beta2_power" = beta^(global_step + 1)).
 
 Model: features "user_ev" (CounterFilter(filter_freq), default 2) and "item_ev" (no filter),
 dim --dim, initial rows from a fixed table via InitializerOption(default_value_dim=N): key k
@@ -425,8 +426,15 @@ def write_deeprec_names(tf, args, rd, tensors, names, slot_names):
         if var in rename:
             out_names.append(f"{rename[var]}-{suffix}")
             out_tensors.append(rd.get_tensor(t_name))
+    step = rd.get_tensor("optimizer/iter/.ATTRIBUTES/VARIABLE_VALUE")
     out_names.append("global_step")
-    out_tensors.append(rd.get_tensor("optimizer/iter/.ATTRIBUTES/VARIABLE_VALUE"))
+    out_tensors.append(step)
+    if args.optimizer == "adam":
+        # DeepRec's TF1 AdamOptimizer keeps beta^(t+1) for the next step t in two variables;
+        # Deepray's Keras Adam derives them from `iterations` instead.
+        for name, beta in (("beta1_power", args.beta1), ("beta2_power", args.beta2)):
+            out_names.append(name)
+            out_tensors.append(np.float32(beta) ** np.float32(step + 1))
     prefix = os.path.join(args.out_dir, "deeprec", "model")
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     tf.raw_ops.SaveV2(prefix=prefix, tensor_names=out_names,
