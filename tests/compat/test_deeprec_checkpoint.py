@@ -507,3 +507,31 @@ def test_compat_saver_bad_path_is_the_stock_error(tmp_path):
         with tf.compat.v1.Session() as sess:
             with pytest.raises(ValueError, match="not a valid checkpoint"):
                 saver.restore(sess, str(tmp_path / "nothing"))
+
+
+def test_other_filters_keep_admitted_rows():
+    """Restored into a stricter CounterFilter(5), admitted keys stay
+    admitted (freq raised to 5) and read their rows; a CBFFilter does not
+    store keys before admission: the filtered ones are left out."""
+    path = os.path.join(DATA, "deepray_adagrad", "model")
+    exp = _expected("deepray_adagrad")
+    keys = exp["keys"]["user_ev"]
+    for option, filtered in ((ge.CounterFilter(5), 4),
+                             (ge.CBFFilter(
+                                 filter_freq=2, max_element_size=1000,
+                                 false_positive_probability=0.01), 0)):
+        ev = ge.get_embedding_variable(
+            "user_ev", 4, ev_option=ge.EmbeddingVariableOption(
+                filter_option=option))
+        out = ge.restore_deeprec_checkpoint(path, [ev])
+        assert out["user_ev"]["filtered_keys"] == filtered
+        got = _contents(ev)
+        assert len(got) == 3 + filtered
+        for k, e in keys.items():
+            if e["admitted"]:
+                (row,) = ge.group_embedding_lookup_sparse(
+                    [ev], [tf.ragged.constant([[int(k)]], tf.int64)],
+                    ["sum"], training=False)
+                np.testing.assert_allclose(row.numpy()[0], e["row"],
+                                           rtol=1e-6)
+                assert got[int(k)][2] == max(e["freq"], option.filter_freq)
