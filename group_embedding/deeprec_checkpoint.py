@@ -49,17 +49,18 @@ from group_embedding.ops import ev_storage
 _logger = logging.getLogger(__name__)
 
 # Our slot name -> (Deepray's slot name, index among the optimizer's slot
-# EVs in DeepRec's creation order: `<ev>/<Opt>`, `<ev>/<Opt>_1`, ...).
+# EVs in DeepRec's creation order: `<ev>/<Opt>`, `<ev>/<Opt>_1`, ...;
+# the optimizer's default name, which scopes its slots in both).
 # Adagrad: "accumulator"; Adam: "m", "v"; FTRL: "accum" (Deepray
 # "accumulator"), "linear".
 SLOT_LAYOUTS = {
-    "adagrad/accumulator": ("accumulator", 0),
-    "adam/m": ("m", 0),
-    "adam/v": ("v", 1),
-    "adam_async/m": ("m", 0),
-    "adam_async/v": ("v", 1),
-    "ftrl/accumulator": ("accumulator", 0),
-    "ftrl/linear": ("linear", 1),
+    "adagrad/accumulator": ("accumulator", 0, "Adagrad"),
+    "adam/m": ("m", 0, "Adam"),
+    "adam/v": ("v", 1, "Adam"),
+    "adam_async/m": ("m", 0, "AdamAsync"),
+    "adam_async/v": ("v", 1, "AdamAsync"),
+    "ftrl/accumulator": ("accumulator", 0, "Ftrl"),
+    "ftrl/linear": ("linear", 1, "Ftrl"),
 }
 
 # Where the global step is, tried in order: DeepRec's TF1 variable, and a
@@ -216,29 +217,32 @@ def _parts(ckpt: _Checkpoint, name: str, what: str) -> List[Tuple[str, str]]:
 def _slot_prefix(ckpt: _Checkpoint, part: str, prefix: str, slot: str,
                  optimizer_name: Optional[str], what: str) -> str:
     """The tensor prefix of our slot `slot` of the EV (part) `part`."""
-    deepray_slot, index = SLOT_LAYOUTS[slot]
+    deepray_slot, index, default_name = SLOT_LAYOUTS[slot]
     bases = {part, prefix[:-2] if prefix.endswith(":0") else prefix}
     found = {}
     for table in ckpt.tables:
         for base in bases:
             tail = f"/{base}/{deepray_slot}:0"
             if table.endswith(tail) and len(table) > len(tail):
-                found.setdefault(table[:-len(tail)], table)   # Deepray
+                found.setdefault(table[:-len(tail)], set()).add(table)
             head = base + "/"
             rest = table[len(head):]
             if not table.startswith(head) or "/" in rest \
                     or _PART.match(rest):
                 continue
             m = re.fullmatch(r"(.+?)(?:_(\d+))?", rest)
-            if int(m.group(2) or 0) == index:              # DeepRec
-                found.setdefault(m.group(1), table)
-    if optimizer_name is not None:
-        found = {k: v for k, v in found.items() if k == optimizer_name}
+            if int(m.group(2) or 0) == index:
+                found.setdefault(m.group(1), set()).add(table)
+    # Only the optimizer's own slots: a DeepRec `<ev>/Adagrad` is no Adam
+    # `m`, however its index fits.
+    name = optimizer_name or default_name
+    others = sorted(k for k in found if k != name)
+    found = found.get(name, set())
     if len(found) > 1:
         raise ValueError(
             f"{what}: the checkpoint {ckpt.path} holds the slot "
-            f"'{deepray_slot}' of '{part}' for several optimizers "
-            f"({', '.join(sorted(found))}); pass optimizer_name=.")
+            f"'{deepray_slot}' of '{part}' twice: "
+            f"{', '.join(sorted(found))}.")
     if not found:
         looked = (f"'<optimizer>/{part}/{deepray_slot}:0-keys' (Deepray) or "
                   f"'{part}/<optimizer>{'_%d' % index if index else ''}"
@@ -246,10 +250,13 @@ def _slot_prefix(ckpt: _Checkpoint, part: str, prefix: str, slot: str,
         raise ValueError(
             f"{what}: the checkpoint {ckpt.path} has no optimizer slot "
             f"'{deepray_slot}' for '{part}' (looked for {looked}"
-            + (f" with optimizer '{optimizer_name}'" if optimizer_name
-               else "") + "). Pass optimizer=None to restore without "
-            "the optimizer state (slots start at their initial values).")
-    return next(iter(found.values()))
+            f" with optimizer name '{name}'"
+            + (f"; found slots of {', '.join(others)}: pass "
+               "optimizer_name= if one of them is this optimizer"
+               if others else "") + "). Pass optimizer=None to restore "
+            "without the optimizer state (slots start at their initial "
+            "values).")
+    return found.pop()
 
 
 def _optimizer_slots(optimizer) -> List[Tuple[str, float]]:
@@ -497,9 +504,10 @@ def restore_deeprec_checkpoint(
             names them by object path, e.g.
             `"model/layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE"`)
             or a list (TF1 names: the variable's name without ':0').
-        optimizer_name: the optimizer's name in the checkpoint ("Adagrad",
-            "Adam", ...) when its slots of several optimizers are saved;
-            by default the only one found.
+        optimizer_name: the optimizer's name in the checkpoint, which
+            scopes its slot EVs; default: DeepRec's and Deepray's default
+            name of `optimizer`'s kind ("Adagrad", "Adam", "AdamAsync",
+            "Ftrl"). Slots of other optimizers are never taken.
         global_step: tensor holding the global step: "auto" (DeepRec's
             `global_step`, else Deepray's `optimizer/iter/...`), a name,
             or None. It becomes the EVs' current step and a Keras

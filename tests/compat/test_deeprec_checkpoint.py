@@ -291,6 +291,23 @@ def test_missing_slot_is_named(tmp_path):
     _restore_at(str(tmp_path / "model"), optimizer=False)
 
 
+@pytest.mark.parametrize("prefix", ["model", "deeprec/model"])
+def test_slots_of_another_optimizer_are_refused(prefix):
+    """Adam on an Adagrad checkpoint: DeepRec's `user_ev/Adagrad` sits
+    where Adam's `m` would (`user_ev/Adam`) but is not taken."""
+    cfg = _expected("deepray_adagrad")["config"]
+    evs = _make_evs(cfg)
+    path = os.path.join(DATA, "deepray_adagrad", prefix)
+    with pytest.raises(ValueError, match="no optimizer slot 'm' for "
+                       "'user_ev'.*optimizer name 'Adam'"):
+        ge.restore_deeprec_checkpoint(path, [evs["user_ev"]],
+                                      ge.optimizers.Adam(0.1))
+    with pytest.raises(ValueError, match="found slots of Adagrad"):
+        ge.restore_deeprec_checkpoint(path, [evs["user_ev"]],
+                                      ge.optimizers.Adagrad(0.1),
+                                      optimizer_name="MyAdagrad")
+
+
 def test_wrong_dim_is_named():
     prefix = os.path.join(DATA, "deepray_adagrad", "model")
     with pytest.raises(ValueError, match="'user_ev:0-values'.*embedding_dim 8"):
