@@ -365,10 +365,30 @@ class Watchdog:
             time.sleep(self.interval)
             try:
                 self.check()
-            except (OSError, urllib.error.URLError, ValueError):
+            except (OSError, urllib.error.URLError, ValueError) as e:
                 # The server is gone or slow: horovodrun is stopping the
-                # job, or will answer next time.
-                pass
+                # job, or will answer next time; unless this worker is cut
+                # off.
+                self._check_cut_off(e)
+
+    def _check_cut_off(self, error: Exception) -> None:
+        """Stops a worker blocked longer than the timeout that cannot
+        reach the store: its host is cut off (link down, packets lost or
+        delayed), so no verdict can reach it and nobody sees its
+        heartbeat; without this it would wait for the transport's
+        backstop."""
+        since = self._blocked_since
+        if since is None or time.monotonic() - since <= self.timeout:
+            return
+        exited = self._counters.read()[1]
+        self._stop(
+            f"[group_embedding] rank {self.rank}: collective timeout: "
+            f"rank {self.rank} waited {time.monotonic() - since:.1f} s (> "
+            f"collective_timeout={self.timeout:g} s) in collective "
+            f"{exited + 1} and cannot reach the job's key-value server "
+            f"({error}): this worker's host is cut off from the others "
+            f"(link down, or packets lost or delayed). It stops.",
+            time.time())
 
     def check(self) -> None:
         """One round: publish the heartbeat, obey or raise an abort."""

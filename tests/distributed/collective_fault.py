@@ -3,11 +3,19 @@
 Worker 1 fails at step 3 (`--mode raise`: a Python exception; `--mode
 kill`: SIGKILL, no clean-up at all) while the others are inside an
 all-to-all; horovodrun must stop them and exit non-zero.
+
+`--mode none` fails nobody: the workers train until the test injects a
+fault from outside (test_two_hosts.py: SIGKILL, SIGSTOP, a link taken
+down, delayed packets). Each step prints `worker R on HOST step S`;
+`--checkpoint-dir D` saves the table every `--save-every` steps with
+`ge.save_tables` and worker 0 prints `saved step S sum X sumsq Y` (the
+table's global sums, for the test to check a restore against).
 """
 
 import argparse
 import os
 import signal
+import socket
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -17,22 +25,41 @@ import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
 
+VOCAB, DIM = 1000, 8
+
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["raise", "kill"])
+    parser.add_argument("--mode", choices=["raise", "kill", "none"])
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--save-every", type=int, default=4)
     args = parser.parse_args()
     hvd = ge.enable_distributed_strategy("collective")
-    table = ge.get_embedding_table("t", 1000, 8, replicate=False)
+    rank = hvd.rank()
+    host = os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())
+    table = ge.get_embedding_table("t", VOCAB, DIM, replicate=False)
     opt = ge.optimizers.Adagrad(0.1)
-    rng = np.random.default_rng(hvd.rank())
+    rng = np.random.default_rng(rank)
+    # Start together: the first steps' set-up may take longer than a low
+    # collective timeout on busy cores (`hvd` is not watched).
+    hvd.allreduce(tf.constant(0), name="warmed_up")
     for step in range(1000):
-        if hvd.rank() == 1 and step == 3:
+        if args.mode != "none" and rank == 1 and step == 3:
             print(f"worker 1 fails at step {step} ({args.mode})", flush=True)
             if args.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("simulated failure on worker 1")
-        ids = tf.RaggedTensor.from_row_lengths(rng.integers(0, 1000, 16),
+        if args.checkpoint_dir and step and step % args.save_every == 0:
+            ge.save_tables(args.checkpoint_dir, {"t": table}, step)
+            sums = hvd.allreduce(tf.stack(
+                [tf.reduce_sum(table.shard),
+                 tf.reduce_sum(tf.square(table.shard))]), op=hvd.Sum)
+            if rank == 0:
+                print(f"saved step {step} sum {float(sums[0])!r} sumsq "
+                      f"{float(sums[1])!r}", flush=True)
+        if args.mode == "none":
+            print(f"worker {rank} on {host} step {step}", flush=True)
+        ids = tf.RaggedTensor.from_row_lengths(rng.integers(0, VOCAB, 16),
                                                np.full(8, 2))
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(ge.group_embedding_lookup_sparse(
