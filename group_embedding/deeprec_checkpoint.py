@@ -527,9 +527,8 @@ def restore_deeprec_checkpoint(
         TypeError, NotImplementedError: an optimizer that is not ours or
             whose slots have no DeepRec layout here.
     """
-    ckpt = _Checkpoint(_checkpoint_path(path))
     slots = _optimizer_slots(optimizer)
-    evs = {}
+    entries = []
     for name, v in _named(embedding_variables, "embedding_variables").items():
         if isinstance(v, (list, tuple)) and len(v) == 1:
             v = v[0]   # get_embedding_variable(partitioner=...)
@@ -537,11 +536,18 @@ def restore_deeprec_checkpoint(
         if ev is None:
             raise TypeError(f"embedding_variables['{name}'] is not an "
                             f"EmbeddingVariable: {type(v).__name__}.")
-        evs[name] = ev
-    dense = _named(dense_variables, "dense_variables")
-    # Read and check everything before writing anything.
-    plans = [_Restore(ckpt, name, ev, slots, optimizer_name)
-             for name, ev in evs.items()]
+        entries.append((name, ev, slots, optimizer_name))
+    keras_optimizer = optimizer if isinstance(
+        optimizer, keras.optimizers.Optimizer) else None
+    return _restore(_Checkpoint(_checkpoint_path(path)), entries,
+                    _named(dense_variables, "dense_variables"),
+                    keras_optimizer, global_step, sess)
+
+
+def _restore(ckpt, entries, dense, keras_optimizer, global_step, sess):
+    """Restores `entries` (checkpoint name, EV, [(slot, initial value)],
+    optimizer name) and `dense`, checking everything first."""
+    plans = [_Restore(ckpt, *entry) for entry in entries]
     owners = {}
     for plan in plans:
         for prefix in plan.tensors:
@@ -556,16 +562,17 @@ def restore_deeprec_checkpoint(
         _check_dense(ckpt, name, var)
     step = _global_step(ckpt, global_step)
     keras_iterations = None
-    if step is not None and isinstance(optimizer, keras.optimizers.Optimizer):
-        keras_iterations = optimizer.iterations
+    if step is not None and keras_optimizer is not None:
+        keras_iterations = keras_optimizer.iterations
     if step is None:   # the last step any key was seen
         step = max([int(p.versions.max()) for p in plans if len(p.keys)],
                    default=0)
 
     if tf.executing_eagerly():
         for plan in plans:
+            plan.ev._check_restored_keys(plan.keys)  # pylint: disable=protected-access
+        for plan in plans:
             ev = plan.ev
-            ev._check_restored_keys(plan.keys)  # pylint: disable=protected-access
             ev_storage.import_(
                 ev.handle, plan.keys, plan.values(ev.default_values.numpy()),
                 plan.freqs, plan.versions, plan.slot_names, plan.slot_inits,
@@ -656,19 +663,13 @@ class Saver(saver_lib.Saver):
             deeprec = False   # the stock restore says what is wrong
         if not deeprec:
             return super().restore(sess, save_path)
-        dense = _deeprec_dense_names(_Checkpoint(_checkpoint_path(
-            save_path)), dense)
-        # One call per set of slots (the graph's optimizers may differ per
-        # EV); the variables go with the first.
-        groups = {}
-        for name, ev in evs.items():
-            groups.setdefault(tuple(_graph_slots(sess.graph, ev)),
-                              {})[name] = ev
-        for slots, group in groups.items():
-            restore_deeprec_checkpoint(
-                save_path, group, _SlotList(list(slots)) if slots else None,
-                dense, sess=sess, global_step=None)
-            dense = None
+        ckpt = _Checkpoint(_checkpoint_path(save_path))
+        # Each EV with the slots the graph's optimizer ops ensure on it,
+        # under that optimizer's name; the global step is a variable here.
+        entries = [(name, ev, *_graph_slots(sess.graph, ev))
+                   for name, ev in evs.items()]
+        _restore(ckpt, entries, _deeprec_dense_names(ckpt, dense), None,
+                 None, sess)
         return None
 
     def _split_var_list(self):
@@ -710,22 +711,27 @@ def _deeprec_dense_names(ckpt: _Checkpoint, dense: Dict[str, object]):
     return out
 
 
-class _SlotList:
-    """An optimizer stand-in: the slots the graph's optimizer ops ensure."""
-
-    def __init__(self, slots):
-        self._slots = slots
-
-    def _ev_slots(self):
-        return self._slots
-
-
-def _graph_slots(graph, ev) -> List[Tuple[str, float]]:
+def _graph_slots(graph, ev) -> Tuple[List[Tuple[str, float]],
+                                     Optional[str]]:
     """(slot, initial value) of the slots the graph's optimizers ensure on
-    `ev` (its `EVEnsureSlot` ops), in creation order."""
-    out = {}
+    `ev` (its `EVEnsureSlot` ops, in creation order), and the optimizer's
+    name: the name scope of those ops, which also scopes DeepRec's slots
+    (`<ev>/<name>`)."""
+    out, names = {}, set()
     for op in graph.get_operations():
         if op.type == "EVEnsureSlot" and op.inputs[0] is ev.handle:
             out.setdefault(op.get_attr("slot_name").decode(),
                            op.get_attr("initial_value"))
-    return list(out.items())
+            scope = op.name.rsplit("/", 2)
+            if len(scope) > 1:
+                names.add(scope[-2])
+    unknown = [n for n in out if n not in SLOT_LAYOUTS]
+    if unknown:
+        raise NotImplementedError(
+            f"EmbeddingVariable '{ev.name}': restoring its slots {unknown} "
+            "from a DeepRec checkpoint is not supported (Adagrad, Adam, "
+            "AdamAsync and FTRL are).")
+    # A second minimize() call scopes its ops `<name>_1`.
+    names = {n for n in names if re.sub(r"_\d+$", "", n) not in names
+             or re.sub(r"_\d+$", "", n) == n}
+    return list(out.items()), names.pop() if len(names) == 1 else None

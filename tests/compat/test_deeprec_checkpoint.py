@@ -363,15 +363,17 @@ def test_nothing_written_when_a_later_ev_fails(tmp_path):
 
 # --- TF1: Saver().restore under compat --------------------------------------
 
-def _tf1_optimizer(cfg):
+def _tf1_optimizer(cfg, name=None):
     if cfg["optimizer"] == "adam":
         return tf.compat.v1.train.AdamOptimizer(
-            cfg["lr"], cfg["beta1"], cfg["beta2"], cfg["adam_epsilon"])
+            cfg["lr"], cfg["beta1"], cfg["beta2"], cfg["adam_epsilon"],
+            name=name or "Adam")
     return tf.compat.v1.train.AdagradOptimizer(
-        cfg["lr"], initial_accumulator_value=cfg["init_acc"])
+        cfg["lr"], initial_accumulator_value=cfg["init_acc"],
+        name=name or "Adagrad")
 
 
-def _tf1_continuation(case, saver_cls, prefix):
+def _tf1_continuation(case, saver_cls, prefix, opt_name=None):
     """A DeepRec TF1 script: EVs, a tf.train optimizer, Saver().restore of
     the checkpoint, then the continuation batches; returns the losses."""
     exp = _expected(case)
@@ -380,7 +382,7 @@ def _tf1_continuation(case, saver_cls, prefix):
     with graph.as_default():
         gs = tf.compat.v1.train.get_or_create_global_step()
         evs = _make_evs(cfg)
-        opt = _tf1_optimizer(cfg)
+        opt = _tf1_optimizer(cfg, opt_name)
         steps = []
         for batch in exp["continuation"]["batches"]:
             ids = [tf.ragged.constant(batch[f], tf.int64) for f in FEATURES]
@@ -394,7 +396,8 @@ def _tf1_continuation(case, saver_cls, prefix):
         saver = saver_cls()
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            saver.restore(sess, os.path.join(DATA, case, prefix))
+            saver.restore(sess, prefix if os.path.isabs(prefix)
+                          else os.path.join(DATA, case, prefix))
             assert sess.run(gs) == len(exp["batches"])
             losses = []
             for loss, train in zip(steps[::2], steps[1::2]):
@@ -408,6 +411,26 @@ def test_compat_saver_restores_deeprec_checkpoint(compat, case):
     assert tf.compat.v1.train.Saver is deeprec_checkpoint.Saver
     exp, losses = _tf1_continuation(case, tf.compat.v1.train.Saver,
                                     "deeprec/model")
+    np.testing.assert_allclose(
+        losses, exp["continuation"]["losses_deepray"], rtol=1e-5)
+
+
+def test_compat_saver_finds_slots_of_a_named_optimizer(compat, tmp_path):
+    """`AdagradOptimizer(name="MyAdagrad")`: DeepRec named its slot EVs
+    `<ev>/MyAdagrad`; the Saver takes the name from the optimizer's ops."""
+    src = os.path.join(DATA, "deepray_adagrad", "deeprec", "model")
+    reader = tf.train.load_checkpoint(src)
+    names = sorted(reader.get_variable_to_shape_map())
+    renamed = [n.replace("/Adagrad-", "/MyAdagrad-") for n in names]
+    assert renamed != names
+    prefix = str(tmp_path / "model")
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=renamed,
+                      shape_and_slices=[""] * len(names),
+                      tensors=[tf.constant(reader.get_tensor(n))
+                               for n in names])
+    exp, losses = _tf1_continuation("deepray_adagrad",
+                                    tf.compat.v1.train.Saver, prefix,
+                                    opt_name="MyAdagrad")
     np.testing.assert_allclose(
         losses, exp["continuation"]["losses_deepray"], rtol=1e-5)
 
