@@ -43,6 +43,7 @@ import time
 import warnings
 
 import tensorflow as tf
+from tensorflow.python.saved_model import save_context
 
 # "cuda": the GPU kernels of gpu_kernel_library on GPU variables (an
 # error where they cannot be had); the C++ kernels everywhere else.
@@ -376,7 +377,8 @@ def load():
     by setting `GROUP_EMBEDDING_KERNELS` between lookups.
     """
     mode = kernel_mode()
-    if mode == "tf":
+    if mode == "tf" or save_context.in_save_context():
+        # A SavedModel must hold stock ops only (plain TF serves it).
         return None
     module = library()
     if module is None and mode in ("custom", "cuda"):

@@ -3,7 +3,7 @@
 This is all a server needs: `tf.saved_model.load` and raw feature columns
 (the CSV cells: I1..I13 floats, C1..C26 "|"-joined tokens). It does not
 import group_embedding and loads no custom op library: the export holds
-plain TF ops, hash tables and variables only.
+plain TF ops and variables only.
 
     python tutorials/serve_saved_model.py EXPORT_DIR REQUEST.csv OUT.npy
 """

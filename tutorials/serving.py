@@ -1,24 +1,15 @@
 """Exports the DeepFM of deepfm_keras.py as a SavedModel that plain
 TensorFlow serves, then serves it in a fresh process.
 
-EmbeddingVariables live in a C++ resource of this library, which a model
-server does not have. The export therefore snapshots each EV table into
-things stock TF can serve:
-
-* a `tf.lookup.StaticHashTable` from id key to row, and a `[n, 1 + D]`
-  variable with the rows of the admitted keys (a `CounterFilter` keeps
-  not-yet-admitted keys out, as in training);
-* for unknown keys, exactly what `training=False` lookups read: the
-  filter's `default_value_no_permission` under a `CounterFilter`, else row
-  `key mod default_value_dim` of the EV's default matrix.
-
-The serving function takes the raw columns (what a request carries: I1..I13
-floats with NaN for missing, C1..C26 "|"-joined tokens), parses them with
-the same `data.parse_raw` used in training, hashes string ids as the
-feature column does, pools with each column's combiner, and runs the
-trained DeepFM head. The graph has no op of this library, so the export
-loads with `tf.saved_model.load` in a process that never imports it
-(serve_saved_model.py), and predicts what the trained model predicts.
+`tf.saved_model.save` (and `model.export`) freezes every EmbeddingVariable
+into stock TF ops as it writes: the admitted keys' rows, the filter's
+no-permission value, the default rows of unknown keys, exactly what a
+`training=False` lookup reads. The serving function below only adds the
+parsing of raw request columns (I1..I13 floats with NaN for missing,
+C1..C26 "|"-joined tokens, read by the same `data.parse_raw` as in
+training); the graph has no op of this library, so the export loads with
+`tf.saved_model.load` in a process that never imports it
+(serve_saved_model.py) and predicts what the trained model predicts.
 
     python tutorials/deepfm_keras.py --out-dir /tmp/deepfm
     python tutorials/serving.py --model-dir /tmp/deepfm
@@ -39,92 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402  (the tutorials' data generator, beside this file)
 import deepfm_keras  # noqa: E402
 
-# `categorical_column_with_embedding` hashes string ids into int64 keys
-# with this many buckets (a 64-bit fingerprint).
-STRING_KEY_BUCKETS = 2 ** 63 - 1
 UNKNOWN_TOKEN = "never-seen-id"
 
 
-class EmbeddingSnapshot(tf.Module):
-    """A frozen, plain-TF copy of one EV column's table.
-
-    Args:
-        column: the `EmbeddingColumn` (an EV column).
-        ev: its `EmbeddingVariable`.
-
-    Raises:
-        TypeError: `column` is not backed by an EmbeddingVariable.
-    """
-
-    def __init__(self, column, ev):
-        super().__init__(name=column.categorical_column.key)
-        if not column.is_ev:
-            raise TypeError(f"Column '{column.name}' is not an "
-                            "EmbeddingVariable column.")
-        self.key = column.categorical_column.key
-        self.is_string = column.categorical_column.dtype == tf.string
-        self.combiner = column.combiner
-        keys, values, _, freqs = ev.export()
-        option = column.categorical_column.ev_option
-        filter_freq = (option.filter_option.filter_freq
-                       if option.filter_option else 0)
-        # Keys still under the CounterFilter read the no-permission value
-        # in training and inference: leave them out, they serve as unknown.
-        admitted = freqs.numpy() >= filter_freq
-        keys = keys.numpy()[admitted]
-        values = values.numpy()[admitted]
-        dim = values.shape[1]
-        self.table = tf.lookup.StaticHashTable(
-            tf.lookup.KeyValueTensorInitializer(
-                tf.constant(keys, tf.int64),
-                tf.range(len(keys), dtype=tf.int64)),
-            default_value=-1)
-        # One extra row at the end, so that unknown keys gather a valid
-        # row even when no key was admitted; `tf.where` then replaces it.
-        self.values = tf.Variable(
-            np.concatenate([values, np.zeros([1, dim], np.float32)]),
-            trainable=False, name="values")
-        if filter_freq > 0:
-            no_permission = option.init_option.default_value_no_permission
-            self.defaults = tf.Variable(
-                np.full([1, dim], no_permission, np.float32),
-                trainable=False, name="defaults")
-            self.default_by_key = False
-        else:
-            self.defaults = tf.Variable(ev.default_values.numpy(),
-                                        trainable=False, name="defaults")
-            self.default_by_key = True
-
-    def __call__(self, ids):
-        """Pooled `[B, 1 + D]` rows for ragged ids `[B, None]`."""
-        if self.is_string:
-            keys = tf.strings.to_hash_bucket_fast(ids.values,
-                                                  STRING_KEY_BUCKETS)
-        else:
-            keys = tf.cast(ids.values, tf.int64)
-        index = self.table.lookup(keys)
-        found = index >= 0
-        n = tf.shape(self.values, out_type=tf.int64)[0] - 1
-        rows = tf.gather(self.values, tf.where(found, index, n))
-        if self.default_by_key:
-            size = tf.shape(self.defaults, out_type=tf.int64)[0]
-            default = tf.gather(self.defaults, tf.math.floormod(keys, size))
-        else:
-            default = tf.broadcast_to(self.defaults, tf.shape(rows))
-        rows = tf.where(found[:, None], rows, default)
-        pooled = tf.math.unsorted_segment_sum(
-            rows, ids.value_rowids(), ids.nrows())
-        count = tf.cast(ids.row_lengths(), tf.float32)[:, None]
-        # Empty rows give zeros, as the grouped lookup does.
-        if self.combiner == "mean":
-            pooled /= tf.maximum(count, 1.0)
-        elif self.combiner == "sqrtn":
-            pooled /= tf.sqrt(tf.maximum(count, 1.0))
-        return pooled
-
-
 class ServingModel(tf.Module):
-    """Raw feature columns -> click probability, in plain TF.
+    """Raw columns -> click probability (the trained model, unchanged).
 
     Args:
         model: a trained `deepfm_keras.DeepFM`.
@@ -132,20 +42,12 @@ class ServingModel(tf.Module):
 
     def __init__(self, model):
         super().__init__()
-        layer = model.embedding
-        tables = layer.tables
-        # The layer's output order (columns sorted by name) is the field
-        # order the head was trained on.
-        self.fields = [EmbeddingSnapshot(c, tables[c.table_name])
-                       for c in layer.feature_columns]
-        self.head = model.head
+        self.model = model
 
     @tf.function(input_signature=[data.raw_signature()])
     def predict(self, raw):
         """`{"probability": [B]}` for a batch of raw columns."""
-        features = data.parse_raw(raw)
-        embeddings = tf.stack([f(features[f.key]) for f in self.fields], 1)
-        logits = self.head(embeddings, features["dense"])
+        logits = self.model(data.parse_raw(raw), training=False)
         return {"probability": tf.sigmoid(logits)}
 
 
@@ -153,11 +55,13 @@ def export(model, export_dir):
     """Writes `model` as a SavedModel served by plain TF.
 
     The `serving_default` signature takes the raw columns as keyword
-    arguments and returns `{"probability": [B]}`.
+    arguments and returns `{"probability": [B]}`. (Pass the tf.function,
+    not a concrete function traced before: the save traces it with the
+    frozen tables.)
     """
     module = ServingModel(model)
-    tf.saved_model.save(module, export_dir, signatures={
-        "serving_default": module.predict.get_concrete_function()})
+    tf.saved_model.save(module, export_dir,
+                        signatures={"serving_default": module.predict})
 
 
 def restore_model(model_dir):

@@ -372,6 +372,12 @@ class EmbeddingVariable(tf.Module):
         deps = []
         if self.ev_option.evict_option is not None:
             deps.append(self.evict())
+        from group_embedding.ops import ev_snapshot
+        if ev_snapshot.writing_saved_model():
+            # A SavedModel holds the EV as its stock-TF snapshot
+            # (ops/ev_snapshot.py): no storage op may enter its graph,
+            # and its checkpoint holds no copy of the table.
+            return {}
         with tf.control_dependencies(deps if not tf.executing_eagerly()
                                      else []):
             out = ev_storage.export(self._handle, self.embedding_dim)
@@ -382,6 +388,26 @@ class EmbeddingVariable(tf.Module):
     def _gather_saveables_for_checkpoint(self):
         # Only `tf.compat.v1.train.Saver` calls this (tf.train.Checkpoint
         # uses `_serialize_to_tensors`, keyed by object path). The Saver
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            from group_embedding.ops import ev_snapshot
+            if ev_snapshot.freezing():
+                # What the SavedModel's lookups read (stock TF variables).
+                children = dict(children, serving_snapshot=ev_snapshot.
+                                snapshot_for_save(self))
+        return children
+
+    def _write_object_proto(self, proto, options):
+        # A SavedModel calls this for objects that act as resource
+        # variables, which the EV does; when one lists the EV (e.g. among
+        # the variables a traced function read), store an empty object:
+        # the rows are in the EV's snapshot.
+        del options
+        proto.user_object.identifier = "_generic_user_object"
+        proto.user_object.version.producer = 1
+        proto.user_object.version.min_consumer = 1
+
         # names tensors by their local names alone, so every EV would
         # write bare `keys`, `values`, ... and the last one would win;
         # prefix them with the variable's name, like DeepRec (`name-keys`)

@@ -60,7 +60,8 @@ def signature_outputs(export_outputs, predictions
     return out
 
 
-def _is_library_op(op_type: str) -> bool:
+def is_library_op(op_type: str) -> bool:
+    """Whether `op_type` is an op of this library (plain TF lacks it)."""
     module = kernel_library.library()
     # The loaded op module has one CamelCase wrapper per op it registers.
     return module is not None and op_type[:1].isupper() and callable(
@@ -88,7 +89,7 @@ def freeze(graph: tf.Graph, session, fetches) -> tf.compat.v1.GraphDef:
             _v1.GraphKeys.TABLE_INITIALIZERS)})
     frozen = _v1.graph_util.convert_variables_to_constants(
         session, graph.as_graph_def(), keep)
-    leftover = sorted({n.op for n in frozen.node if _is_library_op(n.op)})
+    leftover = sorted({n.op for n in frozen.node if is_library_op(n.op)})
     if leftover:
         raise NotImplementedError(
             "The exported graph still needs group_embedding ops "
@@ -116,7 +117,17 @@ def write(frozen, receiver_tensors, outputs, table_init_names,
     while os.path.exists(os.path.join(export_dir_base, str(stamp))):
         stamp += 1
     final = os.path.join(export_dir_base, str(stamp))
-    temp = os.path.join(export_dir_base, f"temp-{stamp}")
+    write_to(frozen, receiver_tensors, outputs, table_init_names, final,
+             as_text, os.path.join(export_dir_base, f"temp-{stamp}"))
+    return final.encode()
+
+
+def write_to(frozen, receiver_tensors, outputs, table_init_names,
+             export_dir: str, as_text: bool = False, temp=None):
+    """Writes `frozen` as the SavedModel `export_dir` (arguments as for
+    `write`), through the folder `temp` (default `<export_dir>.partial`)
+    renamed at the end, so that readers never see half an export."""
+    temp = temp or export_dir + ".partial"
     with tf.Graph().as_default() as graph:
         _v1.import_graph_def(frozen, name="")
 
@@ -140,5 +151,4 @@ def write(frozen, receiver_tensors, outputs, table_init_names,
                 strip_default_attrs=True)
             builder.save(as_text=as_text)
     # Readers never see a half-written export (stock does the same).
-    os.rename(temp, final)
-    return final.encode()
+    os.rename(temp, export_dir)

@@ -4,7 +4,7 @@
 Oracle: the model before saving. The loaded model must predict the same,
 hold the same EV keys, values, freqs, versions and optimizer slots, and
 then train on exactly like the original (so the optimizer state, EV slots
-included, came back). A SavedModel export refuses loudly.
+included, came back). SavedModel exports: tests/serving/.
 """
 
 import keras
@@ -120,13 +120,3 @@ def test_load_without_ev_content_fails(tmp_path):
     with pytest.raises(ValueError, match=r"'features'.*no content for "
                                          r"EmbeddingVariable"):
         layer.load_own_variables(store)
-
-
-def test_export_refuses_and_points_to_serving(tmp_path):
-    model = _model("keras_export", "adagrad")
-    model.fit(_data(0), epochs=1, verbose=0)
-    with pytest.raises(NotImplementedError,
-                       match=r"features.*tutorials/serving.py"):
-        model.export(str(tmp_path / "exported"))
-    with pytest.raises(NotImplementedError, match="tutorials/serving.py"):
-        tf.saved_model.save(model, str(tmp_path / "saved"))

@@ -1,0 +1,122 @@
+"""`ge.export_saved_model`: a SavedModel that plain TensorFlow serves.
+
+TF2 objects (Keras models, `tf.Module`s) go through `tf.saved_model.save`,
+which freezes every EmbeddingVariable it meets into stock TF ops
+(ops/ev_snapshot.py); `model.export()` does the same. This function adds
+a check that the written graph needs no op of this library, and frees the
+snapshots afterwards. TF1 graphs are frozen from a session
+(`estimator/saved_model_writer.py`, what `Estimator.export_saved_model`
+writes).
+"""
+
+import os
+import shutil
+from typing import Dict
+from typing import Optional
+
+import tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
+
+from group_embedding.ops import ev_snapshot
+
+
+def export_saved_model(obj, export_dir: str, signatures=None,
+                       options=None, *, session=None,
+                       inputs: Optional[Dict[str, tf.Tensor]] = None,
+                       outputs: Optional[Dict[str, tf.Tensor]] = None
+                       ) -> str:
+    """Writes a SavedModel whose EmbeddingVariables are frozen into stock
+    TF ops: it loads and serves in a process without this library.
+
+    Each EV is read once, when the export runs: its admitted keys' rows,
+    the filter's `default_value_no_permission` for keys not admitted
+    (under a `CounterFilter` / `CBFFilter`), and row `key mod
+    default_value_dim` of its default matrix for other keys, exactly what
+    a `training=False` lookup reads then. Plain tables and lookups become
+    stock gathers and segment sums.
+
+    Two forms:
+
+    * TF2: `export_saved_model(model_or_module, export_dir, signatures,
+      options)`, the arguments of `tf.saved_model.save` (which, like
+      `model.export()`, freezes the EVs by itself; this adds the check
+      below). Pass tf.functions as signatures, not concrete functions
+      traced before: the save must trace them.
+    * TF1: `export_saved_model(None, export_dir, session=sess,
+      inputs={name: tensor}, outputs={name: tensor})` freezes the graph of
+      `sess` (variables become constants) into a `serving_default`
+      predict signature. Build that inference graph with
+      `GROUP_EMBEDDING_KERNELS=tf` and `training=False` lookups (EV rows
+      then come from `EVGroupGather` ops, which are replaced), as
+      `Estimator.export_saved_model` does.
+
+    Args:
+        obj: the trackable object to save (TF2), None for TF1.
+        export_dir: the SavedModel folder (must not exist for TF1).
+        signatures: as for `tf.saved_model.save`.
+        options: a `tf.saved_model.SaveOptions`.
+        session: TF1 session holding the trained variables.
+        inputs: TF1 signature inputs (dense tensors).
+        outputs: TF1 signature outputs (dense tensors).
+
+    Returns:
+        `export_dir`.
+
+    Raises:
+        NotImplementedError: the written graph still needs an op of this
+            library (e.g. a collective lookup); nothing is left at
+            `export_dir`.
+        ValueError: TF1 form without `inputs` / `outputs`, or with `obj`.
+    """
+    if session is None:
+        try:
+            tf.saved_model.save(obj, export_dir, signatures=signatures,
+                                options=options)
+        except AssertionError as e:
+            if "group_embedding_ev" not in str(e):
+                raise
+            # A function traced before the save reads an EV's storage.
+            shutil.rmtree(export_dir, ignore_errors=True)
+            raise NotImplementedError(_LIBRARY_OPS_MESSAGE.format(
+                path=export_dir, ops="EV storage reads")) from e
+        finally:
+            ev_snapshot.release()
+        _check_stock_ops(export_dir)
+        return export_dir
+    if obj is not None or not inputs or not outputs:
+        raise ValueError("A TF1 export takes obj=None, a session and "
+                         "non-empty `inputs` and `outputs` dicts.")
+    from group_embedding.estimator import saved_model_writer
+    frozen = saved_model_writer.freeze(
+        session.graph, session, list(outputs.values()))
+    saved_model_writer.write_to(
+        frozen, {k: t.name for k, t in inputs.items()},
+        {saved_model_writer.DEFAULT_SIGNATURE:
+         {k: t.name for k, t in outputs.items()}}, [], export_dir)
+    return export_dir
+
+
+def _check_stock_ops(export_dir: str):
+    """Removes the export and raises if its graph needs library ops."""
+    proto = saved_model_pb2.SavedModel()
+    with open(os.path.join(export_dir, "saved_model.pb"), "rb") as f:
+        proto.ParseFromString(f.read())
+    used = set()
+    for meta in proto.meta_graphs:
+        used.update(n.op for n in meta.graph_def.node)
+        for function in meta.graph_def.library.function:
+            used.update(n.op for n in function.node_def)
+    from group_embedding.estimator import saved_model_writer
+    leftover = sorted(op for op in used
+                      if saved_model_writer.is_library_op(op))
+    if leftover:
+        shutil.rmtree(export_dir, ignore_errors=True)
+        raise NotImplementedError(_LIBRARY_OPS_MESSAGE.format(
+            path=export_dir, ops=", ".join(leftover)))
+
+
+_LIBRARY_OPS_MESSAGE = (
+    "The SavedModel at {path} would need group_embedding ops ({ops}), "
+    "which plain TF cannot load: a concrete function traced before the "
+    "export (pass the tf.function itself, the save traces it with frozen "
+    "tables) or a collective lookup.")

@@ -1,0 +1,309 @@
+"""One-call export (issue 26.1): `model.export()` and
+`tf.saved_model.save(model)` of Keras models whose EV tables come from
+`GroupEmbeddingFeatures` or from `ge.get_embedding_variable`.
+
+Oracle: `model.predict` of the trained model. The SavedModel is served by
+`serve_plain.py` in a subprocess that cannot import group_embedding, on
+requests holding trained keys, keys still under a CounterFilter, keys the
+CBFFilter never admitted, unseen (also negative) keys and empty rows.
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import group_embedding as ge
+from group_embedding import feature_column as ge_fc
+from group_embedding.embedding_variable.keras_variable import (
+    KerasEmbeddingVariable)
+
+_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                       "serve_plain.py")
+
+
+def serve(path, features, endpoint, tmp_path):
+    """Predictions of the SavedModel at `path`, from plain TF."""
+    arrays = {}
+    for name, value in features.items():
+        if isinstance(value, tf.RaggedTensor):
+            arrays[name + ".values"] = value.values.numpy()
+            arrays[name + ".row_splits"] = value.row_splits.numpy()
+        elif isinstance(value, tf.SparseTensor):
+            arrays[name + ".indices"] = value.indices.numpy()
+            arrays[name + ".values"] = value.values.numpy()
+            arrays[name + ".dense_shape"] = value.dense_shape.numpy()
+        else:
+            arrays[name] = np.asarray(value)  # strings: bytes objects
+    requests = str(tmp_path / "requests.npz")
+    out = str(tmp_path / "served.npy")
+    np.savez(requests, **arrays)
+    run = subprocess.run(
+        [sys.executable, _SERVER, path, requests, out, endpoint],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=""))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return np.load(out)
+
+
+def save_module(model, path):
+    """`tf.saved_model.save` of a module serving `model` on its inputs.
+
+    Keras' `model.export` gives ragged and sparse inputs dense specs (and
+    takes no other), so models on them are saved as TF documents it: a
+    tf.function with the input signature, here named `serve` as Keras
+    names its endpoint.
+    """
+    def spec(x):
+        if x.ragged:
+            return tf.RaggedTensorSpec(x.shape, x.dtype, ragged_rank=1,
+                                       row_splits_dtype=tf.int64)
+        if x.sparse:
+            return tf.SparseTensorSpec(x.shape, x.dtype)
+        return tf.TensorSpec(x.shape, x.dtype)
+
+    module = tf.Module()
+    # The layers, not the model: Keras would add its own signature, with
+    # dense specs for these inputs.
+    module.layers = model.layers
+    module.serve = tf.function(
+        lambda features: model(features, training=False),
+        input_signature=[tf.nest.map_structure(spec, model.input)])
+    tf.saved_model.save(module, path)
+
+
+def _columns(scope):
+    with ge_fc.group_embedding_column_scope(scope):
+        uid = ge_fc.embedding_column(ge_fc.categorical_column_with_embedding(
+            "uid", dtype=tf.int64), 4, "sum")
+        city = ge_fc.embedding_column(
+            ge_fc.categorical_column_with_embedding(
+                "city", ev_option=ge.EmbeddingVariableOption(
+                    filter_option=ge.CounterFilter(filter_freq=3),
+                    init_option=ge.InitializerOption(
+                        default_value_no_permission=0.25))), 4, "mean")
+        tag = ge_fc.embedding_column(
+            ge_fc.categorical_column_with_embedding(
+                "tag", dtype=tf.int64, ev_option=ge.EmbeddingVariableOption(
+                    filter_option=ge.CBFFilter(
+                        filter_freq=2, max_element_size=1000,
+                        false_positive_probability=0.01))), 4, "sqrtn")
+    return [uid, city, tag]
+
+
+def _data(seed, n=64):
+    rng = np.random.default_rng(seed)
+    uid = rng.integers(-50, 2**40, 12)[rng.integers(0, 12, n)]
+    city = rng.choice(["sf", "ny", "la", "berlin", "rare"], n,
+                      p=[.3, .3, .2, .17, .03])
+    tags = rng.integers(0, 30, [n, 3])
+    y = ((uid % 2 == 0) ^ (city == "sf")).astype("float32")[:, None]
+    return uid, city, tags, y
+
+
+def _requests(seed=1):
+    uid, city, tags, _ = _data(seed, 16)
+    uid[:3] = [-7, 2**62, 0]  # never seen
+    city[:2] = ["never", "rare"]
+    tags[:2] = [77, 78, 79]
+    return uid, city, tags
+
+
+def _ragged(tags, cut=True):
+    lengths = np.arange(len(tags)) % 4 if cut else np.full(len(tags), 3)
+    lengths = np.minimum(lengths, 3)
+    values = np.concatenate([t[:k] for t, k in zip(tags, lengths)])
+    return tf.RaggedTensor.from_row_lengths(values.astype(np.int64),
+                                            lengths)
+
+
+def _dense_model(scope):
+    inputs = {"uid": keras.Input(shape=(), dtype="int64", name="uid"),
+              "city": keras.Input(shape=(), dtype="string", name="city"),
+              "tag": keras.Input(shape=(3,), dtype="int64", name="tag")}
+    x = ge_fc.GroupEmbeddingFeatures(_columns(scope), name="features")(
+        inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
+    return model
+
+
+def _fit(model, features, y):
+    model.fit(tf.data.Dataset.from_tensor_slices((features, y)).batch(8),
+              epochs=2, verbose=0)
+
+
+def test_export_and_saved_model_of_feature_columns(tmp_path):
+    model = _dense_model("export_dense")
+    uid, city, tags, y = _data(0)
+    _fit(model, {"uid": uid, "city": city, "tag": tags}, y)
+    uid, city, tags = _requests()
+    request = {"uid": tf.constant(uid), "city": tf.constant(city),
+               "tag": tf.constant(tags)}
+    want = model.predict(request, verbose=0)
+    sizes = [int(ev.size()) for ev in
+             model.get_layer("features").embedding_variables]
+    assert all(s > 0 for s in sizes)
+
+    model.export(str(tmp_path / "exported"), verbose=False)
+    got = serve(str(tmp_path / "exported"), request, "serve", tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    tf.saved_model.save(model, str(tmp_path / "saved"))
+    got = serve(str(tmp_path / "saved"), request, "serving_default",
+                tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # Exporting inserted nothing and counted nothing.
+    assert sizes == [int(ev.size()) for ev in
+                     model.get_layer("features").embedding_variables]
+    # The SavedModel holds the snapshots, not copies of the EV tables.
+    names = [n for n, _ in tf.train.list_variables(
+        str(tmp_path / "exported" / "variables" / "variables"))]
+    assert any("sorted_keys" in n for n in names)
+    assert not any(n.endswith(("/slots", "/freqs", "/versions"))
+                   for n in names), names
+
+
+def test_export_after_more_training_freezes_the_new_rows(tmp_path):
+    model = _dense_model("export_twice")
+    uid, city, tags, y = _data(0)
+    _fit(model, {"uid": uid, "city": city, "tag": tags}, y)
+    uid, city, tags = _requests()
+    request = {"uid": tf.constant(uid), "city": tf.constant(city),
+               "tag": tf.constant(tags)}
+    model.export(str(tmp_path / "first"), verbose=False)
+    first = model.predict(request, verbose=0)
+    uid2, city2, tags2, y2 = _data(5)
+    _fit(model, {"uid": uid2, "city": city2, "tag": tags2}, y2)
+    model.export(str(tmp_path / "second"), verbose=False)
+    second = model.predict(request, verbose=0)
+    assert not np.allclose(first, second)
+    np.testing.assert_allclose(
+        serve(str(tmp_path / "second"), request, "serve", tmp_path), second,
+        rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        serve(str(tmp_path / "first"), request, "serve", tmp_path), first,
+        rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+def test_export_of_ragged_and_sparse_inputs(tmp_path, kind):
+    sparse = kind == "sparse"
+    inputs = {
+        "uid": keras.Input(shape=(), dtype="int64", name="uid"),
+        "city": keras.Input(shape=(), dtype="string", name="city"),
+        "tag": keras.Input(shape=(None,), dtype="int64", name="tag",
+                           sparse=sparse, ragged=not sparse)}
+    x = ge_fc.GroupEmbeddingFeatures(_columns(f"export_{kind}"),
+                                     name="features")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
+
+    def convert(tags, cut=True):
+        ragged = _ragged(tags, cut)
+        return ragged.to_sparse() if sparse else ragged
+
+    uid, city, tags, y = _data(0)
+    for start in range(0, len(uid), 8):
+        part = slice(start, start + 8)
+        model.train_on_batch({"uid": uid[part], "city": city[part],
+                              "tag": convert(tags[part], cut=False)},
+                             y[part])
+    uid, city, tags = _requests()
+    request = {"uid": tf.constant(uid), "city": tf.constant(city),
+               "tag": convert(tags)}
+    want = model.predict_on_batch(request)
+    save_module(model, str(tmp_path / "exported"))
+    got = serve(str(tmp_path / "exported"), request, "serve", tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+class TagsLayer(keras.layers.Layer):
+    """A custom layer on an EV of `ge.get_embedding_variable`."""
+
+    def __init__(self, name, key_dtype, **kwargs):
+        super().__init__(**kwargs)
+        self.ev_name = name
+        self.key_dtype = key_dtype
+
+    def build(self, input_shape):
+        self.ev = ge.get_embedding_variable(
+            self.ev_name, 3, key_dtype=self.key_dtype,
+            ev_option=ge.EmbeddingVariableOption(
+                init_option=ge.InitializerOption(default_value_dim=7)))
+        self.ev_weight = KerasEmbeddingVariable(self.ev)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], 3)
+
+    def call(self, ids, training=False):
+        return ge.group_embedding_lookup_sparse(
+            [self.ev], [ids], ["mean"], training=training)[0]
+
+
+@pytest.mark.parametrize("key_dtype", [tf.int32, tf.int64])
+@pytest.mark.parametrize("trained", [True, False])
+def test_export_of_get_embedding_variable(tmp_path, key_dtype, trained):
+    name = f"custom_{key_dtype.name}_{trained}"
+    ids = keras.Input(shape=(None,), dtype=key_dtype.name, ragged=True,
+                      name="ids")
+    model = keras.Model(ids, keras.layers.Dense(1)(
+        TagsLayer(name, key_dtype)(ids)))
+    model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
+    rng = np.random.default_rng(3)
+    batch = tf.RaggedTensor.from_row_lengths(
+        rng.integers(-20, 20, 24).astype(key_dtype.as_numpy_dtype),
+        [3] * 8)
+    if trained:
+        for _ in range(3):
+            model.train_on_batch(batch, np.ones([8, 1], np.float32))
+    assert (int(model.layers[1].ev.size()) > 0) == trained
+    request = tf.RaggedTensor.from_row_lengths(
+        np.arange(-40, 40, 3).astype(key_dtype.as_numpy_dtype),
+        [5, 0, 10, 12])
+    want = model.predict_on_batch(request)
+    save_module(model, str(tmp_path / "exported"))
+    got = serve(str(tmp_path / "exported"), {"ids": request}, "serve",
+                tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # Unseen keys read their default rows: the rows differ by key mod 7.
+    assert len(np.unique(np.round(want, 6))) > 2
+
+
+class RowsLayer(keras.layers.Layer):
+    """Sum of an EV's rows for dense ids `[B, T]` (`lookup_rows`)."""
+
+    def build(self, input_shape):
+        self.ev = ge.get_embedding_variable(
+            "dense_rows", 3, ev_option=ge.EmbeddingVariableOption(
+                filter_option=ge.CounterFilter(filter_freq=2)))
+        self.ev_weight = KerasEmbeddingVariable(self.ev)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], 3)
+
+    def call(self, ids, training=False):
+        return tf.reduce_sum(self.ev.lookup_rows(ids, training=training), 1)
+
+
+def test_model_export_of_get_embedding_variable(tmp_path):
+    ids = keras.Input(shape=(4,), dtype="int64", name="ids")
+    model = keras.Model(ids, keras.layers.Dense(1)(RowsLayer()(ids)))
+    model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        model.train_on_batch(rng.integers(0, 12, [8, 4]),
+                             np.ones([8, 1], np.float32))
+    request = tf.constant(rng.integers(-3, 15, [16, 4]))
+    want = model.predict_on_batch(request)
+    model.export(str(tmp_path / "exported"), verbose=False)
+    np.testing.assert_allclose(
+        serve(str(tmp_path / "exported"), {"ids": request}, "serve",
+              tmp_path), want, rtol=1e-6, atol=1e-6)
+    tf.saved_model.save(model, str(tmp_path / "saved"))
+    np.testing.assert_allclose(
+        serve(str(tmp_path / "saved"), {"ids": request}, "serving_default",
+              tmp_path), want, rtol=1e-6, atol=1e-6)
