@@ -402,6 +402,8 @@ def _named(variables, what: str) -> Dict[str, object]:
         variables = [variables]
     out = {}
     for v in variables:
+        if isinstance(v, (list, tuple)) and len(v) == 1:
+            v = v[0]   # get_embedding_variable(partitioner=...)
         ev = embedding_variable_of(v)
         name = ev.name if ev is not None else _variable_name(v)
         if name in out:

@@ -210,14 +210,17 @@ def test_next_loss_needs_the_filtered_counts():
 
 def test_restore_into_partitioned_ev_list():
     """`get_embedding_variable(partitioner=...)` gives a one-element list;
-    it restores from the parts, by name, through a dict."""
+    it restores from the parts, in a dict or a list."""
     exp = _expected("deepray_adam_part2")
     cfg = exp["config"]
     evs = _make_evs(cfg)
-    wrapped = {f: [evs[f]] for f in FEATURES}
-    ge.restore_deeprec_checkpoint(
-        os.path.join(DATA, "deepray_adam_part2", "model"), wrapped,
-        _make_optimizer(cfg))
+    path = os.path.join(DATA, "deepray_adam_part2", "model")
+    ge.restore_deeprec_checkpoint(path, {f: [evs[f]] for f in FEATURES},
+                                  _make_optimizer(cfg))
+    _check_state(evs, exp["keys"], cfg, _atol(cfg))
+    evs = _make_evs(cfg)
+    ge.restore_deeprec_checkpoint(path, [[evs[f]] for f in FEATURES],
+                                  _make_optimizer(cfg))
     _check_state(evs, exp["keys"], cfg, _atol(cfg))
 
 
