@@ -335,3 +335,20 @@ def test_killed_writer_leaves_the_last_good_state(tmp_path, where):
     path = ge.save_tables(str(tmp_path), {"t": ev}, 9, full_every=10)
     assert _manifest(path)["kind"] == "delta"
     _assert_same(_restored(path, name="after_kill"), _state(ev))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("parent", "../elsewhere", "not a checkpoint folder of the same"),
+    ("parent", None, "not a checkpoint folder of the same"),
+    ("depth", 0, "without a valid depth"),
+    ("depth", 7, "does not follow"),
+    ("kind", "partial", "expected 'full' or 'delta'"),
+])
+def test_invalid_delta_manifest_is_named(tmp_path, field, value, message):
+    _, _, last = _chain(tmp_path, f"manifest_{field}_{value}")
+    manifest = _manifest(last)
+    manifest[field] = value
+    with open(os.path.join(last, checkpoint_lib.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ValueError, match=f"Checkpoint {last}.*{message}"):
+        _restored(last)
