@@ -372,6 +372,25 @@ class _Restore:
                                  [len(f_keys), 1])
         self.slots = np.concatenate([admitted_slots, filtered_slots]) \
             .astype(np.float32)
+        self._keep_owned_keys()
+
+    def _keep_owned_keys(self):
+        """In collective mode, the keys this worker owns (key mod N ==
+        rank): every worker restores its share of the same checkpoint."""
+        # Imported here: the distributed package imports the core.
+        from group_embedding.distributed import strategy
+        if not strategy.is_collective():
+            return
+        rank, size = strategy.world()
+        if size == 1:
+            return
+        mine = np.mod(self.keys, size) == rank
+        admitted = mine[:self.num_admitted]
+        self._values = self._values[admitted]
+        self.num_admitted = int(admitted.sum())
+        self.num_filtered = int(mine[len(admitted):].sum())
+        self.keys, self.freqs = self.keys[mine], self.freqs[mine]
+        self.versions, self.slots = self.versions[mine], self.slots[mine]
 
     def values(self, defaults: np.ndarray) -> np.ndarray:
         """Admitted rows, then the filtered keys' rows: the EV's default
@@ -516,6 +535,10 @@ def restore_deeprec_checkpoint(
             optimizer's `iterations`.
         sess: graph mode only: the session holding the variables (default:
             the default session).
+
+    In collective mode (`ge.enable_distributed_strategy("collective")`)
+    each worker restores the keys it owns (key mod N == rank): call it on
+    every worker with the same checkpoint.
 
     Returns:
         `{checkpoint name: {"keys": admitted keys, "filtered_keys": keys

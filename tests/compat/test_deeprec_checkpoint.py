@@ -392,8 +392,7 @@ def _tf1_continuation(case, saver_cls, prefix, opt_name=None):
             outs = ge.group_embedding_lookup_sparse(
                 [evs[f] for f in FEATURES], ids, ["sum", "sum"])
             loss = tf.reduce_mean(tf.square(tf.concat(outs, axis=1)))
-            with tf.control_dependencies(steps[-1:]):
-                train = opt.minimize(loss, global_step=gs)
+            train = opt.minimize(loss, global_step=gs)
             steps.append(loss)
             steps.append(train)
         saver = saver_cls()
@@ -578,3 +577,17 @@ def test_other_filters_keep_admitted_rows():
                 np.testing.assert_allclose(row.numpy()[0], e["row"],
                                            rtol=1e-6)
                 assert got[int(k)][2] == max(e["freq"], option.filter_freq)
+
+
+def test_collective_worker_restores_the_keys_it_owns(monkeypatch):
+    """Worker 1 of 2 keeps the keys k with k mod 2 == 1 (as its shard of a
+    collective EV holds), admitted and filtered alike."""
+    from group_embedding.distributed import strategy
+    monkeypatch.setattr(strategy, "is_collective", lambda: True)
+    monkeypatch.setattr(strategy, "world", lambda: (1, 2))
+    exp, cfg, evs, opt, out = _restore("deepray_adagrad")
+    odd = {f: {k: e for k, e in exp["keys"][f].items() if int(k) % 2}
+           for f in FEATURES}
+    assert out["user_ev"]["filtered_keys"] == sum(
+        not e["admitted"] for e in odd["user_ev"].values())
+    _check_state(evs, odd, cfg, _atol(cfg))
