@@ -256,6 +256,8 @@ def test_fault_on_one_host_ends_every_worker(hosts, tmp_path, fault):
                          r"the job's key-value server", remote), remote
     # Every worker that can run ends within the timeout and a few rounds
     # of the watchdog (the cut-off host's worker too, by itself).
+    assert {0, "launcher"} <= set(ended), times
+    assert fault == "sigstop" or 1 in ended, times
     for who, seconds in ended.items():
         assert seconds < TIMEOUT + 10, (who, times, out[-3000:],
                                         remote[-3000:])

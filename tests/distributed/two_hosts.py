@@ -60,9 +60,14 @@ remote = subprocess.Popen(
     ["ip", "netns", "exec", hosts[host], "unshare", "--uts", "bash", "-c",
      'hostname "$1" && set -o pipefail && '
      '{{ bash -c "$2"; }} 2>&1 | tee -p -a "$3"', "bash", host, command,
-     log], start_new_session=True)
+     log], start_new_session=True, stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(s, lambda *_: os._exit(255))
+# Relayed here, as ssh does: when this "ssh" ends, the launcher's pipe
+# closes, whatever the remote worker does.
+while chunk := os.read(remote.stdout.fileno(), 65536):
+    os.write(1, chunk)
 sys.exit(remote.wait() % 256)
 '''
 
