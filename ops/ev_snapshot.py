@@ -57,16 +57,22 @@ class EmbeddingSnapshot(tf.Module):
                  as_variables: bool = True, name: str = "ev_snapshot"):
         super().__init__(name=name)
         dim = int(default_values.shape[1])
-        keys = np.asarray(keys).astype(np.int64)[admitted]
-        values = np.asarray(values, np.float32).reshape(-1, dim)[admitted]
-        order = np.argsort(keys, kind="stable")
-        self.num_keys = len(keys)
+        keys = np.asarray(keys).astype(np.int64, copy=False)
+        values = np.asarray(values, np.float32).reshape(-1, dim)
+        if not np.all(admitted):
+            keys, values = keys[admitted], values[admitted]
+        n = self.num_keys = len(keys)
         # One padding entry after the keys: searchsorted may point one
         # past the last key (or at 0 in an empty table); the padding keeps
-        # that index valid and `found` rejects it.
-        sorted_keys = np.append(keys[order], np.iinfo(np.int64).max)
-        rows = np.concatenate([values[order], np.zeros([1, dim],
-                                                       np.float32)])
+        # that index valid and `found` rejects it. Sorted straight into
+        # the padded arrays (a 10M-key table is GBs: no extra copies).
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = np.empty(n + 1, np.int64)
+        np.take(keys, order, out=sorted_keys[:n])
+        sorted_keys[n] = np.iinfo(np.int64).max
+        rows = np.zeros([n + 1, dim], np.float32)
+        np.take(values, order, axis=0, out=rows[:n])
+        del order, keys, values
         if filtered:
             defaults = np.full([1, dim], no_permission, np.float32)
         else:

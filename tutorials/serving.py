@@ -42,13 +42,18 @@ class ServingModel(tf.Module):
 
     def __init__(self, model):
         super().__init__()
-        self.model = model
+        # The layers hold the tables the export saves. The model itself is
+        # not an attribute: Keras would add its own serving signature,
+        # which takes parsed features, not raw columns.
+        self.layers = list(model.layers)
 
-    @tf.function(input_signature=[data.raw_signature()])
-    def predict(self, raw):
-        """`{"probability": [B]}` for a batch of raw columns."""
-        logits = self.model(data.parse_raw(raw), training=False)
-        return {"probability": tf.sigmoid(logits)}
+        @tf.function(input_signature=[data.raw_signature()])
+        def predict(raw):
+            """`{"probability": [B]}` for a batch of raw columns."""
+            logits = model(data.parse_raw(raw), training=False)
+            return {"probability": tf.sigmoid(logits)}
+
+        self.predict = predict
 
 
 def export(model, export_dir):
