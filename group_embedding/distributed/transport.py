@@ -29,20 +29,39 @@ blocks of up to `SHM_BUFFER_BYTES` travel: the socket then carries only
 the header. `GROUP_EMBEDDING_TRANSPORT_SAME_HOST` picks `shm` (default),
 `unix` (Unix sockets, payloads on the socket) or `tcp`. A Unix connection
 that cannot be made falls back to TCP.
+
+Who may connect (see peer_auth.py): every connection is authenticated by
+a challenge-response over the job secret before anything else is read
+from it, and on a Unix socket the peer must run as this worker's uid.
+The Unix sockets' names are random per worker (nothing secret), the TCP
+listener binds only the address the peers are told, and the shared
+memfd is sealed against shrinking and growing (checked on receipt, and
+again by the op). While the workers connect, a stranger's connection
+(a port scan, garbage, a wrong proof, silence) is dropped after
+`HANDSHAKE_SECONDS` on its own thread, with a warning, while the
+listener keeps accepting until the setup deadline: it changes nothing.
+Exchanges then carry no per-message authentication (no cost per step).
+`GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` caps the bytes a peer may announce
+for one exchange whose counts the receiver cannot know (default 4 GiB);
+where it can (gradients, averages, rows coming back), a different count
+is an error.
 """
 
+import fcntl
+import logging
 import os
 import secrets
 import select
 import socket
-import struct
+import threading
 import time
 import weakref
 import zlib
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from group_embedding.distributed import peer_auth
 from group_embedding.ops import kernel_library
 
 TRANSPORTS = ("auto", "sockets", "horovod")
@@ -52,9 +71,20 @@ SAME_HOST_LINKS = ("shm", "unix", "tcp")
 # Larger blocks go on the socket. GROUP_EMBEDDING_TRANSPORT_SHM_BYTES
 # overrides it (tests use a tiny one to mix both paths in one exchange).
 SHM_BUFFER_BYTES = 64 << 20
-_HELLO = struct.Struct("!16sq")  # job token, rank of the connecting worker
+# Seals of a shared region: its size can never change (a peer that shrank
+# it would make the next copy fault with SIGBUS).
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# A connection must complete its handshake within this; the whole setup
+# within SETUP_SECONDS.
+HANDSHAKE_SECONDS = 10.0
+SETUP_SECONDS = 120.0
+# Handshakes in progress at once; more connections are dropped at once (a
+# real peer that is turned down retries).
+_MAX_PENDING = 64
+MAX_BYTES_PER_PEER = 4 << 30
+_log = logging.getLogger(__name__)
 _state = {"fds": None, "sockets": [], "links": [], "rank": 0, "size": 1,
-          "timeout": 600.0, "shm": None}
+          "timeout": 600.0, "shm": None, "max_bytes": MAX_BYTES_PER_PEER}
 # Per graph, the last exchange created: the next one runs after it, so
 # every worker runs its exchanges in program order.
 _last_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -108,24 +138,46 @@ def _host_identity() -> Optional[str]:
     return f"{boot}/{netns}"
 
 
-def _unix_name(token: bytes, rank: int) -> str:
-    # Abstract namespace (leading NUL): no file to clean up, and the job
-    # token keeps two jobs on one host apart.
-    return f"\0group_embedding/{token.hex()}/{rank}"
-
-
-def _open_unix_listener(token: bytes, rank: int, size: int):
+def _open_unix_listener():
     """This worker's Unix listener, or None where there is none to be had
     (then its peers connect over TCP)."""
     if same_host_link() == "tcp" or _host_identity() is None:
         return None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(_unix_name(token, rank))
-        listener.listen(size)
+        # Abstract namespace (leading NUL): no file to clean up. The name
+        # is random (everyone can list it, nobody can guess it ahead to
+        # take it first); peers learn it through Horovod.
+        listener.bind(f"\0group_embedding/{secrets.token_hex(16)}")
+        listener.listen(_MAX_PENDING)
     except OSError:
         listener.close()
         return None
+    return listener
+
+
+def _open_tcp_listener(host: str):
+    """A TCP listener on `host`'s address only (the one the peers are
+    told), on a free port."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise RuntimeError(
+            f"group_embedding: cannot resolve this worker's address "
+            f"{host!r} ({e}); set GROUP_EMBEDDING_TRANSPORT_HOST to an "
+            f"address of this host that the other workers can reach.") from e
+    try:
+        listener.bind(address)
+        listener.listen(_MAX_PENDING)
+    except OSError as e:
+        listener.close()
+        raise RuntimeError(
+            f"group_embedding: cannot listen on {address[0]} ({e}), the "
+            f"address the other workers would use; set "
+            f"GROUP_EMBEDDING_TRANSPORT_HOST to an address of this host.") \
+            from e
     return listener
 
 
@@ -134,13 +186,147 @@ def _connect_to(address, unix_name: Optional[str]) -> socket.socket:
     given and reachable, else over TCP."""
     if unix_name is not None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(60)
+        s.settimeout(HANDSHAKE_SECONDS)
         try:
             s.connect(unix_name)
             return s
         except OSError:
             s.close()  # e.g. another network namespace after all
-    return socket.create_connection(address, timeout=60)
+    return socket.create_connection(address, timeout=HANDSHAKE_SECONDS)
+
+
+def _connect_peer(address, unix_name, keys, rank: int, peer: int,
+                  deadline: float) -> socket.socket:
+    """An authenticated connection to worker `peer`, retried (a busy peer
+    may turn a connection down) until `deadline`.
+
+    Raises:
+        peer_auth.HandshakeError: the process at the peer's address does
+            not hold the job secret (an impostor).
+        OSError: no connection before the deadline.
+    """
+    while True:
+        s = None
+        try:
+            s = _connect_to(address, unix_name)
+            s.settimeout(HANDSHAKE_SECONDS)
+            peer_auth.connecting(s, keys, rank, peer)
+            return s
+        except peer_auth.HandshakeError:
+            if s is not None:
+                s.close()
+            raise
+        except OSError as e:
+            if s is not None:
+                s.close()
+            failure = e
+        if time.monotonic() + 0.2 > deadline:
+            raise OSError(f"no authenticated connection to worker {peer} "
+                          f"within {SETUP_SECONDS:g} s ({failure})")
+        time.sleep(0.2)
+
+
+class _Acceptor:
+    """Accepts the lower ranks' connections in the background: each one
+    authenticated on its own thread within HANDSHAKE_SECONDS, so that a
+    stranger (silent, closing, sending garbage or a wrong proof) holds
+    nothing but its own thread and is dropped with a warning."""
+
+    def __init__(self, listeners, keys, rank: int):
+        self._listeners = listeners
+        self._keys, self._rank = keys, rank
+        self._lock = threading.Lock()
+        self._peers: Dict[int, socket.socket] = {}
+        self._pending = 0
+        self._closed = False
+        self._complete = threading.Event()
+        self.dropped: List[str] = []
+        if rank == 0:
+            self._complete.set()
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name="ge-transport-accept")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._complete.is_set():
+            try:
+                ready = select.select(self._listeners, [], [], 0.1)[0]
+            except (OSError, ValueError):
+                return  # listeners closed: setup is over
+            for ln in ready:
+                try:
+                    s, _ = ln.accept()
+                except OSError:
+                    continue  # e.g. reset before it was accepted
+                with self._lock:
+                    busy = self._pending >= _MAX_PENDING
+                    if not busy:
+                        self._pending += 1
+                if busy:
+                    self._drop(s, "too many handshakes in progress")
+                    continue
+                threading.Thread(target=self._handshake, args=(s,),
+                                 daemon=True).start()
+
+    def _drop(self, s: socket.socket, why: str) -> None:
+        try:
+            origin = s.getpeername() or "a local process"
+        except OSError:
+            origin = "a closed connection"
+        s.close()
+        message = (f"group_embedding: worker {self._rank} dropped a "
+                   f"connection from {origin} while connecting to its "
+                   f"peers: {why}")
+        with self._lock:
+            self.dropped.append(message)
+        _log.warning(message)
+
+    def _handshake(self, s: socket.socket) -> None:
+        try:
+            s.settimeout(HANDSHAKE_SECONDS)
+            who = peer_auth.accepting(s, self._keys, self._rank)
+        except Exception as e:  # anything a stranger causes: drop it
+            self._drop(s, f"{type(e).__name__}: {e}")
+            return
+        finally:
+            with self._lock:
+                self._pending -= 1
+        with self._lock:
+            if self._closed:
+                old = s  # setup is over: not wanted
+            else:
+                # A retried connection of the same worker replaces the
+                # one it gave up on.
+                old = self._peers.get(who)
+                self._peers[who] = s
+                if len(self._peers) == self._rank:
+                    self._complete.set()
+        if old is not None:
+            old.close()
+
+    def wait(self, deadline: float) -> Dict[int, socket.socket]:
+        """The authenticated peers by rank (all lower ranks, unless the
+        deadline passed); stops accepting."""
+        self._complete.wait(max(deadline - time.monotonic(), 0))
+        with self._lock:
+            self._closed = True
+            self._complete.set()
+            peers = dict(self._peers)
+        self._thread.join()
+        return peers
+
+
+def job_secret() -> Optional[bytes]:
+    """The job secret once `connect` has shared it (None before, or with
+    one worker)."""
+    keys = _state.get("keys")
+    return None if keys is None else keys.secret
+
+
+def dropped_connections() -> List[str]:
+    """Why each stranger's connection was dropped while this worker
+    connected to its peers (also logged as warnings)."""
+    return list(_state.get("dropped", []))
 
 
 def links() -> List[str]:
@@ -149,11 +335,47 @@ def links() -> List[str]:
     return list(_state["links"])
 
 
+def _sealed_region(size: int) -> int:
+    """A memfd of `size` bytes whose size can never change."""
+    fd = os.memfd_create("group_embedding_peer",
+                         os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_region(fd: int, size: int, peer: int) -> None:
+    """Refuses a shared region from worker `peer` that is not a memfd of
+    exactly `size` bytes sealed against shrinking, growing and further
+    seals (a peer could otherwise shrink it under our mapping: SIGBUS).
+
+    Raises:
+        OSError: naming the peer and what is wrong.
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        raise OSError(f"worker {peer} sent a descriptor that is not a "
+                      f"sealable memfd ({e})") from e
+    if seals & _SEALS != _SEALS:
+        raise OSError(f"worker {peer} sent shared memory without the seals "
+                      f"against shrinking and growing (seals {seals:#x})")
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        raise OSError(f"worker {peer} sent shared memory of {actual} "
+                      f"bytes, expected {size}")
+
+
 def _share_memory(peers, rank: int) -> List[List[int]]:
     """Creates one shared region per Unix-linked peer (the lower rank
-    makes a memfd and passes it over the socket); returns the `shm` rows
-    of `PeerAllToAll`: (memfd or -1, bytes per buffer). The descriptors
-    stay open for the life of the process (the op maps them)."""
+    makes a sealed memfd and passes it over the authenticated socket);
+    returns the `shm` rows of `PeerAllToAll`: (memfd or -1, bytes per
+    buffer). The descriptors stay open for the life of the process (the
+    op maps them)."""
     rows = [[-1, 0] for _ in peers]
     cap = int(os.environ.get("GROUP_EMBEDDING_TRANSPORT_SHM_BYTES",
                              SHM_BUFFER_BYTES))
@@ -169,14 +391,20 @@ def _share_memory(peers, rank: int) -> List[List[int]]:
         if s is None or s.family != socket.AF_UNIX:
             continue
         if j > rank:
-            fd = os.memfd_create("group_embedding_peer", os.MFD_CLOEXEC)
-            os.ftruncate(fd, 4 * cap)  # two buffers each way
+            fd = _sealed_region(4 * cap)  # two buffers each way
             socket.send_fds(s, [b"m"], [fd])
         else:
-            _, fds, _, _ = socket.recv_fds(s, 1, 1)
-            if len(fds) != 1:
+            message, fds, flags, _ = socket.recv_fds(s, 1, 1)
+            if message != b"m" or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+                for fd in fds:
+                    os.close(fd)
                 raise OSError(f"worker {j} sent no shared memory")
             fd = fds[0]
+            try:
+                check_region(fd, 4 * cap, j)
+            except OSError:
+                os.close(fd)
+                raise
         rows[j] = [fd, cap]
     return rows
 
@@ -200,8 +428,33 @@ def _object_collective(fn, obj):
             return fn(obj, session=session)
 
 
-def connect(hvd, timeout: float) -> bool:
-    """Opens this worker's connections to every other worker.
+def share_keys(hvd) -> peer_auth.JobKeys:
+    """The job's secret and id: drawn by rank 0, broadcast over Horovod's
+    own collective (a collective: every worker calls it)."""
+    # Every rank passes a draw of the same type (Horovod names the
+    # collective after it); rank 0's is the one everybody keeps.
+    return peer_auth.checked_keys(_object_collective(
+        hvd.broadcast_object, tuple(peer_auth.draw_keys())))
+
+
+def _max_bytes() -> int:
+    raw = os.environ.get("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES")
+    if raw is None:
+        return MAX_BYTES_PER_PEER
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise ValueError(f"Invalid GROUP_EMBEDDING_TRANSPORT_MAX_BYTES: "
+                         f"{raw!r}, use a number of bytes >= 1.")
+    return value
+
+
+def connect(hvd, timeout: float,
+            keys: Optional[peer_auth.JobKeys] = None) -> bool:
+    """Shares the job secret (see peer_auth.py) and opens this worker's
+    authenticated connections to every other worker.
 
     Called once by `enable_distributed_strategy`, on every worker.
 
@@ -211,21 +464,29 @@ def connect(hvd, timeout: float) -> bool:
         timeout: the collective timeout (0: none). An exchange fails after
             2 x timeout + 10 s without a byte from a peer (a day when 0),
             a backstop behind the watchdog.
+        keys: the job's `peer_auth.JobKeys` (`share_keys`); None: shared
+            here (a collective).
 
     Returns:
         True when the socket transport is in use, False for Horovod's.
 
     Raises:
         RuntimeError: `GROUP_EMBEDDING_TRANSPORT=sockets` and the kernels
-            are not loaded or a peer cannot be reached.
+            are not loaded, a peer cannot be reached, or the process at a
+            peer's address does not hold the job secret.
     """
     mode = transport_mode()
     same_host_link()  # a bad value fails here, before any collective
+    _state["max_bytes"] = _max_bytes()
     _state["rank"], _state["size"] = hvd.rank(), hvd.size()
     # A backstop behind the collective watchdog, which stops every worker
     # and names the stuck one: it must fire first.
     _state["timeout"] = 2.0 * timeout + 10.0 if timeout else 86400.0
-    if mode == "horovod" or hvd.size() == 1:
+    if hvd.size() == 1:
+        return False
+    # Shared whatever the transport: the watchdog signs its records too.
+    _state["keys"] = keys = keys or share_keys(hvd)
+    if mode == "horovod":
         return False
     if _library() is None:
         if mode == "sockets":
@@ -234,50 +495,39 @@ def connect(hvd, timeout: float) -> bool:
                 f"run `{kernel_library.DIAGNOSE_COMMAND}`.")
         return False
     rank, size = hvd.rank(), hvd.size()
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("", 0))
-    listener.listen(size)
-    token = _object_collective(hvd.broadcast_object,
-                               secrets.token_bytes(16))
-    unix_listener = _open_unix_listener(token, rank, size)
+    listener = _open_tcp_listener(_own_host())
+    unix_listener = _open_unix_listener()
     identity = _host_identity() if unix_listener is not None else None
     addresses = _object_collective(
         hvd.allgather_object,
-        (_own_host(), listener.getsockname()[1], identity))
+        (listener.getsockname()[:2], identity,
+         unix_listener.getsockname() if unix_listener else None))
     peers: List[Optional[socket.socket]] = [None] * size
     listeners = [listener] + ([unix_listener] if unix_listener else [])
+    deadline = time.monotonic() + SETUP_SECONDS
+    acceptor = _Acceptor(listeners, keys, rank)
     try:
         # The lower rank connects, the higher accepts: one socket a pair.
         for j in range(rank + 1, size):
-            host, port, theirs = addresses[j]
+            address, theirs, unix_name = addresses[j]
             same_host = identity is not None and theirs == identity
-            s = _connect_to((host, port),
-                            _unix_name(token, j) if same_host else None)
-            s.sendall(_HELLO.pack(token, rank))
-            peers[j] = s
-        deadline = time.monotonic() + 120
-        while sum(p is not None for p in peers[:rank]) < rank:
-            left = deadline - time.monotonic()
-            ready = select.select(listeners, [], [], max(left, 0))[0]
-            if not ready:
-                raise socket.timeout(
-                    f"{rank - sum(p is not None for p in peers[:rank])} "
-                    "lower-rank worker(s) did not connect within 120 s")
-            for ln in ready:
-                s, _ = ln.accept()
-                s.settimeout(60)
-                got, who = _HELLO.unpack(_recv_exactly(s, _HELLO.size))
-                if (got != token or not 0 <= who < rank
-                        or peers[who] is not None):
-                    s.close()  # not one of this job's workers
-                    continue
-                peers[who] = s
-    except OSError as e:
+            peers[j] = _connect_peer(
+                tuple(address), unix_name if same_host else None, keys,
+                rank, j, deadline)
+        for who, s in acceptor.wait(deadline).items():
+            peers[who] = s
+        missing = [j for j in range(rank) if peers[j] is None]
+        if missing:
+            raise socket.timeout(
+                f"worker(s) {missing} did not connect within "
+                f"{SETUP_SECONDS:g} s")
+    except (OSError, peer_auth.HandshakeError) as e:
+        for s in acceptor.wait(0).values():
+            s.close()
         _close_all(peers)
         raise RuntimeError(
             f"group_embedding: worker {rank} could not connect to its "
-            f"peers at {[a[:2] for a in addresses]} ({e}); set "
+            f"peers at {[a[0] for a in addresses]} ({e}); set "
             "GROUP_EMBEDDING_TRANSPORT_HOST to an address the other "
             "workers can reach, or GROUP_EMBEDDING_TRANSPORT=horovod.") from e
     finally:
@@ -308,6 +558,7 @@ def connect(hvd, timeout: float) -> bool:
     _state["links"] = kinds
     _state["shm"] = shm
     _state["fds"] = [-1 if s is None else s.fileno() for s in peers]
+    _state["dropped"] = acceptor.dropped  # late drops still come in
     return True
 
 
@@ -315,16 +566,6 @@ def _close_all(peers) -> None:
     for s in peers:
         if s is not None:
             s.close()
-
-
-def _recv_exactly(s: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = s.recv(n - len(data))
-        if not chunk:
-            raise OSError("peer closed the connection during the handshake")
-        data += chunk
-    return data
 
 
 def active() -> bool:
@@ -361,7 +602,8 @@ def tracked(hvd, fn, inputs, differentiable=False):
     return track(fn, inputs, differentiable)
 
 
-def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str):
+def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str,
+             expected_splits=None):
     """Sends block p of `data` (rows `splits[p]`) to worker p.
 
     Args:
@@ -370,6 +612,9 @@ def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str):
         splits: int32 `[N]`, rows for each worker; sums to n.
         name: names the exchange; the same on every worker, unique among
             the exchanges of one step.
+        expected_splits: `[N]`, the rows each worker must send here, where
+            this worker knows them (another count is an error); None:
+            any count up to `GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` a peer.
 
     Returns:
         (received rows by source worker, int32 `[N]` rows from each).
@@ -378,20 +623,27 @@ def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str):
     lib = _library()
     fds = tf.constant(_state["fds"], tf.int64)
     shm = tf.constant(_state["shm"], tf.int64, shape=[len(_state["fds"]), 2])
+    expected = (tf.fill([len(_state["fds"])], tf.constant(-1, tf.int64))
+                if expected_splits is None
+                else tf.cast(expected_splits, tf.int64))
     return _chained(lambda: lib.peer_all_to_all(
-        data, tf.cast(splits, tf.int32), fds, shm, tag=_tag(name),
-        timeout_seconds=_state["timeout"]))
+        data, tf.cast(splits, tf.int32), fds, shm, expected, tag=_tag(name),
+        timeout_seconds=_state["timeout"],
+        max_bytes_per_peer=_state["max_bytes"]))
 
 
 @tf.RegisterGradient("PeerAllToAll")
 def _peer_all_to_all_grad(op, grad, _):
-    # Rows came from worker p in block p: send their gradients back.
+    # Rows came from worker p in block p: send their gradients back. Each
+    # peer sends back exactly the rows this worker sent it.
     lib = _library()
     back, _ = _chained(lambda: lib.peer_all_to_all(
         grad, op.outputs[1], op.inputs[2], op.inputs[3],
+        tf.cast(op.inputs[1], tf.int64),
         tag=(op.get_attr("tag") ^ 0x5A5A5A5A) + 1,
-        timeout_seconds=op.get_attr("timeout_seconds")))
-    return back, None, None, None
+        timeout_seconds=op.get_attr("timeout_seconds"),
+        max_bytes_per_peer=op.get_attr("max_bytes_per_peer")))
+    return back, None, None, None, None
 
 
 # Buffers up to this size (per worker) are averaged in ONE exchange.
@@ -425,8 +677,9 @@ def allreduce_mean(tensors: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
     static_total = flat.shape[0]
     if static_total is not None and (
             size == 2 or static_total * flat.dtype.size <= _ONE_ROUND_BYTES):
-        copies, _ = alltoall(tf.tile(flat[None], [size, 1]),
-                             tf.ones([size], tf.int32), f"{name}/all_to_all")
+        ones = tf.ones([size], tf.int32)
+        copies, _ = alltoall(tf.tile(flat[None], [size, 1]), ones,
+                             f"{name}/all_to_all", expected_splits=ones)
         summed = copies[0]
         for p in range(1, size):
             summed = summed + copies[p]
@@ -436,10 +689,10 @@ def allreduce_mean(tensors: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
     padded = tf.pad(flat, [[0, chunk * size - total]])
     ones = tf.ones([size], tf.int32)
     mine, _ = alltoall(tf.reshape(padded, [size, chunk]), ones,
-                       f"{name}/reduce_scatter")
+                       f"{name}/reduce_scatter", expected_splits=ones)
     summed = tf.reduce_sum(mine, 0, keepdims=True) / size
     everyone, _ = alltoall(tf.tile(summed, [size, 1]), ones,
-                           f"{name}/all_gather")
+                           f"{name}/all_gather", expected_splits=ones)
     return _unflatten(tf.reshape(everyone, [-1])[:total], tensors)
 
 

@@ -31,21 +31,33 @@ How it works, per worker:
 The hot path pays two counter increments per collective, and an identity
 op on each side of an all-to-all while a tape records (the watchdog's reads
 and HTTP calls run on its own thread, every `interval`).
+
+The key-value server answers anyone who can reach it, so every record is
+signed with the job secret (HMAC-SHA256 over its key and body, see
+peer_auth.py) and checked field by field when read: an unsigned, forged
+or malformed record is ignored with a line on stderr (a heartbeat that
+does not verify counts as missing), never obeyed and never fatal to the
+thread. Any other exception in the thread stops the worker with the
+traceback: a worker never goes on without its hang detection.
 """
 
+import http.client
 import json
 import math
 import os
 import sys
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.ops import gen_array_ops
+
+from group_embedding.distributed import peer_auth
 
 ENV_TIMEOUT = "GROUP_EMBEDDING_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -55,6 +67,10 @@ EXIT_CODE = 124
 # `global`, `local_*`, `cross_*` and per process set.
 _SCOPE = "group_embedding_watchdog"
 _HTTP_TIMEOUT_SECONDS = 5.0
+# Longest verdict message accepted from the store.
+_MAX_MESSAGE_CHARS = 65536
+# Errors of the store itself (gone, slow, cut short): try next round.
+_STORE_ERRORS = (OSError, urllib.error.URLError, http.client.HTTPException)
 
 
 def resolve_timeout(collective_timeout: Optional[float]) -> float:
@@ -289,6 +305,83 @@ class RendezvousStore:
             raise
 
 
+class InvalidRecord(ValueError):
+    """A record of the store that is malformed or not signed by the job."""
+
+
+def encode_record(secret: bytes, key: str, body: Dict[str, Any]) -> bytes:
+    """`body` as stored under `key`: its JSON and the HMAC of it."""
+    text = json.dumps(body, sort_keys=True)
+    return json.dumps({"body": text, "mac": peer_auth.sign(
+        secret, key, text.encode())}).encode()
+
+
+def _number(body, field, low=-math.inf, integer=False):
+    value = body.get(field)
+    kinds = (int,) if integer else (int, float)
+    if (isinstance(value, bool) or not isinstance(value, kinds)
+            or not math.isfinite(value) or value < low):
+        raise InvalidRecord(f"field {field!r} is {value!r}, not a "
+                            f"{'n integer' if integer else ' number'} "
+                            f">= {low:g}")
+    return value
+
+
+def _heartbeat_fields(body: Dict[str, Any]) -> None:
+    entered = _number(body, "entered", 0, integer=True)
+    exited = _number(body, "exited", 0, integer=True)
+    if exited > entered:
+        raise InvalidRecord(f"exited {exited} > entered {entered}")
+    _number(body, "blocked_for", 0)
+    _number(body, "time")
+
+
+def _abort_fields(body: Dict[str, Any], size: int) -> None:
+    message = body.get("message")
+    if not isinstance(message, str) or len(message) > _MAX_MESSAGE_CHARS:
+        raise InvalidRecord("field 'message' is not a string of at most "
+                            f"{_MAX_MESSAGE_CHARS} characters")
+    _number(body, "exit_at")
+    rank = _number(body, "rank", 0, integer=True)
+    if rank >= size:
+        raise InvalidRecord(f"rank {rank} is not a worker of {size}")
+
+
+def decode_record(secret: bytes, key: str, raw: bytes,
+                  size: int) -> Dict[str, Any]:
+    """The body of a record read under `key` (`rank_<r>`: a heartbeat,
+    `abort`: a verdict), verified and checked field by field.
+
+    Raises:
+        InvalidRecord: not JSON of the expected shape, not signed with
+            `secret` for this key, or a field of the wrong type or range.
+    """
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRecord(f"not JSON ({e})") from e
+    if (not isinstance(record, dict) or set(record) != {"body", "mac"}
+            or not isinstance(record["body"], str)
+            or not isinstance(record["mac"], str)):
+        raise InvalidRecord("not a signed record ({'body': str, 'mac': "
+                            "str})")
+    if not peer_auth.verify(secret, key, record["body"].encode(),
+                            record["mac"]):
+        raise InvalidRecord("its signature does not verify with the job "
+                            "secret")
+    try:
+        body = json.loads(record["body"])
+    except ValueError as e:
+        raise InvalidRecord(f"body not JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise InvalidRecord("body is not a JSON object")
+    if key == "abort":
+        _abort_fields(body, size)
+    else:
+        _heartbeat_fields(body)
+    return body
+
+
 def find_stuck(rank: int, size: int, exited: int,
                heartbeats: Dict[int, Optional[dict]], now: float,
                stale_after: float) -> List[str]:
@@ -308,8 +401,9 @@ def find_stuck(rank: int, size: int, exited: int,
             continue
         beat = heartbeats.get(r)
         if beat is None:
-            reasons.append(f"rank {r} (never reported: not started, or "
-                           f"frozen since startup)")
+            reasons.append(f"rank {r} (never reported, or no valid "
+                           f"record: not started, or frozen since "
+                           f"startup)")
         elif now - beat["time"] > stale_after:
             reasons.append(
                 f"rank {r} (silent for {now - beat['time']:.0f} s: frozen "
@@ -338,15 +432,27 @@ class Watchdog:
         exit_fn: called with the message (already on stderr) to stop the
             process; default `os._exit(EXIT_CODE)`: the main thread is
             blocked in Horovod's C++ and cannot be interrupted.
+        secret: the job secret that signs the records, or a function
+            returning it (None while not known yet: the round is skipped);
+            default `transport.job_secret`, shared when the workers
+            connect, before any watched collective.
     """
 
     def __init__(self, rank: int, size: int, timeout: float,
                  counters: CollectiveCounters, store,
                  interval: Optional[float] = None,
-                 exit_fn: Optional[Callable[[str], None]] = None):
+                 exit_fn: Optional[Callable[[str], None]] = None,
+                 secret: Union[bytes, Callable[[], Optional[bytes]],
+                               None] = None):
         self.rank, self.size, self.timeout = rank, size, timeout
         self._counters = counters
         self._store = store
+        if secret is None:
+            from group_embedding.distributed import transport
+            secret = transport.job_secret
+        self._secret = secret if callable(secret) else (lambda: secret)
+        self._ignored: set = set()
+        self._stopped = False
         self.interval = (interval if interval is not None
                          else min(max(timeout / 10, 0.1), 10.0))
         self.stale_after = max(timeout, 3 * self.interval)
@@ -361,15 +467,18 @@ class Watchdog:
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
+        while not self._stopped:
             time.sleep(self.interval)
             try:
                 self.check()
-            except (OSError, urllib.error.URLError, ValueError) as e:
+            except _STORE_ERRORS as e:
                 # The server is gone or slow: horovodrun is stopping the
                 # job, or will answer next time; unless this worker is cut
                 # off.
                 self._check_cut_off(e)
+            except BaseException:  # noqa: B036 - nothing may end it quietly
+                self._fail(traceback.format_exc())
+                return
 
     def _check_cut_off(self, error: Exception) -> None:
         """Stops a worker blocked longer than the timeout that cannot
@@ -390,8 +499,42 @@ class Watchdog:
             f"(link down, or packets lost or delayed). It stops.",
             time.time())
 
+    def _fail(self, trace: str) -> None:
+        """Stops the worker: without its watchdog a hang would go
+        unnoticed."""
+        message = (f"[group_embedding] rank {self.rank}: the collective "
+                   f"watchdog failed, so this worker stops rather than run "
+                   f"without hang detection:\n{trace}")
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        self._exit(message)
+
+    def _read(self, key: str) -> Optional[Dict[str, Any]]:
+        """The verified body under `key`; None if absent or invalid (an
+        invalid one is reported once)."""
+        raw = self._store.get(key)
+        if raw is None:
+            return None
+        try:
+            return decode_record(self._secret(), key, raw, self.size)
+        except InvalidRecord as e:
+            seen = (key, bytes(raw[:4096]))
+            if seen not in self._ignored and len(self._ignored) < 1000:
+                self._ignored.add(seen)
+                sys.stderr.write(
+                    f"[group_embedding] rank {self.rank}: the collective "
+                    f"watchdog ignores the record {key!r} of the key-value "
+                    f"store: {e}\n")
+                sys.stderr.flush()
+            return None
+
+    def _write(self, key: str, body: Dict[str, Any]) -> None:
+        self._store.put(key, encode_record(self._secret(), key, body))
+
     def check(self) -> None:
         """One round: publish the heartbeat, obey or raise an abort."""
+        if self._secret() is None:
+            return  # not connected yet: nothing is watched so far
         entered, exited = self._counters.read()
         now = time.monotonic()
         if entered > exited:
@@ -402,12 +545,11 @@ class Watchdog:
         self._last_exited = exited
         blocked_for = (now - self._blocked_since
                        if self._blocked_since is not None else 0.0)
-        self._store.put(f"rank_{self.rank}", json.dumps(
-            {"entered": entered, "exited": exited,
-             "blocked_for": blocked_for, "time": time.time()}).encode())
-        raw = self._store.get("abort")
-        if raw is not None:
-            verdict = json.loads(raw)
+        self._write(f"rank_{self.rank}",
+                    {"entered": entered, "exited": exited,
+                     "blocked_for": blocked_for, "time": time.time()})
+        verdict = self._read("abort")
+        if verdict is not None:
             self._stop(f"[group_embedding] rank {self.rank} stops: "
                        f"{verdict['message']}", verdict["exit_at"])
             return
@@ -418,8 +560,7 @@ class Watchdog:
         heartbeats = {}
         for r in range(self.size):
             if r != self.rank:
-                raw = self._store.get(f"rank_{r}")
-                heartbeats[r] = json.loads(raw) if raw is not None else None
+                heartbeats[r] = self._read(f"rank_{r}")
         if self._counters.read()[1] != exited:
             return  # it completed while we looked
         reasons = find_stuck(self.rank, self.size, exited, heartbeats,
@@ -449,12 +590,13 @@ class Watchdog:
         # one too, if its watchdog runs) to read and print the verdict
         # before a first exit breaks their collectives.
         exit_at = time.time() + 2 * self.interval
-        self._store.put("abort", json.dumps(
-            {"message": verdict, "exit_at": exit_at}).encode())
+        self._write("abort", {"message": verdict, "exit_at": exit_at,
+                              "rank": self.rank})
         self._stop(f"[group_embedding] rank {self.rank}: {verdict}",
                    exit_at)
 
     def _stop(self, message: str, exit_at: float) -> None:
+        self._stopped = True
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
         sys.stdout.flush()

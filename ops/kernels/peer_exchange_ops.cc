@@ -12,11 +12,15 @@
 // dependencies), so no negotiation is needed: each message carries a
 // header (magic, tag, rows, bytes per row) that the receiver checks, and a
 // mismatch (two workers at different collectives) is an error, never a
-// silent mix-up.
+// silent mix-up. A header's row count is bounded by what the receiver
+// expects (the exact count where the caller knows it, e.g. gradients go
+// back the way rows came, else the caller's byte cap per peer) before
+// anything is allocated: a peer never picks the size of an allocation.
 //
 // Peers on the same host may also share memory (transport.py creates one
 // memfd per pair and passes its descriptor in; the op maps it once and
-// checks its size): a block that fits is copied
+// checks its size and its seals: a peer cannot shrink it under a mapping,
+// which would turn the next copy into SIGBUS): a block that fits is copied
 // into the sender's half of the region and only its header travels on
 // the socket, so the payload is copied twice in user space instead of
 // through the kernel's socket buffers. Each direction has two buffers
@@ -71,8 +75,8 @@ using ::tensorflow::TensorShape;
 namespace errors = ::tensorflow::errors;
 
 constexpr uint64_t kMagic = 0x47455045455231ULL;  // "GEPEER1"
-// A header announcing more than this is a corrupt stream, not a batch.
-constexpr int64_t kMaxMessageBytes = int64_t{1} << 40;
+// Seals the shared region must carry: its size can never change.
+constexpr int kRequiredSeals = F_SEAL_SHRINK | F_SEAL_GROW;
 
 struct Header {
   uint64_t magic;
@@ -128,6 +132,13 @@ Status MapRegion(int64_t fd, int64_t cap, int peer, char** base) {
         " holds ", static_cast<int64_t>(st.st_size), " bytes, less than "
         "4 buffers of ", cap);
   }
+  const int seals = fcntl(static_cast<int>(fd), F_GET_SEALS);
+  if (seals < 0 || (seals & kRequiredSeals) != kRequiredSeals) {
+    return errors::InvalidArgument(
+        "PeerAllToAll: shared memory fd ", fd, " of worker ", peer,
+        " is not sealed against shrinking and growing (seals ", seals,
+        "); a peer could shrink it under the mapping");
+  }
   auto key = std::make_tuple(fd, st.st_dev, st.st_ino, 4 * cap);
   std::lock_guard<std::mutex> lock(MappedMutex());
   auto it = Mapped().find(key);
@@ -174,6 +185,8 @@ struct PeerState {
   char* in_payload = nullptr;
   int64_t in_bytes = 0;
   int64_t in_received = 0;
+  // Rows this peer must announce, or -1: any up to the byte cap.
+  int64_t expected_rows = -1;
   bool header_done() const { return header_received == sizeof(Header); }
   bool send_done() const {
     return header_sent == sizeof(Header) && payload_sent == payload_bytes;
@@ -185,6 +198,10 @@ class PeerAllToAllOp : public OpKernel {
   explicit PeerAllToAllOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tag", &tag_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout_seconds", &timeout_seconds_));
+    OP_REQUIRES_OK(ctx,
+                   ctx->GetAttr("max_bytes_per_peer", &max_bytes_per_peer_));
+    OP_REQUIRES(ctx, max_bytes_per_peer_ >= 0,
+                errors::InvalidArgument("max_bytes_per_peer must be >= 0"));
     OP_REQUIRES(ctx, timeout_seconds_ > 0,
                 errors::InvalidArgument("timeout_seconds must be > 0"));
   }
@@ -194,6 +211,7 @@ class PeerAllToAllOp : public OpKernel {
     const Tensor& splits = ctx->input(1);
     const Tensor& fds = ctx->input(2);
     const Tensor& shm = ctx->input(3);
+    const Tensor& expected = ctx->input(4);
     OP_REQUIRES(ctx, data.dims() >= 1,
                 errors::InvalidArgument(
                     "PeerAllToAll: data must have rank >= 1, got shape ",
@@ -211,6 +229,17 @@ class PeerAllToAllOp : public OpKernel {
                 errors::InvalidArgument(
                     "PeerAllToAll: shm must be [workers, 2] (memfd or -1, "
                     "bytes per buffer), got ", shm.shape().DebugString()));
+    OP_REQUIRES(ctx, expected.dims() == 1 && expected.NumElements() == n,
+                errors::InvalidArgument(
+                    "PeerAllToAll: expected must be a vector of one entry "
+                    "per worker (rows it must send, or -1), got ",
+                    expected.shape().DebugString()));
+    const auto expect = expected.vec<int64_t>();
+    for (int p = 0; p < n; ++p) {
+      OP_REQUIRES(ctx, expect(p) >= -1,
+                  errors::InvalidArgument("PeerAllToAll: expected[", p,
+                                          "] = ", expect(p), " < -1"));
+    }
     const auto shm_m = shm.matrix<int64_t>();
     for (int p = 0; p < n; ++p) {
       OP_REQUIRES(ctx, shm_m(p, 1) >= 0 && (shm_m(p, 0) >= 0) ==
@@ -247,8 +276,13 @@ class PeerAllToAllOp : public OpKernel {
                     " but data has ", rows, " rows"));
     TensorShape row_shape = data.shape();
     row_shape.RemoveDim(0);
-    const int64_t row_bytes =
-        row_shape.num_elements() * DataTypeSize(data.dtype());
+    const int64_t elem_bytes = DataTypeSize(data.dtype());
+    OP_REQUIRES(ctx, row_shape.num_elements() <=
+                         std::numeric_limits<int64_t>::max() / elem_bytes,
+                errors::InvalidArgument("PeerAllToAll: rows of shape ",
+                                        row_shape.DebugString(),
+                                        " overflow 64-bit byte counts"));
+    const int64_t row_bytes = row_shape.num_elements() * elem_bytes;
 
     std::vector<PeerState> peers(n);
     const char* base = static_cast<const char*>(data.tensor_data().data());
@@ -259,6 +293,7 @@ class PeerAllToAllOp : public OpKernel {
       s.payload = base + offset * row_bytes;
       s.payload_bytes = static_cast<int64_t>(split(p)) * row_bytes;
       s.out_header = Header{kMagic, tag_, split(p), row_bytes, -1};
+      s.expected_rows = expect(p);
       offset += split(p);
     }
 
@@ -549,14 +584,15 @@ class PeerAllToAllOp : public OpKernel {
             return errors::DataLoss("PeerAllToAll: worker ", peer,
                                     " sent a corrupt header");
           }
-          if (h.row_bytes != s->out_header.row_bytes || h.rows < 0 ||
-              h.rows > kMaxMessageBytes / std::max<int64_t>(h.row_bytes, 1)) {
+          if (h.row_bytes != s->out_header.row_bytes) {
             return errors::InvalidArgument(
                 "PeerAllToAll (tag ", tag_, "): worker ", peer, " sent ",
                 h.rows, " rows of ", h.row_bytes, " bytes; this worker's "
                 "rows have ", s->out_header.row_bytes,
                 " bytes (row shapes or dtypes differ between workers)");
           }
+          Status bound = CheckAnnouncedRows(h, s->expected_rows, peer);
+          if (!bound.ok()) return bound;
         }
       } else {
         s->in_received += k;
@@ -564,8 +600,32 @@ class PeerAllToAllOp : public OpKernel {
     }
   }
 
+  // The rows a header announces, against what this worker expects of
+  // `peer`: the exact count when the caller gave one, else at most
+  // max_bytes_per_peer_ bytes (and an int32 split). Row bytes already
+  // equal this worker's, so rows * row_bytes is checked by division.
+  Status CheckAnnouncedRows(const Header& h, int64_t want, int peer) const {
+    const int64_t most_rows =
+        h.row_bytes > 0 ? max_bytes_per_peer_ / h.row_bytes
+                        : std::numeric_limits<int32_t>::max();
+    if (h.rows < 0 || (want >= 0 && h.rows != want) ||
+        (want < 0 && (h.rows > most_rows ||
+                      h.rows > std::numeric_limits<int32_t>::max()))) {
+      return errors::DataLoss(
+          "PeerAllToAll (tag ", tag_, "): worker ", peer, " announced ",
+          h.rows, " rows of ", h.row_bytes, " bytes; this worker expects ",
+          want >= 0 ? absl::StrCat("exactly ", want)
+                    : absl::StrCat("at most ", most_rows, " (",
+                                   max_bytes_per_peer_, " bytes, "
+                                   "GROUP_EMBEDDING_TRANSPORT_MAX_BYTES)"),
+          " from it");
+    }
+    return Status();
+  }
+
   int64_t tag_;
   float timeout_seconds_;
+  int64_t max_bytes_per_peer_;
 };
 
 REGISTER_OP("PeerAllToAll")
@@ -573,11 +633,13 @@ REGISTER_OP("PeerAllToAll")
     .Input("splits: int32")
     .Input("fds: int64")
     .Input("shm: int64")
+    .Input("expected: int64")
     .Output("received: T")
     .Output("received_splits: int32")
     .Attr("T: {float, double, int32, int64}")
     .Attr("tag: int")
     .Attr("timeout_seconds: float = 600")
+    .Attr("max_bytes_per_peer: int = 4294967296")
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       ::tensorflow::shape_inference::ShapeHandle data;
@@ -586,6 +648,7 @@ REGISTER_OP("PeerAllToAll")
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 2, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &unused));
       ::tensorflow::shape_inference::ShapeHandle out;
       TF_RETURN_IF_ERROR(
           c->ReplaceDim(data, 0, c->UnknownDim(), &out));
@@ -599,7 +662,10 @@ data: rows grouped by destination worker.
 splits: rows of `data` for each worker.
 fds: connected socket of each peer; -1 at this worker's rank.
 shm: per peer, (memfd shared with it or -1, bytes per buffer): the lower
-  rank's two outgoing buffers, then the higher rank's.
+  rank's two outgoing buffers, then the higher rank's (a sealed memfd).
+expected: per worker, the rows it must send (an exchange whose counts the
+  caller knows, e.g. a gradient going back), or -1: any count up to
+  max_bytes_per_peer bytes.
 received: the rows sent to this worker, by source rank.
 received_splits: rows received from each worker.
 tag: identifies the collective; every worker must run the same tags in

@@ -10,7 +10,11 @@ Run by test_peer_transport.py under `horovodrun -np N`. Modes:
   rowshape  the workers send rows of different sizes: a clear error, and
             every later exchange fails too (the streams are out of step);
   dead      the last worker exits before the exchange: the others fail at
-            once, at least one naming it.
+            once, at least one naming it;
+  hostile   parity, but worker 0 holds its first connection until the
+            test has attacked the listeners (see test_peer_transport.py:
+            $HOSTILE_DIR/ready, then .../done); the last worker then
+            prints why it dropped each stranger's connection.
 Prints "<mode> ok" per worker on success, and "<mode> named by worker R"
 when worker R's error names the real problem (not only a peer that
 closed its connection).
@@ -116,19 +120,60 @@ def check_error(run, expect, rank, size, peer_may_close=True):
     raise AssertionError("the exchange did not fail")
 
 
+def hold_first_connection():
+    """On worker 0: the first connection to a peer waits until the test
+    is done attacking (the peers' listeners are up meanwhile)."""
+    if os.environ.get("HOROVOD_RANK") != "0":
+        return
+    folder = os.environ["HOSTILE_DIR"]
+    connect_to = transport._connect_to
+    held = []
+
+    def held_connect(*args, **kwargs):
+        if not held:
+            held.append(True)
+            keys = transport._state.get("keys")
+            with open(os.path.join(folder, "ready.tmp"), "w") as f:
+                f.write(keys.job_id.hex() if keys else "")
+            os.rename(os.path.join(folder, "ready.tmp"),
+                      os.path.join(folder, "ready"))
+            deadline = time.monotonic() + 100
+            while not os.path.exists(os.path.join(folder, "done")):
+                assert time.monotonic() < deadline, "no 'done' from the test"
+                time.sleep(0.1)
+        return connect_to(*args, **kwargs)
+
+    transport._connect_to = held_connect
+
+
+def report_dropped():
+    """Prints why each stranger was dropped, once the silent ones have
+    timed out too."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sum(
+            "timed out" in d for d in transport.dropped_connections()) < 2:
+        time.sleep(0.2)
+    for line in transport.dropped_connections():
+        print(f"dropped: {line}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=("parity", "mismatch", "rowshape",
-                                         "dead"))
+                                         "dead", "hostile"))
     args = parser.parse_args()
+    if args.mode == "hostile":
+        hold_first_connection()
     hvd = ge.enable_distributed_strategy("collective")
     assert transport.active(), "the peer sockets are not connected"
     rank, size = hvd.rank(), hvd.size()
     ones = np.ones(size, np.int32)
-    if args.mode == "parity":
+    if args.mode in ("parity", "hostile"):
         print(f"links: {','.join(transport.links())}", flush=True)
         print(f"cycle: {os.environ.get('HOROVOD_CYCLE_TIME')}", flush=True)
         check_parity(hvd)
+        if args.mode == "hostile" and rank == size - 1:
+            report_dropped()
     elif args.mode == "mismatch":
         named = check_error(
             lambda: transport.alltoall(tf.zeros([size, 2]), ones,
@@ -153,7 +198,7 @@ def main():
         named = check_error(
             lambda: transport.alltoall(tf.zeros([size, 2]), ones, "rows"),
             f"worker {size - 1} closed its connection", rank, size)
-    if args.mode != "parity" and named:
+    if args.mode not in ("parity", "hostile") and named:
         print(f"{args.mode} named by worker {rank}", flush=True)
     print(f"{args.mode} ok", flush=True)
     # Wait until every worker has checked its error: closing a socket that

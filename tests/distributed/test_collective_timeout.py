@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -163,9 +164,16 @@ class _Counters:
         return self.entered, self.exited
 
 
-def _watchdog(rank, store, counters, exits):
+SECRET = b"s" * 32
+
+
+def _watchdog(rank, store, counters, exits, secret=SECRET):
     return watchdog.Watchdog(rank, 2, 1.0, counters, store, interval=0.01,
-                             exit_fn=exits.append)
+                             exit_fn=exits.append, secret=secret)
+
+
+def _body(store, key):
+    return watchdog.decode_record(SECRET, key, store.data[key], 2)
 
 
 def test_watchdog_rounds_blocked_worker_stops_both():
@@ -188,7 +196,7 @@ def test_watchdog_rounds_blocked_worker_stops_both():
     w1.check()
     assert exits[1].startswith("[group_embedding] rank 1 stops: collective "
                                "timeout: rank 0 waited")
-    assert json.loads(store.data["abort"])["message"] in exits[1]
+    assert _body(store, "abort")["message"] in exits[1]
 
 
 def test_watchdog_progress_resets_the_clock():
@@ -200,4 +208,140 @@ def test_watchdog_progress_resets_the_clock():
     c.exited, c.entered = 5, 6  # completed one, now in the next
     w.check()
     assert exits == []
-    assert json.loads(store.data["rank_0"])["blocked_for"] < 1.0
+    assert _body(store, "rank_0")["blocked_for"] < 1.0
+
+
+# Records anyone who reaches horovodrun's key-value store can post: JSON of
+# the wrong shape, wrong types, and aborts without the job's signature
+# (the old format, a forged MAC, a MAC of another key or secret).
+_HOSTILE_ABORTS = [
+    b"not json",
+    b"[1, 2]",
+    json.dumps({"exit_at": 0}).encode(),                    # no message
+    json.dumps({"message": None, "exit_at": "x"}).encode(),
+    json.dumps({"message": "stop", "exit_at": 0}).encode(),  # unsigned
+    json.dumps({"body": json.dumps({"message": "stop", "exit_at": 0,
+                                    "rank": 1}),
+                "mac": "00" * 32}).encode(),                # forged MAC
+    watchdog.encode_record(b"x" * 32, "abort", {         # other secret
+        "message": "stop", "exit_at": 0, "rank": 1}),
+    watchdog.encode_record(SECRET, "rank_1", {          # another key's
+        "message": "stop", "exit_at": 0, "rank": 1}),
+    watchdog.encode_record(SECRET, "abort", {           # signed, bad
+        "message": "stop", "exit_at": float("nan"), "rank": 1}),
+    watchdog.encode_record(SECRET, "abort", {
+        "message": "stop", "exit_at": 0, "rank": 7}),
+]
+
+
+@pytest.mark.parametrize("raw", _HOSTILE_ABORTS)
+def test_malformed_or_unsigned_abort_is_ignored_with_a_line(raw, capsys):
+    # Before, a record missing a field raised KeyError in the thread (its
+    # end, silently), and an unsigned abort stopped every worker.
+    store, exits, c = _Store(), [], _Counters()
+    w = _watchdog(0, store, c, exits)
+    store.data["abort"] = raw
+    w.check()
+    w.check()
+    assert exits == []
+    err = capsys.readouterr().err
+    assert err.count("the collective watchdog ignores the record "
+                     "'abort'") == 1, err  # once, not every round
+    # A signed abort is still obeyed.
+    store.data["abort"] = watchdog.encode_record(SECRET, "abort", {
+        "message": "stop now", "exit_at": 0, "rank": 1})
+    w.check()
+    assert exits == ["[group_embedding] rank 0 stops: stop now"]
+
+
+@pytest.mark.parametrize("heartbeat", [
+    b"{}", json.dumps({"entered": 4, "exited": 3}).encode(),
+    watchdog.encode_record(SECRET, "rank_1", {
+        "entered": "4", "exited": 3, "blocked_for": 0, "time": 0}),
+    watchdog.encode_record(SECRET, "rank_1", {
+        "entered": 3, "exited": 4, "blocked_for": 0, "time": 0}),
+    watchdog.encode_record(b"x" * 32, "rank_1", {
+        "entered": 9, "exited": 9, "blocked_for": 0, "time": 1e12}),
+])
+def test_invalid_heartbeat_counts_as_missing(heartbeat, capsys):
+    # A forged heartbeat cannot make a stuck worker look alive, and a
+    # malformed one (KeyError/TypeError before) does not end the check.
+    store, exits, c = _Store(), [], _Counters()
+    w = _watchdog(0, store, c, exits)
+    c.entered, c.exited = 4, 3
+    store.data["rank_1"] = heartbeat
+    w.check()
+    w._blocked_since -= 2.0
+    w.check()
+    assert len(exits) == 1, exits
+    assert "Stuck: rank 1 (never reported, or no valid record" in exits[0]
+    assert "ignores the record 'rank_1'" in capsys.readouterr().err
+    assert _body(store, "abort")["rank"] == 0
+
+
+def test_watchdog_thread_survives_hostile_records_and_still_stops(capsys):
+    # The thread itself, with garbage in the store from the start: it must
+    # still stop the worker when it is blocked past the timeout (before,
+    # the first malformed abort ended the thread without a word).
+    store, c = _Store(), _Counters()
+    stopped = threading.Event()
+    w = watchdog.Watchdog(0, 2, 0.2, c, store, interval=0.02,
+                          exit_fn=lambda m: stopped.set(), secret=SECRET)
+    store.data["abort"] = json.dumps({"exit_at": 0}).encode()
+    store.data["rank_1"] = json.dumps({"entered": "x"}).encode()
+    c.entered, c.exited = 2, 1
+    w.start()
+    assert stopped.wait(10), capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rank 0: collective timeout" in err, err
+
+
+def test_unexpected_exception_in_the_thread_stops_the_worker(capsys):
+    # Not a store error: a bug. The thread reports it and stops the
+    # worker instead of ending quietly.
+    class BrokenCounters(_Counters):
+        def read(self):
+            raise RuntimeError("counter read failed")
+
+    stopped = []
+    w = watchdog.Watchdog(0, 2, 1.0, BrokenCounters(), _Store(),
+                          interval=0.01, exit_fn=stopped.append,
+                          secret=SECRET)
+    w.start()
+    w._thread.join(10)
+    assert not w._thread.is_alive()
+    assert len(stopped) == 1
+    err = capsys.readouterr().err
+    assert "the collective watchdog failed, so this worker stops" in err
+    assert "RuntimeError: counter read failed" in err
+
+
+def test_store_errors_are_retried_not_fatal():
+    class FlakyStore(_Store):
+        calls = 0
+
+        def put(self, key, value):
+            self.calls += 1
+            if self.calls < 3:
+                raise OSError("connection refused")
+            super().put(key, value)
+
+    store, stopped = FlakyStore(), []
+    w = watchdog.Watchdog(0, 2, 1.0, _Counters(), store, interval=0.01,
+                          exit_fn=stopped.append, secret=SECRET)
+    w.start()
+    deadline = time.time() + 10
+    while "rank_0" not in store.data and time.time() < deadline:
+        time.sleep(0.01)
+    assert "rank_0" in store.data and stopped == []
+    assert w._thread.is_alive()
+
+
+def test_no_secret_yet_means_no_round():
+    # Before the workers connect nothing is watched and nothing can be
+    # signed: the round does nothing (and does not fail).
+    store, exits, c = _Store(), [], _Counters()
+    w = _watchdog(0, store, c, exits, secret=lambda: None)
+    store.data["abort"] = b"garbage"
+    w.check()
+    assert exits == [] and "rank_0" not in store.data
