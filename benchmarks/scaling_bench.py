@@ -289,7 +289,7 @@ def worker(args):
 
     size = args.workers
     hvd = None
-    if size > 1:
+    if size > 1 or args.collective:
         hvd = ge.enable_distributed_strategy("collective")
         assert hvd.size() == size and hvd.rank() == rank
     vocabs = criteo_like.vocab_sizes(args.cap)
@@ -445,19 +445,23 @@ def launch_independent(args, record, copies=2):
     return records
 
 
-def launch(n, args, record, pipeline=False, horovod_transport=False):
+def launch(n, args, record, pipeline=False, horovod_transport=False,
+           collective=False):
     """Runs `n` workers (N=1 without Horovod); returns their records.
 
     `horovod_transport`: exchanges over Horovod's alltoall instead of the
-    peer sockets (GROUP_EMBEDDING_TRANSPORT=horovod), for comparison."""
+    peer sockets (GROUP_EMBEDDING_TRANSPORT=horovod), for comparison.
+    `collective`: N=1 in collective mode under horovodrun (`1c`)."""
     me = _worker_command(n, args, record)
     if pipeline:
         me.append("--pipeline")
+    if collective:
+        me.append("--collective")
     env = dict(os.environ, HOROVOD_TIMELINE="DYNAMIC",
                TF_CPP_MIN_LOG_LEVEL="2")
     if horovod_transport:
         env["GROUP_EMBEDDING_TRANSPORT"] = "horovod"
-    if n == 1:
+    if n == 1 and not collective:
         cmd = me
     else:
         horovodrun = os.path.join(os.path.dirname(sys.executable),
@@ -468,7 +472,7 @@ def launch(n, args, record, pipeline=False, horovod_transport=False):
                                 text=True, timeout=900)
         # One retry: horovodrun's launcher fails now and then to bind
         # its rendezvous port while other jobs start theirs.
-        if result.returncode == 0 or n == 1:
+        if result.returncode == 0 or cmd is me:
             break
     if result.returncode != 0:
         raise RuntimeError(f"N={n} failed:\n" + (result.stdout
@@ -624,8 +628,13 @@ def main():
                         help="runs, in launch order: N, Nh for N workers "
                              "over Horovod's collectives, Np for N "
                              "workers with ge.distributed.exchange_ids "
-                             "pipelining, or 1x2 for two independent "
-                             "single-process runs at once (one per core)")
+                             "pipelining, 1x2 for two independent "
+                             "single-process runs at once (one per core), "
+                             "or 1c for one worker in collective mode "
+                             "under horovodrun")
+    parser.add_argument("--collective", action="store_true",
+                        help="(internal, with --worker) collective mode "
+                             "even at N=1")
     parser.add_argument("--pipeline", action="store_true",
                         help="(internal, with --worker) pipelined loop")
     parser.add_argument("--launches", type=int, default=5,
@@ -654,6 +663,7 @@ def main():
     load_before = os.getloadavg()
     started = time.time()
     runs, runs_pipelined, runs_hvd, runs_indep = [], [], [], []
+    runs_c1 = []
     with tempfile.TemporaryDirectory() as tmp:
         # The efficiency pair (plain N <= cores) alternates --launches
         # times; the informational runs (pipelined, Horovod transport,
@@ -672,6 +682,14 @@ def main():
                     max(r["round_step_s"][i] for r in records)
                     for i in range(args.rounds))
                 print(f"launch {launch_i}: N=1 x2 independent step "
+                      f"{med:.1f} ms", flush=True)
+                continue
+            if spec == "1c":
+                records = launch(1, args, os.path.join(tmp, "1c.json"),
+                                 collective=True)
+                runs_c1.append((1, records))
+                med = 1e3 * statistics.median(records[0]["round_step_s"])
+                print(f"launch {launch_i}: N=1 collective mode step "
                       f"{med:.1f} ms", flush=True)
                 continue
             n = int(spec.rstrip("ph"))
@@ -694,6 +712,7 @@ def main():
     summary_pipelined = summarize(runs_pipelined, args)
     summary_hvd = summarize(runs_hvd, args)
     summary_indep = summarize(runs_indep, args)
+    summary_c1 = summarize(runs_c1, args)
     model = None
     if 1 in summary and 2 in summary:
         import scaling_model
@@ -731,6 +750,7 @@ def main():
         # Two single-process runs at once, no exchange: the machine's own
         # cost of running both cores.
         "results_1x2_independent": summary_indep,
+        "results_1_collective": summary_c1,
         "cost_model": model,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -780,6 +800,11 @@ def main():
                   f"{both / summary[1]['median_step_ms']:.2f}; collective "
                   f"mode against that: step(1x2)/step(2) = "
                   f"{both / summary[2]['median_step_ms']:.2f}")
+    if 1 in summary and 1 in summary_c1:
+        ratio = (summary_c1[1]["median_step_ms"]
+                 / summary[1]["median_step_ms"])
+        print(f"collective mode with one worker: step(1c)/step(1) = "
+              f"{ratio:.2f}")
     if eff_pipelined is not None:
         print(f"weak-scaling efficiency step(1)/step(2 pipelined) = "
               f"{eff_pipelined:.2f}")

@@ -27,8 +27,7 @@ from typing import Tuple
 import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
-from group_embedding.distributed import strategy as distributed_strategy
-from group_embedding.distributed import sharded_variable
+from group_embedding import model_parallel
 from group_embedding.embedding_variable.variable import get_embedding_variable
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import partitioned_table
@@ -104,7 +103,7 @@ def _create_tables(columns, state: _GraphState, trainable: bool,
                         trainable=c.trainable and trainable,
                         ev_option=c.ev_option)
                 tables[name] = ev
-            elif c.scope is not None and distributed_strategy.is_collective():
+            elif c.scope is not None and model_parallel.runtime():
                 tables[name] = _collective_tf1_table(c, trainable,
                                                      collections)
             else:
@@ -136,7 +135,7 @@ def _collective_tf1_table(column, trainable, collections):
             trainable=column.trainable and trainable,
             collections=collections, use_resource=True)
 
-    return sharded_variable.collective_table(
+    return model_parallel.runtime().collective_table(
         tf.compat.v1.get_variable_scope().name, column.num_buckets,
         column.dimension, column.table_initializer(), create)
 

@@ -12,8 +12,7 @@ import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 from tensorflow.python.feature_column import serialization
 
-from group_embedding.distributed import strategy as distributed_strategy
-from group_embedding.distributed import sharded_variable
+from group_embedding import model_parallel
 from group_embedding.embedding_variable.variable import get_embedding_variable
 from group_embedding.embedding_variable.keras_variable import (
     KerasEmbeddingVariable)
@@ -172,8 +171,8 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
                 self._ev_weights.append(KerasEmbeddingVariable(
                     ev, name=name.replace("/", "_")))
                 self._tables[name] = ev
-            elif c.scope is not None and distributed_strategy.is_collective():
-                self._tables[name] = sharded_variable.collective_table(
+            elif c.scope is not None and model_parallel.runtime():
+                self._tables[name] = model_parallel.runtime().collective_table(
                     f"{self.name}/{name}", c.num_buckets, c.dimension,
                     c.table_initializer(),
                     lambda value, name=name, c=c: self.add_weight(

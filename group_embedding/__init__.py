@@ -4,7 +4,6 @@ Users write `import group_embedding as ge`; everything public is listed in
 `__all__`.
 """
 
-from group_embedding import estimator
 from group_embedding import feature_column
 from group_embedding import optimizers
 from group_embedding import train
@@ -18,7 +17,7 @@ from group_embedding.embedding_variable.options import InitializerOption
 from group_embedding.embedding_variable.options import L2WeightEvict
 from group_embedding.embedding_variable.options import StorageOption
 from group_embedding.embedding_variable.options import StorageType
-from group_embedding.distributed.strategy import enable_distributed_strategy
+from group_embedding.distributed.enable import enable_distributed_strategy
 from group_embedding.distributed.training import BroadcastVariablesHook
 from group_embedding.distributed.training import DistributedGradientTape
 from group_embedding.distributed.training import DistributedOptimizer
@@ -31,8 +30,8 @@ from group_embedding.stock_lookups import safe_embedding_lookup_sparse
 from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
 from group_embedding.packed_ids import PackedIds
-from group_embedding.saved_model_export import export_saved_model
 from group_embedding.packed_ids import pack_ids
+from group_embedding.saved_model_export import export_saved_model
 from group_embedding.deeprec_checkpoint import restore_deeprec_checkpoint
 from group_embedding.distributed.checkpoint import latest_checkpoint
 from group_embedding.distributed.checkpoint import restore_tables
@@ -41,6 +40,17 @@ from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import get_embedding_table
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The estimator (a tf.estimator for TF 2.21) is imported when first
+    # used, not by every `import group_embedding`.
+    if name == "estimator":
+        import importlib
+        return importlib.import_module("group_embedding.estimator")
+    raise AttributeError(f"module 'group_embedding' has no attribute "
+                         f"{name!r}")
+
 
 __all__ = [
     "BroadcastVariablesHook",
@@ -67,6 +77,7 @@ __all__ = [
     "embedding_lookup",
     "embedding_lookup_sparse",
     "estimator",
+    "export_saved_model",
     "feature_column",
     "gather",
     "get_embedding_variable",
@@ -76,6 +87,5 @@ __all__ = [
     "PackedIds",
     "optimizers",
     "safe_embedding_lookup_sparse",
-    "export_saved_model",
     "train",
 ]

@@ -88,7 +88,7 @@ from group_embedding import deeprec_checkpoint
 from group_embedding import lookup
 from group_embedding import runtime_features
 from group_embedding import train
-from group_embedding.distributed.strategy import enable_distributed_strategy
+from group_embedding.distributed.enable import enable_distributed_strategy
 from group_embedding import estimator as estimator_lib
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib

@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.training import saver as saver_lib
 
+from group_embedding import model_parallel
 from group_embedding.embedding_variable.keras_variable import (
     embedding_variable_of)
 from group_embedding.embedding_variable.options import CBFFilter
@@ -377,11 +378,7 @@ class _Restore:
     def _keep_owned_keys(self):
         """In collective mode, the keys this worker owns (key mod N ==
         rank): every worker restores its share of the same checkpoint."""
-        # Imported here: the distributed package imports the core.
-        from group_embedding.distributed import strategy
-        if not strategy.is_collective():
-            return
-        rank, size = strategy.world()
+        rank, size = model_parallel.world()
         if size == 1:
             return
         mine = np.mod(self.keys, size) == rank

@@ -2,12 +2,15 @@
 `group_embedding_lookup`.
 
 Tables are grouped by (dim, dtype, storage kind); each group runs ONE fused
-lookup (see `group_embedding.ops.fused_lookup`), whatever its number of
-tables. Results come back in the order of `params`.
+lookup, whatever its number of tables: `lookup_plan` decides once per
+call which backend serves each group, and `_DISPATCH` below maps its
+(kind, backend, mode) to the one function that runs it. Results come back
+in the order of `params`.
 """
 
+import dataclasses
 import sys
-from typing import Any
+from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Optional
@@ -15,40 +18,15 @@ from typing import Tuple
 
 import tensorflow as tf
 
-from group_embedding.distributed import collective_lookup
-from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding import lookup_inputs
-from group_embedding.distributed.sharded_variable import ShardedVariable
-from group_embedding.ops import fused_lookup
+from group_embedding import lookup_plan
+from group_embedding import model_parallel
+from group_embedding.lookup_plan import LookupCall
+from group_embedding.lookup_plan import TableGroup
+from group_embedding.ops import lookup_kernels
+from group_embedding.ops import lookup_tf
 from group_embedding.ops import ragged_ids
 from group_embedding.packed_ids import PackedIds
-
-
-def _group_key(table) -> Tuple:
-    if isinstance(table, ShardedVariable):
-        kind = "sharded"
-    elif hasattr(table, "lookup_rows"):
-        kind = "ev"
-    else:
-        kind = "variable"
-    return (int(table.shape[-1]), table.dtype, kind)
-
-
-def group_tables(tables: List[Any], params_num_per_group: int
-                 ) -> List[List[int]]:
-    """Splits table indices into fusable groups.
-
-    Tables of the same dim, dtype and storage kind share a group, in input
-    order; a group holds at most `params_num_per_group` tables.
-    """
-    by_key: Dict[Tuple, List[int]] = {}
-    for i, t in enumerate(tables):
-        by_key.setdefault(_group_key(t), []).append(i)
-    groups = []
-    for members in by_key.values():
-        for s in range(0, len(members), params_num_per_group):
-            groups.append(members[s:s + params_num_per_group])
-    return groups
 
 
 def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
@@ -150,11 +128,13 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
                 packed.batch,
                 packed.weights if packed.weighted else None, len(params),
                 is_sequence)
-        return _grouped_lookup(params, sp_ids, combiners, sp_weights,
-                               is_sequence, params_num_per_group, max_norm,
-                               same_batch=True, training=training,
-                               partition_strategy=partition_strategy,
-                               concat=concat_outputs)
+        mode = (lookup_plan.SEQUENCE if is_sequence
+                else lookup_plan.CONCAT if concat_outputs
+                else lookup_plan.POOLED)
+        call = LookupCall(mode=mode, max_norm=max_norm, training=training,
+                          partition_strategy=partition_strategy)
+        return _grouped_lookup(params, sp_ids, combiners, sp_weights, call,
+                               params_num_per_group, same_batch=True)
 
 
 def _check_packed(params, packed, sp_weights) -> PackedIds:
@@ -173,50 +153,123 @@ def _check_ev_keys(params, ids, argument):
     # EmbeddingVariables check their own key dtype, so that the error
     # names the variable (int64 keys into an int32 EV, float keys).
     for i, (p, x) in enumerate(zip(params, ids)):
-        if hasattr(p, "check_keys"):
+        if lookup_plan.table_kind(p) == lookup_plan.EV:
             p.check_keys(x, f"{argument}[{i}]")
 
 
-def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
-                    params_num_per_group, max_norm, same_batch,
-                    training=True, partition_strategy="mod", concat=False):
-    """Runs one fused lookup per group on checked arguments.
+def _collective(kind_fn: str) -> Callable:
+    def run(group: TableGroup, call: LookupCall):
+        runtime = model_parallel.runtime()
+        return getattr(runtime, kind_fn)(group, call)
+    return run
 
-    With `concat`, returns one tensor: the pooled outputs concatenated in
-    the order of `params`; a group whose tables are consecutive there
-    gives its columns with one concatenated lookup.
+
+def _concat_of(pooled: Callable) -> Callable:
+    # Concatenated outputs from per-table ones (backends without a
+    # concatenating kernel).
+    return lambda g, c: tf.concat(pooled(g, c), 1)
+
+
+def _variables_kernel_pooled(g, c):
+    return lookup_kernels.pooled_variables(g.tables, g.feats, g.combiners,
+                                           g.names, c.max_norm)
+
+
+def _variables_tf_pooled(g, c):
+    return lookup_tf.pooled_variables(g.tables, g.feats, g.combiners,
+                                      g.names, c.max_norm)
+
+
+def _ev_kernel_pooled(g, c):
+    return lookup_kernels.pooled_ev(g.tables, g.feats, g.combiners,
+                                    c.training)
+
+
+def _ev_tf_pooled(g, c):
+    return lookup_tf.pooled_ev(g.tables, g.feats, g.combiners, c.max_norm,
+                               c.training)
+
+
+def _variable_entries(backend) -> Dict[Tuple[str, str, str], Callable]:
+    key = (lookup_plan.VARIABLE, backend)
+    return {
+        key + (lookup_plan.POOLED,): _variables_kernel_pooled,
+        key + (lookup_plan.CONCAT,): lambda g, c:
+            lookup_kernels.concat_variables(g.tables, g.feats, g.combiners,
+                                            g.names, c.max_norm),
+        key + (lookup_plan.SEQUENCE,): lambda g, c:
+            lookup_kernels.sequence_variables(g.tables, g.feats, g.names,
+                                              c.max_norm),
+    }
+
+
+# (kind, backend, mode) -> run(group, call): the only place a lookup's
+# path is chosen. The CPU and GPU kernels are the same TF ops (TF runs
+# the kernel of the device the tables live on).
+_DISPATCH: Dict[Tuple[str, str, str], Callable] = {
+    **_variable_entries(lookup_plan.CPU_KERNELS),
+    **_variable_entries(lookup_plan.GPU_KERNELS),
+    (lookup_plan.VARIABLE, lookup_plan.TF_OPS, lookup_plan.POOLED):
+        _variables_tf_pooled,
+    (lookup_plan.VARIABLE, lookup_plan.TF_OPS, lookup_plan.CONCAT):
+        _concat_of(_variables_tf_pooled),
+    (lookup_plan.VARIABLE, lookup_plan.TF_OPS, lookup_plan.SEQUENCE):
+        lambda g, c: lookup_tf.sequence_variables(g.tables, g.feats,
+                                                  g.names, c.max_norm),
+    (lookup_plan.EV, lookup_plan.CPU_KERNELS, lookup_plan.POOLED):
+        _ev_kernel_pooled,
+    (lookup_plan.EV, lookup_plan.CPU_KERNELS, lookup_plan.CONCAT):
+        _concat_of(_ev_kernel_pooled),
+    (lookup_plan.EV, lookup_plan.CPU_KERNELS, lookup_plan.SEQUENCE):
+        lambda g, c: lookup_kernels.sequence_ev(g.tables, g.feats,
+                                                c.training),
+    (lookup_plan.EV, lookup_plan.TF_OPS, lookup_plan.POOLED): _ev_tf_pooled,
+    (lookup_plan.EV, lookup_plan.TF_OPS, lookup_plan.CONCAT):
+        _concat_of(_ev_tf_pooled),
+    (lookup_plan.EV, lookup_plan.TF_OPS, lookup_plan.SEQUENCE):
+        lambda g, c: lookup_tf.sequence_ev(g.tables, g.feats, c.max_norm,
+                                           c.training),
+}
+for _kind in (lookup_plan.SHARDED, lookup_plan.EV):
+    _DISPATCH[(_kind, lookup_plan.COLLECTIVE, lookup_plan.POOLED)] = (
+        _collective("pooled_lookup"))
+    _DISPATCH[(_kind, lookup_plan.COLLECTIVE, lookup_plan.CONCAT)] = (
+        _concat_of(_collective("pooled_lookup")))
+    _DISPATCH[(_kind, lookup_plan.COLLECTIVE, lookup_plan.SEQUENCE)] = (
+        _collective("sequence_lookup"))
+
+
+def run_group(group: TableGroup, call: LookupCall):
+    """Runs one planned group: a list of per-table outputs, or for
+    `call.mode == CONCAT` one `[B, sum D]` tensor."""
+    return _DISPATCH[(group.kind, group.backend, call.mode)](group, call)
+
+
+def lookup_feature_ids(tables, feats, combiners, names,
+                       call: LookupCall,
+                       params_num_per_group: int = sys.maxsize):
+    """Plans and runs a lookup of checked tables and converted ids.
+
+    With `call.mode == CONCAT`, returns one tensor: the pooled outputs
+    concatenated in the order of `tables`; a group whose tables are
+    consecutive there gives its columns with one concatenated lookup.
+    Else the per-table outputs, in order. (The collective layer's owners
+    look their received ids up through this too.)
     """
-    tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
-    names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
-    feats = lookup_inputs.to_feature_ids(sp_ids, sp_weights,
-                                         need_positions=is_sequence,
-                                         same_batch=same_batch)
+    concat = call.mode == lookup_plan.CONCAT
+    # A group whose members are not adjacent cannot give one block.
+    pooled = dataclasses.replace(call, mode=lookup_plan.POOLED)
+    groups = lookup_plan.group_tables(tables, feats, names, combiners,
+                                      call, params_num_per_group)
     outputs: List[Optional[tf.Tensor]] = [None] * len(tables)
     # With `concat`: first table index -> columns of consecutive tables.
     blocks: Dict[int, tf.Tensor] = {}
-    for members in group_tables(tables, params_num_per_group):
-        g_tables = [tables[i] for i in members]
-        g_feats = [feats[i] for i in members]
-        g_names = [names[i] for i in members]
-        consecutive = members[-1] - members[0] + 1 == len(members)
-        if (concat and consecutive
-                and not _is_model_parallel(g_tables[0])):
-            blocks[members[0]] = fused_lookup.concat_pooled_lookup(
-                g_tables, g_feats, [combiners[i] for i in members], g_names,
-                max_norm, training=training)
+    for g in groups:
+        if concat and g.consecutive:
+            blocks[g.members[0]] = run_group(g, call)
             continue
-        if _is_model_parallel(g_tables[0]):
-            results = _sharded_group(g_tables, g_feats, g_names, members,
-                                     combiners, is_sequence, max_norm,
-                                     partition_strategy, training)
-        elif is_sequence:
-            results = fused_lookup.sequence_lookup(g_tables, g_feats, g_names,
-                                                   max_norm, training=training)
-        else:
-            results = fused_lookup.pooled_lookup(
-                g_tables, g_feats, [combiners[i] for i in members], g_names,
-                max_norm, training=training)
-        for i, out in zip(members, results):
+        for i, out in zip(g.members,
+                          run_group(g, pooled if concat else call)):
             outputs[i] = out
             blocks[i] = out
     if not concat:
@@ -225,23 +278,17 @@ def _grouped_lookup(params, sp_ids, combiners, sp_weights, is_sequence,
     return parts[0] if len(parts) == 1 else tf.concat(parts, 1)
 
 
-def _is_model_parallel(table) -> bool:
-    # Sharded tables, and in collective mode every EmbeddingVariable: its
-    # keys are owned by worker `key mod N`.
-    return isinstance(table, ShardedVariable) or (
-        hasattr(table, "lookup_rows")
-        and distributed_strategy.is_collective())
-
-
-def _sharded_group(tables, feats, names, members, combiners, is_sequence,
-                   max_norm, partition_strategy, training):
-    """One model-parallel group (collective mode)."""
-    if is_sequence:
-        return collective_lookup.sequence_lookup(
-            tables, feats, names, partition_strategy, max_norm, training)
-    return collective_lookup.pooled_lookup(
-        tables, feats, [combiners[i] for i in members], names,
-        partition_strategy, max_norm, training)
+def _grouped_lookup(params, sp_ids, combiners, sp_weights, call: LookupCall,
+                    params_num_per_group, same_batch):
+    """Converts and checks the ids, then `lookup_feature_ids`."""
+    tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
+    names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
+    feats = lookup_inputs.to_feature_ids(
+        sp_ids, sp_weights,
+        need_positions=call.mode == lookup_plan.SEQUENCE,
+        same_batch=same_batch)
+    return lookup_feature_ids(tables, feats, combiners, names, call,
+                              params_num_per_group)
 
 
 def _one_id_rows(ids):
@@ -285,7 +332,7 @@ def group_embedding_lookup(params, ids, partition_strategy="mod", name=None,
                             f"{type(x).__name__} ids.")
         x = tf.convert_to_tensor(x)
         if isinstance(params, (list, tuple)) and i < len(params) \
-                and hasattr(params[i], "check_keys"):
+                and lookup_plan.table_kind(params[i]) == lookup_plan.EV:
             params[i].check_keys(x, f"ids[{i}]")
         if not x.dtype.is_integer:
             raise TypeError(f"`ids[{i}]` must hold int32 or int64 ids, got "
@@ -295,11 +342,9 @@ def group_embedding_lookup(params, ids, partition_strategy="mod", name=None,
         params, [_one_id_rows(x) for x in dense], "sum", None,
         partition_strategy, sys.maxsize, ids_argument="ids")
     with tf.name_scope(name or "group_embedding_lookup"):
-        flat = _grouped_lookup(params, ragged, combiners, weights,
-                               is_sequence=False,
-                               params_num_per_group=sys.maxsize,
-                               max_norm=None, same_batch=False,
-                               training=training,
-                               partition_strategy=partition_strategy)
+        call = LookupCall(mode=lookup_plan.POOLED, training=training,
+                          partition_strategy=partition_strategy)
+        flat = _grouped_lookup(params, ragged, combiners, weights, call,
+                               sys.maxsize, same_batch=False)
         return [tf.reshape(f, tf.concat([tf.shape(x), tf.shape(f)[1:]], 0))
                 for f, x in zip(flat, dense)]

@@ -14,7 +14,6 @@ import keras
 import tensorflow as tf
 
 from group_embedding.ops import ragged_ids
-from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.ops.ragged_ids import FeatureIds
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
@@ -29,10 +28,8 @@ def unwrap_table(param: Any, index: int) -> Any:
     """
     if isinstance(param, keras.Variable):
         param = param.value
-    if hasattr(param, "lookup_rows"):  # EmbeddingVariable
-        return param
-    if isinstance(param, ShardedVariable):
-        return param
+    if getattr(param, "ge_table_kind", None) is not None:
+        return param  # EmbeddingVariable, ShardedVariable
     if not isinstance(param, tf.Variable):
         raise TypeError(
             f"`params[{index}]` must be a tf.Variable, keras.Variable or "

@@ -9,7 +9,7 @@ rows back; `training` reduces gradients and broadcasts dense weights;
 current step (`exchange_ids`, `use_exchanged_ids`).
 """
 
-from group_embedding.distributed.strategy import enable_distributed_strategy
+from group_embedding.distributed.enable import enable_distributed_strategy
 from group_embedding.distributed.training import BroadcastVariablesHook
 from group_embedding.distributed.training import DistributedGradientTape
 from group_embedding.distributed.training import DistributedOptimizer

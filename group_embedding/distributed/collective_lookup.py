@@ -19,15 +19,21 @@ no second dedup). Everything else (EVs, sequences, `max_norm`, GPU,
 the same numbers.
 """
 
-from typing import Any, Dict, List, Optional
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional
 
 import tensorflow as tf
 
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import transport
+from group_embedding import lookup
+from group_embedding import lookup_plan
+from group_embedding.lookup_plan import LookupCall
+from group_embedding.lookup_plan import TableGroup
 from group_embedding.ops import collective_routing
 from group_embedding.ops import ev_storage
-from group_embedding.ops import fused_lookup
+from group_embedding.ops import gpu_kernel_library
+from group_embedding.ops import lookup_tf
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.distributed.sharded_variable import ShardedVariable
 
@@ -118,7 +124,7 @@ def _one_id_rows(ids: tf.Tensor, name: str) -> FeatureIds:
     return FeatureIds(ids, splits, None, None, None, name)
 
 
-def _check_partition(tables, partition_strategy, names):
+def check_partition(tables, partition_strategy, names):
     for t, n in zip(tables, names):
         # EV keys are always owned by key mod N, and a table-wise table by
         # its one worker: the lookup's partition_strategy cannot apply.
@@ -133,8 +139,8 @@ def _check_partition(tables, partition_strategy, names):
 
 def _route_sharded(tables, feats, names):
     """Per table: (unique ids, slot of each id, owner, local row, count)."""
-    checked = fused_lookup.checked_ids([f.values for f in feats],
-                                       [t.vocab_size for t in tables], names)
+    checked = lookup_tf.checked_ids([f.values for f in feats],
+                                    [t.vocab_size for t in tables], names)
     routes = []
     for t, ids in zip(tables, checked):
         u, slot = tf.unique(ids, out_idx=tf.int64)
@@ -156,10 +162,11 @@ def _route_ev(tables, feats, size):
 
 def _owner_rows_sharded(tables, parts, counts, names, training):
     del counts, training  # one id, one row; nothing is counted
-    return fused_lookup.pooled_lookup(
+    return lookup.lookup_feature_ids(
         [t.shard_variable for t in tables],
         [_one_id_rows(p, n) for p, n in zip(parts, names)],
-        ["sum"] * len(tables), [f"{n} (local shard)" for n in names])
+        ["sum"] * len(tables), [f"{n} (local shard)" for n in names],
+        LookupCall(mode=lookup_plan.POOLED))
 
 
 def _owner_rows_ev(tables, parts, counts, names, training):
@@ -194,7 +201,7 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
     hvd = distributed_strategy.horovod()
     size = hvd.size()
     k = len(tables)
-    is_ev = not isinstance(tables[0], ShardedVariable)
+    is_ev = lookup_plan.table_kind(tables[0]) == lookup_plan.EV
     routes = (_route_ev(tables, feats, size) if is_ev
               else _route_sharded(tables, feats, names))
     slots, offset = [], tf.constant(0, tf.int64)
@@ -234,11 +241,11 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
     return tf.gather(unique_rows, tf.concat(slots, 0))
 
 
-def _is_kernel_path(tables, max_norm) -> bool:
+def is_kernel_path(tables, max_norm) -> bool:
     """Whether the C++ routing kernels serve this group."""
     if max_norm is not None or collective_routing.library() is None:
         return False
-    if tf.config.list_logical_devices("GPU"):
+    if gpu_kernel_library.gpu_present():
         return False
     return all(isinstance(t, ShardedVariable)
                and tf.as_dtype(t.dtype) == tf.float32 for t in tables)
@@ -247,6 +254,17 @@ def _is_kernel_path(tables, max_norm) -> bool:
 # Id exchanges done ahead of their lookup (`ge.distributed.exchange_ids`),
 # innermost last; read while a lookup is traced or run eagerly.
 _exchanged_stack: List[Dict[str, Dict]] = []
+
+
+@contextlib.contextmanager
+def exchanged_ids(exchanged: Dict[str, Any]) -> Iterator[None]:
+    """Inside, kernel-path groups found in `exchanged` (by `group_key`)
+    reuse those ids instead of routing and sending their own."""
+    _exchanged_stack.append(dict(exchanged or {}))
+    try:
+        yield
+    finally:
+        _exchanged_stack.pop()
 
 
 def group_key(names) -> str:
@@ -332,23 +350,23 @@ def kernel_pooled_lookup(tables, feats, combiners, names) -> List[tf.Tensor]:
     return collective_routing.pool(returned, offsets, feats, combiners, dims)
 
 
-def pooled_lookup(tables, feats, combiners, names, partition_strategy,
-                  max_norm=None, training=True):
-    """Model-parallel `[B, D]` pooled lookups of one group of shards."""
-    _check_partition(tables, partition_strategy, names)
-    if _is_kernel_path(tables, max_norm):
-        return kernel_pooled_lookup(tables, feats, combiners, names)
-    rows = exchange_rows(tables, feats, names, training)
-    if max_norm is not None:
-        rows = fused_lookup.clip_rows(rows, max_norm)
-    return fused_lookup.pool_rows(rows, feats, combiners)
+def pooled_lookup(group: TableGroup, call: LookupCall) -> List[tf.Tensor]:
+    """Model-parallel `[B, D]` pooled lookups of one planned group."""
+    tables, feats, names = list(group.tables), list(group.feats), group.names
+    check_partition(tables, call.partition_strategy, names)
+    if is_kernel_path(tables, call.max_norm):
+        return kernel_pooled_lookup(tables, feats, group.combiners, names)
+    rows = exchange_rows(tables, feats, names, call.training)
+    if call.max_norm is not None:
+        rows = lookup_tf.clip_rows(rows, call.max_norm)
+    return lookup_tf.pool_rows(rows, feats, list(group.combiners))
 
 
-def sequence_lookup(tables, feats, names, partition_strategy, max_norm=None,
-                    training=True):
-    """Model-parallel `[B, T, D]` unpooled lookups of one group."""
-    _check_partition(tables, partition_strategy, names)
-    rows = exchange_rows(tables, feats, names, training)
-    if max_norm is not None:
-        rows = fused_lookup.clip_rows(rows, max_norm)
-    return fused_lookup.sequence_rows(rows, feats)
+def sequence_lookup(group: TableGroup, call: LookupCall) -> List[tf.Tensor]:
+    """Model-parallel `[B, T, D]` unpooled lookups of one planned group."""
+    tables, feats, names = list(group.tables), list(group.feats), group.names
+    check_partition(tables, call.partition_strategy, names)
+    rows = exchange_rows(tables, feats, names, call.training)
+    if call.max_norm is not None:
+        rows = lookup_tf.clip_rows(rows, call.max_norm)
+    return lookup_tf.sequence_rows(rows, feats)

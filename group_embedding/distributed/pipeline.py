@@ -41,9 +41,11 @@ from typing import Any, Dict, Iterator
 
 import tensorflow as tf
 
+from group_embedding import lookup_inputs
+from group_embedding import lookup_plan
 from group_embedding.distributed import collective_lookup
 from group_embedding.distributed import strategy as distributed_strategy
-from group_embedding.distributed.sharded_variable import ShardedVariable
+from group_embedding.lookup_plan import LookupCall
 
 
 @tf.autograph.experimental.do_not_convert
@@ -71,9 +73,6 @@ def exchange_ids(params, sp_ids, partition_strategy="mod",
     """
     if not distributed_strategy.is_collective():
         return {}
-    # Imported here: lookup imports this package.
-    from group_embedding import lookup
-    from group_embedding import lookup_inputs
     params = list(params)
     sp_ids = list(sp_ids)
     tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
@@ -81,20 +80,23 @@ def exchange_ids(params, sp_ids, partition_strategy="mod",
     out: Dict[str, Any] = {}
     with tf.name_scope("ge_exchange_ids"):
         feats = lookup_inputs.to_feature_ids(sp_ids, [None] * len(sp_ids))
-        for members in lookup.group_tables(tables, params_num_per_group):
-            g_tables = [tables[i] for i in members]
-            g_names = [names[i] for i in members]
-            if not all(isinstance(t, ShardedVariable) for t in g_tables):
-                continue
+        # The lookup's own plan: the same groups, the same keys.
+        call = LookupCall(mode=lookup_plan.POOLED,
+                          partition_strategy=partition_strategy)
+        for g in lookup_plan.group_tables(tables, feats, names,
+                                          ["sum"] * len(tables), call,
+                                          params_num_per_group):
             # Only the C++ path takes exchanged ids (max_norm is checked
             # again by the lookup, which then ignores this entry).
-            if not collective_lookup._is_kernel_path(g_tables, None):
+            if (g.kind != lookup_plan.SHARDED
+                    or g.backend != lookup_plan.COLLECTIVE
+                    or not collective_lookup.is_kernel_path(g.tables, None)):
                 continue
-            collective_lookup._check_partition(g_tables, partition_strategy,
-                                               g_names)
-            out[collective_lookup.group_key(g_names)] = (
+            collective_lookup.check_partition(g.tables, partition_strategy,
+                                              g.names)
+            out[collective_lookup.group_key(g.names)] = (
                 collective_lookup.exchange_group_ids(
-                    g_tables, [feats[i] for i in members], g_names))
+                    g.tables, list(g.feats), g.names))
     return out
 
 
@@ -107,8 +109,5 @@ def use_exchanged_ids(exchanged: Dict[str, Any]) -> Iterator[None]:
     (the id counts differ, the error names the table) when the counts
     differ; equal counts cannot be told apart, so pass the same batch.
     """
-    collective_lookup._exchanged_stack.append(dict(exchanged or {}))
-    try:
+    with collective_lookup.exchanged_ids(exchanged):
         yield
-    finally:
-        collective_lookup._exchanged_stack.pop()

@@ -82,6 +82,9 @@ class ShardedVariable(tf.Module):
             rank outside [0, N) (naming the table).
     """
 
+    # What `lookup_plan` plans for it (no type probes below the plan).
+    ge_table_kind = "sharded"
+
     def __init__(self, name, vocab_size, embedding_dim, partition_strategy,
                  num_shards, shard_index, initial_value=None, trainable=True,
                  *, variable=None):

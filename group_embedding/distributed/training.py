@@ -38,6 +38,9 @@ def allreduce_gradients(gradients, variables):
     gradients, variables = list(gradients), list(variables)
     hvd = distributed_strategy.horovod()
     size = hvd.size()
+    if size == 1:
+        # One worker: the single-process step, no collective to wait on.
+        return gradients
     reduced = []
     dense_at = []
     for i, (g, v) in enumerate(zip(gradients, variables)):
@@ -132,8 +135,8 @@ def broadcast_variables(variables, root_rank=0):
     keys must start from the same rows whichever worker owns them); its
     keys stay where they are.
     """
-    if not distributed_strategy.is_collective():
-        return
+    if distributed_strategy.world()[1] == 1:
+        return  # one worker (or none): nothing to copy
     hvd = distributed_strategy.horovod()
     dense = []
     for v in variables:

@@ -17,6 +17,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.training.saving import saveable_object_util
 
+from group_embedding import model_parallel
 from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.embedding_variable.options import GlobalStepEvict
@@ -114,6 +115,8 @@ class EmbeddingVariable(tf.Module):
     """
 
     _should_act_as_resource_variable = True  # tape/gradients use `.handle`
+    # What `lookup_plan` plans for it (no type probes below the plan).
+    ge_table_kind = "ev"
 
     def __init__(self, name: str, embedding_dim: int, key_dtype, value_dtype,
                  initializer, trainable: bool,
@@ -466,11 +469,7 @@ class EmbeddingVariable(tf.Module):
         return [op for ops in checks for op in ops]
 
     def _check_owned_keys(self, keys):
-        # Imported here: the distributed package imports this module.
-        from group_embedding.distributed import strategy
-        if not strategy.is_collective():
-            return []
-        rank, size = strategy.world()
+        rank, size = model_parallel.world()
         if size == 1:
             return []
         foreign = tf.not_equal(tf.math.floormod(keys, size), rank)

@@ -158,7 +158,7 @@ class PlacementArgumentTest(tf.test.TestCase):
     def test_resolve_precedence(self):
         # The plan and the size rule, without Horovod: fake a 3-worker
         # world and a plan, as enable_distributed_strategy would set.
-        settings = distributed_strategy._placement_settings(
+        settings = distributed_strategy.placement_settings(
             3, 500, {"planned": (50, 4), "big": (1000, 4), "small": (5, 4)},
             1.0)
         saved = dict(distributed_strategy._state)

@@ -223,7 +223,13 @@ def _gather_then_pool(tables, feats, combiners, table_names, max_norm=None,
 def test_checks_catch_a_gather_before_pooling(check, monkeypatch):
     # Both checks must see the [nnz, D] rows of a gather placed before
     # pooling, else they prove nothing about the fused path.
-    from group_embedding.ops import fused_lookup
-    monkeypatch.setattr(fused_lookup, "pooled_lookup", _gather_then_pool)
+    from group_embedding import lookup
+    from group_embedding import lookup_plan
+    for backend in (lookup_plan.CPU_KERNELS, lookup_plan.TF_OPS):
+        monkeypatch.setitem(
+            lookup._DISPATCH,
+            (lookup_plan.VARIABLE, backend, lookup_plan.POOLED),
+            lambda g, c: _gather_then_pool(g.tables, g.feats, g.combiners,
+                                           g.names))
     offenders, _ = check("pooled")
     assert any("Gather" in o for o in offenders), offenders

@@ -5,7 +5,7 @@ test_cuda_core.py and on the GPU machine)."""
 import pytest
 import tensorflow as tf
 
-from group_embedding.ops import fused_lookup
+from group_embedding import lookup_plan
 from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops.ragged_ids import FeatureIds
 
@@ -30,7 +30,7 @@ def _feats(weighted):
 
 def _uses_kernel(max_norm=None, weighted=False):
     table = tf.Variable(tf.zeros([5, 4]))
-    return fused_lookup._can_use_kernel([table], max_norm, _feats(weighted))
+    return lookup_plan.kernel_eligible([table], max_norm, _feats(weighted))
 
 
 def test_gpu_kernels_by_default_for_plain_groups(fake_gpu, monkeypatch):

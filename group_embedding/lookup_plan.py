@@ -1,0 +1,205 @@
+"""The plan of a grouped lookup: which tables fuse, and what serves them.
+
+Decided once per call, before any op is built: `group_tables` splits the
+tables into fusable groups and gives each a frozen `TableGroup` naming its
+kind (plain variable, EmbeddingVariable, sharded table) and its backend
+(the C++ CPU kernels, the CUDA kernels, stock TF ops, or the collective
+runtime); `lookup.py` then calls the ONE function that its
+(kind, backend, mode) key names. Nothing below the plan probes a table's
+type again.
+"""
+
+import dataclasses
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+
+import tensorflow as tf
+
+from group_embedding import model_parallel
+from group_embedding.ops import gpu_kernel_library
+from group_embedding.ops import kernel_library
+from group_embedding.ops import lookup_kernels
+from group_embedding.ops.ragged_ids import FeatureIds
+
+# Table kinds. A table class states its own kind in `ge_table_kind`
+# (EmbeddingVariable: "ev", ShardedVariable: "sharded"); anything else
+# that reaches the plan is a plain `tf.Variable`.
+VARIABLE = "variable"
+EV = "ev"
+SHARDED = "sharded"
+
+# Backends.
+CPU_KERNELS = "cpu_kernels"
+GPU_KERNELS = "gpu_kernels"
+TF_OPS = "tf_ops"
+COLLECTIVE = "collective"
+
+# Modes.
+POOLED = "pooled"
+SEQUENCE = "sequence"
+CONCAT = "concat"
+
+
+def table_kind(table: Any) -> str:
+    """VARIABLE, EV or SHARDED: the kind a table class declares."""
+    return getattr(table, "ge_table_kind", VARIABLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupCall:
+    """The settings of one lookup call, shared by all its groups.
+
+    Attributes:
+        mode: POOLED, SEQUENCE or CONCAT (pooled, one `[B, sum D]` out).
+        max_norm: None, or the L2 bound rows are clipped to.
+        training: Python or tensor bool (EmbeddingVariables insert keys).
+        partition_strategy: "mod" or "div" (sharded tables).
+    """
+
+    mode: str
+    max_norm: Any = None
+    training: Any = True
+    partition_strategy: str = "mod"
+
+
+@dataclasses.dataclass(frozen=True)
+class TableGroup:
+    """One fused lookup: same-dim, same-dtype, same-kind tables.
+
+    Attributes:
+        members: the tables' indices in the call's `params`.
+        tables: the tables (a 1-worker ShardedVariable as its shard).
+        feats: their ids, one `FeatureIds` per table.
+        names: their names for error messages.
+        combiners: "sum" | "mean" | "sqrtn" per table.
+        kind: VARIABLE, EV or SHARDED (the tables' common kind).
+        backend: CPU_KERNELS, GPU_KERNELS, TF_OPS or COLLECTIVE.
+    """
+
+    members: Tuple[int, ...]
+    tables: Tuple[Any, ...]
+    feats: Tuple[FeatureIds, ...]
+    names: Tuple[str, ...]
+    combiners: Tuple[str, ...]
+    kind: str
+    backend: str
+
+    @property
+    def consecutive(self) -> bool:
+        """Whether the members are adjacent in `params` (their pooled
+        outputs are then one block of a concatenated output)."""
+        return self.members[-1] - self.members[0] + 1 == len(self.members)
+
+
+def _local_table(table: Any) -> Any:
+    """A sharded table that one worker holds whole plans as its shard: the
+    single-process path (collective mode with one worker)."""
+    if table_kind(table) == SHARDED and table.num_shards == 1:
+        return table.shard_variable
+    return table
+
+
+def _group_key(table: Any) -> Tuple:
+    return (int(table.shape[-1]), table.dtype, table_kind(table))
+
+
+def kernel_eligible(tables: Sequence[Any], max_norm: Any,
+                    feats: Sequence[FeatureIds]) -> bool:
+    """Whether the variable lookup kernels (CPU, or CUDA with a GPU) can
+    serve these plain variables.
+
+    With a GPU, the lookup ops run where the tables live: on the GPU
+    through the GPU kernels when they are loaded, else the pure-TF path
+    (whose ops TF has GPU kernels for). The backward of weighted tables
+    and of max_norm reads the tables in ops with CPU kernels only
+    (GroupEmbeddingTableSnapshot, GroupEmbeddingClipGrad), which cannot
+    take a GPU variable: those groups take the pure-TF path there.
+    """
+    if lookup_kernels.kernel_max_norm(max_norm) is None:
+        return False
+    if gpu_kernel_library.gpu_present() and (
+            not gpu_kernel_library.use_gpu_kernels()
+            or max_norm is not None
+            or any(f.weights is not None for f in feats)):
+        return False
+    return all(isinstance(t, tf.Variable) and t.dtype == tf.float32
+               for t in tables)
+
+
+def _backend(kind: str, tables, feats, call: LookupCall) -> str:
+    if kind == SHARDED:
+        return COLLECTIVE
+    if kind == EV:
+        runtime = model_parallel.runtime()
+        if runtime is not None and runtime.size > 1:
+            # Every key is owned by worker `key mod N`.
+            return COLLECTIVE
+        if (kernel_library.load() is not None and call.max_norm is None
+                and (call.mode != SEQUENCE
+                     or all(f.weights is None for f in feats))):
+            return CPU_KERNELS
+        return TF_OPS
+    if (kernel_library.load() is None
+            or not kernel_eligible(tables, call.max_norm, feats)):
+        return TF_OPS
+    return GPU_KERNELS if gpu_kernel_library.gpu_present() else CPU_KERNELS
+
+
+def group_tables(tables: Sequence[Any], feats: Sequence[FeatureIds],
+                 names: Sequence[str], combiners: Sequence[str],
+                 call: LookupCall,
+                 params_num_per_group: int) -> List[TableGroup]:
+    """Splits the tables into fusable groups and plans each.
+
+    Tables of the same dim, dtype and kind share a group, in input order;
+    a group holds at most `params_num_per_group` tables.
+
+    Args:
+        tables: the checked tables (`lookup_inputs.unwrap_table`).
+        feats: their ids, one `FeatureIds` per table.
+        names: their names for error messages.
+        combiners: one combiner per table.
+        call: the call's settings (mode, max_norm, ...).
+        params_num_per_group: the largest group.
+
+    Returns:
+        The groups, in the order of their first member.
+
+    Raises:
+        ValueError: a table sharded over several workers outside
+            collective mode (naming it).
+    """
+    tables = [_local_table(t) for t in tables]
+    runtime = model_parallel.runtime()
+    by_key: Dict[Tuple, List[int]] = {}
+    for i, t in enumerate(tables):
+        if table_kind(t) == SHARDED and runtime is None:
+            raise ValueError(
+                f"{names[i]} is sharded over {t.num_shards} workers but "
+                "collective mode is not enabled: call "
+                "ge.enable_distributed_strategy('collective') first.")
+        by_key.setdefault(_group_key(t), []).append(i)
+    groups = []
+    for (_, _, kind), members in by_key.items():
+        for s in range(0, len(members), params_num_per_group):
+            part = tuple(members[s:s + params_num_per_group])
+            g_tables = tuple(tables[i] for i in part)
+            g_feats = tuple(feats[i] for i in part)
+            groups.append(TableGroup(
+                members=part, tables=g_tables, feats=g_feats,
+                names=tuple(names[i] for i in part),
+                combiners=tuple(combiners[i] for i in part), kind=kind,
+                backend=_backend(kind, g_tables, g_feats, call)))
+    return groups
+
+
+def describe(groups: Sequence[TableGroup]) -> List[Dict[str, Any]]:
+    """The plan as plain values (for `python -m group_embedding`, tests
+    and debugging): per group its members, kind and backend."""
+    return [{"members": list(g.members), "names": list(g.names),
+             "kind": g.kind, "backend": g.backend} for g in groups]
+
