@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any
 from typing import Dict
 from typing import List
-from typing import Optional
 from typing import Sequence
 from typing import Tuple
 
