@@ -171,8 +171,9 @@ def main():
     # Idempotent: a second call returns the same initialised module.
     assert ge.enable_distributed_strategy("collective") is hvd
     from group_embedding.distributed import transport
-    print(f"transport: {'sockets' if transport.active() else 'horovod'}",
-          flush=True)
+    # Per peer rank: self, shm, unix or tcp (two_hosts tests check it).
+    print(f"transport: {'sockets' if transport.active() else 'horovod'} "
+          f"links {transport.links()}", flush=True)
     rank, size = hvd.rank(), hvd.size()
     width = sum(DIMS) + 3
     dense_init = np.random.default_rng(7).normal(
