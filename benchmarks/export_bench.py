@@ -125,6 +125,8 @@ def phase(name, keys, dim, workdir):
     out["load_seconds"] = time.perf_counter() - start
     got = loaded.serve(request).numpy()
     out["served_max_abs_diff"] = float(np.max(np.abs(got - want)))
+    if out["served_max_abs_diff"] > 1e-5:
+        raise AssertionError(f"served rows differ from the EV's: {out}")
     return out
 
 
@@ -166,9 +168,10 @@ def main(argv=None):
         ours["seconds"] / results["dense_saved_model"]["seconds"])
     results["ratio_peak_vs_table_bytes"] = (
         ours["peak_extra_bytes"] / results["table_bytes"])
-    results["ratio_peak_vs_dense_saved_model"] = (
-        ours["peak_extra_bytes"]
-        / max(results["dense_saved_model"]["peak_extra_bytes"], 1))
+    # The dense anchor's table exists before its save, so its peak says
+    # little; ev.export() also starts from the filled table.
+    results["ratio_peak_vs_ev_export"] = (
+        ours["peak_extra_bytes"] / results["ev_export"]["peak_extra_bytes"])
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -34,13 +34,34 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 
 
+def sorted_rows(keys: np.ndarray, values: np.ndarray, admitted: np.ndarray,
+                dim: int):
+    """The admitted keys sorted, and their rows in that order, each with
+    one padding entry at the end: `searchsorted` may point one past the
+    last key (or at 0 in an empty table); the padding keeps that index
+    valid and `EmbeddingSnapshot.lookup` rejects it. Sorted straight into
+    the padded buffers (a 10M-key table is GBs: no further copies)."""
+    keys = np.asarray(keys).astype(np.int64, copy=False)
+    values = np.asarray(values, np.float32).reshape(-1, dim)
+    if not np.all(admitted):
+        keys, values = keys[admitted], values[admitted]
+    n = len(keys)
+    order = np.argsort(keys, kind="stable")
+    padded_keys = np.empty(n + 1, np.int64)
+    np.take(keys, order, out=padded_keys[:n])
+    padded_keys[n] = np.iinfo(np.int64).max
+    rows = np.zeros([n + 1, dim], np.float32)
+    np.take(values, order, axis=0, out=rows[:n])
+    return padded_keys, rows
+
+
 class EmbeddingSnapshot(tf.Module):
     """A frozen, stock-TF copy of one EV's content.
 
     Args:
-        keys: `[n]` keys held by the EV (any integer dtype).
-        values: `[n, D]` their rows.
-        admitted: `[n]` bool, whether each key reads its row.
+        padded_keys: `[n + 1]` the admitted keys, sorted, then a padding
+            entry (from `sorted_rows`).
+        rows: `[n + 1, D]` their rows, then a padding row.
         default_values: `[default_value_dim, D]` the EV's default matrix.
         filtered: whether the EV has an admission filter (unknown keys
             then read `no_permission`).
@@ -51,28 +72,13 @@ class EmbeddingSnapshot(tf.Module):
         name: module name.
     """
 
-    def __init__(self, keys: np.ndarray, values: np.ndarray,
-                 admitted: np.ndarray, default_values: np.ndarray,
-                 filtered: bool, no_permission: float,
-                 as_variables: bool = True, name: str = "ev_snapshot"):
+    def __init__(self, padded_keys: np.ndarray, rows: np.ndarray,
+                 default_values: np.ndarray, filtered: bool,
+                 no_permission: float, as_variables: bool = True,
+                 name: str = "ev_snapshot"):
         super().__init__(name=name)
         dim = int(default_values.shape[1])
-        keys = np.asarray(keys).astype(np.int64, copy=False)
-        values = np.asarray(values, np.float32).reshape(-1, dim)
-        if not np.all(admitted):
-            keys, values = keys[admitted], values[admitted]
-        n = self.num_keys = len(keys)
-        # One padding entry after the keys: searchsorted may point one
-        # past the last key (or at 0 in an empty table); the padding keeps
-        # that index valid and `found` rejects it. Sorted straight into
-        # the padded arrays (a 10M-key table is GBs: no extra copies).
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = np.empty(n + 1, np.int64)
-        np.take(keys, order, out=sorted_keys[:n])
-        sorted_keys[n] = np.iinfo(np.int64).max
-        rows = np.zeros([n + 1, dim], np.float32)
-        np.take(values, order, axis=0, out=rows[:n])
-        del order, keys, values
+        self.num_keys = len(padded_keys) - 1
         if filtered:
             defaults = np.full([1, dim], no_permission, np.float32)
         else:
@@ -80,7 +86,7 @@ class EmbeddingSnapshot(tf.Module):
         self.filtered = bool(filtered)
         make = _variable if as_variables else tf.constant
         with tf.init_scope() if as_variables else contextlib.nullcontext():
-            self.sorted_keys = make(sorted_keys, name="sorted_keys")
+            self.sorted_keys = make(padded_keys, name="sorted_keys")
             self.rows = make(rows, name="rows")
             self.defaults = make(defaults, name="defaults")
 
@@ -125,41 +131,50 @@ def filter_settings(ev):
             float(option.init_option.default_value_no_permission))
 
 
-def from_arrays(ev, keys, values, freqs, default_values,
-                as_variables=True) -> EmbeddingSnapshot:
-    """A snapshot of `ev` from its exported arrays (`ev.export()`, numpy).
-
-    Under a `CBFFilter` every stored key is admitted (it is stored only
-    once admitted); under a `CounterFilter` keys whose count is below the
-    threshold are not.
-    """
-    filtered, is_cbf, no_permission = filter_settings(ev)
-    freqs = np.asarray(freqs)
+def _admitted(ev, freqs: np.ndarray) -> np.ndarray:
+    """Which stored keys read their rows: under a `CBFFilter` all (a key
+    is stored only once admitted), under a `CounterFilter` those counted
+    at least `filter_freq` times."""
+    filtered, is_cbf, _ = filter_settings(ev)
     if is_cbf or not filtered:
-        admitted = np.ones(len(freqs), bool)
-    else:
-        admitted = freqs >= ev.ev_option.filter_option.filter_freq
+        return np.ones(len(freqs), bool)
+    return np.asarray(freqs) >= ev.ev_option.filter_option.filter_freq
+
+
+def _snapshot(ev, padded_keys, rows, default_values, as_variables):
+    filtered, _, no_permission = filter_settings(ev)
     return EmbeddingSnapshot(
-        keys, values, admitted, np.asarray(default_values), filtered,
+        padded_keys, rows, np.asarray(default_values), filtered,
         no_permission, as_variables=as_variables,
         name=re.sub(r"\W", "_", ev.name) + "_snapshot")
+
+
+def from_arrays(ev, keys, values, freqs, default_values,
+                as_variables=True) -> EmbeddingSnapshot:
+    """A snapshot of `ev` from its exported arrays (`ev.export()`,
+    numpy)."""
+    padded_keys, rows = sorted_rows(keys, values, _admitted(ev, freqs),
+                                    ev.embedding_dim)
+    return _snapshot(ev, padded_keys, rows, default_values, as_variables)
 
 
 def take(ev) -> EmbeddingSnapshot:
     """A snapshot of `ev`'s current content, read eagerly."""
     with tf.init_scope():
         keys, values, _, freqs = ev.export()
-        return from_arrays(ev, keys.numpy(), values.numpy(), freqs.numpy(),
-                           ev.default_values.numpy())
+        padded_keys, rows = sorted_rows(
+            keys.numpy(), values.numpy(), _admitted(ev, freqs.numpy()),
+            ev.embedding_dim)
+        # The export is dropped before the variables copy the sorted rows.
+        del keys, values, freqs
+        return _snapshot(ev, padded_keys, rows, ev.default_values.numpy(),
+                         as_variables=True)
 
 
 # EV -> (the SaveOptions of the save it was taken for, snapshot). A save
 # takes each EV's snapshot once (its traces and its object graph share
 # it); the next save takes a new one.
 _taken = weakref.WeakKeyDictionary()
-# Snapshots given by a caller (e.g. rows gathered from all shards) for
-# the saves that run while they are set.
-_given = weakref.WeakKeyDictionary()
 
 
 def freezing() -> bool:
@@ -196,9 +211,6 @@ def snapshot_for_save(ev) -> EmbeddingSnapshot:
     if not freezing():
         raise RuntimeError("EV snapshots for a SavedModel are taken only "
                            "while tf.saved_model.save runs.")
-    given = _given.get(ev)
-    if given is not None:
-        return given
     options = save_context.get_save_options()
     entry = _taken.get(ev)
     if entry is None or entry[0] is not options:
@@ -211,25 +223,6 @@ def release(evs=None):
     """Drops the snapshots kept after saves (of `evs`, default all)."""
     for ev in list(_taken.keys()) if evs is None else evs:
         _taken.pop(ev, None)
-
-
-class given_snapshots:
-    """Context: saves inside it read `snapshots` (EV -> EmbeddingSnapshot)
-    for those EVs instead of taking their local content (the collective
-    export gives the rows of all shards this way)."""
-
-    def __init__(self, snapshots):
-        self._snapshots = dict(snapshots)
-
-    def __enter__(self):
-        for ev, snap in self._snapshots.items():
-            _given[ev] = snap
-        return self
-
-    def __exit__(self, *args):
-        for ev in self._snapshots:
-            _given.pop(ev, None)
-        return False
 
 
 def frozen_gather(variables: Sequence, keys: List[tf.Tensor]) -> tf.Tensor:

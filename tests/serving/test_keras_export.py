@@ -137,13 +137,18 @@ def _fit(model, features, y):
               epochs=2, verbose=0)
 
 
-def test_export_and_saved_model_of_feature_columns(tmp_path):
-    model = _dense_model("export_dense")
+def _trained_dense_model(scope):
+    """A trained `_dense_model` and a request batch for it."""
+    model = _dense_model(scope)
     uid, city, tags, y = _data(0)
     _fit(model, {"uid": uid, "city": city, "tag": tags}, y)
     uid, city, tags = _requests()
-    request = {"uid": tf.constant(uid), "city": tf.constant(city),
-               "tag": tf.constant(tags)}
+    return model, {"uid": tf.constant(uid), "city": tf.constant(city),
+                   "tag": tf.constant(tags)}
+
+
+def test_export_and_saved_model_of_feature_columns(tmp_path):
+    model, request = _trained_dense_model("export_dense")
     want = model.predict(request, verbose=0)
     sizes = [int(ev.size()) for ev in
              model.get_layer("features").embedding_variables]
@@ -168,12 +173,7 @@ def test_export_and_saved_model_of_feature_columns(tmp_path):
 
 
 def test_export_after_more_training_freezes_the_new_rows(tmp_path):
-    model = _dense_model("export_twice")
-    uid, city, tags, y = _data(0)
-    _fit(model, {"uid": uid, "city": city, "tag": tags}, y)
-    uid, city, tags = _requests()
-    request = {"uid": tf.constant(uid), "city": tf.constant(city),
-               "tag": tf.constant(tags)}
+    model, request = _trained_dense_model("export_twice")
     model.export(str(tmp_path / "first"), verbose=False)
     first = model.predict(request, verbose=0)
     uid2, city2, tags2, y2 = _data(5)
