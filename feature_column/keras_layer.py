@@ -230,18 +230,13 @@ class GroupEmbeddingFeatures(keras.layers.Layer):
             ev.default_values.assign(store[prefix + "default_values"])
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
-        # A SavedModel (`model.export()`, `tf.saved_model.save`) would hold
-        # ops and a resource of this library and no EV rows.
-        if save_type == "savedmodel" and self._evs:
-            raise NotImplementedError(
-                f"Layer '{self.name}': a SavedModel cannot hold the "
-                "EmbeddingVariables "
-                f"{', '.join(repr(ev.name) for ev in self._evs)} (their rows "
-                "live in a resource of this library). Snapshot each EV into "
-                "a `tf.lookup.StaticHashTable` and a row variable and export "
-                "those, as tutorials/serving.py does; use `model.save()` "
-                "(.keras) or `tf.train.Checkpoint` to keep training state.")
-        return super()._trackable_children(save_type, **kwargs)
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            # The vocabulary tables stock columns create on their first
+            # call: a SavedModel's functions read them, so it holds them.
+            for i, table in enumerate(self._state_manager.resources()):
+                children[f"column_table_{i}"] = table
+        return children
 
     def build_from_config(self, config):
         # Tables depend on the columns only, not on input shapes.

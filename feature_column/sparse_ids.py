@@ -14,6 +14,7 @@ or -1, means missing), SparseTensors or 2-D RaggedTensors.
 
 from typing import Any
 from typing import Dict
+from typing import List
 from typing import Mapping
 from typing import Optional
 from typing import Tuple
@@ -217,3 +218,7 @@ class TableStateManager(fc_v2.StateManager):
 
     def get_resource(self, feature_column, resource_name):
         return self._resources[(feature_column, resource_name)]
+
+    def resources(self) -> List[Any]:
+        """Every resource held, in the order they were added."""
+        return list(self._resources.values())

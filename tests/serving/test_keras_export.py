@@ -307,3 +307,33 @@ def test_model_export_of_get_embedding_variable(tmp_path):
     np.testing.assert_allclose(
         serve(str(tmp_path / "saved"), {"ids": request}, "serving_default",
               tmp_path), want, rtol=1e-6, atol=1e-6)
+
+
+def test_export_of_vocabulary_and_hashed_string_columns(tmp_path):
+    """String keys through stock vocabulary and hash-bucket columns (plain
+    tables in the scope) next to a string EV column."""
+    with ge_fc.group_embedding_column_scope("export_vocab"):
+        cols = [
+            ge_fc.embedding_column(
+                tf.feature_column.categorical_column_with_vocabulary_list(
+                    "city", ["sf", "ny", "la"], num_oov_buckets=1), 4),
+            ge_fc.embedding_column(
+                tf.feature_column.categorical_column_with_hash_bucket(
+                    "shop", 50), 4),
+            ge_fc.embedding_column(
+                ge_fc.categorical_column_with_embedding("brand"), 4)]
+    inputs = {k: keras.Input(shape=(), dtype="string", name=k)
+              for k in ("city", "shop", "brand")}
+    x = ge_fc.GroupEmbeddingFeatures(cols, name="features")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
+    rng = np.random.default_rng(6)
+    words = np.array(["sf", "ny", "la", "berlin", "x", "y"])
+    train = {k: words[rng.integers(0, 6, 64)] for k in inputs}
+    _fit(model, train, rng.random([64, 1]).astype(np.float32))
+    request = {k: tf.constant(np.append(words, ["never", ""]))
+               for k in inputs}
+    want = model.predict(request, verbose=0)
+    model.export(str(tmp_path / "exported"), verbose=False)
+    got = serve(str(tmp_path / "exported"), request, "serve", tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
