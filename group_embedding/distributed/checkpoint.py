@@ -423,18 +423,20 @@ def _replay(chain):
     the full save's, with every delta's EV rows merged in order (dense
     tables and per-variable fields from the newest)."""
     shards = _load_shards(chain[-1][0], chain[-1][1])
-    for path, manifest in reversed(chain[:-1]):
-        merged = []
-        for (_, old), (file, new) in zip(shards,
-                                         _load_shards(path, manifest)):
-            now = dict(new)
-            where = (f"delta file {os.path.basename(file)} of checkpoint "
-                     f"{path}")
-            for name in incremental.delta_evs(new):
-                now.update(incremental.apply_delta(name, old, new, where))
-            merged.append((file, now))
-        shards = merged
-    return shards
+    if len(chain) == 1:
+        return shards
+    # [rank][delta, oldest first] = (file, arrays)
+    deltas = list(zip(*[_load_shards(p, m) for p, m in reversed(chain[:-1])]))
+    merged = []
+    for (_, base), files in zip(shards, deltas):
+        newest = dict(files[-1][1])
+        named = [(arrays, f"delta file {os.path.basename(file)} of "
+                  f"checkpoint {os.path.dirname(file)}")
+                 for file, arrays in files]
+        for name in incremental.delta_evs(newest):
+            newest.update(incremental.apply_deltas(name, base, named))
+        merged.append((files[-1][0], newest))
+    return merged
 
 
 def _load_shards(path, manifest):

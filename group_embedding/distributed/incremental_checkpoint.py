@@ -184,23 +184,46 @@ def _check_delta(name: str, base: Dict, delta: Dict, where: str):
         raise bad("a key is listed twice (as changed or removed)")
 
 
-def apply_delta(name: str, base: Dict, delta: Dict, where: str) -> Dict:
-    """EV `name`'s per-key arrays after delta arrays `delta` (one shard
-    file, named `where` in errors) on top of `base`: the removed keys
-    and the changed keys' old rows dropped, the changed rows appended.
+def apply_deltas(name: str, base: Dict, deltas: List[Tuple[Dict, str]]
+                 ) -> Dict:
+    """EV `name`'s per-key arrays after `deltas` (oldest first; each the
+    arrays of one shard file and its name for errors) on top of `base`.
+
+    One pass over the base whatever the number of deltas: a key's newest
+    event wins (its row from the newest delta holding it, or its removal),
+    base keys no delta mentions are kept.
 
     Returns:
         name/field -> array, for the fields in PER_KEY.
     """
-    _check_delta(name, base, delta, where)
+    for delta, where in deltas:
+        _check_delta(name, base, delta, where)
     old = base[f"{name}/keys"]
-    gone = np.concatenate([delta[f"{name}/keys"],
-                           delta[f"{name}/{REMOVED}"]]).astype(old.dtype)
-    keep = ~np.isin(old, gone)
-    return {f"{name}/{f}": np.concatenate(
-                [base[f"{name}/{f}"][keep], delta[f"{name}/{f}"]
-                 .astype(base[f"{name}/{f}"].dtype)])
-            for f in PER_KEY}
+    # Events in order: every delta's changed keys, then its removals.
+    keys, rows, count = [], [], 0
+    for delta, _ in deltas:
+        changed = delta[f"{name}/keys"].astype(np.int64)
+        removed = delta[f"{name}/{REMOVED}"].astype(np.int64)
+        keys += [changed, removed]
+        rows += [np.arange(count, count + changed.size),
+                 np.full(removed.size, -1)]
+        count += changed.size
+    keys, rows = np.concatenate(keys), np.concatenate(rows)
+    # Stable sort by key keeps event order: a key's last event is newest.
+    order = np.argsort(keys, kind="stable")
+    keys, rows = keys[order], rows[order]
+    last = np.ones(keys.size, bool)
+    last[:-1] = keys[1:] != keys[:-1]
+    final = rows[last & (rows >= 0)]
+    keep = ~np.isin(old, keys[last])
+    out = {}
+    for f in PER_KEY:
+        dtype = base[f"{name}/{f}"].dtype
+        changed = np.concatenate([d[f"{name}/{f}"].astype(dtype)
+                                  for d, _ in deltas])
+        out[f"{name}/{f}"] = np.concatenate([base[f"{name}/{f}"][keep],
+                                             changed[final]])
+    return out
 
 
 def delta_evs(shard: Dict) -> List[str]:

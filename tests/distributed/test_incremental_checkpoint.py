@@ -96,7 +96,10 @@ def test_each_delta_restores_what_a_full_save_restores(tmp_path, case):
     for step in range(1, 9):
         before = set(_state(ev)["keys"].tolist())
         lookups = rng.choice(pool, 40 if step > 1 else 250)
-        updates = np.unique(rng.choice(lookups, 15))
+        # Updates of keys not looked up since the last save too: the
+        # optimizer's writes must reach the delta on their own.
+        updates = np.unique(np.concatenate([rng.choice(lookups, 10),
+                                            rng.choice(pool, 10)]))
         _train(ev, rng, step, lookups, updates)
         path = ge.save_tables(incremental, {"t": ev}, step, full_every=4)
         want_path = ge.save_tables(full, {"t": ev}, step)
@@ -105,12 +108,16 @@ def test_each_delta_restores_what_a_full_save_restores(tmp_path, case):
         kinds.append(manifest["kind"])
         if manifest["kind"] == "delta":
             saved = _shard(path)
-            touched = set(lookups.tolist()) & set(live["keys"].tolist())
+            touched = (set(lookups.tolist()) | set(updates.tolist())) & \
+                set(live["keys"].tolist())
             # Exactly the keys written since the previous save...
             assert set(saved["t/keys"].tolist()) == touched
             # ...and the keys gone since, evicted or never re-admitted.
             gone = (before | set(lookups.tolist())) - set(
                 live["keys"].tolist())
+            if case == "plain":
+                assert set(updates.tolist()) - set(lookups.tolist()) & \
+                    set(saved["t/keys"].tolist()), "no update-only key"
             assert set(saved["t/removed"].tolist()) == gone
             removed_seen += len(gone)
         got = _restored(path, option, f"inc_{case}_{step}")
