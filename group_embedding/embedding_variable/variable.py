@@ -377,6 +377,10 @@ class EmbeddingVariable(tf.Module):
             deps.append(self.evict())
         from group_embedding.ops import ev_snapshot
         if ev_snapshot.writing_saved_model():
+            if not ev_snapshot.freezing():
+                # The save now writes its checkpoint, whose object graph
+                # holds the snapshot: the copy kept for the save can go.
+                ev_snapshot.release([self])
             # A SavedModel holds the EV as its stock-TF snapshot
             # (ops/ev_snapshot.py): no storage op may enter its graph,
             # and its checkpoint holds no copy of the table.

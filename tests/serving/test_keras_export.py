@@ -21,6 +21,7 @@ import group_embedding as ge
 from group_embedding import feature_column as ge_fc
 from group_embedding.embedding_variable.keras_variable import (
     KerasEmbeddingVariable)
+from group_embedding.ops import ev_snapshot
 
 _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "serve_plain.py")
@@ -161,6 +162,8 @@ def test_export_and_saved_model_of_feature_columns(tmp_path):
     got = serve(str(tmp_path / "saved"), request, "serving_default",
                 tmp_path)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # The snapshots were freed once written.
+    assert not ev_snapshot._taken
     # Exporting inserted nothing and counted nothing.
     assert sizes == [int(ev.size()) for ev in
                      model.get_layer("features").embedding_variables]
