@@ -372,19 +372,19 @@ class EmbeddingVariable(tf.Module):
 
     # --- checkpointing -------------------------------------------------
     def _serialize_to_tensors(self):
-        deps = []
-        if self.ev_option.evict_option is not None:
-            deps.append(self.evict())
         from group_embedding.ops import ev_snapshot
         if ev_snapshot.writing_saved_model():
+            # A SavedModel holds the EV as its stock-TF snapshot
+            # (ops/ev_snapshot.py): no storage op may enter its graph,
+            # and its checkpoint holds no copy of the table.
             if not ev_snapshot.freezing():
                 # The save now writes its checkpoint, whose object graph
                 # holds the snapshot: the copy kept for the save can go.
                 ev_snapshot.release([self])
-            # A SavedModel holds the EV as its stock-TF snapshot
-            # (ops/ev_snapshot.py): no storage op may enter its graph,
-            # and its checkpoint holds no copy of the table.
             return {}
+        deps = []
+        if self.ev_option.evict_option is not None:
+            deps.append(self.evict())
         with tf.control_dependencies(deps if not tf.executing_eagerly()
                                      else []):
             out = ev_storage.export(self._handle, self.embedding_dim)
@@ -392,9 +392,6 @@ class EmbeddingVariable(tf.Module):
                  "slot_inits", "slots", "step")
         return dict(zip(names, out))
 
-    def _gather_saveables_for_checkpoint(self):
-        # Only `tf.compat.v1.train.Saver` calls this (tf.train.Checkpoint
-        # uses `_serialize_to_tensors`, keyed by object path). The Saver
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         children = super()._trackable_children(save_type, **kwargs)
         if save_type == "savedmodel":
@@ -415,6 +412,9 @@ class EmbeddingVariable(tf.Module):
         proto.user_object.version.producer = 1
         proto.user_object.version.min_consumer = 1
 
+    def _gather_saveables_for_checkpoint(self):
+        # Only `tf.compat.v1.train.Saver` calls this (tf.train.Checkpoint
+        # uses `_serialize_to_tensors`, keyed by object path). The Saver
         # names tensors by their local names alone, so every EV would
         # write bare `keys`, `values`, ... and the last one would win;
         # prefix them with the variable's name, like DeepRec (`name-keys`)
