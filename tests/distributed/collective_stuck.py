@@ -16,13 +16,20 @@ then blocks inside a `tf.py_function`).
 
 The timeout is `--timeout` seconds (as `collective_timeout`), or else the
 GROUP_EMBEDDING_COLLECTIVE_TIMEOUT environment variable.
+
+`--hostile-record malformed|unsigned`: right after startup, worker 1 plays
+anyone who can reach horovodrun's key-value store (plain HTTP, no
+secret) and puts an `abort` record there: valid JSON missing its fields,
+or a well-formed verdict without the job's signature.
 """
 
 import argparse
 import ctypes
+import json
 import os
 import threading
 import time
+import urllib.request
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -43,6 +50,18 @@ def get_stuck(mode):
     ctypes.PyDLL(None).sleep(3600)
 
 
+def post_hostile_abort(kind):
+    record = ({"exit_at": 0} if kind == "malformed" else
+              {"message": "forged stop from a stranger", "exit_at": 0})
+    url = (f"http://{os.environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
+           f"{os.environ['HOROVOD_GLOO_RENDEZVOUS_PORT']}/"
+           f"group_embedding_watchdog/abort")
+    request = urllib.request.Request(url, data=json.dumps(record).encode(),
+                                     method="PUT")
+    urllib.request.urlopen(request, timeout=5).close()
+    print(f"posted a {kind} abort record", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--stuck", choices=["input", "frozen", "none"])
@@ -50,12 +69,15 @@ def main():
                         default="before")
     parser.add_argument("--function", action="store_true")
     parser.add_argument("--timeout", type=float)
+    parser.add_argument("--hostile-record", choices=["malformed", "unsigned"])
     args = parser.parse_args()
     kwargs = ({} if args.timeout is None
               else {"collective_timeout": args.timeout})
     hvd = ge.enable_distributed_strategy("collective", **kwargs)
     timeout = args.timeout or float(
         os.environ["GROUP_EMBEDDING_COLLECTIVE_TIMEOUT"])
+    if args.hostile_record and hvd.rank() == 1:
+        post_hostile_abort(args.hostile_record)
     table = ge.get_embedding_table("t", 1000, 8, replicate=False)
     opt = ge.optimizers.Adagrad(0.1)
 

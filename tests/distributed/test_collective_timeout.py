@@ -88,6 +88,31 @@ def test_stuck_worker_stops_every_worker_naming_it(stuck, where, function,
     assert ended - float(stalled.group(1)) < TIMEOUT + 25, out[-4000:]
 
 
+def test_hostile_records_in_the_real_store():
+    # Someone posts an unsigned abort to horovodrun's key-value store: the
+    # job ignores it (before, every worker stopped with its message).
+    out, returncode, _ = run_stuck("--stuck", "none", "--function",
+                                   "--timeout", str(TIMEOUT),
+                                   "--hostile-record", "unsigned")
+    assert "posted a unsigned abort record" in out, out[-4000:]
+    assert returncode == 0, out[-4000:]
+    assert out.count("finished") == 2, out[-4000:]
+    assert "stops: forged stop" not in out, out[-4000:]
+    assert "the collective watchdog ignores the record 'abort'" in out, \
+        out[-4000:]
+    # A malformed one, then a real stall: still detected (before, the
+    # record ended every watchdog thread and the stall hung the job).
+    out, returncode, ended = run_stuck("--stuck", "input", "--where",
+                                       "inside", "--timeout", str(TIMEOUT),
+                                       "--hostile-record", "malformed")
+    assert "posted a malformed abort record" in out, out[-4000:]
+    assert returncode != 0, out[-4000:]
+    assert "ignores the record 'abort'" in out, out[-4000:]
+    assert re.search(r"\[0\]<stderr>:\[group_embedding\] rank 0: collective "
+                     r"timeout: rank 0 waited .* for rank 1\.", out), \
+        out[-4000:]
+
+
 def test_idle_and_lagging_workers_do_not_time_out():
     # Idle 2x the timeout outside collectives, a laggard at half of it.
     out, returncode, _ = run_stuck("--stuck", "none", "--function",
