@@ -160,7 +160,11 @@ def _grouped(members, ids, tables, training, name, max_norm,
     """ONE `group_embedding_lookup_sparse` call for `members` (all
     sequence or all pooled); the shard results of a partitioned table are
     added back into one output per column."""
-    params, sp_ids, combiners, sp_weights, spans = [], [], [], [], []
+    params: List[Any] = []
+    sp_ids: List[Any] = []
+    combiners: List[str] = []
+    sp_weights: List[Any] = []
+    spans: List[Any] = []
     for c in members:
         t, i, w, combiner = _lookup_entries(c, tables[c.table_name],
                                             *ids[c])

@@ -38,7 +38,7 @@ SUPPORTED_EV_DTYPES = (tf.string, tf.int64, tf.int32)
 
 def _is_positive_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) \
-        and x >= 1
+        and int(x) >= 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -295,7 +295,7 @@ def _ev_aware(stock: Callable, ours: Callable, first: str) -> Callable:
         return ours(**{k: v for k, v in bound.arguments.items()
                        if k in accepted})
 
-    wrapper.__wrapped_stock__ = stock
+    wrapper.__wrapped_stock__ = stock  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -436,7 +436,7 @@ def _names() -> List[Tuple[Any, str, Any]]:
             lookup.group_embedding_lookup_sparse,
         "group_embedding_lookup": lookup.group_embedding_lookup,
     }
-    feature_column = {
+    feature_column: Dict[str, Any] = {
         "group_embedding_column_scope":
             scope_lib.group_embedding_column_scope,
         "categorical_column_with_embedding":

@@ -26,11 +26,13 @@ storage's import op (the path `tf.train.Checkpoint` restores take).
 
 import logging
 import re
+from typing import Any
 from typing import Dict
 from typing import List
 from typing import Mapping
 from typing import Optional
 from typing import Sequence
+from typing import Set
 from typing import Tuple
 from typing import Union
 
@@ -220,7 +222,7 @@ def _slot_prefix(ckpt: _Checkpoint, part: str, prefix: str, slot: str,
     """The tensor prefix of our slot `slot` of the EV (part) `part`."""
     deepray_slot, index, default_name = SLOT_LAYOUTS[slot]
     bases = {part, prefix[:-2] if prefix.endswith(":0") else prefix}
-    found = {}
+    found: Dict[str, Set[str]] = {}
     for table in ckpt.tables:
         for base in bases:
             tail = f"/{base}/{deepray_slot}:0"
@@ -232,19 +234,20 @@ def _slot_prefix(ckpt: _Checkpoint, part: str, prefix: str, slot: str,
                     or _PART.match(rest):
                 continue
             m = re.fullmatch(r"(.+?)(?:_(\d+))?", rest)
+            assert m is not None  # the pattern matches any non-empty name
             if int(m.group(2) or 0) == index:
                 found.setdefault(m.group(1), set()).add(table)
     # Only the optimizer's own slots: a DeepRec `<ev>/Adagrad` is no Adam
     # `m`, however its index fits.
     name = optimizer_name or default_name
     others = sorted(k for k in found if k != name)
-    found = found.get(name, set())
-    if len(found) > 1:
+    mine = found.get(name, set())
+    if len(mine) > 1:
         raise ValueError(
             f"{what}: the checkpoint {ckpt.path} holds the slot "
             f"'{deepray_slot}' of '{part}' twice: "
-            f"{', '.join(sorted(found))}.")
-    if not found:
+            f"{', '.join(sorted(mine))}.")
+    if not mine:
         looked = (f"'<optimizer>/{part}/{deepray_slot}:0-keys' (Deepray) or "
                   f"'{part}/<optimizer>{'_%d' % index if index else ''}"
                   "-keys' (DeepRec)")
@@ -257,7 +260,7 @@ def _slot_prefix(ckpt: _Checkpoint, part: str, prefix: str, slot: str,
                if others else "") + "). Pass optimizer=None to restore "
             "without the optimizer state (slots start at their initial "
             "values).")
-    return found.pop()
+    return mine.pop()
 
 
 def _optimizer_slots(optimizer) -> List[Tuple[str, float]]:
@@ -739,7 +742,8 @@ def _graph_slots(graph, ev) -> Tuple[List[Tuple[str, float]],
     `ev` (its `EVEnsureSlot` ops, in creation order), and the optimizer's
     name: the name scope of those ops, which also scopes DeepRec's slots
     (`<ev>/<name>`)."""
-    out, names = {}, set()
+    out: Dict[Any, Any] = {}
+    names: Set[str] = set()
     for op in graph.get_operations():
         if op.type == "EVEnsureSlot" and op.inputs[0] is ev.handle:
             out.setdefault(op.get_attr("slot_name").decode(),

@@ -178,10 +178,12 @@ def to_feature_ids(sp_ids: List[Any], sp_weights: List[Any],
             same_batch=same_batch and len(sparse_at) == len(sp_ids))
         for i, f in zip(sparse_at, converted):
             feats[i] = f
+    # Every entry is set: ragged ones above, sparse ones here.
+    converted_all = [f for f in feats if f is not None]
     if (same_batch and not _check_batch_sizes(sp_ids)
             and not batch_checked):
-        feats = _assert_same_batch(feats)
-    return feats
+        return _assert_same_batch(converted_all)
+    return converted_all
 
 
 def _static_batch(ids):

@@ -17,6 +17,7 @@ very same code.
 
 import ctypes
 import dataclasses
+from typing import Any
 from typing import List
 from typing import Optional
 
@@ -100,7 +101,7 @@ class Core:
         lib.ge_lookup_scratch_bytes.argtypes = [c_int]
         lib.ge_backward_scratch_bytes.restype = ctypes.c_size_t
         lib.ge_backward_scratch_bytes.argtypes = [tables, c_int, i64]
-        common = [tables, c_int, i64, f32]
+        common: List[Any] = [tables, c_int, i64, f32]
         size = ctypes.c_size_t
         for name in ("ge_lookup_pooled", "ge_lookup_sequence",
                      "ge_weight_grads"):

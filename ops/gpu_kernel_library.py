@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from typing import List
 
 import tensorflow as tf
 
@@ -48,7 +49,7 @@ _PREFIX = "_group_embedding_gpu_ops_"
 # An edit of ops/cuda/ should be checked there again before it ships.
 GPU_KERNELS_BY_DEFAULT = True
 _state = {"tried": False, "module": None, "error": None, "path": None}
-_gpus = []
+_gpus: List[bool] = []
 
 
 def find_nvcc():

@@ -7,6 +7,8 @@ clip's backward when the forward clipped. Inputs are sliced by position
 (the ops take K tables' inputs side by side).
 """
 
+from typing import List
+
 import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps_utils as acd_utils
 
@@ -56,7 +58,7 @@ def _weight_grads(lib, handles, ids, weights, compute):
     return list(compute(rows, by_position))
 
 
-_registered = []
+_registered: List[bool] = []
 
 
 def register():

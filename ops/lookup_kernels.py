@@ -41,8 +41,8 @@ def kernel_max_norm(max_norm) -> Optional[float]:
         return -1.0
     # numbers.Real also admits numpy scalars.
     if (isinstance(max_norm, numbers.Real)
-            and not isinstance(max_norm, (bool, np.bool_)) and max_norm >= 0
-            and math.isfinite(max_norm)):
+            and not isinstance(max_norm, (bool, np.bool_))
+            and float(max_norm) >= 0 and math.isfinite(max_norm)):
         return float(max_norm)
     return None
 

@@ -26,7 +26,7 @@ EmbeddingVariables also refuse, at restore, keys another worker owns
 import os
 import re
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.platform import gfile
@@ -39,7 +39,7 @@ _WORKER_DIR_RE = re.compile(r"worker-(\d+)")
 # Workers start and save at different moments: at a fresh start one may
 # have saved its first checkpoint before another looks. Only checkpoint
 # states older than this worker's joining the job (`install`) are compared.
-_originals = {}
+_originals: Dict[str, Any] = {}
 _joined_ns = [0]
 
 

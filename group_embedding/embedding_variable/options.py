@@ -27,7 +27,7 @@ class _Config:
     """get_config()/from_config() for flat dataclasses."""
 
     def get_config(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
 
     @classmethod
     def from_config(cls, config: Dict[str, Any]):
@@ -342,9 +342,10 @@ class StorageOption(_Config):
         return {"storage_type": int(self.storage_type)}
 
 
-_EVICT_CLASSES = {"GlobalStepEvict": GlobalStepEvict,
-                  "L2WeightEvict": L2WeightEvict}
-_FILTER_CLASSES = {"CounterFilter": CounterFilter, "CBFFilter": CBFFilter}
+_EVICT_CLASSES: Dict[str, Any] = {"GlobalStepEvict": GlobalStepEvict,
+                                  "L2WeightEvict": L2WeightEvict}
+_FILTER_CLASSES: Dict[str, Any] = {"CounterFilter": CounterFilter,
+                                   "CBFFilter": CBFFilter}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
+import tensorflow.compat.v1 as _v1
 
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.training import BroadcastVariablesHook
@@ -28,7 +29,6 @@ from group_embedding.estimator.export import ServingInputReceiver
 from group_embedding.estimator.mode_keys import ModeKeys
 from group_embedding.estimator.run_config import RunConfig
 
-_v1 = tf.compat.v1
 LOSS_METRIC_KEY = "loss"
 GLOBAL_STEP_KEY = "global_step"
 

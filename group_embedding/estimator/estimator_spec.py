@@ -34,7 +34,10 @@ def _check_metrics(metrics) -> Dict[str, Any]:
     return metrics
 
 
-class EstimatorSpec(collections.namedtuple("EstimatorSpec", _FIELDS)):
+class EstimatorSpec(collections.namedtuple("EstimatorSpec", [
+        "mode", "predictions", "loss", "train_op", "eval_metric_ops",
+        "export_outputs", "training_chief_hooks", "training_hooks",
+        "scaffold", "evaluation_hooks", "prediction_hooks"])):
     """The ops and objects of a model in one mode (stock fields).
 
     Args:

@@ -8,6 +8,7 @@ with them.
 """
 
 import warnings
+from typing import Any
 from typing import Dict
 from typing import List
 from typing import Tuple
@@ -32,6 +33,9 @@ class BaseOptimizer:
     to the storage (and recorded as each key's version) is
     `self.iterations` before this step's increment.
     """
+
+    # Provided by the Keras optimizer this is mixed into.
+    iterations: Any
 
     def _ev_slots(self) -> List[Tuple[str, float]]:
         """(slot name, initial value) pairs stored with every key."""

@@ -9,13 +9,13 @@ else `tf.compat.v1.train.get_global_step()`, else 0).
 """
 
 import tensorflow as tf
+import tensorflow.compat.v1 as _v1
 
 from group_embedding.embedding_variable.variable import EV_INIT_SLOT_OPS
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 
-_v1 = tf.compat.v1
 
 
 class _EVOptimizerMixin:

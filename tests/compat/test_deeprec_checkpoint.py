@@ -582,9 +582,8 @@ def test_other_filters_keep_admitted_rows():
 def test_collective_worker_restores_the_keys_it_owns(monkeypatch):
     """Worker 1 of 2 keeps the keys k with k mod 2 == 1 (as its shard of a
     collective EV holds), admitted and filtered alike."""
-    from group_embedding.distributed import strategy
-    monkeypatch.setattr(strategy, "is_collective", lambda: True)
-    monkeypatch.setattr(strategy, "world", lambda: (1, 2))
+    from group_embedding import model_parallel
+    monkeypatch.setattr(model_parallel, "world", lambda: (1, 2))
     exp, cfg, evs, opt, out = _restore("deepray_adagrad")
     odd = {f: {k: e for k, e in exp["keys"][f].items() if int(k) % 2}
            for f in FEATURES}
