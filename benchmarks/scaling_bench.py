@@ -670,7 +670,8 @@ def main():
         # oversubscribed) come once, after it, so that their extra load
         # never falls between the launches the ratio is taken from.
         cores = len(os.sched_getaffinity(0))
-        core = [s for s in specs if s.isdigit() and int(s) <= cores]
+        core = [s for s in specs
+                if s == "1c" or (s.isdigit() and int(s) <= cores)]
         order = [(i, s) for i in range(args.launches) for s in core] + [
             (0, s) for s in specs if s not in core]
         for launch_i, spec in order:
