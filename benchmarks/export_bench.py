@@ -149,7 +149,8 @@ def main(argv=None):
                                args.workdir)))
         return None
     results = {"keys": args.keys, "dim": args.dim,
-               "table_bytes": args.keys * args.dim * 4}
+               "table_bytes": args.keys * args.dim * 4,
+               "cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as workdir:
         for name in ("ev_export", "dense_saved_model", "ge_export"):
             run = subprocess.run(
