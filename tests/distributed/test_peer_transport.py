@@ -499,10 +499,12 @@ def test_strangers_and_impostors_change_nothing(tmp_path):
     assert out.count("hostile ok") == 2, out[-6000:]
     assert "links: self,shm" in out and "links: shm,self" in out, \
         out[-6000:]
-    # nobody reached the sockets but was told nothing and taken in nowhere.
+    # nobody reached the sockets but was told nothing and taken in nowhere:
+    # worker 1 hung up on it (worker 0, which accepts nobody, left it
+    # waiting in its backlog).
     assert tries and all(t.get("uid") == 65534 for t in tries), tries
-    assert all(t["connected"] and t["closed"] and t["answered"] == 0
-               for t in tries), tries
+    assert all(t["connected"] and t["answered"] == 0 for t in tries), tries
+    assert sum(t["closed"] for t in tries) >= 2, tries
     # Worker 1 dropped each kind of stranger, for the right reason.
     dropped = [line for line in out.splitlines() if "dropped: " in line]
     for reason in ("runs as uid 65534", "closed during the handshake",
