@@ -10,11 +10,14 @@ in the order of `params`.
 
 import dataclasses
 import sys
+from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Optional
+from typing import Sequence
 from typing import Tuple
+from typing import Union
 
 import tensorflow as tf
 
@@ -26,15 +29,19 @@ from group_embedding.lookup_plan import TableGroup
 from group_embedding.ops import lookup_kernels
 from group_embedding.ops import lookup_tf
 from group_embedding.ops import ragged_ids
+from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.packed_ids import PackedIds
 
 
-def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
-                                  partition_strategy="mod",
-                                  is_sequence=False,
-                                  params_num_per_group=sys.maxsize,
-                                  name=None, *, max_norm=None, training=True,
-                                  concat_outputs=False):
+def group_embedding_lookup_sparse(
+        params: Sequence[Any], sp_ids: Union[Sequence[Any], PackedIds],
+        combiners: Union[str, Sequence[str]],
+        sp_weights: Optional[Sequence[Any]] = None,
+        partition_strategy: str = "mod", is_sequence: bool = False,
+        params_num_per_group: int = sys.maxsize,
+        name: Optional[str] = None, *, max_norm: Any = None,
+        training: Any = True, concat_outputs: bool = False
+) -> Union[List[tf.Tensor], tf.Tensor]:
     """Looks up and pools many embedding tables with one fused op per group.
 
     Row b of output i equals stock
@@ -239,15 +246,16 @@ for _kind in (lookup_plan.SHARDED, lookup_plan.EV):
         _collective("sequence_lookup"))
 
 
-def run_group(group: TableGroup, call: LookupCall):
+def run_group(group: TableGroup, call: LookupCall) -> Any:
     """Runs one planned group: a list of per-table outputs, or for
     `call.mode == CONCAT` one `[B, sum D]` tensor."""
     return _DISPATCH[(group.kind, group.backend, call.mode)](group, call)
 
 
-def lookup_feature_ids(tables, feats, combiners, names,
+def lookup_feature_ids(tables: Sequence[Any], feats: Sequence[FeatureIds],
+                       combiners: Sequence[str], names: Sequence[str],
                        call: LookupCall,
-                       params_num_per_group: int = sys.maxsize):
+                       params_num_per_group: int = sys.maxsize) -> Any:
     """Plans and runs a lookup of checked tables and converted ids.
 
     With `call.mode == CONCAT`, returns one tensor: the pooled outputs
@@ -300,8 +308,10 @@ def _one_id_rows(ids):
         validate=False)
 
 
-def group_embedding_lookup(params, ids, partition_strategy="mod", name=None,
-                           *, training=True):
+def group_embedding_lookup(params: Sequence[Any], ids: Sequence[Any],
+                           partition_strategy: str = "mod",
+                           name: Optional[str] = None, *,
+                           training: Any = True) -> List[tf.Tensor]:
     """Looks up dense id tensors in many tables, one fused op per group.
 
     Output i equals `tf.nn.embedding_lookup(params[i], ids[i])`.

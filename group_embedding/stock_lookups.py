@@ -17,6 +17,7 @@ by key, which `ge.train.*` (TF1 graphs) and `ge.optimizers.*` (eager)
 apply.
 """
 
+from typing import Any
 from typing import Optional
 
 import tensorflow as tf
@@ -86,8 +87,10 @@ def _rows(ev: EmbeddingVariable, ids, max_norm, partition_strategy,
     return out
 
 
-def embedding_lookup(params, ids, partition_strategy="mod", name=None,
-                     validate_indices=True, max_norm=None):
+def embedding_lookup(params: Any, ids: Any, partition_strategy: str = "mod",
+                     name: Optional[str] = None,
+                     validate_indices: Any = True,
+                     max_norm: Any = None) -> Any:
     """`tf.compat.v1.nn.embedding_lookup` that also reads an EV.
 
     Args:
@@ -119,8 +122,9 @@ def embedding_lookup(params, ids, partition_strategy="mod", name=None,
         return _rows(ev, ids, max_norm, partition_strategy, "ids")
 
 
-def gather(params, indices, validate_indices=None, axis=None, batch_dims=0,
-           name=None):
+def gather(params: Any, indices: Any, validate_indices: Any = None,
+           axis: Any = None, batch_dims: Any = 0,
+           name: Optional[str] = None) -> Any:
     """`tf.gather` that also reads an EV (rows of `indices`' keys).
 
     Args:
@@ -152,10 +156,12 @@ def gather(params, indices, validate_indices=None, axis=None, batch_dims=0,
         return _rows(params, indices, None, "mod", "indices")
 
 
-def embedding_lookup_sparse(params, sp_ids, sp_weights,
-                            partition_strategy="mod", name=None,
-                            combiner=None, max_norm=None,
-                            allow_fast_lookup=False):
+def embedding_lookup_sparse(params: Any, sp_ids: Any, sp_weights: Any,
+                            partition_strategy: str = "mod",
+                            name: Optional[str] = None,
+                            combiner: Optional[str] = None,
+                            max_norm: Any = None,
+                            allow_fast_lookup: bool = False) -> Any:
     """`tf.compat.v1.nn.embedding_lookup_sparse` that also reads an EV.
 
     For an EV the result equals stock on a `tf.Variable` holding the EV's
@@ -210,11 +216,14 @@ def embedding_lookup_sparse(params, sp_ids, sp_weights,
         return out
 
 
-def safe_embedding_lookup_sparse(embedding_weights, sparse_ids,
-                                 sparse_weights=None, combiner="mean",
-                                 default_id=None, name=None,
-                                 partition_strategy="div", max_norm=None,
-                                 allow_fast_lookup=False):
+def safe_embedding_lookup_sparse(embedding_weights: Any, sparse_ids: Any,
+                                 sparse_weights: Any = None,
+                                 combiner: str = "mean",
+                                 default_id: Optional[int] = None,
+                                 name: Optional[str] = None,
+                                 partition_strategy: str = "div",
+                                 max_norm: Any = None,
+                                 allow_fast_lookup: bool = False) -> Any:
     """`tf.compat.v1.nn.safe_embedding_lookup_sparse` that also reads an EV.
 
     For an EV, as stock: ids < 0 are dropped (and, unless `combiner` is

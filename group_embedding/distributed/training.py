@@ -12,6 +12,8 @@ single-process step on the whole batch.
 - start: `ge.broadcast_variables(model.variables)` so dense weights agree.
 """
 
+from typing import Any, List, Sequence
+
 import keras
 import tensorflow as tf
 
@@ -23,7 +25,8 @@ from group_embedding.ops import sparse_apply
 
 
 @tf.autograph.experimental.do_not_convert
-def allreduce_gradients(gradients, variables):
+def allreduce_gradients(gradients: Sequence[Any],
+                        variables: Sequence[Any]) -> List[Any]:
     """Turns per-worker gradients into those of the global batch.
 
     Args:
@@ -41,7 +44,7 @@ def allreduce_gradients(gradients, variables):
     if size == 1:
         # One worker: the single-process step, no collective to wait on.
         return gradients
-    reduced = []
+    reduced: List[Any] = []
     dense_at = []
     for i, (g, v) in enumerate(zip(gradients, variables)):
         if g is None:
@@ -128,7 +131,8 @@ class DistributedGradientTape:
         return allreduce_gradients([grads], [sources])[0]
 
 
-def broadcast_variables(variables, root_rank=0):
+def broadcast_variables(variables: Sequence[Any],
+                        root_rank: int = 0) -> None:
     """Copies root's values of the non-shard variables to every worker.
 
     For an EmbeddingVariable, its default-value matrix is broadcast (new
