@@ -533,6 +533,11 @@ def connect(hvd, timeout: float,
     finally:
         for ln in listeners:
             ln.close()
+    for s in peers:
+        if s is not None:
+            # Authenticated: the memfd exchange waits for slower peers to
+            # finish connecting, which may take longer than a handshake.
+            s.settimeout(SETUP_SECONDS)
     shm = [[-1, 0] for _ in peers]
     if same_host_link() == "shm":
         try:

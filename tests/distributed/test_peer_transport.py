@@ -511,3 +511,30 @@ def test_strangers_and_impostors_change_nothing(tmp_path):
                    "bad greeting", "a worker of another job",
                    "does not hold this job's secret", "timed out"):
         assert any(reason in line for line in dropped), (reason, out[-6000:])
+
+
+def test_max_bytes_setting_is_checked(monkeypatch):
+    monkeypatch.delenv("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES", raising=False)
+    assert transport._max_bytes() == 4 << 30
+    monkeypatch.setenv("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES", "1024")
+    assert transport._max_bytes() == 1024
+    for bad in ("0", "-5", "4GiB"):
+        monkeypatch.setenv("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES", bad)
+        with pytest.raises(ValueError, match="Invalid GROUP_EMBEDDING_"
+                                             "TRANSPORT_MAX_BYTES"):
+            transport._max_bytes()
+
+
+def test_listener_binds_only_the_told_address(monkeypatch):
+    # Not every interface: a TCP listener on 127.0.0.2 is not reachable
+    # at 127.0.0.1 (before, the listener bound 0.0.0.0).
+    listener = transport._open_tcp_listener("127.0.0.2")
+    try:
+        host, port = listener.getsockname()[:2]
+        assert host == "127.0.0.2"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+    finally:
+        listener.close()
+    with pytest.raises(RuntimeError, match="cannot listen on 192.0.2.77"):
+        transport._open_tcp_listener("192.0.2.77")  # not this host's
