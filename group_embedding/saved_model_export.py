@@ -13,6 +13,7 @@ import os
 import shutil
 from typing import Dict
 from typing import Optional
+from typing import Set
 
 import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
@@ -101,7 +102,7 @@ def _check_stock_ops(export_dir: str):
     proto = saved_model_pb2.SavedModel()
     with open(os.path.join(export_dir, "saved_model.pb"), "rb") as f:
         proto.ParseFromString(f.read())
-    used = set()
+    used: Set[str] = set()
     for meta in proto.meta_graphs:
         used.update(n.op for n in meta.graph_def.node)
         for function in meta.graph_def.library.function:

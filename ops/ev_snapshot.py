@@ -24,8 +24,11 @@ import contextlib
 import os
 import re
 import sys
+import types
 import weakref
+from typing import Any
 from typing import List
+from typing import Optional
 from typing import Sequence
 
 import numpy as np
@@ -174,7 +177,8 @@ def take(ev) -> EmbeddingSnapshot:
 # EV -> (the SaveOptions of the save it was taken for, snapshot). A save
 # takes each EV's snapshot once (its traces and its object graph share
 # it); the next save takes a new one.
-_taken = weakref.WeakKeyDictionary()
+_taken: "weakref.WeakKeyDictionary[Any, Any]" = (
+    weakref.WeakKeyDictionary())
 
 
 def freezing() -> bool:
@@ -188,7 +192,7 @@ def writing_saved_model() -> bool:
     closed; the writer's frame is then on the stack)."""
     if freezing():
         return True
-    frame = sys._getframe(1)  # pylint: disable=protected-access
+    frame: Optional[types.FrameType] = sys._getframe(1)  # noqa: SLF001
     while frame is not None:
         code = frame.f_code
         if code.co_name == "save_and_return_nodes" and \
