@@ -34,6 +34,7 @@ from group_embedding.packed_ids import pack_ids
 from group_embedding.saved_model_export import export_saved_model
 from group_embedding.deeprec_checkpoint import restore_deeprec_checkpoint
 from group_embedding.distributed.checkpoint import latest_checkpoint
+from group_embedding.distributed.export import export_from_checkpoint
 from group_embedding.distributed.checkpoint import restore_tables
 from group_embedding.distributed.checkpoint import save_tables
 from group_embedding.distributed.sharded_variable import ShardedVariable
@@ -60,6 +61,7 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_variables",
     "enable_distributed_strategy",
+    "export_from_checkpoint",
     "get_embedding_table",
     "latest_checkpoint",
     "restore_deeprec_checkpoint",

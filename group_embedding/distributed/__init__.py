@@ -16,6 +16,7 @@ from group_embedding.distributed.training import DistributedOptimizer
 from group_embedding.distributed.training import allreduce_gradients
 from group_embedding.distributed.training import broadcast_variables
 from group_embedding.distributed.checkpoint import latest_checkpoint
+from group_embedding.distributed.export import export_from_checkpoint
 from group_embedding.distributed.checkpoint import restore_tables
 from group_embedding.distributed.checkpoint import save_tables
 from group_embedding.distributed.pipeline import exchange_ids
@@ -32,6 +33,7 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_variables",
     "enable_distributed_strategy",
+    "export_from_checkpoint",
     "exchange_ids",
     "get_embedding_table",
     "latest_checkpoint",

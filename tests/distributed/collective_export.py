@@ -7,7 +7,7 @@ The tables of collective_checkpoint.py (row-sharded, table-wise and
 replicated dense tables, an EV sharded by key) are built here without
 Horovod, restored from the N-worker checkpoint (`ge.restore_tables` reads
 any worker count), checked against the probe lookups the collective run
-recorded, and written with `ge.export_saved_model`: ONE servable artifact
+recorded, and written with `ge.export_from_checkpoint`: ONE servable artifact
 holding every shard's rows, with stock TF ops only.
 """
 
@@ -29,12 +29,7 @@ def main():
     parser.add_argument("--out")
     args = parser.parse_args()
     tables = cc.build(1000)  # other initial values than the saved ones
-    ge.restore_tables(args.dir, tables)
     probe = cc.batch(7)
-    want = np.load(os.path.join(args.dir, "expected.npy"))
-    np.testing.assert_allclose(
-        cc.lookup(tables, probe, training=False).numpy(), want, rtol=1e-6,
-        atol=1e-7)
     spec = {name: tf.RaggedTensorSpec([None, None], ids.dtype, 1,
                                       ids.row_splits.dtype)
             for name, ids in probe.items()}
@@ -43,7 +38,12 @@ def main():
     module.serve = tf.function(
         lambda ids: cc.lookup(tables, ids, training=False),
         input_signature=[spec], autograph=False)
-    ge.export_saved_model(module, args.out)
+    # One call: every worker's shards restored here, then exported.
+    ge.export_from_checkpoint(args.dir, tables, module, args.out)
+    want = np.load(os.path.join(args.dir, "expected.npy"))
+    np.testing.assert_allclose(
+        cc.lookup(tables, probe, training=False).numpy(), want, rtol=1e-6,
+        atol=1e-7)
     print("exported the restored tables: single process equals the "
           "collective run", flush=True)
 

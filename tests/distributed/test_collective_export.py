@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import collective_checkpoint as cc
 from test_collective_training import run_workers
@@ -34,3 +35,15 @@ def test_two_workers_export_one_servable(tmp_path):
     want = np.load(os.path.join(folder, "expected.npy"))
     got = serve(out, cc.batch(7), "serve", tmp_path)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_export_from_checkpoint_refuses_collective_mode(monkeypatch,
+                                                        tmp_path):
+    # A worker holds only its shards: exporting there would lose rows.
+    import group_embedding as ge
+    from group_embedding.distributed import strategy
+    monkeypatch.setattr(strategy, "is_collective", lambda: True)
+    with pytest.raises(RuntimeError, match="one plain process"):
+        ge.export_from_checkpoint(str(tmp_path), {}, None,
+                                  str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
