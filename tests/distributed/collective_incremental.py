@@ -56,12 +56,18 @@ def dense_rows(table):
 
 
 def state(ev):
-    keys, values, freqs, versions, _, _, slots, step = [
-        np.asarray(x) for x in ev_storage.export(ev.handle, DIM)]
+    """An EV's content sorted by key (the oracle form of these tests,
+    also used by test_incremental_checkpoint.py and incremental_kill.py),
+    and its per-variable fields."""
+    keys, values, freqs, versions, names, inits, slots, step = [
+        np.asarray(x) for x in ev_storage.export(ev.handle,
+                                                 ev.embedding_dim)]
     order = np.argsort(keys)
+    names = np.asarray([n.decode() for n in names], dtype=str)
     return {"keys": keys[order], "values": values[order],
             "freqs": freqs[order], "versions": versions[order],
-            "slots": slots[order], "step": step}
+            "slots": slots[order], "slot_names": names, "slot_inits": inits,
+            "step": step}
 
 
 def assert_state(got, want, what):

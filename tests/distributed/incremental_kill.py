@@ -23,6 +23,8 @@ import group_embedding as ge  # noqa: E402
 from group_embedding.distributed import checkpoint as checkpoint_lib  # noqa: E402
 from group_embedding.ops import ev_storage  # noqa: E402
 
+from collective_incremental import state  # noqa: E402
+
 DIM = 4
 SLOT = "adagrad/accumulator"
 
@@ -47,11 +49,7 @@ def main():
             rng.standard_normal((20 * step, DIM)).astype("f"), step, 0.3,
             1e-7, SLOT)
         path = ge.save_tables(args.dir, {"t": ev}, step, full_every=10)
-    out = [np.asarray(x) for x in ev_storage.export(ev.handle, DIM)]
-    order = np.argsort(out[0])
-    np.savez(os.path.join(args.dir, "good.npz"), keys=out[0][order],
-             values=out[1][order], freqs=out[2][order],
-             versions=out[3][order], slots=out[6][order],
+    np.savez(os.path.join(args.dir, "good.npz"), **state(ev),
              checkpoint=os.path.basename(path))
     print("saved the last good delta", flush=True)
 

@@ -21,6 +21,8 @@ import group_embedding as ge
 from group_embedding.distributed import checkpoint as checkpoint_lib
 from group_embedding.ops import ev_storage
 
+from collective_incremental import state
+
 DIM = 4
 SLOT = "adagrad/accumulator"
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,13 +36,7 @@ def _make(name, option=None):
 
 def _state(ev):
     """The EV's content sorted by key, and its per-variable fields."""
-    keys, values, freqs, versions, names, inits, slots, step = [
-        np.asarray(x) for x in ev_storage.export(ev.handle, DIM)]
-    order = np.argsort(keys)
-    return {"keys": keys[order], "values": values[order],
-            "freqs": freqs[order], "versions": versions[order],
-            "slots": slots[order], "slot_names": names, "slot_inits": inits,
-            "step": step, "default_values": ev.default_values.numpy()}
+    return {**state(ev), "default_values": ev.default_values.numpy()}
 
 
 def _assert_same(got, want):
