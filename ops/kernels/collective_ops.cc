@@ -44,20 +44,29 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "id_map.h"
 #include "pooling.h"
+#include "table_access.h"
 
 namespace group_embedding_collective {
 
+using ::group_embedding::BufferRows;
 using ::group_embedding::CheckMatrix;
 using ::group_embedding::CheckRagged;
 using ::group_embedding::CheckScalar;
 using ::group_embedding::Combiner;
+using ::group_embedding::IdScratch;
 using ::group_embedding::InputsWithRank;
 using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::ParseCombiners;
+using ::group_embedding::PooledTable;
+using ::group_embedding::PoolTables;
 using ::group_embedding::PrefetchRow;
 using ::group_embedding::RowScale;
+using ::group_embedding::SharedVarLocks;
 using ::group_embedding::WeightGradRows;
+using ::group_embedding::WithIdMap;
+using ::group_embedding::WithStaticDim;
 using ::tensorflow::DEVICE_CPU;
 using ::tensorflow::OpInputList;
 using ::tensorflow::OpKernel;
@@ -75,212 +84,6 @@ using ::tensorflow::shape_inference::InferenceContext;
 
 // Horovod takes int32 splits: no segment of a buffer may exceed this.
 constexpr int64_t kMaxSplit = std::numeric_limits<int32_t>::max();
-
-// Open-addressing id -> slot map; slots are dense, in first-occurrence
-// order, and `TakeKeys()` lists the distinct ids in that order.
-class HashedIds {
- public:
-  explicit HashedIds(int64_t expected) {
-    int64_t cap = 16;
-    while (cap < 2 * expected) cap <<= 1;
-    mask_ = static_cast<uint64_t>(cap - 1);
-    table_keys_.resize(cap);
-    table_slots_.assign(cap, -1);
-    keys_.reserve(expected);
-  }
-
-  // Fetches the cache lines `Insert(id)` will probe first.
-  void Prefetch(int64_t id) const {
-    const uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
-    __builtin_prefetch(&table_keys_[h]);
-    __builtin_prefetch(&table_slots_[h]);
-  }
-
-  int64_t Insert(int64_t id) {
-    uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
-    while (true) {
-      const int64_t s = table_slots_[h];
-      if (s < 0) {
-        table_keys_[h] = id;
-        table_slots_[h] = static_cast<int64_t>(keys_.size());
-        keys_.push_back(id);
-        return table_slots_[h];
-      }
-      if (table_keys_[h] == id) return s;
-      h = (h + 1) & mask_;
-    }
-  }
-
-  // The distinct ids, in first-occurrence order; the map is spent.
-  std::vector<int64_t> TakeKeys() { return std::move(keys_); }
-
- private:
-  static uint64_t Mix(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    return x;
-  }
-  uint64_t mask_;
-  std::vector<int64_t> table_keys_;
-  std::vector<int64_t> table_slots_;
-  std::vector<int64_t> keys_;
-};
-
-// The same for ids known to lie in [0, bound) with a small bound: one
-// int32 slot per possible id, no hashing or probing. The slot array is
-// scratch kept by the kernel across steps (all -1 between uses: TakeKeys
-// resets only the touched entries), so a step neither allocates nor
-// clears `bound` entries.
-class DirectIds {
- public:
-  DirectIds(std::vector<int32_t>* scratch, int64_t bound, int64_t expected)
-      : slot_of_(scratch) {
-    if (static_cast<int64_t>(slot_of_->size()) < bound) {
-      slot_of_->resize(bound, -1);
-    }
-    keys_.reserve(expected);
-  }
-
-  void Prefetch(int64_t id) const { __builtin_prefetch(&(*slot_of_)[id]); }
-
-  int64_t Insert(int64_t id) {
-    int32_t& s = (*slot_of_)[id];
-    if (s < 0) {
-      s = static_cast<int32_t>(keys_.size());
-      keys_.push_back(id);
-    }
-    return s;
-  }
-
-  // The distinct ids, in first-occurrence order; the map is spent.
-  std::vector<int64_t> TakeKeys() {
-    for (int64_t id : keys_) (*slot_of_)[id] = -1;
-    return std::move(keys_);
-  }
-
- private:
-  std::vector<int32_t>* slot_of_;
-  std::vector<int64_t> keys_;
-};
-
-// Whether `DirectIds` suits n ids in [0, bound): its 4-byte slots beat
-// hashing up to a bound of about 64 ids' worth (plus 1 MiB); slots must
-// fit int32.
-bool UseDirect(int64_t bound, int64_t n) {
-  return n < std::numeric_limits<int32_t>::max() &&
-         bound <= 64 * n + (int64_t{1} << 18);
-}
-
-// Per-kernel scratch of DirectIds, one slot array per table. A kernel
-// may run concurrently (two steps in flight): the first run takes the
-// scratch, any other allocates its own.
-class IdScratch {
- public:
-  // Holds the slot arrays of `k` tables for one run, if free.
-  class Lease {
-   public:
-    Lease(IdScratch* owner, int k) : owner_(owner) {
-      if (!owner_->mu_.try_lock()) return;
-      if (static_cast<int>(owner_->slots_.size()) < k) {
-        owner_->slots_.resize(k);
-      }
-      slots_ = &owner_->slots_;
-    }
-    ~Lease() {
-      if (slots_ != nullptr) owner_->mu_.unlock();
-    }
-    // Table t's slot array, or nullptr (use a fresh one).
-    std::vector<int32_t>* For(int64_t t) const {
-      return slots_ ? &(*slots_)[t] : nullptr;
-    }
-
-   private:
-    IdScratch* owner_;
-    std::vector<std::vector<int32_t>>* slots_ = nullptr;
-  };
-
- private:
-  tensorflow::mutex mu_;
-  std::vector<std::vector<int32_t>> slots_;
-};
-
-// Calls `f(map)` with the map that suits `n` ids in [0, bound); `scratch`
-// (nullptr: a fresh array) backs a DirectIds.
-template <typename F>
-void WithIdMap(int64_t bound, int64_t n, std::vector<int32_t>* scratch,
-               F f) {
-  if (UseDirect(bound, n)) {
-    std::vector<int32_t> own;
-    DirectIds map(scratch ? scratch : &own, bound, n);
-    f(map);
-  } else {
-    HashedIds map(n);
-    f(map);
-  }
-}
-
-// Calls f(std::integral_constant<int64_t, D>()) with D = dim for the
-// common embedding widths, so that the row loops compile to fixed-width
-// SIMD with the row in registers, and D = 0 (width read at run time)
-// otherwise.
-template <typename F>
-void WithDim(int64_t dim, F&& f) {
-  switch (dim) {
-    case 4: f(std::integral_constant<int64_t, 4>()); break;
-    case 8: f(std::integral_constant<int64_t, 8>()); break;
-    case 16: f(std::integral_constant<int64_t, 16>()); break;
-    case 32: f(std::integral_constant<int64_t, 32>()); break;
-    case 64: f(std::integral_constant<int64_t, 64>()); break;
-    default: f(std::integral_constant<int64_t, 0>()); break;
-  }
-}
-
-// One table's ids as the pooling loops read them: per id, the float
-// offset of its row in the rows buffer; weights nullptr when unweighted.
-struct PooledIds {
-  const int64_t* offsets;
-  const int64_t* splits;
-  const float* weights;
-  int64_t nnz;
-  int64_t dim;
-  Combiner combiner;
-};
-
-// Pools rows [b0, b1) of one table from the rows buffer into `out`
-// ([batch, dim]), with the arithmetic of the fused single-process lookup.
-template <int64_t kDim>
-void PoolRows(const PooledIds& p, const float* rows, int64_t b0, int64_t b1,
-              float* out) {
-  const int64_t dim = kDim > 0 ? kDim : p.dim;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lo = p.splits[b], hi = p.splits[b + 1];
-    const float scale = RowScale(p.combiner, p.weights, lo, hi);
-    float* o = out + b * dim;
-    if constexpr (kDim > 0) {
-      float acc[kDim] = {};
-      for (int64_t j = lo; j < hi; ++j) {
-        // Ahead across row boundaries (rows are often one id long); the
-        // table's last ids prefetch nothing past its offsets.
-        if (j + kPrefetchDistance < p.nnz) {
-          PrefetchRow(rows + p.offsets[j + kPrefetchDistance], kDim);
-        }
-        const float* row = rows + p.offsets[j];
-        const float wj = p.weights ? p.weights[j] : 1.0f;
-        for (int64_t d = 0; d < kDim; ++d) acc[d] += wj * row[d];
-      }
-      for (int64_t d = 0; d < kDim; ++d) o[d] = acc[d] * scale;
-    } else {
-      std::fill(o, o + dim, 0.0f);
-      for (int64_t j = lo; j < hi; ++j) {
-        const float* row = rows + p.offsets[j];
-        const float wj = p.weights ? p.weights[j] : 1.0f;
-        for (int64_t d = 0; d < dim; ++d) o[d] += wj * row[d];
-      }
-      for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
-    }
-  }
-}
 
 // dst[0:kDim] += src[0:kDim], 8 floats at a time. Written as a plain loop
 // GCC keeps it scalar (it cannot rule out that dst and src overlap).
@@ -303,8 +106,9 @@ inline void AddRow(float* dst, const float* src) {
 // Adds the gradient of every id of one table ([batch, dim] pooled
 // gradients `g`) to its row's slot of `out`: one sum per distinct row.
 template <int64_t kDim>
-void ScatterRowGrads(const PooledIds& p, const float* g, int64_t batch,
-                     float* out) {
+void ScatterRowGrads(const PooledTable<BufferRows>& p, const float* g,
+                     int64_t batch, float* out) {
+  const int64_t* offsets = p.rows.offsets;
   const int64_t dim = kDim > 0 ? kDim : p.dim;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t lo = p.splits[b], hi = p.splits[b + 1];
@@ -317,16 +121,16 @@ void ScatterRowGrads(const PooledIds& p, const float* g, int64_t batch,
         for (int64_t d = 0; d < kDim; ++d) sg[d] = scale * gb[d];
         for (int64_t j = lo; j < hi; ++j) {
           if (j + kPrefetchDistance < p.nnz) {
-            PrefetchRow(out + p.offsets[j + kPrefetchDistance], kDim);
+            PrefetchRow(out + offsets[j + kPrefetchDistance], kDim);
           }
-          AddRow<kDim>(out + p.offsets[j], sg);
+          AddRow<kDim>(out + offsets[j], sg);
         }
         continue;
       }
     }
     for (int64_t j = lo; j < hi; ++j) {
       const float f = scale * (p.weights ? p.weights[j] : 1.0f);
-      float* dst = out + p.offsets[j];
+      float* dst = out + offsets[j];
       for (int64_t d = 0; d < dim; ++d) dst[d] += f * gb[d];
     }
   }
@@ -710,25 +514,6 @@ REGISTER_OP("CollectiveOwnerGather")
       return Status();
     });
 
-// Shared locks on several variables, once each, in address order.
-class SharedLocks {
- public:
-  explicit SharedLocks(const std::vector<Var*>& vars) {
-    for (Var* v : vars) mus_.push_back(v->mu());
-    std::sort(mus_.begin(), mus_.end());
-    mus_.erase(std::unique(mus_.begin(), mus_.end()), mus_.end());
-    for (auto* m : mus_) m->lock_shared();
-  }
-  ~SharedLocks() {
-    for (auto it = mus_.rbegin(); it != mus_.rend(); ++it) {
-      (*it)->unlock_shared();
-    }
-  }
-
- private:
-  std::vector<tensorflow::mutex*> mus_;
-};
-
 class CollectiveOwnerGatherOp : public OpKernel {
  public:
   explicit CollectiveOwnerGatherOp(OpKernelConstruction* ctx)
@@ -755,7 +540,7 @@ class CollectiveOwnerGatherOp : public OpKernel {
                                          &refs[t]));
       vars[t] = refs[t].get();
     }
-    SharedLocks locks(vars);
+    SharedVarLocks locks(vars);
     std::vector<const float*> tables(k);
     const int64_t* v = ctx->input(k).flat<int64_t>().data();
     for (int t = 0; t < k; ++t) {
@@ -797,7 +582,7 @@ class CollectiveOwnerGatherOp : public OpKernel {
         const int64_t c = layout.count[b];
         float* dst = out + layout.elem_begin[b];
         const float* table = tables[t];
-        WithDim(dim, [&](auto fixed) {
+        WithStaticDim(dim, [&](auto fixed) {
           constexpr int64_t kDim = decltype(fixed)::value;
           const int64_t width = kDim > 0 ? kDim : dim;
           for (int64_t j = 0; j < c; ++j) {
@@ -948,7 +733,7 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
         for (int64_t s = 0; s < n; ++s) {
           const float* src = g + layout.elem_begin[s * k + t];
           const int64_t c = layout.count[s * k + t];
-          WithDim(dim, [&](auto fixed) {
+          WithStaticDim(dim, [&](auto fixed) {
             constexpr int64_t kDim = decltype(fixed)::value;
             const int64_t width = kDim > 0 ? kDim : dim;
             for (int64_t i = 0; i < c; ++i) {
@@ -980,6 +765,24 @@ REGISTER_KERNEL_BUILDER(Name("CollectiveOwnerGatherGrad").Device(DEVICE_CPU),
 // ---------------------------------------------------------------------------
 // Local pooling from the returned rows buffer.
 // ---------------------------------------------------------------------------
+
+// One table of the returned rows buffer as the pooling core reads it
+// (`rows` nullptr: offsets only, for the backward); no output yet.
+PooledTable<BufferRows> BufferTable(const float* rows, const Tensor& offsets,
+                                    const Tensor& splits,
+                                    const Tensor& weights, int64_t dim,
+                                    Combiner combiner) {
+  PooledTable<BufferRows> p;
+  p.rows = {rows, offsets.flat<int64_t>().data()};
+  p.splits = splits.flat<int64_t>().data();
+  p.weights = weights.NumElements() ? weights.flat<float>().data() : nullptr;
+  p.nnz = offsets.NumElements();
+  p.dim = dim;
+  p.combiner = combiner;
+  p.out = nullptr;
+  p.stride = dim;
+  return p;
+}
 
 // Checks one table's ragged ids (row offsets here) and that every offset
 // addresses a whole `dim`-float row of a buffer of `elems` floats.
@@ -1056,7 +859,8 @@ class CollectivePoolOp : public OpKernel {
     int64_t total_nnz = 0;
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
-    std::vector<float*> outs(k);
+    const float* rows = rows_t.flat<float>().data();
+    std::vector<PooledTable<BufferRows>> tables(k);
     for (int t = 0; t < k; ++t) {
       OP_REQUIRES_OK(ctx, CheckOffsets(absl::StrCat("table ", t), offsets[t],
                                        splits[t], weights[t], dims_[t],
@@ -1067,38 +871,17 @@ class CollectivePoolOp : public OpKernel {
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dims_[t]}),
                                        &o));
-      outs[t] = o->flat<float>().data();
+      tables[t] = BufferTable(rows, offsets[t], splits[t], weights[t],
+                              dims_[t], combiners_[t]);
+      tables[t].out = o->flat<float>().data();
+      tables[t].stride = dims_[t];
     }
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
-    const float* rows = rows_t.flat<float>().data();
-    std::vector<PooledIds> tables(k);
-    for (int t = 0; t < k; ++t) tables[t] = Ids(offsets[t], splits[t],
-                                                weights[t], t);
-    auto work = [&](int64_t begin, int64_t end) {
-      // Units are output rows of all tables, numbered consecutively.
-      int t = static_cast<int>(
-          std::upper_bound(first_row.begin(), first_row.end(), begin) -
-          first_row.begin() - 1);
-      for (; t < k && first_row[t] < end; ++t) {
-        const int64_t b0 = std::max(begin, first_row[t]) - first_row[t];
-        const int64_t b1 = std::min(end, first_row[t + 1]) - first_row[t];
-        WithDim(dims_[t], [&](auto d) {
-          PoolRows<decltype(d)::value>(tables[t], rows, b0, b1, outs[t]);
-        });
-      }
-    };
+    // Offsets were checked (CheckOffsets): no id is refused; no clipping.
     const int64_t avg = total_nnz / total_rows + 1;
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
-                      avg * 64 + 20, work);
-  }
-
-  PooledIds Ids(const Tensor& offsets, const Tensor& splits,
-                const Tensor& weights, int t) const {
-    return {offsets.flat<int64_t>().data(), splits.flat<int64_t>().data(),
-            weights.NumElements() ? weights.flat<float>().data() : nullptr,
-            offsets.NumElements(), dims_[t], combiners_[t]};
+    PoolTables(ctx, tables, first_row, /*max_norm=*/-1.0f, avg * 64 + 20,
+               [](int, int64_t) {});
   }
 
  private:
@@ -1178,10 +961,12 @@ class CollectivePoolGradOp : public OpKernel {
     // Tables own disjoint parts of the buffer: shard over tables.
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const PooledIds p = Ids(offsets[t], splits[t], weights[t], t);
+        const PooledTable<BufferRows> p =
+            BufferTable(nullptr, offsets[t], splits[t], weights[t], dims_[t],
+                        combiners_[t]);
         const float* g = grads[t].flat<float>().data();
         const int64_t batch = splits[t].NumElements() - 1;
-        WithDim(dims_[t], [&](auto d) {
+        WithStaticDim(dims_[t], [&](auto d) {
           ScatterRowGrads<decltype(d)::value>(p, g, batch, out);
         });
       }
@@ -1189,13 +974,6 @@ class CollectivePoolGradOp : public OpKernel {
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, k,
                       (total / k + 1) * 64, work);
-  }
-
-  PooledIds Ids(const Tensor& offsets, const Tensor& splits,
-                const Tensor& weights, int t) const {
-    return {offsets.flat<int64_t>().data(), splits.flat<int64_t>().data(),
-            weights.NumElements() ? weights.flat<float>().data() : nullptr,
-            offsets.NumElements(), dims_[t], combiners_[t]};
   }
 
  private:

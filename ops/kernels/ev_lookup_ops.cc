@@ -32,14 +32,15 @@ using ::group_embedding::CheckRagged;
 using ::group_embedding::CheckScalar;
 using ::group_embedding::InputsWithRank;
 using ::group_embedding::Combiner;
-using ::group_embedding::DataOf;
 using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::ParseCombiners;
-using ::group_embedding::PrefetchRow;
-using ::group_embedding::RowScale;
+using ::group_embedding::PooledTable;
+using ::group_embedding::PoolTables;
+using ::group_embedding::ResolvedRows;
+using ::group_embedding::ScatterSequences;
 using ::group_embedding::SequenceOutputShapes;
 using ::group_embedding::SequenceShape;
-using ::group_embedding::WithStaticDim;
+using ::group_embedding::SequenceTable;
 using ::group_embedding::WeightGradRows;
 using ::tensorflow::OpOutputList;
 
@@ -288,12 +289,20 @@ class EVGroupLookupOp : public OpKernel {
     }
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
-    std::vector<float*> outs(k);
+    std::vector<PooledTable<ResolvedRows>> pooled(k);
     for (int t = 0; t < k; ++t) {
       Tensor* o = nullptr;
       const int64_t batch = first_row[t + 1] - first_row[t];
       OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim}), &o));
-      outs[t] = o->flat<float>().data();
+      pooled[t].splits = in.splits[t].flat<int64_t>().data();
+      pooled[t].weights = in.weights[t].NumElements()
+                              ? in.weights[t].flat<float>().data()
+                              : nullptr;
+      pooled[t].nnz = offset[t + 1] - offset[t];
+      pooled[t].dim = dim;
+      pooled[t].combiner = combiners_[t];
+      pooled[t].out = o->flat<float>().data();
+      pooled[t].stride = dim;
     }
 
     EVGroupLocks locks(in.evs, training);
@@ -303,52 +312,11 @@ class EVGroupLookupOp : public OpKernel {
                                      no_permission, rows.data()));
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
-
-    // Pooling, as GroupEmbeddingVariableLookup but through row pointers.
-    const auto split_data = DataOf<int64_t>(in.splits);
-    const auto weight_data = DataOf<float>(in.weights);
+    for (int t = 0; t < k; ++t) pooled[t].rows = {rows.data() + offset[t]};
+    // Every key has a row (ResolveKeys): no id is refused, no clipping.
     const int64_t avg = offset[k] / total_rows + 1;
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    WithStaticDim(dim, [&](auto static_dim) {
-      // Sums in registers for the usual widths, as the plain lookup.
-      constexpr int64_t kDim = decltype(static_dim)::value;
-      const int64_t width = kDim > 0 ? kDim : dim;
-      auto work = [&](int64_t begin, int64_t end) {
-        int t = static_cast<int>(
-            std::upper_bound(first_row.begin(), first_row.end(), begin) -
-            first_row.begin() - 1);
-        float sums[kDim > 0 ? kDim : 1];
-        for (int64_t unit = begin; unit < end; ++unit) {
-          while (unit >= first_row[t + 1]) ++t;
-          const int64_t b = unit - first_row[t];
-          const int64_t* s = split_data[t];
-          const float* w = weight_data[t];
-          const float* const* ptr = rows.data() + offset[t];
-          const int64_t nnz = offset[t + 1] - offset[t];
-          float* o = outs[t] + b * width;
-          float* acc = kDim > 0 ? sums : o;
-          std::fill(acc, acc + width, 0.0f);
-          const int64_t lo = s[b], hi = s[b + 1];
-          for (int64_t j = lo; j < hi; ++j) {
-            // Ahead across row boundaries: rows are often one key long.
-            if (j + kPrefetchDistance < nnz) {
-              PrefetchRow(ptr[j + kPrefetchDistance], width);
-            }
-            const float* row = ptr[j];
-            const float wj = w ? w[j] : 1.0f;
-            for (int64_t d = 0; d < width; ++d) acc[d] += wj * row[d];
-          }
-          const float scale = RowScale(combiners_[t], w, lo, hi);
-          if (kDim > 0) {
-            for (int64_t d = 0; d < width; ++d) o[d] = acc[d] * scale;
-          } else if (scale != 1.0f) {
-            for (int64_t d = 0; d < width; ++d) o[d] *= scale;
-          }
-        }
-      };
-      tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
-                        avg * width * 4 + 20, work);
-    });
+    PoolTables(ctx, pooled, first_row, /*max_norm=*/-1.0f,
+               avg * dim * 4 + 20, [](int, int64_t) {});
   }
 
  private:
@@ -448,42 +416,19 @@ class EVGroupSequenceLookupOp : public OpKernel {
     if (total_rows == 0) return;
 
     int64_t total_slots = 0;
+    std::vector<SequenceTable<ResolvedRows>> tables(k);
     for (int t = 0; t < k; ++t) {
       total_slots += (first_row[t + 1] - first_row[t]) * lens[t];
+      tables[t] = {{rows.data() + offset[t]},
+                   splits[t].flat<int64_t>().data(),
+                   positions[t].flat<int64_t>().data(),
+                   /*weights=*/nullptr,
+                   offset[t + 1] - offset[t],
+                   lens[t],
+                   outs[t]};
     }
-    const auto split_data = DataOf<int64_t>(splits);
-    const auto position_data = DataOf<int64_t>(positions);
-    auto work = [&](int64_t begin, int64_t end) {
-      int t = static_cast<int>(
-          std::upper_bound(first_row.begin(), first_row.end(), begin) -
-          first_row.begin() - 1);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        while (unit >= first_row[t + 1]) ++t;
-        const int64_t b = unit - first_row[t];
-        const int64_t len = lens[t];
-        const int64_t* s = split_data[t];
-        const int64_t* p = position_data[t];
-        const float* const* ptr = rows.data() + offset[t];
-        const int64_t nnz = offset[t + 1] - offset[t];
-        float* o = outs[t] + b * len * dim;
-        std::fill(o, o + len * dim, 0.0f);
-        for (int64_t j = s[b]; j < s[b + 1]; ++j) {
-          if (j + kPrefetchDistance < nnz) {
-            PrefetchRow(ptr[j + kPrefetchDistance], dim);
-          }
-          // `+=`: a malformed SparseTensor may repeat a [row, column]; its
-          // keys then add up, as in the segment sum of the gather path.
-          const float* row = ptr[j];
-          float* dst = o + p[j] * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] += row[d];
-        }
-      }
-    };
-    const int64_t cost =
-        ((total_slots + offset[k]) / total_rows + 1) * dim * 3;
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, total_rows, cost,
-                      work);
+    ScatterSequences(ctx, tables, first_row, dim, /*max_norm=*/-1.0f,
+                     ((total_slots + offset[k]) / total_rows + 1) * dim * 3);
   }
 
  private:

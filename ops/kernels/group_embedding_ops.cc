@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -112,23 +113,6 @@ struct RowBlock {
   int64_t stride;
 };
 
-// Checks that every table has the batch size of table 0 (the
-// concatenated layout has one row per example for all tables).
-inline Status CheckSameBatch(const std::vector<std::string>& names,
-                             const OpInputList& splits) {
-  const int64_t batch = splits[0].NumElements() - 1;
-  for (int t = 1; t < splits.size(); ++t) {
-    if (splits[t].NumElements() - 1 != batch) {
-      return InvalidArgument(
-          names.empty() ? absl::StrCat("table ", t) : names[t], ": has ",
-          splits[t].NumElements() - 1, " rows but ",
-          names.empty() ? std::string("table 0") : names[0], " has ", batch,
-          "; a concatenated output needs equal batch sizes.");
-    }
-  }
-  return Status();
-}
-
 class GroupEmbeddingVariableLookupOp : public OpKernel {
  public:
   explicit GroupEmbeddingVariableLookupOp(OpKernelConstruction* ctx)
@@ -186,14 +170,26 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
       vocabs[t] = table->dim_size(0);
     }
 
-    std::vector<RowBlock<float>> outs(k);
+    std::vector<PooledTable<TableRows>> pooled(k);
+    for (int t = 0; t < k; ++t) {
+      pooled[t].rows = {tables[t], ids[t].flat<int64_t>().data(),
+                        static_cast<uint64_t>(vocabs[t]), dim_};
+      pooled[t].splits = splits[t].flat<int64_t>().data();
+      pooled[t].weights = weights[t].NumElements()
+                              ? weights[t].flat<float>().data()
+                              : nullptr;
+      pooled[t].nnz = ids[t].NumElements();
+      pooled[t].dim = dim_;
+      pooled[t].combiner = combiners_[t];
+    }
     if (concat_) {
       OP_REQUIRES_OK(ctx, CheckSameBatch(table_names_, splits));
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               0, TensorShape({first_row[1], k * dim_}), &o));
       for (int t = 0; t < k; ++t) {
-        outs[t] = {o->flat<float>().data() + t * dim_, k * dim_};
+        pooled[t].out = o->flat<float>().data() + t * dim_;
+        pooled[t].stride = k * dim_;
       }
     } else {
       OpOutputList out;
@@ -202,77 +198,25 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
         Tensor* o = nullptr;
         const int64_t batch = first_row[t + 1] - first_row[t];
         OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim_}), &o));
-        outs[t] = {o->flat<float>().data(), dim_};
+        pooled[t].out = o->flat<float>().data();
+        pooled[t].stride = dim_;
       }
     }
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
 
-    const int64_t dim = dim_;
-    const float max_norm = max_norm_;
     // The first out-of-range id found, as (table, position); any one is
     // reported (shards race), never read.
     std::atomic<bool> bad(false);
     std::atomic<int64_t> bad_table(-1), bad_pos(-1);
-    const auto id_data = DataOf<int64_t>(ids);
-    const auto split_data = DataOf<int64_t>(splits);
-    const auto weight_data = DataOf<float>(weights);
     const int64_t avg = total_nnz / total_rows + 1;
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    WithStaticDim(dim, [&](auto static_dim) {
-      // kDim > 0: the sums live in `acc`, registers; a plain `o[d] +=`
-      // loop reloads and stores the output at every id (the compiler
-      // cannot tell the output from the rows).
-      constexpr int64_t kDim = decltype(static_dim)::value;
-      const int64_t width = kDim > 0 ? kDim : dim;
-      auto work = [&](int64_t begin, int64_t end) {
-        int t = static_cast<int>(
-            std::upper_bound(first_row.begin(), first_row.end(), begin) -
-            first_row.begin() - 1);
-        float sums[kDim > 0 ? kDim : 1];
-        for (int64_t unit = begin; unit < end; ++unit) {
-          while (unit >= first_row[t + 1]) ++t;
-          const int64_t b = unit - first_row[t];
-          const int64_t* v = id_data[t];
-          const int64_t* s = split_data[t];
-          const float* w = weight_data[t];
-          const float* table = tables[t];
-          const uint64_t vocab = static_cast<uint64_t>(vocabs[t]);
-          float* o = outs[t].base + b * outs[t].stride;
-          float* acc = kDim > 0 ? sums : o;
-          std::fill(acc, acc + width, 0.0f);
-          const int64_t lo = s[b], hi = s[b + 1];
-          const int64_t nnz = s[first_row[t + 1] - first_row[t]];
-          for (int64_t j = lo; j < hi; ++j) {
-            // One unsigned compare also catches negative ids.
-            if (static_cast<uint64_t>(v[j]) >= vocab) {
-              if (!bad.exchange(true)) {
-                bad_table = t;
-                bad_pos = j;
-              }
-              continue;
-            }
-            // Ahead across row boundaries: rows are often one id long.
-            const int64_t ahead = j + kPrefetchDistance;
-            if (ahead < nnz && static_cast<uint64_t>(v[ahead]) < vocab) {
-              PrefetchRow(table + v[ahead] * width, width);
-            }
-            const float* row = table + v[j] * width;
-            const float wj =
-                (w ? w[j] : 1.0f) * ClipFactor(row, width, max_norm);
-            for (int64_t d = 0; d < width; ++d) acc[d] += wj * row[d];
-          }
-          const float scale = RowScale(combiners_[t], w, lo, hi);
-          if (kDim > 0) {
-            for (int64_t d = 0; d < width; ++d) o[d] = acc[d] * scale;
-          } else if (scale != 1.0f) {
-            for (int64_t d = 0; d < width; ++d) o[d] *= scale;
-          }
-        }
-      };
-      tensorflow::Shard(pool->num_threads, pool->workers, total_rows,
-                        avg * width * 4 + 20, work);
-    });
+    PoolTables(ctx, pooled, first_row, max_norm_, avg * dim_ * 4 + 20,
+               [&](int t, int64_t j) {
+                 if (!bad.exchange(true)) {
+                   bad_table = t;
+                   bad_pos = j;
+                 }
+               });
     if (bad) {
       const int64_t t = bad_table, j = bad_pos;
       ctx->SetStatus(InvalidArgument(
@@ -1129,34 +1073,13 @@ class GroupSparseApplyAdagradOp : public OpKernel {
         word |= bit;
       }
     }
-    // Sum duplicates: slot -> first position, then add the others.
-    std::vector<int64_t> first;
-    std::vector<int64_t> slot;
-    int64_t u = n;
-    if (duplicates) {
-      IdSlotMap map(n);
-      slot.resize(n);
-      first.reserve(n);
-      for (int64_t j = 0; j < n; ++j) {
-        slot[j] = map.Insert(idx[j]);
-        if (slot[j] == static_cast<int64_t>(first.size())) first.push_back(j);
-      }
-      u = map.size();
-    }
-    const float* gs = g;
-    std::vector<float> summed;
-    if (u != n) {
-      summed.assign(u * dim, 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        float* dst = summed.data() + slot[j] * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] += g[j * dim + d];
-      }
-      gs = summed.data();
-    }
+    std::optional<DuplicateSums> sums;
+    if (duplicates) sums.emplace(idx, n, g, dim);
+    const int64_t u = sums ? sums->size() : n;
     float* vp = vt->flat<float>().data();
     float* ap = at->flat<float>().data();
     // Position of the first occurrence of the s-th distinct index.
-    auto first_of = [&](int64_t s) { return duplicates ? first[s] : s; };
+    auto first_of = [&](int64_t s) { return sums ? sums->first(s) : s; };
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s) {
         if (s + kPrefetchDistance < end) {
@@ -1165,7 +1088,7 @@ class GroupSparseApplyAdagradOp : public OpKernel {
           PrefetchRow(ap + ahead * dim, dim);
         }
         const int64_t r = idx[first_of(s)];
-        const float* gr = gs + (u != n ? s : first_of(s)) * dim;
+        const float* gr = sums ? sums->grad(s) : g + s * dim;
         float* vr = vp + r * dim;
         float* ar = ap + r * dim;
         for (int64_t d = 0; d < dim; ++d) {

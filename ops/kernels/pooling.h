@@ -1,9 +1,12 @@
 #ifndef GROUP_EMBEDDING_OPS_KERNELS_POOLING_H_
 #define GROUP_EMBEDDING_OPS_KERNELS_POOLING_H_
 
-// Pooling helpers shared by the fused lookups of plain variables
-// (group_embedding_ops.cc) and of EmbeddingVariables (ev_lookup_ops.cc),
-// so that both pool with exactly the same arithmetic.
+// The pooling arithmetic of every CPU lookup kernel, in one place so that
+// the plain-variable (lookup_ops.cc), EmbeddingVariable (ev_lookup_ops.cc)
+// and collective (collective_ops.cc) kernels give bitwise the same pooled
+// rows: combiner scales, max_norm clipping and its backward, the one
+// static-width dispatcher, the weight gradient, and the pooling core
+// below, a template over where a row comes from.
 
 #include <algorithm>
 #include <cmath>
@@ -13,14 +16,10 @@
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+#include "op_checks.h"
 
 namespace group_embedding {
-
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
 
 enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
 
@@ -58,16 +57,6 @@ inline float RowScale(Combiner c, const float* w, int64_t begin,
     s = std::sqrt(s);
   }
   return s == 0.0 ? 0.0f : static_cast<float>(1.0 / s);
-}
-
-// Reads the `max_norm` attr of a kernel: < 0 means no clipping.
-inline Status GetMaxNorm(::tensorflow::OpKernelConstruction* ctx,
-                         float* max_norm) {
-  TF_RETURN_IF_ERROR(ctx->GetAttr("max_norm", max_norm));
-  if (!std::isfinite(*max_norm)) {
-    return InvalidArgument("max_norm must be finite, got ", *max_norm, ".");
-  }
-  return Status();
 }
 
 // max_norm clipping, as stock embedding_lookup(max_norm=c) applies it to
@@ -129,9 +118,13 @@ inline void AddScaledRow(float* __restrict dst, const float* __restrict src,
 // Calls `f(std::integral_constant<int64_t, D>())` with D = `dim` for the
 // usual embedding widths, so that loops over a row unroll and keep their
 // sums in registers; with D = 0 (width read at run time) for the others.
+// The one dispatcher of the kernels: every width a kernel specialises is
+// here.
 template <typename F>
 inline void WithStaticDim(int64_t dim, F&& f) {
   switch (dim) {
+    case 4:
+      return f(std::integral_constant<int64_t, 4>());
     case 8:
       return f(std::integral_constant<int64_t, 8>());
     case 16:
@@ -145,149 +138,6 @@ inline void WithStaticDim(int64_t dim, F&& f) {
     default:
       return f(std::integral_constant<int64_t, 0>());
   }
-}
-
-// The data of each tensor of an input list (null for an empty one, which
-// is how unweighted tables pass their weights), taken once before the
-// parallel loops: `Tensor::flat()` checks the dtype at every call, and
-// called per output row it cost as much as the gathers themselves.
-template <typename T>
-std::vector<const T*> DataOf(const ::tensorflow::OpInputList& list) {
-  std::vector<const T*> out(list.size());
-  for (int i = 0; i < list.size(); ++i) {
-    out[i] = list[i].NumElements() ? list[i].flat<T>().data() : nullptr;
-  }
-  return out;
-}
-
-// Checks that ids/row_splits/weights of table `t` describe a ragged batch
-// and that every id addresses a row of a table with `vocab` rows (any id
-// when `vocab` < 0, as for EmbeddingVariable keys).
-// `ids_arg` is how errors call the ids ("keys" for EmbeddingVariables).
-inline Status CheckRagged(const std::string& name, const Tensor& ids,
-                          const Tensor& splits,
-                          const Tensor& weights, int64_t vocab,
-                          const char* ids_arg = "ids") {
-  if (ids.dims() != 1) {
-    return InvalidArgument(name, ": ", ids_arg, " must be a vector, got shape ",
-                           ids.shape().DebugString(), ".");
-  }
-  if (weights.dims() != 1) {
-    return InvalidArgument(name, ": weights must be a vector, got shape ",
-                           weights.shape().DebugString(), ".");
-  }
-  if (splits.dims() != 1 || splits.NumElements() < 1) {
-    return InvalidArgument(name, ": row_splits must be a non-empty vector, "
-                           "got shape ", splits.shape().DebugString(), ".");
-  }
-  const auto s = splits.flat<int64_t>();
-  const int64_t nnz = ids.NumElements();
-  if (s(0) != 0 || s(s.size() - 1) != nnz) {
-    return InvalidArgument(name, ": row_splits must start at 0 and end at ",
-                           nnz, " (number of ids), got ", s(0), "..",
-                           s(s.size() - 1), ".");
-  }
-  for (int64_t b = 1; b < s.size(); ++b) {
-    if (s(b) < s(b - 1)) {
-      return InvalidArgument(name, ": row_splits must be non-decreasing.");
-    }
-  }
-  if (weights.NumElements() != 0 && weights.NumElements() != nnz) {
-    return InvalidArgument(name, ": has ", nnz, " ids but ",
-                           weights.NumElements(), " weights.");
-  }
-  if (vocab >= 0) {
-    const auto v = ids.flat<int64_t>();
-    for (int64_t j = 0; j < nnz; ++j) {
-      if (v(j) < 0 || v(j) >= vocab) {
-        return InvalidArgument(name, ": id ", v(j),
-                               " is out of range [0, ", vocab,
-                               ") for this table.");
-      }
-    }
-  }
-  return Status();
-}
-
-// Shape functions: inputs [first, first + n) must all have rank `rank`
-// (known ranks are checked at graph construction, before any kernel runs).
-inline Status InputsWithRank(::tensorflow::shape_inference::InferenceContext* c,
-                             int first, int n, int rank) {
-  ::tensorflow::shape_inference::ShapeHandle unused;
-  for (int i = first; i < first + n; ++i) {
-    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), rank, &unused));
-  }
-  return Status();
-}
-
-// Shape functions of the sequence lookups: output i is
-// [rows of row_splits input (2n + i) - 1, max_lens input (4n + i), dim];
-// both ops put row_splits and max_lens at those input positions.
-inline Status SequenceOutputShapes(
-    ::tensorflow::shape_inference::InferenceContext* c, int n, int64_t dim) {
-  for (int i = 0; i < n; ++i) {
-    ::tensorflow::shape_inference::DimensionHandle b, t;
-    TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n + i), 0), 1, &b));
-    TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(4 * n + i, &t));
-    c->set_output(i, c->MakeShape({b, t, c->MakeDim(dim)}));
-  }
-  return Status();
-}
-
-// Checks that `t` is a scalar (rank 0); `what` names it.
-inline Status CheckScalar(const Tensor& t, const char* what) {
-  if (t.dims() != 0) {
-    return InvalidArgument(what, " must be a scalar, got shape ",
-                           t.shape().DebugString(), ".");
-  }
-  return Status();
-}
-
-// Checks that `t` is a [rows, dim] matrix; `what` names it.
-inline Status CheckMatrix(const std::string& what, const Tensor& t,
-                          int64_t rows, int64_t dim) {
-  if (t.dims() != 2 || t.dim_size(0) != rows || t.dim_size(1) != dim) {
-    return InvalidArgument(what, " must have shape [", rows, ", ", dim,
-                           "], got ", t.shape().DebugString(), ".");
-  }
-  return Status();
-}
-
-// Checks that `positions` holds one slot in [0, max_len) per id.
-inline Status CheckPositions(const std::string& name,
-                             const Tensor& positions,
-                             int64_t nnz, int64_t max_len) {
-  if (positions.dims() != 1 || positions.NumElements() != nnz) {
-    return InvalidArgument(name, ": positions must be a vector of ", nnz,
-                           " entries (one per id), got shape ",
-                           positions.shape().DebugString(), ".");
-  }
-  const int64_t* p = positions.flat<int64_t>().data();
-  for (int64_t j = 0; j < nnz; ++j) {
-    if (p[j] < 0 || p[j] >= max_len) {
-      return InvalidArgument(name, ": position ", p[j], " of id ", j,
-                             " is outside the padded length [0, ", max_len,
-                             ").");
-    }
-  }
-  return Status();
-}
-
-// Checks a sequence lookup's padded length `max_len_t` (a scalar >= 0)
-// and `positions`; gives the length and the [batch, T, dim] output shape,
-// refused when its size overflows int64.
-inline Status SequenceShape(const std::string& name, const Tensor& max_len_t,
-                            const Tensor& positions, int64_t nnz,
-                            int64_t batch, int64_t dim, int64_t* len,
-                            TensorShape* shape) {
-  TF_RETURN_IF_ERROR(CheckScalar(max_len_t, "max_lens"));
-  *len = max_len_t.scalar<int64_t>()();
-  if (*len < 0) {
-    return InvalidArgument(name, ": max_lens (the padded length) must be "
-                           ">= 0, got ", *len, ".");
-  }
-  TF_RETURN_IF_ERROR(CheckPositions(name, positions, nnz, *len));
-  return TensorShape::BuildTensorShape({batch, *len, dim}, shape);
 }
 
 // d loss / d w_j of one weighted table, given the gradient `g` of the
@@ -324,6 +174,187 @@ void WeightGradRows(Combiner c, int64_t dim, int64_t batch,
       }
     }
   }
+}
+
+
+// ---------------------------------------------------------------------------
+// The pooling core. A row source tells, for position j of a table's ragged
+// ids, which row it reads:
+//   bool Has(j)            false for an id that addresses no row (the core
+//                          skips it and reports it, see PoolExamples);
+//   const float* Row(j)    the row (`dim` floats), read only when Has(j).
+// Three sources: a plain table and its ids (TableRows), rows an
+// EmbeddingVariable resolved beforehand (ResolvedRows), rows in a buffer
+// exchanged between workers (BufferRows).
+// ---------------------------------------------------------------------------
+
+// Row ids[j] of a [vocab, dim] table; ids are range-checked here, in the
+// (parallel) pooling, not in a serial pass before it.
+struct TableRows {
+  const float* table;
+  const int64_t* ids;
+  uint64_t vocab;
+  int64_t dim;
+  // One unsigned compare also catches negative ids.
+  bool Has(int64_t j) const { return static_cast<uint64_t>(ids[j]) < vocab; }
+  const float* Row(int64_t j) const { return table + ids[j] * dim; }
+};
+
+// Rows resolved before pooling (EmbeddingVariable keys: see ResolveKeys).
+struct ResolvedRows {
+  const float* const* rows;
+  static constexpr bool Has(int64_t) { return true; }
+  const float* Row(int64_t j) const { return rows[j]; }
+};
+
+// Rows at float offsets of one buffer (the collective lookup's returned
+// rows); offsets are checked by the caller.
+struct BufferRows {
+  const float* buffer;
+  const int64_t* offsets;
+  static constexpr bool Has(int64_t) { return true; }
+  const float* Row(int64_t j) const { return buffer + offsets[j]; }
+};
+
+// One table of a pooled lookup: its rows, its ragged ids and where its
+// pooled [batch, dim] rows go (row b at out + b * stride: stride `dim` for
+// one output per table, K * dim for the concatenated layout).
+template <typename Rows>
+struct PooledTable {
+  Rows rows;
+  const int64_t* splits;
+  const float* weights;  // nullptr: unweighted
+  int64_t nnz;           // ids of the table (prefetches stop there)
+  int64_t dim;
+  Combiner combiner;
+  float* out;
+  int64_t stride;
+};
+
+// Pools examples [b0, b1) of one table, as stock embedding_lookup_sparse:
+//   out_b = scale_b * sum_j w_j * clip(row_j)   (j in row b, in order)
+// A row not Has() is skipped and passed to `on_bad(j)`. `kDim` > 0 is the
+// width fixed at compile time (WithStaticDim): the sums then live in
+// registers; a plain `o[d] +=` loop reloads and stores the output at
+// every id (the compiler cannot tell the output from the rows).
+template <int64_t kDim, typename Rows, typename OnBad>
+inline void PoolExamples(const PooledTable<Rows>& p, float max_norm,
+                         int64_t b0, int64_t b1, OnBad&& on_bad) {
+  const int64_t width = kDim > 0 ? kDim : p.dim;
+  const float* w = p.weights;
+  float sums[kDim > 0 ? kDim : 1];
+  for (int64_t b = b0; b < b1; ++b) {
+    float* o = p.out + b * p.stride;
+    float* acc = kDim > 0 ? sums : o;
+    std::fill(acc, acc + width, 0.0f);
+    const int64_t lo = p.splits[b], hi = p.splits[b + 1];
+    for (int64_t j = lo; j < hi; ++j) {
+      if (!p.rows.Has(j)) {
+        on_bad(j);
+        continue;
+      }
+      // Ahead across example boundaries: examples are often one id long.
+      const int64_t ahead = j + kPrefetchDistance;
+      if (ahead < p.nnz && p.rows.Has(ahead)) {
+        PrefetchRow(p.rows.Row(ahead), width);
+      }
+      const float* row = p.rows.Row(j);
+      const float wj = (w ? w[j] : 1.0f) * ClipFactor(row, width, max_norm);
+      for (int64_t d = 0; d < width; ++d) acc[d] += wj * row[d];
+    }
+    const float scale = RowScale(p.combiner, w, lo, hi);
+    if (kDim > 0) {
+      for (int64_t d = 0; d < width; ++d) o[d] = acc[d] * scale;
+    } else if (scale != 1.0f) {
+      for (int64_t d = 0; d < width; ++d) o[d] *= scale;
+    }
+  }
+}
+
+// Runs `f(t, b0, b1)` over the examples of K tables, numbered
+// consecutively (`first_row[t]`: table t's first; K + 1 entries), sharded
+// on the intra-op pool; `cost`: TF's cost estimate per example.
+template <typename F>
+inline void ShardExamples(::tensorflow::OpKernelContext* ctx,
+                          const std::vector<int64_t>& first_row, int64_t cost,
+                          F&& f) {
+  const int k = static_cast<int>(first_row.size()) - 1;
+  auto work = [&](int64_t begin, int64_t end) {
+    int t = static_cast<int>(
+        std::upper_bound(first_row.begin(), first_row.end(), begin) -
+        first_row.begin() - 1);
+    for (; t < k && first_row[t] < end; ++t) {
+      const int64_t b0 = std::max(begin, first_row[t]) - first_row[t];
+      const int64_t b1 = std::min(end, first_row[t + 1]) - first_row[t];
+      if (b0 < b1) f(t, b0, b1);
+    }
+  };
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+  ::tensorflow::Shard(pool->num_threads, pool->workers, first_row[k], cost,
+                      work);
+}
+
+// Pools every example of every table (each at its own width); an id not
+// Has() is reported as `on_bad(t, j)` (from any thread).
+template <typename Rows, typename OnBad>
+void PoolTables(::tensorflow::OpKernelContext* ctx,
+                const std::vector<PooledTable<Rows>>& tables,
+                const std::vector<int64_t>& first_row, float max_norm,
+                int64_t cost, OnBad&& on_bad) {
+  ShardExamples(ctx, first_row, cost, [&](int t, int64_t b0, int64_t b1) {
+    const PooledTable<Rows>& p = tables[t];
+    WithStaticDim(p.dim, [&](auto static_dim) {
+      PoolExamples<decltype(static_dim)::value>(
+          p, max_norm, b0, b1, [&](int64_t j) { on_bad(t, j); });
+    });
+  });
+}
+
+// One table of a sequence (unpooled) lookup: row j lands at
+// out[b, positions[j], :] of a padded [batch, len, dim] output.
+template <typename Rows>
+struct SequenceTable {
+  Rows rows;  // every id must have a row (checked before)
+  const int64_t* splits;
+  const int64_t* positions;
+  const float* weights;  // nullptr: unweighted
+  int64_t nnz;
+  int64_t len;
+  float* out;
+};
+
+// Writes examples [b0, b1) of one sequence table: zeros, then
+//   out[b, positions[j], :] += w_j * clip(row_j)
+// `+=`: a malformed SparseTensor may repeat a [row, column]; its ids then
+// add up, as in the pure-TF segment sum.
+template <typename Rows>
+inline void ScatterSequence(const SequenceTable<Rows>& p, int64_t dim,
+                            float max_norm, int64_t b0, int64_t b1) {
+  const float* w = p.weights;
+  for (int64_t b = b0; b < b1; ++b) {
+    float* o = p.out + b * p.len * dim;
+    std::fill(o, o + p.len * dim, 0.0f);
+    for (int64_t j = p.splits[b]; j < p.splits[b + 1]; ++j) {
+      if (j + kPrefetchDistance < p.nnz) {
+        PrefetchRow(p.rows.Row(j + kPrefetchDistance), dim);
+      }
+      const float* row = p.rows.Row(j);
+      const float f = (w ? w[j] : 1.0f) * ClipFactor(row, dim, max_norm);
+      float* dst = o + p.positions[j] * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] += f * row[d];
+    }
+  }
+}
+
+// Writes every example of every sequence table (all of width `dim`).
+template <typename Rows>
+void ScatterSequences(::tensorflow::OpKernelContext* ctx,
+                      const std::vector<SequenceTable<Rows>>& tables,
+                      const std::vector<int64_t>& first_row, int64_t dim,
+                      float max_norm, int64_t cost) {
+  ShardExamples(ctx, first_row, cost, [&](int t, int64_t b0, int64_t b1) {
+    ScatterSequence(tables[t], dim, max_norm, b0, b1);
+  });
 }
 
 }  // namespace group_embedding

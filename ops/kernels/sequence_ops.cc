@@ -131,46 +131,23 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
     const int64_t total_rows = first_row[k];
     if (total_rows == 0 || dim_ == 0) return;
 
-    const int64_t dim = dim_;
-    const float max_norm = max_norm_;
-    const auto id_data = DataOf<int64_t>(ids);
-    const auto split_data = DataOf<int64_t>(splits);
-    const auto position_data = DataOf<int64_t>(positions);
-    const auto weight_data = DataOf<float>(weights);
-    auto work = [&](int64_t begin, int64_t end) {
-      int t = static_cast<int>(
-          std::upper_bound(first_row.begin(), first_row.end(), begin) -
-          first_row.begin() - 1);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        while (unit >= first_row[t + 1]) ++t;
-        const int64_t b = unit - first_row[t];
-        const int64_t len = lens[t];
-        const int64_t* v = id_data[t];
-        const int64_t* s = split_data[t];
-        const int64_t* p = position_data[t];
-        const float* w = weight_data[t];
-        const float* table = tables[t];
-        float* o = outs[t] + b * len * dim;
-        std::fill(o, o + len * dim, 0.0f);
-        const int64_t hi = s[b + 1];
-        const int64_t nnz = s[first_row[t + 1] - first_row[t]];
-        for (int64_t j = s[b]; j < hi; ++j) {
-          if (j + kPrefetchDistance < nnz) {
-            PrefetchRow(table + v[j + kPrefetchDistance] * dim, dim);
-          }
-          const float* row = table + v[j] * dim;
-          const float f = (w ? w[j] : 1.0f) * ClipFactor(row, dim, max_norm);
-          // `+=`: a malformed SparseTensor may repeat a [row, column];
-          // its ids then add up, as in the pure-TF segment sum.
-          float* dst = o + p[j] * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] += f * row[d];
-        }
-      }
-    };
-    const int64_t cost = ((total_slots + total_nnz) / total_rows + 1) * dim * 3;
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, total_rows, cost,
-                      work);
+    std::vector<SequenceTable<TableRows>> sequences(k);
+    for (int t = 0; t < k; ++t) {
+      // Ids were range-checked above (CheckRagged with the vocab).
+      sequences[t] = {{tables[t], ids[t].flat<int64_t>().data(),
+                       static_cast<uint64_t>(vars[t]->tensor()->dim_size(0)),
+                       dim_},
+                      splits[t].flat<int64_t>().data(),
+                      positions[t].flat<int64_t>().data(),
+                      weights[t].NumElements()
+                          ? weights[t].flat<float>().data()
+                          : nullptr,
+                      ids[t].NumElements(),
+                      lens[t],
+                      outs[t]};
+    }
+    ScatterSequences(ctx, sequences, first_row, dim_, max_norm_,
+                     ((total_slots + total_nnz) / total_rows + 1) * dim_ * 3);
   }
 
  private:
@@ -212,20 +189,6 @@ REGISTER_OP("GroupEmbeddingSequenceLookupGrad")
       }
       return Status();
     });
-
-// Checks that `grads` is the [batch, T, dim] gradient of a sequence
-// output; returns T.
-Status CheckSequenceGrad(const std::string& name, const Tensor& grads,
-                         int64_t batch, int64_t dim, int64_t* len) {
-  if (grads.dims() != 3 || grads.dim_size(0) != batch ||
-      grads.dim_size(2) != dim) {
-    return InvalidArgument(name, ": grads must have shape [", batch,
-                           ", max_len, ", dim, "], got ",
-                           grads.shape().DebugString(), ".");
-  }
-  *len = grads.dim_size(1);
-  return Status();
-}
 
 class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
  public:

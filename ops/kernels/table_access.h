@@ -2,8 +2,9 @@
 #define GROUP_EMBEDDING_OPS_KERNELS_TABLE_ACCESS_H_
 
 // Helpers shared by the kernels that read plain resource-variable tables
-// (group_embedding_ops.cc, sequence_ops.cc): locking a group of variables
-// and deduplicating ids for the per-unique-row gradients.
+// (lookup, sequence, weight-gradient, clip and collective kernels): locking
+// a group of variables, reading a table or its snapshot, and the start of
+// every per-unique-row gradient.
 
 #include <algorithm>
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
+#include "id_map.h"
 
 namespace group_embedding {
 
@@ -110,61 +112,6 @@ class SharedVarLocks {
   std::vector<tensorflow::mutex*> mus_;
 };
 
-// Open-addressing id -> slot map used to deduplicate ids in O(nnz).
-class IdSlotMap {
- public:
-  // `expected`: an upper bound on the distinct ids (e.g. the id count).
-  // The buckets start small and double as ids arrive: sized for the id
-  // count up front, the map of a large multi-hot table (22k ids, 7.7k
-  // distinct) took 1 MB, more than L2, and was initialised every call.
-  explicit IdSlotMap(int64_t expected) {
-    int64_t cap = 16;
-    while (cap < 2 * std::min<int64_t>(expected, kInitialIds)) cap <<= 1;
-    buckets_.assign(cap, -1);
-    mask_ = cap - 1;
-  }
-  // Returns the slot of `id`, assigning the next free slot if new.
-  int64_t Insert(int64_t id) {
-    uint64_t h = Mix(static_cast<uint64_t>(id)) & mask_;
-    while (true) {
-      const int64_t s = buckets_[h];
-      if (s < 0) break;
-      if (keys_[s] == id) return s;
-      h = (h + 1) & mask_;
-    }
-    const int64_t s = static_cast<int64_t>(keys_.size());
-    keys_.push_back(id);
-    buckets_[h] = s;
-    // Load at most 1/2: short probes.
-    if (2 * static_cast<int64_t>(keys_.size()) > mask_ + 1) Grow();
-    return s;
-  }
-  int64_t size() const { return static_cast<int64_t>(keys_.size()); }
-  // The distinct ids, by slot (first-occurrence order).
-  const std::vector<int64_t>& keys() const { return keys_; }
-
- private:
-  static constexpr int64_t kInitialIds = 1024;
-  static uint64_t Mix(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    return x;
-  }
-  void Grow() {
-    buckets_.assign(2 * (mask_ + 1), -1);
-    mask_ = buckets_.size() - 1;
-    for (int64_t s = 0; s < size(); ++s) {
-      uint64_t h = Mix(static_cast<uint64_t>(keys_[s])) & mask_;
-      while (buckets_[h] >= 0) h = (h + 1) & mask_;
-      buckets_[h] = s;
-    }
-  }
-  uint64_t mask_;
-  std::vector<int64_t> buckets_;  // slot, or -1 when free
-  std::vector<int64_t> keys_;     // id of each slot
-};
-
 // How every per-unique-row backward starts, for one table: the slot of
 // each of the `nnz` ids `v` (first-occurrence order) into `slot`; output
 // `t` of `uniq_out` allocated and holding the distinct ids; output `t` of
@@ -175,7 +122,7 @@ inline ::tensorflow::Status DedupToGradOutputs(
     ::tensorflow::OpOutputList* uniq_out,
     ::tensorflow::OpOutputList* grad_out, std::vector<int64_t>* slot,
     float** sums) {
-  IdSlotMap map(nnz);
+  HashedIds map(nnz);
   slot->resize(nnz);
   for (int64_t j = 0; j < nnz; ++j) (*slot)[j] = map.Insert(v[j]);
   const int64_t u = map.size();

@@ -1,0 +1,212 @@
+#ifndef GROUP_EMBEDDING_OPS_KERNELS_OP_CHECKS_H_
+#define GROUP_EMBEDDING_OPS_KERNELS_OP_CHECKS_H_
+
+// Input checks and shape helpers shared by the kernels of ops/kernels/
+// (and the TF adaptor of ops/cuda/): every kernel validates the rank and
+// sizes of its inputs with these before it reads them, and every shape
+// function refuses known wrong ranks at graph construction. No
+// arithmetic here (that is pooling.h).
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace group_embedding {
+
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::errors::InvalidArgument;
+
+// Reads the `max_norm` attr of a kernel: < 0 means no clipping.
+inline Status GetMaxNorm(::tensorflow::OpKernelConstruction* ctx,
+                         float* max_norm) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("max_norm", max_norm));
+  if (!std::isfinite(*max_norm)) {
+    return InvalidArgument("max_norm must be finite, got ", *max_norm, ".");
+  }
+  return Status();
+}
+
+// The data of each tensor of an input list (null for an empty one, which
+// is how unweighted tables pass their weights), taken once before the
+// parallel loops: `Tensor::flat()` checks the dtype at every call, and
+// called per output row it cost as much as the gathers themselves.
+template <typename T>
+std::vector<const T*> DataOf(const ::tensorflow::OpInputList& list) {
+  std::vector<const T*> out(list.size());
+  for (int i = 0; i < list.size(); ++i) {
+    out[i] = list[i].NumElements() ? list[i].flat<T>().data() : nullptr;
+  }
+  return out;
+}
+
+// Checks that ids/row_splits/weights of table `t` describe a ragged batch
+// and that every id addresses a row of a table with `vocab` rows (any id
+// when `vocab` < 0, as for EmbeddingVariable keys).
+// `ids_arg` is how errors call the ids ("keys" for EmbeddingVariables).
+inline Status CheckRagged(const std::string& name, const Tensor& ids,
+                          const Tensor& splits,
+                          const Tensor& weights, int64_t vocab,
+                          const char* ids_arg = "ids") {
+  if (ids.dims() != 1) {
+    return InvalidArgument(name, ": ", ids_arg, " must be a vector, got shape ",
+                           ids.shape().DebugString(), ".");
+  }
+  if (weights.dims() != 1) {
+    return InvalidArgument(name, ": weights must be a vector, got shape ",
+                           weights.shape().DebugString(), ".");
+  }
+  if (splits.dims() != 1 || splits.NumElements() < 1) {
+    return InvalidArgument(name, ": row_splits must be a non-empty vector, "
+                           "got shape ", splits.shape().DebugString(), ".");
+  }
+  const auto s = splits.flat<int64_t>();
+  const int64_t nnz = ids.NumElements();
+  if (s(0) != 0 || s(s.size() - 1) != nnz) {
+    return InvalidArgument(name, ": row_splits must start at 0 and end at ",
+                           nnz, " (number of ids), got ", s(0), "..",
+                           s(s.size() - 1), ".");
+  }
+  for (int64_t b = 1; b < s.size(); ++b) {
+    if (s(b) < s(b - 1)) {
+      return InvalidArgument(name, ": row_splits must be non-decreasing.");
+    }
+  }
+  if (weights.NumElements() != 0 && weights.NumElements() != nnz) {
+    return InvalidArgument(name, ": has ", nnz, " ids but ",
+                           weights.NumElements(), " weights.");
+  }
+  if (vocab >= 0) {
+    const auto v = ids.flat<int64_t>();
+    for (int64_t j = 0; j < nnz; ++j) {
+      if (v(j) < 0 || v(j) >= vocab) {
+        return InvalidArgument(name, ": id ", v(j),
+                               " is out of range [0, ", vocab,
+                               ") for this table.");
+      }
+    }
+  }
+  return Status();
+}
+
+// Shape functions: inputs [first, first + n) must all have rank `rank`
+// (known ranks are checked at graph construction, before any kernel runs).
+inline Status InputsWithRank(::tensorflow::shape_inference::InferenceContext* c,
+                             int first, int n, int rank) {
+  ::tensorflow::shape_inference::ShapeHandle unused;
+  for (int i = first; i < first + n; ++i) {
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), rank, &unused));
+  }
+  return Status();
+}
+
+// Shape functions of the sequence lookups: output i is
+// [rows of row_splits input (2n + i) - 1, max_lens input (4n + i), dim];
+// both ops put row_splits and max_lens at those input positions.
+inline Status SequenceOutputShapes(
+    ::tensorflow::shape_inference::InferenceContext* c, int n, int64_t dim) {
+  for (int i = 0; i < n; ++i) {
+    ::tensorflow::shape_inference::DimensionHandle b, t;
+    TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n + i), 0), 1, &b));
+    TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(4 * n + i, &t));
+    c->set_output(i, c->MakeShape({b, t, c->MakeDim(dim)}));
+  }
+  return Status();
+}
+
+// Checks that `t` is a scalar (rank 0); `what` names it.
+inline Status CheckScalar(const Tensor& t, const char* what) {
+  if (t.dims() != 0) {
+    return InvalidArgument(what, " must be a scalar, got shape ",
+                           t.shape().DebugString(), ".");
+  }
+  return Status();
+}
+
+// Checks that `t` is a [rows, dim] matrix; `what` names it.
+inline Status CheckMatrix(const std::string& what, const Tensor& t,
+                          int64_t rows, int64_t dim) {
+  if (t.dims() != 2 || t.dim_size(0) != rows || t.dim_size(1) != dim) {
+    return InvalidArgument(what, " must have shape [", rows, ", ", dim,
+                           "], got ", t.shape().DebugString(), ".");
+  }
+  return Status();
+}
+
+// Checks that `positions` holds one slot in [0, max_len) per id.
+inline Status CheckPositions(const std::string& name,
+                             const Tensor& positions,
+                             int64_t nnz, int64_t max_len) {
+  if (positions.dims() != 1 || positions.NumElements() != nnz) {
+    return InvalidArgument(name, ": positions must be a vector of ", nnz,
+                           " entries (one per id), got shape ",
+                           positions.shape().DebugString(), ".");
+  }
+  const int64_t* p = positions.flat<int64_t>().data();
+  for (int64_t j = 0; j < nnz; ++j) {
+    if (p[j] < 0 || p[j] >= max_len) {
+      return InvalidArgument(name, ": position ", p[j], " of id ", j,
+                             " is outside the padded length [0, ", max_len,
+                             ").");
+    }
+  }
+  return Status();
+}
+
+// Checks a sequence lookup's padded length `max_len_t` (a scalar >= 0)
+// and `positions`; gives the length and the [batch, T, dim] output shape,
+// refused when its size overflows int64.
+inline Status SequenceShape(const std::string& name, const Tensor& max_len_t,
+                            const Tensor& positions, int64_t nnz,
+                            int64_t batch, int64_t dim, int64_t* len,
+                            TensorShape* shape) {
+  TF_RETURN_IF_ERROR(CheckScalar(max_len_t, "max_lens"));
+  *len = max_len_t.scalar<int64_t>()();
+  if (*len < 0) {
+    return InvalidArgument(name, ": max_lens (the padded length) must be "
+                           ">= 0, got ", *len, ".");
+  }
+  TF_RETURN_IF_ERROR(CheckPositions(name, positions, nnz, *len));
+  return TensorShape::BuildTensorShape({batch, *len, dim}, shape);
+}
+
+// Checks that every table has the batch size of table 0 (a concatenated
+// layout has one row per example for all tables); `names` may be empty.
+inline Status CheckSameBatch(const std::vector<std::string>& names,
+                             const ::tensorflow::OpInputList& splits) {
+  const int64_t batch = splits[0].NumElements() - 1;
+  for (int t = 1; t < splits.size(); ++t) {
+    if (splits[t].NumElements() - 1 != batch) {
+      return InvalidArgument(
+          names.empty() ? absl::StrCat("table ", t) : names[t], ": has ",
+          splits[t].NumElements() - 1, " rows but ",
+          names.empty() ? std::string("table 0") : names[0], " has ", batch,
+          "; a concatenated output needs equal batch sizes.");
+    }
+  }
+  return Status();
+}
+
+// Checks that `grads` is the [batch, T, dim] gradient of a sequence
+// output; gives T.
+inline Status CheckSequenceGrad(const std::string& name, const Tensor& grads,
+                                int64_t batch, int64_t dim, int64_t* len) {
+  if (grads.dims() != 3 || grads.dim_size(0) != batch ||
+      grads.dim_size(2) != dim) {
+    return InvalidArgument(name, ": grads must have shape [", batch,
+                           ", max_len, ", dim, "], got ",
+                           grads.shape().DebugString(), ".");
+  }
+  *len = grads.dim_size(1);
+  return Status();
+}
+
+}  // namespace group_embedding
+
+#endif  // GROUP_EMBEDDING_OPS_KERNELS_OP_CHECKS_H_
