@@ -4,60 +4,17 @@
 // still gets the step as its version (it was seen).
 
 #include "ev_storage.h"
+#include "id_map.h"
 #include "pooling.h"
 
 namespace group_embedding_ev {
 
 using ::group_embedding::CheckMatrix;
 using ::group_embedding::CheckScalar;
+using ::group_embedding::DuplicateSums;
 using ::group_embedding::InputsWithRank;
 using ::group_embedding::kPrefetchDistance;
 using ::group_embedding::PrefetchRow;
-
-// Groups duplicate keys (or any int64 ids) and sums their gradients.
-class KeyDedup {
- public:
-  // Fills `first` (first position of each unique key) and `summed`
-  // (`[unique, dim]` summed gradients, empty when there is no duplicate).
-  KeyDedup(const int64_t* keys, int64_t n, const float* grad, int64_t dim) {
-    int64_t cap = 16;
-    while (cap < 2 * n) cap <<= 1;
-    std::vector<int64_t> table(cap, -1);
-    std::vector<int64_t> slot(n);
-    for (int64_t j = 0; j < n; ++j) {
-      uint64_t h = Mix(static_cast<uint64_t>(keys[j])) & (cap - 1);
-      while (table[h] >= 0 && keys[first_[table[h]]] != keys[j]) {
-        h = (h + 1) & (cap - 1);
-      }
-      if (table[h] < 0) {
-        table[h] = first_.size();
-        first_.push_back(j);
-      }
-      slot[j] = table[h];
-    }
-    grad_ = grad;
-    if (static_cast<int64_t>(first_.size()) != n) {
-      summed_.assign(first_.size() * dim, 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        float* dst = summed_.data() + slot[j] * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] += grad[j * dim + d];
-      }
-    }
-    dim_ = dim;
-  }
-  int64_t size() const { return first_.size(); }
-  int64_t first(int64_t u) const { return first_[u]; }
-  const float* grad(int64_t u) const {
-    return summed_.empty() ? grad_ + first_[u] * dim_
-                           : summed_.data() + u * dim_;
-  }
-
- private:
-  std::vector<int64_t> first_;
-  std::vector<float> summed_;
-  const float* grad_;
-  int64_t dim_;
-};
 
 // Shared skeleton of the updates: call `update(value row, gradient row,
 // slot rows, dim)` once per distinct admitted key and stamp its version.
@@ -67,7 +24,7 @@ class KeyDedup {
 //  2. a bitmap over row indices (one bit per row, cheap even for big
 //     tables) detects duplicate keys; gradients of the fused lookup are
 //     already unique, so usually nothing is summed, else duplicates are
-//     summed first (KeyDedup) so that the update equals the dense one;
+//     summed first (DuplicateSums) so that the update equals the dense one;
 //  3. the rows are updated in parallel, with the value, slot and key rows
 //     of a few keys ahead prefetched.
 template <typename Update>
@@ -140,10 +97,10 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   }
   std::vector<int64_t> urows;
   std::vector<const float*> ugrads;
-  std::unique_ptr<KeyDedup> dedup;
+  std::unique_ptr<DuplicateSums> dedup;
   if (duplicates) {
     // Rows identify keys as well as keys do, and -1 collects the skipped.
-    dedup.reset(new KeyDedup(rows.data(), n, g, dim));
+    dedup.reset(new DuplicateSums(rows.data(), n, g, dim));
     for (int64_t u = 0; u < dedup->size(); ++u) {
       const int64_t r = rows[dedup->first(u)];
       if (r < 0) continue;

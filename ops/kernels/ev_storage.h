@@ -48,6 +48,7 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "id_map.h"
 
 namespace group_embedding_ev {
 
@@ -79,14 +80,8 @@ constexpr uint32_t kEmpty = 0xffffffffu;
 // instead of wrapping onto row 0.
 constexpr int64_t kMaxRows = int64_t{0xfffffffe};
 
-inline uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
+// The kernels' one hash mixer (id_map.h).
+using ::group_embedding::Mix;
 
 // Rows of `width` Ts in chunks (see kFirstChunkShift): a row's address
 // never changes once allocated.
