@@ -1,5 +1,5 @@
 // Fused pooled lookup of a group of same-dim EmbeddingVariables: the EV
-// analogue of GroupEmbeddingVariableLookup (group_embedding_ops.cc), which
+// analogue of GroupEmbeddingVariableLookup (lookup_ops.cc), which
 // pools straight into [B, D] outputs instead of gathering [nnz, D] rows.
 //
 // Why two phases: inserting keys mutates a variable's hash map, which

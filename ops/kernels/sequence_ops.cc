@@ -6,7 +6,8 @@
 // rows and scatter them into the padded output).
 //
 // Gradients are registered in fused_lookup.py; max_norm's backward is the
-// GroupEmbeddingClipGrad op of group_embedding_ops.cc.
+// GroupEmbeddingClipGrad op of clip_grad_ops.cc; the weights' gradients
+// are in weight_grad_ops.cc.
 
 #include <algorithm>
 #include <cstdint>
@@ -265,128 +266,6 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceLookupGrad")
                             .Device(DEVICE_CPU),
                         GroupEmbeddingSequenceLookupGradOp);
-
-// ---------------------------------------------------------------------------
-// Gradient w.r.t. the per-id weights of a sequence lookup:
-//   d/dw_j = clip(e_j) . grads[b_j, positions[j], :]
-// Not stateful: pruned from graphs that do not differentiate the weights.
-// Empty output for an unweighted table.
-// ---------------------------------------------------------------------------
-REGISTER_OP("GroupEmbeddingSequenceWeightGrad")
-    .Input("tables: num_tables * resource")
-    .Input("ids: num_tables * int64")
-    .Input("row_splits: num_tables * int64")
-    .Input("positions: num_tables * int64")
-    .Input("weights: num_tables * float")
-    .Input("grads: num_tables * float")
-    .Output("weight_grads: num_tables * float")
-    .Attr("num_tables: int >= 1")
-    .Attr("max_norm: float = -1")
-    .SetShapeFn([](InferenceContext* c) {
-      int n;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 4 * n, 1));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 3));
-      for (int i = 0; i < n; ++i) c->set_output(i, c->input(4 * n + i));
-      return Status();
-    });
-
-// The same reading GroupEmbeddingTableSnapshot outputs instead of the
-// variables (see TableRead in table_access.h): what the gradient
-// functions build.
-REGISTER_OP("GroupEmbeddingSequenceWeightGradFromSnapshots")
-    .Input("tables: num_tables * float")
-    .Input("by_position: num_tables * bool")
-    .Input("ids: num_tables * int64")
-    .Input("row_splits: num_tables * int64")
-    .Input("positions: num_tables * int64")
-    .Input("weights: num_tables * float")
-    .Input("grads: num_tables * float")
-    .Output("weight_grads: num_tables * float")
-    .Attr("num_tables: int >= 1")
-    .Attr("max_norm: float = -1")
-    .SetShapeFn([](InferenceContext* c) {
-      int n;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 0));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, 4 * n, 1));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 6 * n, n, 3));
-      for (int i = 0; i < n; ++i) c->set_output(i, c->input(5 * n + i));
-      return Status();
-    });
-
-class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
- public:
-  explicit GroupEmbeddingSequenceWeightGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx),
-        snapshots_(ctx->def().op() ==
-                   "GroupEmbeddingSequenceWeightGradFromSnapshots") {
-    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    OpInputList ids, splits, positions, weights, grads;
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
-    OpOutputList out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
-    const int k = ids.size();
-    for (int t = 0; t < k; ++t) {
-      const std::string name = absl::StrCat("table ", t);
-      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
-                                      /*vocab=*/-1));
-      Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
-      if (weights[t].NumElements() == 0) continue;
-      TableRead read;
-      OP_REQUIRES_OK(ctx, read.Open(ctx, t, snapshots_ ? k + t : -1));
-      const Tensor* table = read.tensor();
-      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
-                           table->dims() == 2,
-                  InvalidArgument(name, ": expected a float32 [vocab, dim] "
-                                  "table, got ",
-                                  table->shape().DebugString()));
-      const int64_t dim = table->dim_size(1);
-      const int64_t batch = splits[t].NumElements() - 1;
-      int64_t len = 0;
-      OP_REQUIRES_OK(ctx, read.CheckIds(name, ids[t]));
-      OP_REQUIRES_OK(ctx, CheckSequenceGrad(name, grads[t], batch, dim,
-                                            &len));
-      OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
-                                         ids[t].NumElements(), len));
-      const int64_t* v = ids[t].flat<int64_t>().data();
-      const int64_t* s = splits[t].flat<int64_t>().data();
-      const int64_t* p = positions[t].flat<int64_t>().data();
-      const float* g = grads[t].flat<float>().data();
-      float* dw = o->flat<float>().data();
-      for (int64_t b = 0; b < batch; ++b) {
-        for (int64_t j = s[b]; j < s[b + 1]; ++j) {
-          const float* row = read.Row(v, j);
-          const float* gj = g + (b * len + p[j]) * dim;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) dot += row[d] * gj[d];
-          dw[j] = dot * ClipFactor(row, dim, max_norm_);
-        }
-      }
-    }
-  }
-
- private:
-  const bool snapshots_;
-  float max_norm_;
-};
-
-REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceWeightGrad")
-                            .Device(DEVICE_CPU),
-                        GroupEmbeddingSequenceWeightGradOp);
-REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceWeightGradFromSnapshots")
-                            .Device(DEVICE_CPU),
-                        GroupEmbeddingSequenceWeightGradOp);
 
 }  // namespace
 }  // namespace group_embedding

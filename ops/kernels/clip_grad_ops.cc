@@ -1,0 +1,145 @@
+// Backward of max_norm clipping for the plain-variable lookups (pooled and
+// sequence): per-unique-id gradients of the clipped rows -> those of the
+// table rows, read again here (the forward keeps no [nnz, D] copy).
+// Python: ops/lookup_gradients.py.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+#include "pooling.h"
+#include "table_access.h"
+
+namespace group_embedding {
+namespace {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::Var;
+using ::tensorflow::core::RefCountPtr;
+using ::tensorflow::shape_inference::InferenceContext;
+
+// ---------------------------------------------------------------------------
+// Backward of max_norm clipping: the per-unique-id gradients of the
+// clipped rows (from the lookup grads) -> those of the table rows, read
+// again here (the forward keeps no [nnz, D] copy of them).
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingClipGrad")
+    .Input("tables: num_tables * resource")
+    .Input("unique_ids: num_tables * int64")
+    .Input("id_grads: num_tables * float")
+    .Output("clipped_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("max_norm: float")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 1));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, n, 2));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(2 * n + i));
+      return Status();
+    });
+
+class GroupEmbeddingClipGradOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingClipGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList uniq, grads;
+    OP_REQUIRES_OK(ctx, ctx->input_list("unique_ids", &uniq));
+    OP_REQUIRES_OK(ctx, ctx->input_list("id_grads", &grads));
+    const int k = uniq.size();
+    std::vector<RefCountPtr<Var>> refs(k);
+    std::vector<Var*> vars(k);
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
+                                         &refs[t]));
+      vars[t] = refs[t].get();
+    }
+    SharedVarLocks locks(vars);
+    std::vector<const float*> tables(k);
+    std::vector<const int64_t*> ids(k);
+    std::vector<float*> outs(k);
+    std::vector<int64_t> first(k + 1, 0);
+    int64_t dim = -1;
+    for (int t = 0; t < k; ++t) {
+      const std::string name = absl::StrCat("table ", t);
+      const Tensor* table = vars[t]->tensor();
+      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                           table->dims() == 2 &&
+                           (dim < 0 || table->dim_size(1) == dim),
+                  InvalidArgument(name, ": expected a float32 [vocab, dim] "
+                                  "table of the group's dim, got ",
+                                  table->shape().DebugString()));
+      dim = table->dim_size(1);
+      OP_REQUIRES(ctx, uniq[t].dims() == 1,
+                  InvalidArgument(name, ": unique_ids must be a vector, got "
+                                  "shape ", uniq[t].shape().DebugString()));
+      const int64_t u = uniq[t].NumElements();
+      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": id_grads", grads[t], u, dim));
+      const int64_t* v = uniq[t].flat<int64_t>().data();
+      const int64_t vocab = table->dim_size(0);
+      for (int64_t j = 0; j < u; ++j) {
+        OP_REQUIRES(ctx, v[j] >= 0 && v[j] < vocab,
+                    InvalidArgument(name, ": unique_ids ", v[j],
+                                    " is out of range [0, ", vocab, ")."));
+      }
+      Tensor* o = nullptr;
+      // The incoming gradients are dead after this op: rewrite them in
+      // place when TF lets us.
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
+                              {2 * k + t}, t, grads[t].shape(), &o));
+      if (o->data() != grads[t].data() && u * dim > 0) {
+        std::memcpy(o->data(), grads[t].data(), grads[t].TotalBytes());
+      }
+      tables[t] = table->flat<float>().data();
+      ids[t] = v;
+      outs[t] = o->flat<float>().data();
+      first[t + 1] = first[t] + u;
+    }
+    if (first[k] == 0 || dim <= 0) return;
+    const float max_norm = max_norm_;
+    auto work = [&](int64_t begin, int64_t end) {
+      int t = static_cast<int>(
+          std::upper_bound(first.begin(), first.end(), begin) -
+          first.begin() - 1);
+      for (int64_t r = begin; r < end; ++r) {
+        while (r >= first[t + 1]) ++t;
+        const int64_t j = r - first[t];
+        ClipGradRow(tables[t] + ids[t][j] * dim, dim, max_norm,
+                    outs[t] + j * dim);
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    // Locks are held across the shard, but work items take none.
+    tensorflow::Shard(pool->num_threads, pool->workers, first[k], dim * 6,
+                      work);
+  }
+
+ private:
+  float max_norm_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingClipGrad").Device(DEVICE_CPU),
+                        GroupEmbeddingClipGradOp);
+
+}  // namespace
+}  // namespace group_embedding

@@ -1,0 +1,453 @@
+// CPU kernels of the fused pooled lookup of a group of plain resource-
+// variable tables (GroupEmbeddingVariableLookup; GroupEmbeddingConcatLookup
+// writes the K pooled tables side by side into one [B, K * D] output) and
+// of its backward, per-unique-id gradients ready for IndexedSlices.
+// Python: ops/lookup_kernels.py (calls) and ops/lookup_gradients.py.
+//
+// Why custom kernels: stock TF has no op that gathers from several resource
+// variables at once, and its per-table chain (unique, gather, gather,
+// segment reduce) materialises [nnz, D] tensors several times. These
+// kernels pool straight from the tables into [B, D] outputs (the pooling
+// core of pooling.h) and shard the work over TF's intra-op thread pool.
+//
+// Locking: the lookup takes shared locks on all its tables (address order,
+// SharedVarLocks) before handing work to the pool; work items never lock.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+#include "pooling.h"
+#include "table_access.h"
+
+namespace group_embedding {
+namespace {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::OpOutputList;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::Var;
+using ::tensorflow::core::RefCountPtr;
+using ::tensorflow::shape_inference::InferenceContext;
+
+// ---------------------------------------------------------------------------
+// Forward: pooled lookup of K ragged id batches from K tables.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingVariableLookup")
+    .Input("tables: num_tables * resource")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("pooled: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("table_names: list(string)")
+    // 0 is allowed: a [vocab, 0] table pools to [B, 0], as stock does.
+    .Attr("embedding_dim: int >= 0")
+    // Rows are clipped to this L2 norm before pooling; < 0: no clipping.
+    .Attr("max_norm: float = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
+      for (int i = 0; i < n; ++i) {
+        auto splits = c->input(2 * n + i);
+        auto rows = c->Dim(splits, 0);
+        tensorflow::shape_inference::DimensionHandle b;
+        TF_RETURN_IF_ERROR(c->Subtract(rows, 1, &b));
+        c->set_output(i, c->MakeShape({b, c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
+// The same lookup writing all K tables side by side into ONE [B, K * D]
+// output (table t in columns [t * D, (t + 1) * D)), i.e. what
+// `tf.concat(outputs, 1)` would give, without that copy nor the split of
+// its gradient. All tables must have the same batch size.
+REGISTER_OP("GroupEmbeddingConcatLookup")
+    .Input("tables: num_tables * resource")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("pooled: float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("table_names: list(string)")
+    .Attr("embedding_dim: int >= 0")
+    .Attr("max_norm: float = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
+      tensorflow::shape_inference::DimensionHandle b;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n), 0), 1, &b));
+      c->set_output(0, c->MakeShape({b, c->MakeDim(n * dim)}));
+      return Status();
+    });
+
+// Where table t's rows of a pooled [B, D] block live: `base` + b * `stride`
+// (per-table outputs: stride D; the concatenated layout: stride K * D).
+template <typename T>
+struct RowBlock {
+  T* base;
+  int64_t stride;
+};
+
+class GroupEmbeddingVariableLookupOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingVariableLookupOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx),
+        concat_(ctx->def().op() == "GroupEmbeddingConcatLookup") {
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &table_names_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids, splits, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    const int k = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k &&
+                         static_cast<int>(table_names_.size()) == k,
+                InvalidArgument("combiners/table_names must have ", k,
+                                " entries."));
+
+    std::vector<RefCountPtr<Var>> refs(k);
+    std::vector<Var*> vars(k);
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
+                                         &refs[t]));
+      vars[t] = refs[t].get();
+    }
+    SharedVarLocks locks(vars);
+
+    // Tables may have different batch sizes (dense lookups of any shape);
+    // `first_row[t]` numbers the output rows of all tables consecutively.
+    std::vector<const float*> tables(k);
+    std::vector<int64_t> vocabs(k);
+    std::vector<int64_t> first_row(k + 1, 0);
+    int64_t total_nnz = 0;
+    for (int t = 0; t < k; ++t) {
+      const Tensor* table = vars[t]->tensor();
+      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
+                           table->dims() == 2 && table->dim_size(1) == dim_,
+                  InvalidArgument(table_names_[t],
+                                  ": expected a float32 [vocab, ", dim_,
+                                  "] table, got ",
+                                  table->shape().DebugString()));
+      // Ids are range-checked by the (parallel) pooling below, before any
+      // row is read: a serial pass over every id cost ~15% of the op.
+      OP_REQUIRES_OK(ctx, CheckRagged(table_names_[t], ids[t], splits[t],
+                                      weights[t], /*vocab=*/-1));
+      first_row[t + 1] = first_row[t] + splits[t].NumElements() - 1;
+      total_nnz += ids[t].NumElements();
+      tables[t] = table->flat<float>().data();
+      vocabs[t] = table->dim_size(0);
+    }
+
+    std::vector<PooledTable<TableRows>> pooled(k);
+    for (int t = 0; t < k; ++t) {
+      pooled[t].rows = {tables[t], ids[t].flat<int64_t>().data(),
+                        static_cast<uint64_t>(vocabs[t]), dim_};
+      pooled[t].splits = splits[t].flat<int64_t>().data();
+      pooled[t].weights = weights[t].NumElements()
+                              ? weights[t].flat<float>().data()
+                              : nullptr;
+      pooled[t].nnz = ids[t].NumElements();
+      pooled[t].dim = dim_;
+      pooled[t].combiner = combiners_[t];
+    }
+    if (concat_) {
+      OP_REQUIRES_OK(ctx, CheckSameBatch(table_names_, splits));
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              0, TensorShape({first_row[1], k * dim_}), &o));
+      for (int t = 0; t < k; ++t) {
+        pooled[t].out = o->flat<float>().data() + t * dim_;
+        pooled[t].stride = k * dim_;
+      }
+    } else {
+      OpOutputList out;
+      OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
+      for (int t = 0; t < k; ++t) {
+        Tensor* o = nullptr;
+        const int64_t batch = first_row[t + 1] - first_row[t];
+        OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim_}), &o));
+        pooled[t].out = o->flat<float>().data();
+        pooled[t].stride = dim_;
+      }
+    }
+    const int64_t total_rows = first_row[k];
+    if (total_rows == 0) return;
+
+    // The first out-of-range id found, as (table, position); any one is
+    // reported (shards race), never read.
+    std::atomic<bool> bad(false);
+    std::atomic<int64_t> bad_table(-1), bad_pos(-1);
+    const int64_t avg = total_nnz / total_rows + 1;
+    PoolTables(ctx, pooled, first_row, max_norm_, avg * dim_ * 4 + 20,
+               [&](int t, int64_t j) {
+                 if (!bad.exchange(true)) {
+                   bad_table = t;
+                   bad_pos = j;
+                 }
+               });
+    if (bad) {
+      const int64_t t = bad_table, j = bad_pos;
+      ctx->SetStatus(InvalidArgument(
+          table_names_[t], ": id ", ids[t].flat<int64_t>()(j),
+          " is out of range [0, ", vocabs[t], ") for this table."));
+    }
+  }
+
+ private:
+  const bool concat_;
+  std::vector<Combiner> combiners_;
+  std::vector<std::string> table_names_;
+  int64_t dim_;
+  float max_norm_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookup")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingVariableLookupOp);
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingConcatLookup").Device(DEVICE_CPU),
+                        GroupEmbeddingVariableLookupOp);
+
+// ---------------------------------------------------------------------------
+// Backward: per table, unique ids (first-occurrence order) and the summed
+// gradient of each, ready to be returned as IndexedSlices.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingVariableLookupGrad")
+    .Input("grads: num_tables * float")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("unique_ids: num_tables * int64")
+    .Output("id_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("embedding_dim: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
+      for (int i = 0; i < n; ++i) {
+        c->set_output(i, c->Vector(c->UnknownDim()));
+        c->set_output(n + i,
+                      c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
+// The backward of GroupEmbeddingConcatLookup: the same outputs from the
+// gradient of the concatenated [B, K * D] output.
+REGISTER_OP("GroupEmbeddingConcatLookupGrad")
+    .Input("grads: float")
+    .Input("ids: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Output("unique_ids: num_tables * int64")
+    .Output("id_grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("embedding_dim: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 1, 2));
+      TF_RETURN_IF_ERROR(InputsWithRank(c, 1, 3 * n, 1));
+      for (int i = 0; i < n; ++i) {
+        c->set_output(i, c->Vector(c->UnknownDim()));
+        c->set_output(n + i,
+                      c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
+      }
+      return Status();
+    });
+
+// Above this size, a table's gradient sums are built one by one instead
+// of by scattered adds (half the 1 MiB L2 of the machine measured; below
+// it the scattered adds were as fast and skip a counting sort).
+constexpr int64_t kCachedSumBytes = 512 << 10;
+
+class GroupEmbeddingVariableLookupGradOp : public OpKernel {
+ public:
+  explicit GroupEmbeddingVariableLookupGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx),
+        concat_(ctx->def().op() == "GroupEmbeddingConcatLookupGrad") {
+    std::vector<std::string> names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
+    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids, splits, weights;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    const int k = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries, got ",
+                                combiners_.size(), "."));
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES_OK(ctx, CheckRagged(absl::StrCat("table ", t), ids[t],
+                                      splits[t], weights[t], /*vocab=*/-1));
+    }
+    // Per table, where its gradient rows are (read only here).
+    std::vector<RowBlock<const float>> grad_rows(k);
+    if (concat_) {
+      OP_REQUIRES_OK(ctx, CheckSameBatch({}, splits));
+      const Tensor& g = ctx->input(0);
+      OP_REQUIRES_OK(ctx, CheckMatrix("grads", g,
+                                      splits[0].NumElements() - 1, k * dim_));
+      for (int t = 0; t < k; ++t) {
+        grad_rows[t] = {g.flat<float>().data() + t * dim_, k * dim_};
+      }
+    } else {
+      OpInputList grads;
+      OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+      for (int t = 0; t < k; ++t) {
+        OP_REQUIRES_OK(ctx, CheckMatrix(absl::StrCat("table ", t, ": grads"),
+                                        grads[t], splits[t].NumElements() - 1,
+                                        dim_));
+        grad_rows[t] = {grads[t].flat<float>().data(), dim_};
+      }
+    }
+    OpOutputList uniq_out, grad_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
+    int64_t total = 0;
+    for (int t = 0; t < k; ++t) total += ids[t].NumElements();
+
+    std::vector<Status> status(k);
+    const int64_t dim = dim_;
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    WithStaticDim(dim, [&](auto static_dim) {
+      constexpr int64_t kDim = decltype(static_dim)::value;
+      const int64_t width = kDim > 0 ? kDim : dim;
+      using Sums = float[kDim > 0 ? kDim : 1];
+      // Tables are independent, so shard over tables: no write conflicts.
+      auto work = [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t nnz = ids[t].NumElements();
+          const int64_t batch = splits[t].NumElements() - 1;
+          const int64_t* v = ids[t].flat<int64_t>().data();
+          const int64_t* s = splits[t].flat<int64_t>().data();
+          const float* w = weights[t].NumElements()
+                               ? weights[t].flat<float>().data()
+                               : nullptr;
+          const float* g = grad_rows[t].base;
+          const int64_t g_stride = grad_rows[t].stride;
+          std::vector<int64_t> slot;
+          float* gsum = nullptr;
+          status[t] = DedupToGradOutputs(v, nnz, dim, t, &uniq_out,
+                                         &grad_out, &slot, &gsum);
+          if (!status[t].ok()) continue;
+          const int64_t u = grad_out[t]->dim_size(0);
+          if (u * width * sizeof(float) <= kCachedSumBytes) {
+            // The sums stay in cache: add each gradient row to its id's.
+            std::fill(gsum, gsum + u * width, 0.0f);
+            for (int64_t b = 0; b < batch; ++b) {
+              const int64_t lo = s[b], hi = s[b + 1];
+              if (lo == hi) continue;
+              const float scale = RowScale(combiners_[t], w, lo, hi);
+              const float* gb = g + b * g_stride;
+              for (int64_t j = lo; j < hi; ++j) {
+                const float f = scale * (w ? w[j] : 1.0f);
+                AddScaledRow(gsum + slot[j] * width, gb, f, width);
+              }
+            }
+            continue;
+          }
+          // Larger: adding every occurrence's gradient straight into its
+          // sum missed the cache at most adds (most of this op's time at
+          // dim 64). Instead group the occurrences by slot, in position
+          // order (a counting sort), and build each sum in registers,
+          // written once. Both ways add in the same order.
+          std::vector<int64_t> start(u + 1, 0);
+          for (int64_t j = 0; j < nnz; ++j) ++start[slot[j] + 1];
+          for (int64_t i = 0; i < u; ++i) start[i + 1] += start[i];
+          std::vector<int64_t> next(start.begin(), start.end() - 1);
+          std::vector<int64_t> occ_row(nnz);
+          std::vector<float> occ_factor(nnz);
+          for (int64_t b = 0; b < batch; ++b) {
+            const int64_t lo = s[b], hi = s[b + 1];
+            if (lo == hi) continue;
+            const float scale = RowScale(combiners_[t], w, lo, hi);
+            for (int64_t j = lo; j < hi; ++j) {
+              const int64_t at = next[slot[j]]++;
+              occ_row[at] = b;
+              occ_factor[at] = scale * (w ? w[j] : 1.0f);
+            }
+          }
+          Sums sums;
+          for (int64_t i = 0; i < u; ++i) {
+            float* dst = gsum + i * width;
+            float* acc = kDim > 0 ? sums : dst;
+            std::fill(acc, acc + width, 0.0f);
+            for (int64_t at = start[i]; at < start[i + 1]; ++at) {
+              if (at + kPrefetchDistance < nnz) {
+                PrefetchRow(g + occ_row[at + kPrefetchDistance] * g_stride,
+                            width);
+              }
+              const float f = occ_factor[at];
+              const float* gb = g + occ_row[at] * g_stride;
+              for (int64_t d = 0; d < width; ++d) acc[d] += f * gb[d];
+            }
+            if (kDim > 0) std::copy(acc, acc + width, dst);
+          }
+        }
+      };
+      tensorflow::Shard(pool->num_threads, pool->workers, k,
+                        (total / k + 1) * (dim + 1) * 8, work);
+    });
+    for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
+  }
+
+ private:
+  const bool concat_;
+  std::vector<Combiner> combiners_;
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookupGrad")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingVariableLookupGradOp);
+REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingConcatLookupGrad")
+                            .Device(DEVICE_CPU),
+                        GroupEmbeddingVariableLookupGradOp);
+
+}  // namespace
+}  // namespace group_embedding
