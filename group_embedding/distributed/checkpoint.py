@@ -51,6 +51,7 @@ import json
 import os
 import secrets
 import shutil
+from typing import Any
 from typing import Dict
 
 import numpy as np
@@ -261,7 +262,7 @@ def save_tables(directory: str, tables: Dict[str, object], step: int, *,
             arrays.update(part)
         path = os.path.join(partial, _shard_name(rank, size))
         with open(path + ".tmp", "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
@@ -274,7 +275,7 @@ def save_tables(directory: str, tables: Dict[str, object], step: int, *,
             f"{'this worker: ' + repr(error) if error else 'another worker'}"
             f"; '{LATEST}' still names the previous checkpoint.")
     error = None
-    chain = {}
+    chain: Dict[str, Any] = {}
     if full_every is not None:
         chain = {"kind": "full", "depth": 0} if base is None else {
             "kind": "delta", "depth": base.depth + 1,

@@ -22,7 +22,7 @@ EVs (to inspect or evaluate it) leaves the trainer's base alone.
 import dataclasses
 import os
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -46,12 +46,12 @@ class _Base:
 _bases: Dict[Tuple, _Base] = {}
 
 
-def _key(directory: str, evs: Dict[str, object]) -> Tuple:
+def _key(directory: str, evs: Dict[str, Any]) -> Tuple:
     return (os.path.realpath(directory),
             frozenset((n, id(t)) for n, t in evs.items()))
 
 
-def usable_base(directory: str, evs: Dict[str, object], size: int,
+def usable_base(directory: str, evs: Dict[str, Any], size: int,
                 full_every: int, latest: Optional[str],
                 latest_manifest_sha256: Optional[str]) -> Optional[_Base]:
     """The base the next save of `evs` may extend with a delta, or None
@@ -109,7 +109,7 @@ def export_ev(name: str, table, since: int) -> Tuple[Dict, int]:
 
 
 def record(directory: str, checkpoint: str, manifest_sha256: str,
-           depth: int, size: int, evs: Dict[str, object],
+           depth: int, size: int, evs: Dict[str, Any],
            covered: Dict[str, int]):
     """After a save of `evs` became durable: the next delta extends
     `checkpoint` (each EV's export `covered[name]` is confirmed)."""
@@ -130,7 +130,7 @@ def _remember(directory, checkpoint, manifest_sha256, depth, size, evs,
 
 
 def record_restore(path: str, manifest_sha256: str, depth: int,
-                   size: int, now: int, evs: Dict[str, object]):
+                   size: int, now: int, evs: Dict[str, Any]):
     """After `evs` were restored from checkpoint `path` (saved at `size`
     workers, `now` workers running): the next save in its directory may
     be a delta of it when the worker count is the same."""
@@ -200,15 +200,17 @@ def apply_deltas(name: str, base: Dict, deltas: List[Tuple[Dict, str]]
         _check_delta(name, base, delta, where)
     old = base[f"{name}/keys"]
     # Events in order: every delta's changed keys, then its removals.
-    keys, rows, count = [], [], 0
+    key_parts: List[np.ndarray] = []
+    row_parts: List[np.ndarray] = []
+    count = 0
     for delta, _ in deltas:
         changed = delta[f"{name}/keys"].astype(np.int64)
         removed = delta[f"{name}/{REMOVED}"].astype(np.int64)
-        keys += [changed, removed]
-        rows += [np.arange(count, count + changed.size),
-                 np.full(removed.size, -1)]
+        key_parts += [changed, removed]
+        row_parts += [np.arange(count, count + changed.size),
+                      np.full(removed.size, -1)]
         count += changed.size
-    keys, rows = np.concatenate(keys), np.concatenate(rows)
+    keys, rows = np.concatenate(key_parts), np.concatenate(row_parts)
     # Stable sort by key keeps event order: a key's last event is newest.
     order = np.argsort(keys, kind="stable")
     keys, rows = keys[order], rows[order]
