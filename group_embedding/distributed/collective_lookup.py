@@ -41,11 +41,15 @@ from group_embedding.distributed.sharded_variable import ShardedVariable
 # `transport`'s peer sockets when they are connected, else Horovod.
 
 
-def _alltoall(hvd, data, splits, name):
-    """One exchange: over the peer sockets when connected, else Horovod."""
+def _alltoall(hvd, data, splits, name, expected=None):
+    """One exchange: over the peer sockets when connected, else Horovod.
+    `expected`: the rows each worker must send here, where known (the
+    peer transport refuses another count; Horovod negotiates them)."""
     if transport.active():
         return transport.tracked(
-            hvd, lambda x: transport.alltoall(x, splits, name), data, True)
+            hvd, lambda x: transport.alltoall(x, splits, name,
+                                              expected_splits=expected),
+            data, True)
     return hvd.alltoall(data, splits=splits)
 
 
@@ -100,6 +104,17 @@ def _check_received(tables, received, received_splits, names, rank, size,
         checks.append(_first_failure(bad_count, [
             name, ": worker ", sender, " sent key ", ids, " with count ",
             count, f", outside [1, {_MAX_COUNT}]."]))
+        # What tf.repeat allocates per sender: bounded like the ids of one
+        # exchange (each key's count is < 2**31, so the sum cannot wrap).
+        most = transport.max_ids_per_peer()
+        per_sender = tf.math.unsorted_segment_sum(
+            tf.where(bad_slot | bad_count, tf.zeros_like(count), count),
+            sender, size)
+        checks.append(_first_failure(per_sender > most, [
+            "worker ", tf.range(size, dtype=tf.int64), " sent EV keys of ",
+            f"{', '.join(names)} whose counts sum to ", per_sender,
+            f", more than {most} ids (GROUP_EMBEDDING_TRANSPORT_MAX_BYTES "
+            f"/ 8) in one exchange."]))
         # tf.not_equal, not `!=`: TF1 graphs may compare tensors as objects.
         checks.append(_first_failure(~bad_slot & tf.not_equal(owner, rank), [
             name, ": worker ", sender, " sent key ", ids,
@@ -235,7 +250,9 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
     lookup = _owner_rows_ev if is_ev else _owner_rows_sharded
     owned = tf.dynamic_stitch(positions,
                               lookup(tables, parts, counts, names, training))
-    returned, _ = _alltoall(hvd, owned, received_splits, f"rows:{key}")
+    # Each owner sends back exactly one row per id this worker sent it.
+    returned, _ = _alltoall(hvd, owned, received_splits, f"rows:{key}",
+                            expected=splits)
     # Undo the sort by owner, then expand unique ids to every occurrence.
     unique_rows = tf.gather(returned, tf.math.invert_permutation(order))
     return tf.gather(unique_rows, tf.concat(slots, 0))

@@ -316,6 +316,12 @@ class _Acceptor:
         return peers
 
 
+def max_ids_per_peer() -> int:
+    """int64 ids one peer may send in an exchange whose counts this
+    worker cannot know (`GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` / 8)."""
+    return _state["max_bytes"] // 8
+
+
 def job_secret() -> Optional[bytes]:
     """The job secret once `connect` has shared it (None before, or with
     one worker)."""

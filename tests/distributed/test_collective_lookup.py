@@ -14,6 +14,7 @@ import tensorflow as tf
 import group_embedding as ge
 from group_embedding.distributed import collective_lookup
 from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.distributed import transport
 from group_embedding.ops.ragged_ids import FeatureIds
 
 
@@ -32,7 +33,7 @@ def _exchange(monkeypatch, received, received_splits):
     `received` ([table slot, key, count] rows) as what the peers sent."""
     calls = []
 
-    def fake_alltoall(hvd, data, splits, name):
+    def fake_alltoall(hvd, data, splits, name, expected=None):
         calls.append(name)
         if name.startswith("ids:"):
             return (tf.constant(received, tf.int64),
@@ -74,6 +75,20 @@ def test_bad_count_fails_naming_the_sender(monkeypatch, count):
             rf"t_ev: worker 1 sent key 6 with count {count}, outside "
             rf"\[1, 2147483647\]")):
         _exchange(monkeypatch, [[0, 4, 1], [0, 6, count]], [1, 1])
+
+
+def test_counts_summing_past_the_cap_fail_naming_the_sender(monkeypatch):
+    # Each count is in range, but their sum is what tf.repeat allocates:
+    # 2 x 6 ids > 10 (an 80-byte cap). Before, 1M keys of count 2**31-1
+    # asked tf.repeat for 2**51 ids.
+    monkeypatch.setitem(transport._state, "max_bytes", 80)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=(
+            r"worker 1 sent EV keys of t_ev whose counts sum to 12, more "
+            r"than 10 ids")):
+        _exchange(monkeypatch, [[0, 4, 1], [0, 6, 6], [0, 8, 6]], [1, 2])
+    rows = _exchange(monkeypatch, [[0, 4, 1], [0, 6, 5], [0, 8, 5]],
+                     [1, 2])  # 10: accepted
+    assert rows.shape == (1, 3)
 
 
 def test_bad_table_slot_fails_naming_the_sender(monkeypatch):
