@@ -22,17 +22,6 @@
 namespace group_embedding {
 namespace {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::Var;
-using ::tensorflow::core::RefCountPtr;
-using ::tensorflow::shape_inference::InferenceContext;
-
 // ---------------------------------------------------------------------------
 // Backward of max_norm clipping: the per-unique-id gradients of the
 // clipped rows (from the lookup grads) -> those of the table rows, read

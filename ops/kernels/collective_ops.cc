@@ -48,39 +48,8 @@
 #include "pooling.h"
 #include "table_access.h"
 
-namespace group_embedding_collective {
-
-using ::group_embedding::BufferRows;
-using ::group_embedding::CheckMatrix;
-using ::group_embedding::CheckRagged;
-using ::group_embedding::CheckScalar;
-using ::group_embedding::Combiner;
-using ::group_embedding::IdScratch;
-using ::group_embedding::InputsWithRank;
-using ::group_embedding::kPrefetchDistance;
-using ::group_embedding::ParseCombiners;
-using ::group_embedding::PooledTable;
-using ::group_embedding::PoolTables;
-using ::group_embedding::PrefetchRow;
-using ::group_embedding::RowScale;
-using ::group_embedding::SharedVarLocks;
-using ::group_embedding::WeightGradRows;
-using ::group_embedding::WithIdMap;
-using ::group_embedding::WithStaticDim;
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::OpOutputList;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::Var;
-using ::tensorflow::core::RefCountPtr;
-using ::tensorflow::errors::InvalidArgument;
-using ::tensorflow::shape_inference::DimensionHandle;
-using ::tensorflow::shape_inference::InferenceContext;
+namespace group_embedding {
+namespace collective {
 
 // Horovod takes int32 splits: no segment of a buffer may exceed this.
 constexpr int64_t kMaxSplit = std::numeric_limits<int32_t>::max();
@@ -1072,4 +1041,5 @@ class CollectivePoolWeightGradOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("CollectivePoolWeightGrad").Device(DEVICE_CPU),
                         CollectivePoolWeightGradOp);
 
-}  // namespace group_embedding_collective
+}  // namespace collective
+}  // namespace group_embedding

@@ -24,17 +24,6 @@
 
 namespace group_embedding {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::errors::InvalidArgument;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::OpOutputList;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::shape_inference::InferenceContext;
 
 REGISTER_OP("GroupUnpackIds")
     .Input("values: int64")

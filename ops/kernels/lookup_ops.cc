@@ -32,19 +32,6 @@
 namespace group_embedding {
 namespace {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::OpOutputList;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::Var;
-using ::tensorflow::core::RefCountPtr;
-using ::tensorflow::shape_inference::InferenceContext;
-
 // ---------------------------------------------------------------------------
 // Forward: pooled lookup of K ragged id batches from K tables.
 // ---------------------------------------------------------------------------

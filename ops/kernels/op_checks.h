@@ -14,14 +14,28 @@
 
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace group_embedding {
 
+// The TF names every kernel file uses, for all of namespace
+// group_embedding and the namespaces nested in it.
+using ::tensorflow::core::RefCountPtr;
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::errors::InvalidArgument;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::OpOutputList;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
 using ::tensorflow::Status;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
+using ::tensorflow::Var;
 
 // Reads the `max_norm` attr of a kernel: < 0 means no clipping.
 inline Status GetMaxNorm(::tensorflow::OpKernelConstruction* ctx,

@@ -28,16 +28,6 @@
 namespace group_embedding {
 namespace {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::OpOutputList;
-using ::tensorflow::TensorShape;
-using ::tensorflow::core::RefCountPtr;
-using ::tensorflow::shape_inference::InferenceContext;
-
 // ---------------------------------------------------------------------------
 // Forward: out[t][b, positions[j], :] += w_j * clip(table_t[ids[j]]) for
 // every id j of row b; zeros elsewhere.

@@ -21,16 +21,6 @@
 namespace group_embedding {
 namespace {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::Var;
-using ::tensorflow::core::RefCountPtr;
-using ::tensorflow::shape_inference::InferenceContext;
-
 // ---------------------------------------------------------------------------
 // Sparse Adagrad on a resource variable and its accumulator, with duplicate
 // indices summed first (so the result equals the dense update) and rows
