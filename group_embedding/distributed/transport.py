@@ -57,7 +57,7 @@ import threading
 import time
 import weakref
 import zlib
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -83,8 +83,9 @@ SETUP_SECONDS = 120.0
 _MAX_PENDING = 64
 MAX_BYTES_PER_PEER = 4 << 30
 _log = logging.getLogger(__name__)
-_state = {"fds": None, "sockets": [], "links": [], "rank": 0, "size": 1,
-          "timeout": 600.0, "shm": None, "max_bytes": MAX_BYTES_PER_PEER}
+_state: Dict[str, Any] = {
+    "fds": None, "sockets": [], "links": [], "rank": 0, "size": 1,
+    "timeout": 600.0, "shm": None, "max_bytes": MAX_BYTES_PER_PEER}
 # Per graph, the last exchange created: the next one runs after it, so
 # every worker runs its exchanges in program order.
 _last_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -291,6 +292,7 @@ class _Acceptor:
         finally:
             with self._lock:
                 self._pending -= 1
+        old: Optional[socket.socket]
         with self._lock:
             if self._closed:
                 old = s  # setup is over: not wanted
@@ -539,11 +541,11 @@ def connect(hvd, timeout: float,
     finally:
         for ln in listeners:
             ln.close()
-    for s in peers:
-        if s is not None:
+    for peer in peers:
+        if peer is not None:
             # Authenticated: the memfd exchange waits for slower peers to
             # finish connecting, which may take longer than a handshake.
-            s.settimeout(SETUP_SECONDS)
+            peer.settimeout(SETUP_SECONDS)
     shm = [[-1, 0] for _ in peers]
     if same_host_link() == "shm":
         try:
@@ -555,16 +557,16 @@ def connect(hvd, timeout: float,
                 f"with its peers on this host ({e}); set "
                 "GROUP_EMBEDDING_TRANSPORT_SAME_HOST=unix.") from e
     kinds = []
-    for s, row in zip(peers, shm):
-        if s is None:
+    for peer, row in zip(peers, shm):
+        if peer is None:
             kinds.append("self")
             continue
-        if s.family == socket.AF_UNIX:
+        if peer.family == socket.AF_UNIX:
             kinds.append("shm" if row[0] >= 0 else "unix")
         else:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             kinds.append("tcp")
-        s.setblocking(False)
+        peer.setblocking(False)
     _state["sockets"] = peers
     _state["links"] = kinds
     _state["shm"] = shm

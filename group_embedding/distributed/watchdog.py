@@ -516,7 +516,7 @@ class Watchdog:
         if raw is None:
             return None
         try:
-            return decode_record(self._secret(), key, raw, self.size)
+            return decode_record(self._job_secret(), key, raw, self.size)
         except InvalidRecord as e:
             seen = (key, bytes(raw[:4096]))
             if seen not in self._ignored and len(self._ignored) < 1000:
@@ -528,8 +528,14 @@ class Watchdog:
                 sys.stderr.flush()
             return None
 
+    def _job_secret(self) -> bytes:
+        secret = self._secret()
+        # `check` returns before any read or write while there is none.
+        assert secret is not None
+        return secret
+
     def _write(self, key: str, body: Dict[str, Any]) -> None:
-        self._store.put(key, encode_record(self._secret(), key, body))
+        self._store.put(key, encode_record(self._job_secret(), key, body))
 
     def check(self) -> None:
         """One round: publish the heartbeat, obey or raise an abort."""
@@ -557,7 +563,7 @@ class Watchdog:
             self._diagnose(exited, blocked_for)
 
     def _diagnose(self, exited: int, blocked_for: float) -> None:
-        heartbeats = {}
+        heartbeats: Dict[int, Any] = {}
         for r in range(self.size):
             if r != self.rank:
                 heartbeats[r] = self._read(f"rank_{r}")
