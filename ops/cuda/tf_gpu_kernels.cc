@@ -238,14 +238,9 @@ class LookupOp : public OpKernel {
                          (sequence || static_cast<int>(combiners_.size()) == k),
                 InvalidArgument("table_names/combiners must have ", k,
                                 " entries."));
-    std::vector<RefCountPtr<Var>> refs(k);
-    std::vector<Var*> vars(k);
-    for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
-                                         &refs[t]));
-      vars[t] = refs[t].get();
-    }
-    SharedVarLocks locks(vars);
+    LockedTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    const std::vector<Var*>& vars = locked.vars();
     const int64_t batch0 = in.splits[0].NumElements() - 1;
     Tensor* concat_out = nullptr;
     if (layout_ == Layout::kConcat) {

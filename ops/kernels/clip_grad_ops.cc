@@ -56,14 +56,9 @@ class GroupEmbeddingClipGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("unique_ids", &uniq));
     OP_REQUIRES_OK(ctx, ctx->input_list("id_grads", &grads));
     const int k = uniq.size();
-    std::vector<RefCountPtr<Var>> refs(k);
-    std::vector<Var*> vars(k);
-    for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
-                                         &refs[t]));
-      vars[t] = refs[t].get();
-    }
-    SharedVarLocks locks(vars);
+    LockedTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    const std::vector<Var*>& vars = locked.vars();
     std::vector<const float*> tables(k);
     std::vector<const int64_t*> ids(k);
     std::vector<float*> outs(k);

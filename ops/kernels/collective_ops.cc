@@ -502,14 +502,9 @@ class CollectiveOwnerGatherOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ParseReceived(ctx->input(k), ctx->input(k + 1), k,
                                       dims_, &layout));
     const int64_t n = ctx->input(k + 1).NumElements();
-    std::vector<RefCountPtr<Var>> refs(k);
-    std::vector<Var*> vars(k);
-    for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
-                                         &refs[t]));
-      vars[t] = refs[t].get();
-    }
-    SharedVarLocks locks(vars);
+    LockedTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    const std::vector<Var*>& vars = locked.vars();
     std::vector<const float*> tables(k);
     const int64_t* v = ctx->input(k).flat<int64_t>().data();
     for (int t = 0; t < k; ++t) {

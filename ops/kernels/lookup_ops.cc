@@ -125,14 +125,9 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
                 InvalidArgument("combiners/table_names must have ", k,
                                 " entries."));
 
-    std::vector<RefCountPtr<Var>> refs(k);
-    std::vector<Var*> vars(k);
-    for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
-                                         &refs[t]));
-      vars[t] = refs[t].get();
-    }
-    SharedVarLocks locks(vars);
+    LockedTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    const std::vector<Var*>& vars = locked.vars();
 
     // Tables may have different batch sizes (dense lookups of any shape);
     // `first_row[t]` numbers the output rows of all tables consecutively.

@@ -77,15 +77,9 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
     OP_REQUIRES(ctx, static_cast<int>(table_names_.size()) == k,
                 InvalidArgument("table_names must have ", k, " entries, got ",
                                 table_names_.size(), "."));
-    std::vector<RefCountPtr<Var>> refs(k);
-    std::vector<Var*> vars(k);
-    for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t),
-                                         &refs[t]));
-      vars[t] = refs[t].get();
-    }
-    // Taken before any work is handed to the pool; work items never lock.
-    SharedVarLocks locks(vars);
+    LockedTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    const std::vector<Var*>& vars = locked.vars();
 
     std::vector<const float*> tables(k);
     std::vector<int64_t> lens(k);

@@ -112,6 +112,31 @@ class SharedVarLocks {
   std::vector<tensorflow::mutex*> mus_;
 };
 
+// The variables of inputs [0, k) (a group's tables), held under shared
+// locks (SharedVarLocks: address order) from Open() until this object
+// goes: what every kernel reading a group of tables takes first, before
+// it hands work to the intra-op pool (work items never lock).
+class LockedTables {
+ public:
+  ::tensorflow::Status Open(::tensorflow::OpKernelContext* ctx, int k) {
+    refs_.resize(k);
+    vars_.resize(k);
+    for (int t = 0; t < k; ++t) {
+      TF_RETURN_IF_ERROR(::tensorflow::LookupResource(
+          ctx, ::tensorflow::HandleFromInput(ctx, t), &refs_[t]));
+      vars_[t] = refs_[t].get();
+    }
+    locks_.emplace(vars_);
+    return ::tensorflow::Status();
+  }
+  const std::vector<Var*>& vars() const { return vars_; }
+
+ private:
+  std::vector<::tensorflow::core::RefCountPtr<Var>> refs_;
+  std::vector<Var*> vars_;
+  std::optional<SharedVarLocks> locks_;  // released before refs_
+};
+
 // How every per-unique-row backward starts, for one table: the slot of
 // each of the `nnz` ids `v` (first-occurrence order) into `slot`; output
 // `t` of `uniq_out` allocated and holding the distinct ids; output `t` of
