@@ -303,7 +303,12 @@ void PoolTables(::tensorflow::OpKernelContext* ctx,
                 int64_t cost, OnBad&& on_bad) {
   ShardExamples(ctx, first_row, cost, [&](int t, int64_t b0, int64_t b1) {
     const PooledTable<Rows>& p = tables[t];
-    WithStaticDim(p.dim, [&](auto static_dim) {
+    // Clipped rows of width 4 keep the run-time width: unrolled at 4, GCC
+    // contracts the clip's sum of squares otherwise (last-bit changes),
+    // and the plain lookup clipped them at the run-time width before its
+    // dispatcher took width 4.
+    const int64_t static_width = max_norm >= 0.0f && p.dim == 4 ? -1 : p.dim;
+    WithStaticDim(static_width, [&](auto static_dim) {
       PoolExamples<decltype(static_dim)::value>(
           p, max_norm, b0, b1, [&](int64_t j) { on_bad(t, j); });
     });
