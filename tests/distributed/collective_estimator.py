@@ -10,8 +10,12 @@ test_collective_estimator.py compares -np 2 with -np 1.
 import argparse
 import json
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# estimator_cases: the model shared with the single-process estimator tests.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                os.pardir, "estimator"))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

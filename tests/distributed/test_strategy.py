@@ -1,7 +1,7 @@
 """Argument checks of enable_distributed_strategy (no Horovod started).
 
-The collective behaviour itself is tested under horovodrun in
-tests/distributed/.
+The collective behaviour itself is tested under horovodrun by the
+collective_* scripts beside this file.
 """
 
 import pytest

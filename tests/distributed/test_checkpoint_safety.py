@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ev_cases
 import group_embedding as ge
 from group_embedding.distributed import checkpoint as checkpoint_lib
 from group_embedding.distributed import strategy as distributed_strategy
+from tests.group_embedding import ev_cases
 
 DIM = 3
 KEYS = np.array([-9, -4, 0, 1, 6, 2**40 + 3, 2**40 + 8], np.int64)
