@@ -7,6 +7,7 @@ with the densified gradient.
 import keras
 import tensorflow as tf
 
+from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import kernel_library
 
 
@@ -82,7 +83,7 @@ def has_fused_adagrad(variable) -> bool:
     built, float32, CPU only (the op has no GPU kernel)."""
     return (kernel_library.load() is not None
             and _resource(variable).dtype == tf.float32
-            and not tf.config.list_logical_devices("GPU"))
+            and not gpu_kernel_library.gpu_present())
 
 
 def adagrad(variable, accum, lr, epsilon, indices, values):

@@ -57,6 +57,7 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
+from group_embedding import lookup_plan
 from group_embedding.distributed import incremental_checkpoint as incremental
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.sharded_variable import ShardedVariable
@@ -153,7 +154,7 @@ def _remove_stale(directory: str, step: int, keep: str):
 
 
 def _is_ev(table) -> bool:
-    return hasattr(table, "lookup_rows")
+    return lookup_plan.table_kind(table) == lookup_plan.EV
 
 
 def _to_numpy(tensor) -> np.ndarray:
