@@ -1,12 +1,14 @@
 """Stand-ins for DeepRec runtime features that stock TensorFlow lacks.
 
-DeepRec scripts reach these features through names (`tf.staged`),
+DeepRec scripts reach these features through names (`tf.staged`,
+`tf.contrib.layers.*`, `tf.config.experimental.enable_group_embedding`),
 modules (`parquet_dataset_ops`, `work_queue`) and fields DeepRec added to
 `ConfigProto.graph_options.optimizer_options` (`do_smart_stage`).
 `group_embedding.compat` installs the stand-ins defined here, so that each
 one either does nothing, where stock TF already does the job, or raises
 one NotImplementedError naming the feature and the stock alternative,
-instead of an AttributeError or ImportError deep inside TF.
+instead of an AttributeError or ImportError deep inside TF. Nothing here
+changes `tf` by itself.
 """
 
 import importlib.machinery
@@ -88,6 +90,9 @@ _READ_PARQUET = ("read the files with pandas.read_parquet or "
                  "from_tensor_slices, or convert them to CSV / TFRecord "
                  "for tf.data.TextLineDataset / TFRecordDataset.")
 
+_ADAGRAD_DECAY = ("use tf.train.AdagradDecayOptimizer (DeepRec's first "
+                  "version, provided for EVs and plain variables).")
+
 # DeepRec-only modules that its scripts and tests import.
 MODULES = tuple(UnavailableModule(*spec) for spec in (
     ("tensorflow.python.data.experimental.ops.parquet_dataset_ops",
@@ -98,15 +103,95 @@ MODULES = tuple(UnavailableModule(*spec) for spec in (
      "list the files per worker yourself, e.g. "
      "tf.data.Dataset.list_files(...).shard(num_workers, worker_index)."),
     ("tensorflow.python.training.adagrad_decay_v2",
-     "AdagradDecayOptimizerV2",
-     "use tf.train.AdagradDecayOptimizer (DeepRec's first version, "
-     "provided for EVs and plain variables)."),
+     "AdagradDecayOptimizerV2", _ADAGRAD_DECAY),
     ("tensorflow.python.training.weight_decay_optimizers",
      "AdamWOptimizer",
      "use tf.train.AdamOptimizer and apply the decoupled weight decay "
      "yourself (var -= lr * weight_decay * var), or keras.optimizers."
      "AdamW on plain variables in TF2 code."),
 ))
+
+
+# --- DeepRec names with no meaning here ---
+# Referenced by DeepRec's model zoo scripts and its EV tests; compat
+# installs each under its name (attribute -> stand-in).
+
+_MULTIHASH = ("use categorical_column_with_embedding: an EV stores every "
+              "id, with no hash collisions to compress away.")
+# In `tf` and `tf.compat.v1`.
+UNSUPPORTED_NAMES = {
+    "staged": Unavailable("tf.staged (SmartStage)",
+                          "drop the call and use tf.data prefetch()."),
+    "make_prefetch_hook": Unavailable(
+        "tf.make_prefetch_hook (SmartStage)",
+        "drop the hook; tf.data prefetch() does it."),
+    "get_multihash_variable": Unavailable(
+        "tf.get_multihash_variable (Multi-Hash Variable)", _MULTIHASH),
+    "get_dynamic_dimension_embedding_variable": Unavailable(
+        "tf.get_dynamic_dimension_embedding_variable (dynamic-dimension "
+        "EV)", "use get_embedding_variable with one embedding_dim."),
+}
+# In `tf.feature_column` and `tf.compat.v1.feature_column`.
+UNSUPPORTED_FEATURE_COLUMNS = {
+    "categorical_column_with_adaptive_embedding": Unavailable(
+        "tf.feature_column.categorical_column_with_adaptive_embedding",
+        "use categorical_column_with_embedding."),
+    "categorical_column_with_multihash": Unavailable(
+        "tf.feature_column.categorical_column_with_multihash (Multi-Hash "
+        "Variable)", _MULTIHASH),
+}
+# In `tf.compat.v1.train`.
+UNSUPPORTED_V1_TRAIN = {
+    "AdagradDecayOptimizerV2": Unavailable(
+        "tf.train.AdagradDecayOptimizerV2", _ADAGRAD_DECAY),
+}
+
+_CONTRIB_COLUMNS = ("use tf.feature_column.categorical_column_with_"
+                    "embedding, embedding_column and input_layer (a "
+                    "linear model: embedding_column(..., 1, 'sum')).")
+# `tf.contrib.layers` and `tf.contrib.opt` as far as DeepRec's scripts and
+# tests use them (compat's `tf.contrib` also holds
+# `feature_column.sequence_input_layer`, which this library provides).
+CONTRIB_LAYERS = types.SimpleNamespace(**{
+    name: Unavailable(f"tf.contrib.layers.{name}", _CONTRIB_COLUMNS)
+    for name in ("sparse_column_with_embedding",
+                 "input_from_feature_columns",
+                 "weighted_sum_from_feature_columns")})
+CONTRIB_OPT = types.SimpleNamespace(AdamWOptimizer=Unavailable(
+    "tf.contrib.opt.AdamWOptimizer",
+    "use tf.train.AdamOptimizer and apply the decoupled weight decay "
+    "yourself (var -= lr * weight_decay * var)."))
+
+FUSION_TYPES = ("localized", "collective")
+
+
+def enable_group_embedding(fusion_type="collective"):
+    """DeepRec's first switch for grouped lookups
+    (`tf.config.experimental.enable_group_embedding`), which later DeepRec
+    replaced by `enable_distributed_strategy`.
+
+    Args:
+        fusion_type: "localized": a no-op, since grouped lookups in one
+            process need no switch here. "collective": refused with a
+            pointer to `tf.config.experimental.enable_distributed_strategy`
+            (`ge.enable_distributed_strategy`), whose Horovod sharding
+            replaces DeepRec's SOK-based collective mode.
+
+    Raises:
+        NotImplementedError: `fusion_type="collective"`.
+        ValueError: any other `fusion_type`.
+    """
+    if fusion_type == "localized":
+        return
+    if fusion_type == "collective":
+        raise NotImplementedError(
+            "enable_group_embedding(fusion_type='collective') is DeepRec's "
+            "SOK-based mode and is not provided; call "
+            "tf.config.experimental.enable_distributed_strategy("
+            "'collective') (ge.enable_distributed_strategy) instead, which "
+            "shards the tables over Horovod workers.")
+    raise ValueError(f"enable_group_embedding: fusion_type must be one of "
+                     f"{FUSION_TYPES}, got {fusion_type!r}.")
 
 
 # --- DeepRec's fields of ConfigProto.graph_options.optimizer_options ---

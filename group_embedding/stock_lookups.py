@@ -9,7 +9,7 @@ holding one, which is what DeepRec's partitioned EV becomes here, see
 `ge.get_embedding_variable(partitioner=...)`) they run the grouped lookup
 with that one table; given anything else they are the stock TF1 function,
 unchanged. `import group_embedding.compat` routes the stock names through
-them.
+them (`ev_aware`).
 
 EV reads are training reads: keys seen for the first time are inserted and
 counted, as in DeepRec. Gradients reach the EV as `tf.IndexedSlices` keyed
@@ -17,7 +17,10 @@ by key, which `ge.train.*` (TF1 graphs) and `ge.optimizers.*` (eager)
 apply.
 """
 
+import functools
+import inspect
 from typing import Any
+from typing import Callable
 from typing import Optional
 
 import tensorflow as tf
@@ -304,3 +307,45 @@ def safe_embedding_lookup_sparse(embedding_weights: Any, sparse_ids: Any,
         if rank is not None:
             out.set_shape([None] * (rank - 1) + [ev.embedding_dim])
         return out
+
+
+def _reads_ev(value) -> bool:
+    # A one-element list of an EV is DeepRec's partitioned EV here.
+    return isinstance(value, EmbeddingVariable) or (
+        isinstance(value, (list, tuple)) and any(
+            isinstance(v, EmbeddingVariable) for v in value))
+
+
+def ev_aware(stock: Callable, ours: Callable, first: str) -> Callable:
+    """`stock` unchanged unless its `first` argument holds an EV; then
+    `ours` with the same arguments, bound by name (so TF1 and TF2
+    signatures, whose argument orders differ, both work).
+
+    This is how `group_embedding.compat` routes `tf.nn.embedding_lookup`
+    (and the other stock reads) through this module's functions.
+
+    Args:
+        stock: the stock TF function.
+        ours: this module's function of the same name.
+        first: the name of `stock`'s argument that may hold an EV.
+
+    Returns:
+        A function with `stock`'s signature and metadata; the stock one is
+        kept as its `__wrapped_stock__`.
+    """
+    signature = inspect.signature(stock)
+    accepted = set(inspect.signature(ours).parameters)
+
+    @functools.wraps(stock)
+    def wrapper(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return stock(*args, **kwargs)  # stock's own error
+        if not _reads_ev(bound.arguments.get(first)):
+            return stock(*args, **kwargs)
+        return ours(**{k: v for k, v in bound.arguments.items()
+                       if k in accepted})
+
+    wrapper.__wrapped_stock__ = stock  # type: ignore[attr-defined]
+    return wrapper
