@@ -8,12 +8,12 @@ the scaling benchmark that latency, not the bytes, was most of the step.
 
 Here the workers open one TCP connection per pair once, in
 `enable_distributed_strategy` (addresses found through Horovod), and every
-exchange is the C++ op `PeerAllToAll` (`ops/kernels/peer_exchange_ops.cc`)
-over those sockets: each worker runs the same exchanges in the same order
-(chained with control dependencies within a graph), and each message
-carries a tag that the receiver checks, so a mismatch is an error rather
-than mixed-up data. A worker that dies closes its sockets: the others fail
-at once with its rank.
+exchange is the C++ op `PeerAllToAll` (`ops/peer_exchange.py`, kernel in
+`ops/kernels/peer_exchange_ops.cc`) over those sockets: each worker runs
+the same exchanges in the same order (chained with control dependencies
+within a graph), and each message carries a tag that the receiver
+checks, so a mismatch is an error rather than mixed-up data. A worker
+that dies closes its sockets: the others fail at once with its rank.
 
 `GROUP_EMBEDDING_TRANSPORT` picks the transport: `auto` (default: the
 sockets when the C++ kernels are loaded, else Horovod), `sockets`
@@ -55,7 +55,6 @@ import select
 import socket
 import threading
 import time
-import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -63,6 +62,7 @@ import tensorflow as tf
 
 from group_embedding.distributed import peer_auth
 from group_embedding.ops import kernel_library
+from group_embedding.ops import peer_exchange
 
 TRANSPORTS = ("auto", "sockets", "horovod")
 SAME_HOST_LINKS = ("shm", "unix", "tcp")
@@ -86,9 +86,6 @@ _log = logging.getLogger(__name__)
 _state: Dict[str, Any] = {
     "fds": None, "sockets": [], "links": [], "rank": 0, "size": 1,
     "timeout": 600.0, "shm": None, "max_bytes": MAX_BYTES_PER_PEER}
-# Per graph, the last exchange created: the next one runs after it, so
-# every worker runs its exchanges in program order.
-_last_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def transport_mode() -> str:
@@ -104,14 +101,8 @@ def transport_mode() -> str:
 def expects_sockets() -> bool:
     """Whether `connect` will use the peer sockets (with more than one
     worker): known before Horovod starts."""
-    return transport_mode() != "horovod" and _library() is not None
-
-
-def _library():
-    lib = kernel_library.load()
-    if lib is None or not hasattr(lib, "peer_all_to_all"):
-        return None
-    return lib
+    return (transport_mode() != "horovod"
+            and peer_exchange.library() is not None)
 
 
 def same_host_link() -> str:
@@ -496,7 +487,7 @@ def connect(hvd, timeout: float,
     _state["keys"] = keys = keys or share_keys(hvd)
     if mode == "horovod":
         return False
-    if _library() is None:
+    if peer_exchange.library() is None:
         if mode == "sockets":
             raise RuntimeError(
                 "GROUP_EMBEDDING_TRANSPORT=sockets needs the C++ kernels; "
@@ -596,16 +587,6 @@ def _tag(name: str) -> int:
     return zlib.crc32(name.encode()) | (len(name) << 32)
 
 
-def _chained(build):
-    graph = tf.compat.v1.get_default_graph()
-    previous = None if tf.executing_eagerly() else _last_in_graph.get(graph)
-    with tf.control_dependencies([previous] if previous is not None else []):
-        out = build()
-    if not tf.executing_eagerly():
-        _last_in_graph[graph] = out[0].op
-    return out
-
-
 def tracked(hvd, fn, inputs, differentiable=False):
     """`fn(inputs)` counted by the collective watchdog when `hvd` (the
     strategy's collectives object) is the tracked Horovod."""
@@ -633,30 +614,15 @@ def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str,
         (received rows by source worker, int32 `[N]` rows from each).
         Differentiable in `data`: the gradient goes back to the senders.
     """
-    lib = _library()
     fds = tf.constant(_state["fds"], tf.int64)
     shm = tf.constant(_state["shm"], tf.int64, shape=[len(_state["fds"]), 2])
     expected = (tf.fill([len(_state["fds"])], tf.constant(-1, tf.int64))
                 if expected_splits is None
                 else tf.cast(expected_splits, tf.int64))
-    return _chained(lambda: lib.peer_all_to_all(
+    return peer_exchange.peer_all_to_all(
         data, tf.cast(splits, tf.int32), fds, shm, expected, tag=_tag(name),
         timeout_seconds=_state["timeout"],
-        max_bytes_per_peer=_state["max_bytes"]))
-
-
-@tf.RegisterGradient("PeerAllToAll")
-def _peer_all_to_all_grad(op, grad, _):
-    # Rows came from worker p in block p: send their gradients back. Each
-    # peer sends back exactly the rows this worker sent it.
-    lib = _library()
-    back, _ = _chained(lambda: lib.peer_all_to_all(
-        grad, op.outputs[1], op.inputs[2], op.inputs[3],
-        tf.cast(op.inputs[1], tf.int64),
-        tag=(op.get_attr("tag") ^ 0x5A5A5A5A) + 1,
-        timeout_seconds=op.get_attr("timeout_seconds"),
-        max_bytes_per_peer=op.get_attr("max_bytes_per_peer")))
-    return back, None, None, None, None
+        max_bytes_per_peer=_state["max_bytes"])
 
 
 # Buffers up to this size (per worker) are averaged in ONE exchange.

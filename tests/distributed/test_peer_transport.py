@@ -22,6 +22,7 @@ from group_embedding.distributed import horovod_settings
 from group_embedding.distributed import peer_auth
 from group_embedding.distributed import transport
 from group_embedding.ops import kernel_library
+from group_embedding.ops import peer_exchange
 from tests.distributed.test_collective_training import run_workers
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,10 +109,9 @@ def test_errors_instead_of_hangs(mode, workers):
 
 def _op():
     # The transport needs the kernels; their absence is a failure here.
-    lib = kernel_library.load()
-    assert lib is not None, (
+    assert peer_exchange.library() is not None, (
         f"C++ kernels not loaded: run `{kernel_library.DIAGNOSE_COMMAND}`")
-    return lib.peer_all_to_all
+    return peer_exchange.peer_all_to_all
 
 
 @pytest.mark.parametrize("splits,fds,shm,message", [
@@ -343,8 +343,8 @@ def test_announced_rows_are_bounded_by_what_the_receiver_expects(
     script = f"""
 import socket, struct
 import tensorflow as tf
-from group_embedding.ops import kernel_library
-op = kernel_library.load().peer_all_to_all
+from group_embedding.ops import peer_exchange
+op = peer_exchange.peer_all_to_all
 mine, theirs = socket.socketpair()
 theirs.sendall(struct.pack("=Qqqqq", {_MAGIC}, 9, {rows}, 8, -1))
 try:
