@@ -74,7 +74,7 @@ def export_saved_model(obj, export_dir: str, signatures=None,
             tf.saved_model.save(obj, export_dir, signatures=signatures,
                                 options=options)
         except AssertionError as e:
-            if "group_embedding_ev" not in str(e):
+            if "group_embedding::ev::EVStorage" not in str(e):
                 raise
             # A function traced before the save reads an EV's storage.
             shutil.rmtree(export_dir, ignore_errors=True)

@@ -50,6 +50,7 @@
 
 namespace group_embedding {
 namespace collective {
+namespace {
 
 // Horovod takes int32 splits: no segment of a buffer may exceed this.
 constexpr int64_t kMaxSplit = std::numeric_limits<int32_t>::max();
@@ -1036,5 +1037,6 @@ class CollectivePoolWeightGradOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("CollectivePoolWeightGrad").Device(DEVICE_CPU),
                         CollectivePoolWeightGradOp);
 
+}  // namespace
 }  // namespace collective
 }  // namespace group_embedding

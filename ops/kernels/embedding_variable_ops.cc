@@ -4,7 +4,9 @@
 
 #include "ev_storage.h"
 
-namespace group_embedding_ev {
+namespace group_embedding {
+namespace ev {
+namespace {
 
 // ---------------------------------------------------------------------------
 // Handle: creates the storage on first use, with its configuration.
@@ -512,4 +514,6 @@ class EVEvictOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("EVEvict").Device(DEVICE_CPU), EVEvictOp);
 
-}  // namespace group_embedding_ev
+}  // namespace
+}  // namespace ev
+}  // namespace group_embedding

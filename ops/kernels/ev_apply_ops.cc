@@ -7,14 +7,10 @@
 #include "id_map.h"
 #include "pooling.h"
 
-namespace group_embedding_ev {
+namespace group_embedding {
+namespace ev {
+namespace {
 
-using ::group_embedding::CheckMatrix;
-using ::group_embedding::CheckScalar;
-using ::group_embedding::DuplicateSums;
-using ::group_embedding::InputsWithRank;
-using ::group_embedding::kPrefetchDistance;
-using ::group_embedding::PrefetchRow;
 
 // Shared skeleton of the updates: call `update(value row, gradient row,
 // slot rows, dim)` once per distinct admitted key and stamp its version.
@@ -369,4 +365,6 @@ class EVApplyFtrlOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("EVApplyFtrl").Device(DEVICE_CPU),
                         EVApplyFtrlOp);
 
-}  // namespace group_embedding_ev
+}  // namespace
+}  // namespace ev
+}  // namespace group_embedding

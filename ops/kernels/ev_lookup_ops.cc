@@ -25,23 +25,10 @@
 #include "ev_storage.h"
 #include "pooling.h"
 
-namespace group_embedding_ev {
+namespace group_embedding {
+namespace ev {
+namespace {
 
-using ::group_embedding::CheckMatrix;
-using ::group_embedding::CheckRagged;
-using ::group_embedding::CheckScalar;
-using ::group_embedding::InputsWithRank;
-using ::group_embedding::Combiner;
-using ::group_embedding::kPrefetchDistance;
-using ::group_embedding::ParseCombiners;
-using ::group_embedding::PooledTable;
-using ::group_embedding::PoolTables;
-using ::group_embedding::ResolvedRows;
-using ::group_embedding::ScatterSequences;
-using ::group_embedding::SequenceOutputShapes;
-using ::group_embedding::SequenceShape;
-using ::group_embedding::SequenceTable;
-using ::group_embedding::WeightGradRows;
 using ::tensorflow::OpOutputList;
 
 // Locks of the distinct variables of a group (one variable may serve
@@ -615,4 +602,6 @@ class EVGroupGatherOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("EVGroupGather").Device(DEVICE_CPU),
                         EVGroupGatherOp);
 
-}  // namespace group_embedding_ev
+}  // namespace
+}  // namespace ev
+}  // namespace group_embedding

@@ -50,7 +50,8 @@
 #include "tensorflow/core/util/work_sharder.h"
 #include "id_map.h"
 
-namespace group_embedding_ev {
+namespace group_embedding {
+namespace ev {
 
 using ::tensorflow::DEVICE_CPU;
 using ::tensorflow::OpInputList;
@@ -80,8 +81,7 @@ constexpr uint32_t kEmpty = 0xffffffffu;
 // instead of wrapping onto row 0.
 constexpr int64_t kMaxRows = int64_t{0xfffffffe};
 
-// The kernels' one hash mixer (id_map.h).
-using ::group_embedding::Mix;
+// Keys hash with the kernels' one mixer, group_embedding::Mix (id_map.h).
 
 // Rows of `width` Ts in chunks (see kFirstChunkShift): a row's address
 // never changes once allocated.
@@ -592,6 +592,7 @@ inline Status GetEV(OpKernelContext* ctx, int input,
   return LookupResource(ctx, HandleFromInput(ctx, input), ev);
 }
 
-}  // namespace group_embedding_ev
+}  // namespace ev
+}  // namespace group_embedding
 
 #endif  // GROUP_EMBEDDING_OPS_KERNELS_EV_STORAGE_H_

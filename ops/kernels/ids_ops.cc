@@ -23,7 +23,7 @@
 #include "op_checks.h"
 
 namespace group_embedding {
-
+namespace {
 
 REGISTER_OP("GroupUnpackIds")
     .Input("values: int64")
@@ -50,8 +50,6 @@ REGISTER_OP("GroupUnpackIds")
       return Status();
     });
 
-namespace {
-
 // `source[begin, begin + size)` as a view, or as a copy when the view
 // would not start on the alignment TF's kernels require.
 Tensor SliceOrCopy(OpKernelContext* ctx, const Tensor& source, int64_t begin,
@@ -65,8 +63,6 @@ Tensor SliceOrCopy(OpKernelContext* ctx, const Tensor& source, int64_t begin,
   }
   return copy;
 }
-
-}  // namespace
 
 class GroupUnpackIdsOp : public OpKernel {
  public:
@@ -385,4 +381,5 @@ class GroupSparseToRaggedOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("GroupSparseToRagged").Device(DEVICE_CPU),
                         GroupSparseToRaggedOp);
 
+}  // namespace
 }  // namespace group_embedding

@@ -62,7 +62,9 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
-namespace group_embedding_transport {
+namespace group_embedding {
+namespace transport {
+namespace {
 
 using ::tensorflow::DataType;
 using ::tensorflow::DataTypeSize;
@@ -675,4 +677,6 @@ tag: identifies the collective; every worker must run the same tags in
 REGISTER_KERNEL_BUILDER(Name("PeerAllToAll").Device(::tensorflow::DEVICE_CPU),
                         PeerAllToAllOp);
 
-}  // namespace group_embedding_transport
+}  // namespace
+}  // namespace transport
+}  // namespace group_embedding
