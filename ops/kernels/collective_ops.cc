@@ -55,57 +55,6 @@ namespace {
 // Horovod takes int32 splits: no segment of a buffer may exceed this.
 constexpr int64_t kMaxSplit = std::numeric_limits<int32_t>::max();
 
-// dst[0:kDim] += src[0:kDim], 8 floats at a time. Written as a plain loop
-// GCC keeps it scalar (it cannot rule out that dst and src overlap).
-typedef float Float8 __attribute__((vector_size(32)));
-template <int64_t kDim>
-inline void AddRow(float* dst, const float* src) {
-  if constexpr (kDim % 8 == 0) {
-    for (int64_t d = 0; d < kDim; d += 8) {
-      Float8 a, b;
-      std::memcpy(&a, dst + d, sizeof(a));
-      std::memcpy(&b, src + d, sizeof(b));
-      a += b;
-      std::memcpy(dst + d, &a, sizeof(a));
-    }
-  } else {
-    for (int64_t d = 0; d < kDim; ++d) dst[d] += src[d];
-  }
-}
-
-// Adds the gradient of every id of one table ([batch, dim] pooled
-// gradients `g`) to its row's slot of `out`: one sum per distinct row.
-template <int64_t kDim>
-void ScatterRowGrads(const PooledTable<BufferRows>& p, const float* g,
-                     int64_t batch, float* out) {
-  const int64_t* offsets = p.rows.offsets;
-  const int64_t dim = kDim > 0 ? kDim : p.dim;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t lo = p.splits[b], hi = p.splits[b + 1];
-    if (lo == hi) continue;
-    const float scale = RowScale(p.combiner, p.weights, lo, hi);
-    const float* gb = g + b * dim;
-    if constexpr (kDim > 0) {
-      if (p.weights == nullptr) {
-        float sg[kDim];
-        for (int64_t d = 0; d < kDim; ++d) sg[d] = scale * gb[d];
-        for (int64_t j = lo; j < hi; ++j) {
-          if (j + kPrefetchDistance < p.nnz) {
-            PrefetchRow(out + offsets[j + kPrefetchDistance], kDim);
-          }
-          AddRow<kDim>(out + offsets[j], sg);
-        }
-        continue;
-      }
-    }
-    for (int64_t j = lo; j < hi; ++j) {
-      const float f = scale * (p.weights ? p.weights[j] : 1.0f);
-      float* dst = out + offsets[j];
-      for (int64_t d = 0; d < dim; ++d) dst[d] += f * gb[d];
-    }
-  }
-}
-
 Status CheckDims(const std::vector<int64_t>& dims, int k) {
   if (static_cast<int>(dims.size()) != k) {
     return InvalidArgument("`dims` must have ", k, " entries, got ",
@@ -731,8 +680,8 @@ REGISTER_KERNEL_BUILDER(Name("CollectiveOwnerGatherGrad").Device(DEVICE_CPU),
 // Local pooling from the returned rows buffer.
 // ---------------------------------------------------------------------------
 
-// One table of the returned rows buffer as the pooling core reads it
-// (`rows` nullptr: offsets only, for the backward); no output yet.
+// One table of the returned rows buffer as the pooling core reads it; no
+// output yet.
 PooledTable<BufferRows> BufferTable(const float* rows, const Tensor& offsets,
                                     const Tensor& splits,
                                     const Tensor& weights, int64_t dim,
@@ -926,13 +875,14 @@ class CollectivePoolGradOp : public OpKernel {
     // Tables own disjoint parts of the buffer: shard over tables.
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const PooledTable<BufferRows> p =
-            BufferTable(nullptr, offsets[t], splits[t], weights[t], dims_[t],
-                        combiners_[t]);
-        const float* g = grads[t].flat<float>().data();
-        const int64_t batch = splits[t].NumElements() - 1;
+        // The single-process backward's loop (pooling.h): collective
+        // training computes the same gradients bitwise.
+        const auto table = MakeGradTable(
+            PooledGrads{grads[t].flat<float>().data(), dims_[t]}, splits[t],
+            weights[t], offsets[t].NumElements(), combiners_[t]);
+        const OffsetSlots slots{out, offsets[t].flat<int64_t>().data()};
         WithStaticDim(dims_[t], [&](auto d) {
-          ScatterRowGrads<decltype(d)::value>(p, g, batch, out);
+          ScatterIdGrads<decltype(d)::value>(table, slots, dims_[t]);
         });
       }
     };
@@ -1019,11 +969,10 @@ class CollectivePoolWeightGradOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
                                       dim));
       const int64_t* off = offsets[t].flat<int64_t>().data();
-      WeightGradRows(combiners_[t], dim, batch,
-                     splits[t].flat<int64_t>().data(),
-                     weights[t].flat<float>().data(),
-                     grads[t].flat<float>().data(),
-                     pooled[t].flat<float>().data(),
+      const auto table = MakeGradTable(
+          PooledGrads{grads[t].flat<float>().data(), dim}, splits[t],
+          weights[t], offsets[t].NumElements(), combiners_[t]);
+      WeightGradRows(table, dim, pooled[t].flat<float>().data(),
                      [rows, off](int64_t j) { return rows + off[j]; },
                      o->flat<float>().data());
     }

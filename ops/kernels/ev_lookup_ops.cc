@@ -505,10 +505,11 @@ class EVGroupWeightGradOp : public OpKernel {
   void WeightGrad(int t, const GroupInputs& in, const Tensor& grads,
                   const Tensor& pooled, const std::vector<const float*>& rows,
                   float* dw) const {
-    WeightGradRows(combiners_[t], dim_, in.splits[t].NumElements() - 1,
-                   in.splits[t].flat<int64_t>().data(),
-                   in.weights[t].flat<float>().data(),
-                   grads.flat<float>().data(), pooled.flat<float>().data(),
+    const auto table =
+        MakeGradTable(PooledGrads{grads.flat<float>().data(), dim_},
+                      in.splits[t], in.weights[t], in.keys[t].NumElements(),
+                      combiners_[t]);
+    WeightGradRows(table, dim_, pooled.flat<float>().data(),
                    [&rows](int64_t j) { return rows[j]; }, dw);
   }
 

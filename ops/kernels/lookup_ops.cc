@@ -93,14 +93,6 @@ REGISTER_OP("GroupEmbeddingConcatLookup")
       return Status();
     });
 
-// Where table t's rows of a pooled [B, D] block live: `base` + b * `stride`
-// (per-table outputs: stride D; the concatenated layout: stride K * D).
-template <typename T>
-struct RowBlock {
-  T* base;
-  int64_t stride;
-};
-
 class GroupEmbeddingVariableLookupOp : public OpKernel {
  public:
   explicit GroupEmbeddingVariableLookupOp(OpKernelConstruction* ctx)
@@ -278,11 +270,6 @@ REGISTER_OP("GroupEmbeddingConcatLookupGrad")
       return Status();
     });
 
-// Above this size, a table's gradient sums are built one by one instead
-// of by scattered adds (half the 1 MiB L2 of the machine measured; below
-// it the scattered adds were as fast and skip a counting sort).
-constexpr int64_t kCachedSumBytes = 512 << 10;
-
 class GroupEmbeddingVariableLookupGradOp : public OpKernel {
  public:
   explicit GroupEmbeddingVariableLookupGradOp(OpKernelConstruction* ctx)
@@ -308,7 +295,7 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
                                       splits[t], weights[t], /*vocab=*/-1));
     }
     // Per table, where its gradient rows are (read only here).
-    std::vector<RowBlock<const float>> grad_rows(k);
+    std::vector<PooledGrads> grad_rows(k);
     if (concat_) {
       OP_REQUIRES_OK(ctx, CheckSameBatch({}, splits));
       const Tensor& g = ctx->input(0);
@@ -327,95 +314,11 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
         grad_rows[t] = {grads[t].flat<float>().data(), dim_};
       }
     }
-    OpOutputList uniq_out, grad_out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
-    OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
-    int64_t total = 0;
-    for (int t = 0; t < k; ++t) total += ids[t].NumElements();
-
-    std::vector<Status> status(k);
-    const int64_t dim = dim_;
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    WithStaticDim(dim, [&](auto static_dim) {
-      constexpr int64_t kDim = decltype(static_dim)::value;
-      const int64_t width = kDim > 0 ? kDim : dim;
-      using Sums = float[kDim > 0 ? kDim : 1];
-      // Tables are independent, so shard over tables: no write conflicts.
-      auto work = [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-          const int64_t nnz = ids[t].NumElements();
-          const int64_t batch = splits[t].NumElements() - 1;
-          const int64_t* v = ids[t].flat<int64_t>().data();
-          const int64_t* s = splits[t].flat<int64_t>().data();
-          const float* w = weights[t].NumElements()
-                               ? weights[t].flat<float>().data()
-                               : nullptr;
-          const float* g = grad_rows[t].base;
-          const int64_t g_stride = grad_rows[t].stride;
-          std::vector<int64_t> slot;
-          float* gsum = nullptr;
-          status[t] = DedupToGradOutputs(v, nnz, dim, t, &uniq_out,
-                                         &grad_out, &slot, &gsum);
-          if (!status[t].ok()) continue;
-          const int64_t u = grad_out[t]->dim_size(0);
-          if (u * width * sizeof(float) <= kCachedSumBytes) {
-            // The sums stay in cache: add each gradient row to its id's.
-            std::fill(gsum, gsum + u * width, 0.0f);
-            for (int64_t b = 0; b < batch; ++b) {
-              const int64_t lo = s[b], hi = s[b + 1];
-              if (lo == hi) continue;
-              const float scale = RowScale(combiners_[t], w, lo, hi);
-              const float* gb = g + b * g_stride;
-              for (int64_t j = lo; j < hi; ++j) {
-                const float f = scale * (w ? w[j] : 1.0f);
-                AddScaledRow(gsum + slot[j] * width, gb, f, width);
-              }
-            }
-            continue;
-          }
-          // Larger: adding every occurrence's gradient straight into its
-          // sum missed the cache at most adds (most of this op's time at
-          // dim 64). Instead group the occurrences by slot, in position
-          // order (a counting sort), and build each sum in registers,
-          // written once. Both ways add in the same order.
-          std::vector<int64_t> start(u + 1, 0);
-          for (int64_t j = 0; j < nnz; ++j) ++start[slot[j] + 1];
-          for (int64_t i = 0; i < u; ++i) start[i + 1] += start[i];
-          std::vector<int64_t> next(start.begin(), start.end() - 1);
-          std::vector<int64_t> occ_row(nnz);
-          std::vector<float> occ_factor(nnz);
-          for (int64_t b = 0; b < batch; ++b) {
-            const int64_t lo = s[b], hi = s[b + 1];
-            if (lo == hi) continue;
-            const float scale = RowScale(combiners_[t], w, lo, hi);
-            for (int64_t j = lo; j < hi; ++j) {
-              const int64_t at = next[slot[j]]++;
-              occ_row[at] = b;
-              occ_factor[at] = scale * (w ? w[j] : 1.0f);
-            }
-          }
-          Sums sums;
-          for (int64_t i = 0; i < u; ++i) {
-            float* dst = gsum + i * width;
-            float* acc = kDim > 0 ? sums : dst;
-            std::fill(acc, acc + width, 0.0f);
-            for (int64_t at = start[i]; at < start[i + 1]; ++at) {
-              if (at + kPrefetchDistance < nnz) {
-                PrefetchRow(g + occ_row[at + kPrefetchDistance] * g_stride,
-                            width);
-              }
-              const float f = occ_factor[at];
-              const float* gb = g + occ_row[at] * g_stride;
-              for (int64_t d = 0; d < width; ++d) acc[d] += f * gb[d];
-            }
-            if (kDim > 0) std::copy(acc, acc + width, dst);
-          }
-        }
-      };
-      tensorflow::Shard(pool->num_threads, pool->workers, k,
-                        (total / k + 1) * (dim + 1) * 8, work);
-    });
-    for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
+    OP_REQUIRES_OK(ctx, SumIdGradsOfTables(ctx, ids, dim_, [&](int t) {
+                     return MakeGradTable(grad_rows[t], splits[t], weights[t],
+                                          ids[t].NumElements(),
+                                          combiners_[t]);
+                   }));
   }
 
  private:

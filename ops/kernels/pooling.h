@@ -5,8 +5,9 @@
 // the plain-variable (lookup_ops.cc), EmbeddingVariable (ev_lookup_ops.cc)
 // and collective (collective_ops.cc) kernels give bitwise the same pooled
 // rows: combiner scales, max_norm clipping and its backward, the one
-// static-width dispatcher, the weight gradient, and the pooling core
-// below, a template over where a row comes from.
+// static-width dispatcher, the weight gradient, the pooling core below, a
+// template over where a row comes from, and its backward, the one
+// gradient loop, a template over where an id's gradient slot is.
 
 #include <algorithm>
 #include <cmath>
@@ -140,43 +141,6 @@ inline void WithStaticDim(int64_t dim, F&& f) {
   }
 }
 
-// d loss / d w_j of one weighted table, given the gradient `g` of the
-// pooled rows `p` ([B, dim] each) and `row_of(j)`, the row id j read:
-//   pooled_b = sum_j w_j e_j / n_b,  n_b = 1 | sum_j w_j | sqrt(sum_j w_j^2)
-//   d/dw_j = (e_j.g_b - pooled_b.g_b * dn_b/dw_j) / n_b
-// With max_norm >= 0, e_j is the clipped row (as pooled), and so is the
-// row it multiplies here.
-template <typename RowOf>
-void WeightGradRows(Combiner c, int64_t dim, int64_t batch,
-                    const int64_t* s, const float* w, const float* g,
-                    const float* p, RowOf row_of, float* dw,
-                    float max_norm = -1.0f) {
-  for (int64_t b = 0; b < batch; ++b) {
-    const float* gb = g + b * dim;
-    const float scale = RowScale(c, w, s[b], s[b + 1]);
-    float pg = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) pg += p[b * dim + d] * gb[d];
-    for (int64_t j = s[b]; j < s[b + 1]; ++j) {
-      const float* row = row_of(j);
-      float eg = 0.0f;
-      for (int64_t d = 0; d < dim; ++d) eg += row[d] * gb[d];
-      eg *= ClipFactor(row, dim, max_norm);
-      switch (c) {
-        case kSum:
-          dw[j] = eg;
-          break;
-        case kMean:
-          dw[j] = (eg - pg) * scale;
-          break;
-        case kSqrtn:
-          dw[j] = (eg - pg * w[j] * scale) * scale;
-          break;
-      }
-    }
-  }
-}
-
-
 // ---------------------------------------------------------------------------
 // The pooling core. A row source tells, for position j of a table's ragged
 // ids, which row it reads:
@@ -269,6 +233,220 @@ inline void PoolExamples(const PooledTable<Rows>& p, float max_norm,
       for (int64_t d = 0; d < width; ++d) o[d] *= scale;
     }
   }
+}
+
+// ---------------------------------------------------------------------------
+// The backward of the pooling core, the one gradient loop of the plain,
+// EV, sequence and collective kernels: every id j of example b adds
+//   f_j * g_b,  f_j = scale_b * w_j   (as PoolExamples pooled it)
+// into the gradient slot of its row, examples and ids in order, so that
+// every kernel sums a row's occurrences in the same order with the same
+// arithmetic (one fused multiply-add per float, AddScaledRow) and the
+// collective lookup's gradient equals the single-process one bitwise.
+// Sequences pass kSum (scale 1, f_j = w_j) and take g at the id's slot.
+// Two template parameters say where things are:
+//   Grads: const float* Row(b, j)  the gradient id j of example b gets;
+//   Slots: float* Slot(j)          where id j's gradient adds up;
+//          kPrefetch               whether slots are worth prefetching
+//                                  (scattered over a large buffer).
+// ---------------------------------------------------------------------------
+
+// Pooled gradient row b at grads + b * stride (stride D for one output
+// per table, K * D for the concatenated layout).
+struct PooledGrads {
+  const float* grads;
+  int64_t stride;
+  const float* Row(int64_t b, int64_t) const { return grads + b * stride; }
+};
+
+// A sequence's gradient [B, T, D]: id j of row b lands at [b, p_j].
+struct SequenceGrads {
+  const float* grads;
+  const int64_t* positions;
+  int64_t len;
+  int64_t dim;
+  const float* Row(int64_t b, int64_t j) const {
+    return grads + (b * len + positions[j]) * dim;
+  }
+};
+
+// Distinct ids numbered densely (slot[j], first occurrence = 0): a
+// [distinct, width] block of sums, small enough to stay in cache.
+struct DenseSlots {
+  float* sums;
+  const int64_t* slot;
+  int64_t width;
+  static constexpr bool kPrefetch = false;
+  float* Slot(int64_t j) const { return sums + slot[j] * width; }
+};
+
+// Slots at float offsets of one buffer (the collective lookup's rows
+// buffer: ids sharing a row share its offset); offsets checked by the
+// caller.
+struct OffsetSlots {
+  float* buffer;
+  const int64_t* offsets;
+  static constexpr bool kPrefetch = true;
+  float* Slot(int64_t j) const { return buffer + offsets[j]; }
+};
+
+// One table of a pooled (or sequence) lookup's backward.
+template <typename Grads>
+struct GradTable {
+  Grads grads;
+  const int64_t* splits;
+  const float* weights;  // nullptr: unweighted
+  int64_t batch;
+  int64_t nnz;
+  Combiner combiner;  // kSum for sequences
+};
+
+// A table's GradTable from its kernel inputs: `splits` [B + 1], `weights`
+// [nnz] or empty (unweighted).
+template <typename Grads>
+inline GradTable<Grads> MakeGradTable(const Grads& grads,
+                                      const ::tensorflow::Tensor& splits,
+                                      const ::tensorflow::Tensor& weights,
+                                      int64_t nnz, Combiner combiner) {
+  return {grads,
+          splits.flat<int64_t>().data(),
+          weights.NumElements() ? weights.flat<float>().data() : nullptr,
+          splits.NumElements() - 1,
+          nnz,
+          combiner};
+}
+
+// Calls `visit(j, f_j, g)` for every id j, examples in order: the one
+// place the backward's factors are computed.
+template <typename Grads, typename Visit>
+inline void ForEachIdGrad(const GradTable<Grads>& p, Visit&& visit) {
+  const float* w = p.weights;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t lo = p.splits[b], hi = p.splits[b + 1];
+    if (lo == hi) continue;
+    const float scale = RowScale(p.combiner, w, lo, hi);
+    for (int64_t j = lo; j < hi; ++j) {
+      visit(j, scale * (w ? w[j] : 1.0f), p.grads.Row(b, j));
+    }
+  }
+}
+
+// Adds every id's gradient into its slot (slots zeroed by the caller).
+// `kDim` > 0: the width fixed at compile time (WithStaticDim).
+template <int64_t kDim, typename Grads, typename Slots>
+inline void ScatterIdGrads(const GradTable<Grads>& p, const Slots& slots,
+                           int64_t dim) {
+  const int64_t width = kDim > 0 ? kDim : dim;
+  ForEachIdGrad(p, [&](int64_t j, float f, const float* g) {
+    if (Slots::kPrefetch && j + kPrefetchDistance < p.nnz) {
+      PrefetchRow(slots.Slot(j + kPrefetchDistance), width);
+    }
+    AddScaledRow(slots.Slot(j), g, f, width);
+  });
+}
+
+// d loss / d w_j of one weighted table, given the gradient of its pooled
+// rows (`p.grads`) and the pooled rows themselves (`pooled`, [B, dim]),
+// with `row_of(j)` the row id j read:
+//   pooled_b = sum_j w_j e_j / n_b,  n_b = 1 | sum_j w_j | sqrt(sum_j w_j^2)
+//   d/dw_j = (e_j.g_b - pooled_b.g_b * dn_b/dw_j) / n_b
+// With max_norm >= 0, e_j is the clipped row (as pooled), and so is the
+// row it multiplies here. A sequence (kSum, SequenceGrads, `pooled`
+// nullptr) gives d/dw_j = clip(e_j).g[b, p_j].
+template <typename Grads, typename RowOf>
+void WeightGradRows(const GradTable<Grads>& p, int64_t dim,
+                    const float* pooled, RowOf row_of, float* dw,
+                    float max_norm = -1.0f) {
+  const Combiner c = p.combiner;
+  const float* w = p.weights;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t lo = p.splits[b], hi = p.splits[b + 1];
+    const float scale = RowScale(c, w, lo, hi);
+    float pg = 0.0f;
+    if (c != kSum) {
+      // One pooled gradient per example: Row(b, j) is the same for all j.
+      const float* gb = p.grads.Row(b, lo);
+      for (int64_t d = 0; d < dim; ++d) pg += pooled[b * dim + d] * gb[d];
+    }
+    for (int64_t j = lo; j < hi; ++j) {
+      const float* row = row_of(j);
+      const float* gj = p.grads.Row(b, j);
+      float eg = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) eg += row[d] * gj[d];
+      eg *= ClipFactor(row, dim, max_norm);
+      switch (c) {
+        case kSum:
+          dw[j] = eg;
+          break;
+        case kMean:
+          dw[j] = (eg - pg) * scale;
+          break;
+        case kSqrtn:
+          dw[j] = (eg - pg * w[j] * scale) * scale;
+          break;
+      }
+    }
+  }
+}
+
+// Above this size, dense gradient sums are built one by one instead of by
+// scattered adds (half the 1 MiB L2 of the machine measured; below it the
+// scattered adds were as fast and skip a counting sort).
+constexpr int64_t kCachedSumBytes = 512 << 10;
+
+// The sums of `u` dense slots ([u, width] at `sums`), one slot at a time:
+// adding every occurrence's gradient straight into its sum missed the
+// cache at most adds for large tables (most of the backward's time at
+// dim 64). The occurrences are grouped by slot in position order (a
+// counting sort) and each sum is built in registers and written once;
+// the adds are those of ScatterIdGrads, in the same order.
+template <int64_t kDim, typename Grads>
+void SumIdGradsBySlot(const GradTable<Grads>& p, const int64_t* slot,
+                      int64_t u, int64_t dim, float* sums) {
+  const int64_t width = kDim > 0 ? kDim : dim;
+  std::vector<int64_t> start(u + 1, 0);
+  for (int64_t j = 0; j < p.nnz; ++j) ++start[slot[j] + 1];
+  for (int64_t i = 0; i < u; ++i) start[i + 1] += start[i];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  std::vector<const float*> occ_grad(p.nnz);
+  std::vector<float> occ_factor(p.nnz);
+  ForEachIdGrad(p, [&](int64_t j, float f, const float* g) {
+    const int64_t at = next[slot[j]]++;
+    occ_grad[at] = g;
+    occ_factor[at] = f;
+  });
+  float acc_regs[kDim > 0 ? kDim : 1];
+  for (int64_t i = 0; i < u; ++i) {
+    float* dst = sums + i * width;
+    float* acc = kDim > 0 ? acc_regs : dst;
+    std::fill(acc, acc + width, 0.0f);
+    for (int64_t at = start[i]; at < start[i + 1]; ++at) {
+      if (at + kPrefetchDistance < p.nnz) {
+        PrefetchRow(occ_grad[at + kPrefetchDistance], width);
+      }
+      const float f = occ_factor[at];
+      const float* g = occ_grad[at];
+      for (int64_t d = 0; d < width; ++d) acc[d] += f * g[d];
+    }
+    if (kDim > 0) std::copy(acc, acc + width, dst);
+  }
+}
+
+// The gradient of each of the `u` distinct ids of one table ([u, dim] at
+// `sums`), ids numbered by `slot` (first occurrence = 0, DedupToGradOutputs).
+template <typename Grads>
+void SumIdGrads(const GradTable<Grads>& p, const int64_t* slot, int64_t u,
+                int64_t dim, float* sums) {
+  WithStaticDim(dim, [&](auto static_dim) {
+    constexpr int64_t kDim = decltype(static_dim)::value;
+    const int64_t width = kDim > 0 ? kDim : dim;
+    if (u * width * static_cast<int64_t>(sizeof(float)) <= kCachedSumBytes) {
+      std::fill(sums, sums + u * width, 0.0f);
+      ScatterIdGrads<kDim>(p, DenseSlots{sums, slot, width}, dim);
+    } else {
+      SumIdGradsBySlot<kDim>(p, slot, u, dim, sums);
+    }
+  });
 }
 
 // Runs `f(t, b0, b1)` over the examples of K tables, numbered

@@ -191,7 +191,6 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
     const int k = ids.size();
     std::vector<int64_t> lens(k);
-    int64_t total = 0;
     for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
       OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
@@ -201,46 +200,15 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
                                             dim_, &lens[t]));
       OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
                                          ids[t].NumElements(), lens[t]));
-      total += ids[t].NumElements();
     }
-    OpOutputList uniq_out, grad_out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
-    OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
-    std::vector<Status> status(k);
-    const int64_t dim = dim_;
-    // Tables are independent, so shard over tables: no write conflicts.
-    auto work = [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t nnz = ids[t].NumElements();
-        const int64_t batch = splits[t].NumElements() - 1;
-        const int64_t len = lens[t];
-        const int64_t* v = ids[t].flat<int64_t>().data();
-        const int64_t* s = splits[t].flat<int64_t>().data();
-        const int64_t* p = positions[t].flat<int64_t>().data();
-        const float* w = weights[t].NumElements()
-                             ? weights[t].flat<float>().data()
-                             : nullptr;
-        const float* g = grads[t].flat<float>().data();
-        std::vector<int64_t> slot;
-        float* gsum = nullptr;
-        status[t] = DedupToGradOutputs(v, nnz, dim, t, &uniq_out,
-                                       &grad_out, &slot, &gsum);
-        if (!status[t].ok()) continue;
-        std::fill(gsum, gsum + grad_out[t]->NumElements(), 0.0f);
-        for (int64_t b = 0; b < batch; ++b) {
-          for (int64_t j = s[b]; j < s[b + 1]; ++j) {
-            const float f = w ? w[j] : 1.0f;
-            const float* src = g + (b * len + p[j]) * dim;
-            float* dst = gsum + slot[j] * dim;
-            for (int64_t d = 0; d < dim; ++d) dst[d] += f * src[d];
-          }
-        }
-      }
-    };
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, k,
-                      (total / k + 1) * (dim + 1) * 8, work);
-    for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
+    // No combiner (kSum: every factor is the id's weight).
+    OP_REQUIRES_OK(ctx, SumIdGradsOfTables(ctx, ids, dim_, [&](int t) {
+                     const SequenceGrads g{grads[t].flat<float>().data(),
+                                           positions[t].flat<int64_t>().data(),
+                                           lens[t], dim_};
+                     return MakeGradTable(g, splits[t], weights[t],
+                                          ids[t].NumElements(), kSum);
+                   }));
   }
 
  private:

@@ -3,8 +3,8 @@
 
 // Helpers shared by the kernels that read plain resource-variable tables
 // (lookup, sequence, weight-gradient, clip and collective kernels): locking
-// a group of variables, reading a table or its snapshot, and the start of
-// every per-unique-row gradient.
+// a group of variables, reading a table or its snapshot, and the
+// per-unique-row gradients of a lookup's backward.
 
 #include <algorithm>
 #include <cstdint>
@@ -14,7 +14,9 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/util/work_sharder.h"
 #include "id_map.h"
+#include "pooling.h"
 
 namespace group_embedding {
 
@@ -160,6 +162,41 @@ inline ::tensorflow::Status DedupToGradOutputs(
   std::copy(map.keys().begin(), map.keys().end(),
             uo->flat<int64_t>().data());
   *sums = go->flat<float>().data();
+  return ::tensorflow::Status();
+}
+
+// The per-unique-id backward of a lookup of K tables: for table t, its
+// distinct ids into output t of `unique_ids` and their summed gradients
+// into output t of `id_grads` ([distinct, dim]), summed by the one
+// gradient loop (SumIdGrads, pooling.h) over `grad_table(t)`, a GradTable.
+// Sharded over tables, which write disjoint outputs.
+template <typename GradTableOf>
+::tensorflow::Status SumIdGradsOfTables(::tensorflow::OpKernelContext* ctx,
+                                        const ::tensorflow::OpInputList& ids,
+                                        int64_t dim, GradTableOf grad_table) {
+  ::tensorflow::OpOutputList uniq_out, grad_out;
+  TF_RETURN_IF_ERROR(ctx->output_list("unique_ids", &uniq_out));
+  TF_RETURN_IF_ERROR(ctx->output_list("id_grads", &grad_out));
+  const int k = ids.size();
+  int64_t total = 0;
+  for (int t = 0; t < k; ++t) total += ids[t].NumElements();
+  std::vector<::tensorflow::Status> status(k);  // one writer per entry
+  auto work = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::vector<int64_t> slot;
+      float* sums = nullptr;
+      status[t] = DedupToGradOutputs(ids[t].flat<int64_t>().data(),
+                                     ids[t].NumElements(), dim, t, &uniq_out,
+                                     &grad_out, &slot, &sums);
+      if (!status[t].ok()) continue;
+      SumIdGrads(grad_table(static_cast<int>(t)), slot.data(),
+                 grad_out[t]->dim_size(0), dim, sums);
+    }
+  };
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+  ::tensorflow::Shard(pool->num_threads, pool->workers, k,
+                      (total / k + 1) * (dim + 1) * 8, work);
+  for (const auto& st : status) TF_RETURN_IF_ERROR(st);
   return ::tensorflow::Status();
 }
 

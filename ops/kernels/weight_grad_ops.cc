@@ -206,12 +206,12 @@ class GroupEmbeddingWeightGradOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
                                       dim));
       const int64_t* v = ids[t].flat<int64_t>().data();
-      const int64_t* s = splits[t].flat<int64_t>().data();
-      const float* w = weights[t].flat<float>().data();
-      const float* g = grads[t].flat<float>().data();
-      const float* p = pooled[t].flat<float>().data();
-      WeightGradRows(combiners_[t], dim, splits[t].NumElements() - 1, s, w,
-                     g, p, [&read, v](int64_t j) { return read.Row(v, j); },
+      const auto grad_table =
+          MakeGradTable(PooledGrads{grads[t].flat<float>().data(), dim},
+                        splits[t], weights[t], ids[t].NumElements(),
+                        combiners_[t]);
+      WeightGradRows(grad_table, dim, pooled[t].flat<float>().data(),
+                     [&read, v](int64_t j) { return read.Row(v, j); },
                      o->flat<float>().data(), max_norm_);
     }
   }
@@ -322,19 +322,13 @@ class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
                                          ids[t].NumElements(), len));
       const int64_t* v = ids[t].flat<int64_t>().data();
-      const int64_t* s = splits[t].flat<int64_t>().data();
-      const int64_t* p = positions[t].flat<int64_t>().data();
-      const float* g = grads[t].flat<float>().data();
-      float* dw = o->flat<float>().data();
-      for (int64_t b = 0; b < batch; ++b) {
-        for (int64_t j = s[b]; j < s[b + 1]; ++j) {
-          const float* row = read.Row(v, j);
-          const float* gj = g + (b * len + p[j]) * dim;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) dot += row[d] * gj[d];
-          dw[j] = dot * ClipFactor(row, dim, max_norm_);
-        }
-      }
+      const auto grad_table = MakeGradTable(
+          SequenceGrads{grads[t].flat<float>().data(),
+                        positions[t].flat<int64_t>().data(), len, dim},
+          splits[t], weights[t], ids[t].NumElements(), kSum);
+      WeightGradRows(grad_table, dim, /*pooled=*/nullptr,
+                     [&read, v](int64_t j) { return read.Row(v, j); },
+                     o->flat<float>().data(), max_norm_);
     }
   }
 
