@@ -741,9 +741,11 @@ REGISTER_OP("CollectivePool")
       return Status();
     });
 
-class CollectivePoolOp : public OpKernel {
+// The attrs of the three pooling kernels (CollectivePool and its two
+// gradients): a combiner and a width per table.
+class PoolKernel : public OpKernel {
  public:
-  explicit CollectivePoolOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit PoolKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
     int k;
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
@@ -754,6 +756,15 @@ class CollectivePoolOp : public OpKernel {
     OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries."));
   }
+
+ protected:
+  std::vector<Combiner> combiners_;
+  std::vector<int64_t> dims_;
+};
+
+class CollectivePoolOp : public PoolKernel {
+ public:
+  using PoolKernel::PoolKernel;
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& rows_t = ctx->input(0);
@@ -798,9 +809,6 @@ class CollectivePoolOp : public OpKernel {
                [](int, int64_t) {});
   }
 
- private:
-  std::vector<Combiner> combiners_;
-  std::vector<int64_t> dims_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("CollectivePool").Device(DEVICE_CPU),
@@ -828,19 +836,9 @@ REGISTER_OP("CollectivePoolGrad")
       return Status();
     });
 
-class CollectivePoolGradOp : public OpKernel {
+class CollectivePoolGradOp : public PoolKernel {
  public:
-  explicit CollectivePoolGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int k;
-    std::vector<std::string> names;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
-    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
-    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
-    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
-                InvalidArgument("combiners must have ", k, " entries."));
-  }
+  using PoolKernel::PoolKernel;
 
   void Compute(OpKernelContext* ctx) override {
     OpInputList grads, offsets, splits, weights;
@@ -891,9 +889,6 @@ class CollectivePoolGradOp : public OpKernel {
                       (total / k + 1) * 64, work);
   }
 
- private:
-  std::vector<Combiner> combiners_;
-  std::vector<int64_t> dims_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("CollectivePoolGrad").Device(DEVICE_CPU),
@@ -921,20 +916,9 @@ REGISTER_OP("CollectivePoolWeightGrad")
       return Status();
     });
 
-class CollectivePoolWeightGradOp : public OpKernel {
+class CollectivePoolWeightGradOp : public PoolKernel {
  public:
-  explicit CollectivePoolWeightGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
-    int k;
-    std::vector<std::string> names;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
-    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
-    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
-    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
-                InvalidArgument("combiners must have ", k, " entries."));
-  }
+  using PoolKernel::PoolKernel;
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& rows_t = ctx->input(0);
@@ -978,9 +962,6 @@ class CollectivePoolWeightGradOp : public OpKernel {
     }
   }
 
- private:
-  std::vector<Combiner> combiners_;
-  std::vector<int64_t> dims_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("CollectivePoolWeightGrad").Device(DEVICE_CPU),
