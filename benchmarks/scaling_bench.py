@@ -111,21 +111,21 @@ def _loopback_bytes():
 def classify(name, op_type):
     """Step phase of one TF op (profiler event `name:type`)."""
     by_type = {
-        "GroupSparseToRagged": PHASES[0],
-        "CollectiveRouteIds": PHASES[1],
-        "CollectiveOwnerGather": PHASES[2],
-        "CollectivePool": PHASES[3],
-        "GroupEmbeddingVariableLookup": PHASES[4],
-        "CollectivePoolGrad": PHASES[5],
-        "CollectiveOwnerGatherGrad": PHASES[2],
-        "CollectivePoolWeightGrad": PHASES[5],
-        "GroupEmbeddingVariableLookupGrad": PHASES[6],
+        "GroupEmbeddingSparseToRagged": PHASES[0],
+        "GroupEmbeddingCollectiveRouteIds": PHASES[1],
+        "GroupEmbeddingCollectiveOwnerGather": PHASES[2],
+        "GroupEmbeddingCollectivePool": PHASES[3],
+        "GroupEmbeddingPooledLookup": PHASES[4],
+        "GroupEmbeddingCollectivePoolGrad": PHASES[5],
+        "GroupEmbeddingCollectiveOwnerGatherGrad": PHASES[2],
+        "GroupEmbeddingCollectivePoolWeightGrad": PHASES[5],
+        "GroupEmbeddingPooledLookupGrad": PHASES[6],
     }
     if op_type in by_type:
         return by_type[op_type]
     if op_type.startswith("Horovod"):
         return "collective enqueue"
-    if op_type == "PeerAllToAll":
+    if op_type == "GroupEmbeddingPeerAllToAll":
         return "peer exchange"
     if "optimizer/" in name:
         return PHASES[8]
@@ -162,7 +162,7 @@ def profile_phases(logdir):
                 name, _, op_type = label.rpartition(":")
                 phase = classify(name, op_type)
                 phases[phase] = phases.get(phase, 0.0) + ms
-                if op_type == "PeerAllToAll":
+                if op_type == "GroupEmbeddingPeerAllToAll":
                     phases["peer exchange count"] = phases.get(
                         "peer exchange count", 0.0) + 1
                 key = f"{phase} | {op_type}"

@@ -48,6 +48,7 @@ from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ev_storage
+from group_embedding.ops import op_names
 
 _logger = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ class _Checkpoint:
 
 
 _INTS = (tf.int64, tf.int32)
+# The op type of an optimizer's slot creation on an EV (and its
+# pre-rename alias, in graphs imported from before the rename).
+_ENSURE_SLOT_OPS = op_names.with_alias("GroupEmbeddingEVEnsureSlot")
 
 
 class _Table:
@@ -739,13 +743,14 @@ def _deeprec_dense_names(ckpt: _Checkpoint, dense: Dict[str, object]):
 def _graph_slots(graph, ev) -> Tuple[List[Tuple[str, float]],
                                      Optional[str]]:
     """(slot, initial value) of the slots the graph's optimizers ensure on
-    `ev` (its `EVEnsureSlot` ops, in creation order), and the optimizer's
-    name: the name scope of those ops, which also scopes DeepRec's slots
-    (`<ev>/<name>`)."""
+    `ev` (its `GroupEmbeddingEVEnsureSlot` ops, in creation order), and the
+    optimizer's name: the name scope of those ops, which also scopes DeepRec's
+    slots (`<ev>/<name>`)."""
     out: Dict[Any, Any] = {}
     names: Set[str] = set()
     for op in graph.get_operations():
-        if op.type == "EVEnsureSlot" and op.inputs[0] is ev.handle:
+        if (op.type in _ENSURE_SLOT_OPS
+                and op.inputs[0] is ev.handle):
             out.setdefault(op.get_attr("slot_name").decode(),
                            op.get_attr("initial_value"))
             scope = op.name.rsplit("/", 2)

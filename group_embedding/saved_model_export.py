@@ -48,7 +48,7 @@ def export_saved_model(obj, export_dir: str, signatures=None,
       `sess` (variables become constants) into a `serving_default`
       predict signature. Build that inference graph with
       `GROUP_EMBEDDING_KERNELS=tf` and `training=False` lookups (EV rows
-      then come from `EVGroupGather` ops, which are replaced), as
+      then come from `GroupEmbeddingEVGather` ops, which are replaced), as
       `Estimator.export_saved_model` does.
 
     Args:

@@ -27,6 +27,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from group_embedding.ops import kernel_library
 from group_embedding.ops.ragged_ids import FeatureIds
+from group_embedding.ops import op_names
 
 
 def library():
@@ -36,7 +37,7 @@ def library():
     built, or with a kernel library built before these ops existed.
     """
     lib = kernel_library.load()
-    if lib is None or not hasattr(lib, "collective_route_ids"):
+    if lib is None or not hasattr(lib, "group_embedding_collective_route_ids"):
         return None
     return lib
 
@@ -44,7 +45,7 @@ def library():
 def _kernels():
     # Gradients run with whatever library served the forward op.
     lib = kernel_library.library()
-    if lib is None or not hasattr(lib, "collective_route_ids"):
+    if lib is None or not hasattr(lib, "group_embedding_collective_route_ids"):
         raise RuntimeError("The collective lookup kernels are not loaded; "
                            f"run `{kernel_library.DIAGNOSE_COMMAND}`.")
     return lib
@@ -75,7 +76,7 @@ def route_ids(ids: Sequence[tf.Tensor], vocab_sizes: Sequence[int],
             table-wise rank outside [0, N) (when the op is built); (at run
             time) an id outside `[0, V_t)`. Both name the table.
     """
-    send, splits, offsets = _kernels().collective_route_ids(
+    send, splits, offsets = _kernels().group_embedding_collective_route_ids(
         ids=list(ids), num_workers=int(num_workers),
         vocab_sizes=[int(v) for v in vocab_sizes],
         dims=[int(d) for d in dims], partitions=list(partitions),
@@ -106,7 +107,7 @@ def owner_gather(shards: Sequence[tf.Variable], received_ids: tf.Tensor,
         # The kernel reads the shards through their handles: tell the
         # tapes and the function being traced that they were read.
         resource_variable_ops.variable_accessed(s)
-    return _kernels().collective_owner_gather(
+    return _kernels().group_embedding_collective_owner_gather(
         shards=[s.handle for s in shards], received_ids=received_ids,
         received_splits=received_splits, dims=[int(d) for d in dims],
         table_names=list(table_names))
@@ -132,7 +133,7 @@ def pool(rows: tf.Tensor, row_offsets: Sequence[tf.Tensor],
         K float32 tensors `[B_t, D_t]`.
     """
     empty = tf.zeros([0], tf.float32)
-    return _kernels().collective_pool(
+    return _kernels().group_embedding_collective_pool(
         rows=rows, row_offsets=list(row_offsets),
         row_splits=[f.row_splits for f in feats],
         weights=[empty if f.weights is None else f.weights for f in feats],
@@ -140,7 +141,7 @@ def pool(rows: tf.Tensor, row_offsets: Sequence[tf.Tensor],
 
 
 def _register_gradients():
-    @tf.RegisterGradient("CollectiveOwnerGather")
+    @op_names.register_gradient("GroupEmbeddingCollectiveOwnerGather")
     def _owner_gather_grad(op, grad_rows, grad_splits):
         del grad_splits  # integer output
         k = op.get_attr("num_tables")
@@ -148,7 +149,8 @@ def _register_gradients():
                   for h in op.inputs[:k]]
         names = [n.decode() if isinstance(n, bytes) else n
                  for n in op.get_attr("table_names")]
-        indices, values = _kernels().collective_owner_gather_grad(
+        lib = _kernels()
+        indices, values = lib.group_embedding_collective_owner_gather_grad(
             grad=grad_rows, received_ids=op.inputs[k],
             received_splits=op.inputs[k + 1],
             shard_rows=tf.stack([s[0] for s in shapes]), num_tables=k,
@@ -157,7 +159,7 @@ def _register_gradients():
                   for i, v, s in zip(indices, values, shapes)]
         return slices + [None, None]
 
-    @tf.RegisterGradient("CollectivePool")
+    @op_names.register_gradient("GroupEmbeddingCollectivePool")
     def _pool_grad(op, *grads):
         k = op.get_attr("num_tables")
         combiners = [c.decode() if isinstance(c, bytes) else c
@@ -171,11 +173,11 @@ def _register_gradients():
         grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
                  for g, o in zip(grads, op.outputs)]
         lib = _kernels()
-        rows_grad = lib.collective_pool_grad(
+        rows_grad = lib.group_embedding_collective_pool_grad(
             grads=grads, row_offsets=offsets, row_splits=splits,
             weights=weights, num_elements=tf.size(rows, out_type=tf.int64),
             combiners=combiners, dims=dims)
-        weight_grads = lib.collective_pool_weight_grad(
+        weight_grads = lib.group_embedding_collective_pool_weight_grad(
             rows=rows, row_offsets=offsets, row_splits=splits,
             weights=weights, grads=grads, pooled=list(op.outputs),
             combiners=combiners, dims=dims)

@@ -7,7 +7,7 @@ no pure-TF fallback (stock TF has no growable keyed table that can also
 hold optimizer slots), so it needs the C++ kernels whatever
 `GROUP_EMBEDDING_KERNELS` says.
 
-Gradient of `EVGroupGather`: per variable, `tf.IndexedSlices(values=row
+Gradient of `GroupEmbeddingEVGather`: per variable, `tf.IndexedSlices(values=row
 gradients, indices=keys)` with `dense_shape=None`: keys are arbitrary
 int64 values, not row numbers, so there is no dense shape to give;
 densifying such a gradient raises instead of allocating 2**63 rows.
@@ -21,6 +21,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 
 from group_embedding.ops import kernel_library
+from group_embedding.ops import op_names
 
 
 def library():
@@ -49,7 +50,7 @@ def create_handle(variable_name: str, shared_name: str, embedding_dim: int,
     `cbf_*` size a CBFFilter's counting Bloom filter (0 counters: none);
     `max_rows` > 0 lowers the row limit (2**32 - 2), for tests only.
     """
-    return library().ev_handle_op(
+    return library().group_embedding_ev_handle(
         shared_name=shared_name, variable_name=variable_name,
         embedding_dim=embedding_dim, filter_freq=filter_freq,
         default_value_no_permission=no_permission,
@@ -81,7 +82,7 @@ def group_gather(variables: Sequence, keys: List[tf.Tensor],
         # Lets the tapes (and the function being traced, for later calls
         # under a tape) see the storage handle as a watched source.
         resource_variable_ops.variable_accessed(v)
-    return library().ev_group_gather(
+    return library().group_embedding_ev_gather(
         handles=[v.handle for v in variables],
         keys=[tf.cast(k, tf.int64) for k in keys],
         default_values=[v.default_values for v in variables],
@@ -89,7 +90,7 @@ def group_gather(variables: Sequence, keys: List[tf.Tensor],
         embedding_dim=int(variables[0].embedding_dim))
 
 
-@tf.RegisterGradient("EVGroupGather")
+@op_names.register_gradient("GroupEmbeddingEVGather")
 def _group_gather_grad(op, grad):
     # A consumer that gathers from the rows sends IndexedSlices; the
     # per-EV slices below need dense row gradients.
@@ -106,19 +107,20 @@ def _group_gather_grad(op, grad):
 
 def ensure_slot(handle, slot_name: str, initial_value: float):
     """Creates slot `slot_name` (existing keys set to its initial value)."""
-    return library().ev_ensure_slot(handle, slot_name=slot_name,
-                                    initial_value=float(initial_value))
+    return library().group_embedding_ev_ensure_slot(handle, slot_name=slot_name,
+                                                    initial_value=float(initial_value))
 
 
 def size(handle):
     """Returns (number of live keys, bytes held), int64 scalars."""
-    return library().ev_size(handle)
+    return library().group_embedding_ev_size(handle)
 
 
 def export(handle, embedding_dim: int):
     """Consistent snapshot: (keys, values, freqs, versions, slot_names,
     slot_inits, slots [n, S * D], step)."""
-    return library().ev_export(handle, embedding_dim=embedding_dim)
+    return library().group_embedding_ev_export(
+        handle, embedding_dim=embedding_dim)
 
 
 def export_changes(handle, embedding_dim: int, since):
@@ -137,19 +139,20 @@ def export_changes(handle, embedding_dim: int, since):
             names (a restore, a new slot, an untracked eviction or
             another confirmed save came since); export with `since` = 0.
     """
-    return library().ev_export_changes(handle, tf.cast(since, tf.int64),
-                                       embedding_dim=embedding_dim)
+    return library().group_embedding_ev_export_changes(
+        handle, tf.cast(since, tf.int64), embedding_dim=embedding_dim)
 
 
 def confirm_save(handle, covered):
     """Export `covered` is durable: the next delta extends it."""
-    return library().ev_confirm_save(handle, tf.cast(covered, tf.int64))
+    return library().group_embedding_ev_confirm_save(
+        handle, tf.cast(covered, tf.int64))
 
 
 def delta_base(handle, restored: bool = False):
     """The `since` the next delta may use (0: none, save in full). With
     `restored` (right after a restore), the content becomes that base."""
-    return library().ev_delta_base(handle, restored=restored)
+    return library().group_embedding_ev_delta_base(handle, restored=restored)
 
 
 def import_(handle, keys, values, freqs, versions, slot_names, slot_inits,
@@ -159,15 +162,15 @@ def import_(handle, keys, values, freqs, versions, slot_names, slot_inits,
     Frequencies and versions are 64-bit in storage; 32-bit arrays (older
     snapshots, numpy uint32) are widened, never wrapped.
     """
-    return library().ev_import(handle, keys, values,
-                               tf.cast(freqs, tf.int64),
-                               tf.cast(versions, tf.int64), slot_names,
-                               slot_inits, slots, tf.cast(step, tf.int64))
+    return library().group_embedding_ev_import(
+        handle, keys, values, tf.cast(freqs, tf.int64),
+        tf.cast(versions, tf.int64), slot_names, slot_inits, slots,
+        tf.cast(step, tf.int64))
 
 
 def evict(handle):
     """Runs the variable's eviction policy; returns the number removed."""
-    return library().ev_evict(handle)
+    return library().group_embedding_ev_evict(handle)
 
 
 def _args(keys, grad, step):
@@ -177,13 +180,13 @@ def _args(keys, grad, step):
 
 def apply_sgd(handle, keys, grad, step, lr):
     """`var -= lr * g` on the admitted keys (duplicates summed)."""
-    return library().ev_apply_sgd(handle, *_args(keys, grad, step),
-                                  tf.cast(lr, tf.float32))
+    return library().group_embedding_ev_apply_sgd(
+        handle, *_args(keys, grad, step), tf.cast(lr, tf.float32))
 
 
 def apply_adagrad(handle, keys, grad, step, lr, epsilon, slot_name):
     """`accum += g^2; var -= lr * g / (sqrt(accum) + epsilon)`."""
-    return library().ev_apply_adagrad(
+    return library().group_embedding_ev_apply_adagrad(
         handle, *_args(keys, grad, step), tf.cast(lr, tf.float32),
         tf.cast(epsilon, tf.float32), slot_name=slot_name)
 
@@ -191,7 +194,7 @@ def apply_adagrad(handle, keys, grad, step, lr, epsilon, slot_name):
 def apply_adagrad_decay(handle, keys, grad, step, lr, decay_rate, floor,
                         period, slot_names):
     """DeepRec's AdagradDecay on the touched keys (see the kernel)."""
-    return library().ev_apply_adagrad_decay(
+    return library().group_embedding_ev_apply_adagrad_decay(
         handle, *_args(keys, grad, step), tf.cast(lr, tf.float32),
         tf.cast(decay_rate, tf.float32), tf.cast(floor, tf.float32),
         tf.cast(period, tf.int64), slot_names=slot_names)
@@ -200,7 +203,7 @@ def apply_adagrad_decay(handle, keys, grad, step, lr, decay_rate, floor,
 def apply_adam(handle, keys, grad, step, alpha, beta1, beta2, epsilon,
                slot_names):
     """Lazy Adam: only the touched keys' m, v and values change."""
-    return library().ev_apply_adam(
+    return library().group_embedding_ev_apply_adam(
         handle, *_args(keys, grad, step), tf.cast(alpha, tf.float32),
         tf.cast(beta1, tf.float32), tf.cast(beta2, tf.float32),
         tf.cast(epsilon, tf.float32), slot_names=slot_names)
@@ -209,7 +212,7 @@ def apply_adam(handle, keys, grad, step, alpha, beta1, beta2, epsilon,
 def apply_ftrl(handle, keys, grad, step, lr, l1, l2, l2_shrinkage,
                lr_power, slot_names):
     """TF's FTRL-proximal (ApplyFtrlV2) on the touched keys."""
-    return library().ev_apply_ftrl(
+    return library().group_embedding_ev_apply_ftrl(
         handle, *_args(keys, grad, step), tf.cast(lr, tf.float32),
         tf.cast(l1, tf.float32), tf.cast(l2, tf.float32),
         tf.cast(l2_shrinkage, tf.float32), tf.cast(lr_power, tf.float32),

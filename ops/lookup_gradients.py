@@ -13,6 +13,7 @@ import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps_utils as acd_utils
 
 from group_embedding.ops import kernel_library
+from group_embedding.ops import op_names
 
 
 def _table_slices(lib, handles, uniq, sums, max_norm):
@@ -70,7 +71,7 @@ def register():
     # only when its rows are consumed.
     acd_utils.register_read_only_resource_op("GroupEmbeddingTableSnapshot")
     def _pooled_grad(op, grads, concat):
-        # GroupEmbeddingVariableLookup: one [B, D] gradient per table;
+        # GroupEmbeddingPooledLookup: one [B, D] gradient per table;
         # GroupEmbeddingConcatLookup: one [B, K * D] gradient for all.
         k = op.get_attr("num_tables")
         combiners = [c.decode() if isinstance(c, bytes) else c
@@ -79,7 +80,7 @@ def register():
             list(op.inputs[i * k:(i + 1) * k]) for i in range(4))
         lib = kernel_library.library()
         grad_op = (lib.group_embedding_concat_lookup_grad if concat
-                   else lib.group_embedding_variable_lookup_grad)
+                   else lib.group_embedding_pooled_lookup_grad)
         uniq, sums = grad_op(
             grads=grads[0] if concat else list(grads), ids=ids,
             row_splits=splits, weights=weights, combiners=combiners,
@@ -103,12 +104,12 @@ def register():
                 combiners=combiners, max_norm=max_norm))
         return table_grads + [None] * (2 * k) + weight_grads
 
-    tf.RegisterGradient("GroupEmbeddingVariableLookup")(
+    op_names.register_gradient("GroupEmbeddingPooledLookup")(
         lambda op, *grads: _pooled_grad(op, grads, concat=False))
-    tf.RegisterGradient("GroupEmbeddingConcatLookup")(
+    op_names.register_gradient("GroupEmbeddingConcatLookup")(
         lambda op, *grads: _pooled_grad(op, grads, concat=True))
 
-    @tf.RegisterGradient("GroupEmbeddingSequenceLookup")
+    @op_names.register_gradient("GroupEmbeddingSequenceLookup")
     def _sequence_grad(op, *grads):
         k = op.get_attr("num_tables")
         handles, ids, splits, positions, _, weights = (
@@ -130,7 +131,7 @@ def register():
                 grads=grads, max_norm=max_norm))
         return table_grads + [None] * (4 * k) + weight_grads
 
-    @tf.RegisterGradient("EVGroupSequenceLookup")
+    @op_names.register_gradient("GroupEmbeddingEVSequenceLookup")
     def _ev_sequence_grad(op, *grads):
         k = op.get_attr("num_tables")
         keys, splits, positions = (list(op.inputs[i * k:(i + 1) * k])
@@ -143,11 +144,12 @@ def register():
                 grads=grads, ids=keys, row_splits=splits, positions=positions,
                 weights=[empty] * k,
                 embedding_dim=op.get_attr("embedding_dim"))
-        # Keys are not row numbers: no dense shape (as EVGroupGather's).
+        # Keys are not row numbers: no dense shape (as
+        # GroupEmbeddingEVGather's).
         return ([tf.IndexedSlices(s, u) for s, u in zip(sums, uniq)]
                 + [None] * (5 * k + 1))
 
-    @tf.RegisterGradient("EVGroupLookup")
+    @op_names.register_gradient("GroupEmbeddingEVLookup")
     def _ev_lookup_grad(op, *grads):
         k = op.get_attr("num_tables")
         combiners = [c.decode() if isinstance(c, bytes) else c
@@ -159,13 +161,13 @@ def register():
         grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
                  for g, o in zip(grads, op.outputs)]
         lib = kernel_library.library()
-        # Keys play the role of ids: per variable, unique keys (first
-        # occurrence order) and their summed gradients. Keys are not row
-        # numbers, so the slices have no dense shape (as EVGroupGather's).
-        uniq, sums = lib.group_embedding_variable_lookup_grad(
+        # Keys play the role of ids: per variable, unique keys (first occurrence
+        # order) and their summed gradients. Keys are not row numbers, so the
+        # slices have no dense shape (as GroupEmbeddingEVGather's).
+        uniq, sums = lib.group_embedding_pooled_lookup_grad(
             grads=grads, ids=keys, row_splits=splits, weights=weights,
             combiners=combiners, embedding_dim=dim)
-        weight_grads = lib.ev_group_weight_grad(
+        weight_grads = lib.group_embedding_ev_weight_grad(
             handles=handles, keys=keys, row_splits=splits, weights=weights,
             default_values=defaults, grads=grads, pooled=list(op.outputs),
             combiners=combiners, embedding_dim=dim)

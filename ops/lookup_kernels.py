@@ -1,6 +1,6 @@
 """The custom-kernel backend of the grouped lookup: one op per group.
 
-Plain float32 variables: `GroupEmbeddingVariableLookup` pools all tables
+Plain float32 variables: `GroupEmbeddingPooledLookup` pools all tables
 of the group straight into `[B, D]` outputs (no `[nnz, D]` intermediate),
 `GroupEmbeddingConcatLookup` into one `[B, K * D]` output, and
 `GroupEmbeddingSequenceLookup` writes each row into its `[B, T, D]` slot;
@@ -8,10 +8,10 @@ of the group straight into `[B, D]` outputs (no `[nnz, D]` intermediate),
 kernels (ops/kernels/) and, when the CUDA library is loaded, GPU kernels
 (ops/cuda/); TF runs the one where the tables live.
 
-EmbeddingVariables: `EVGroupLookup` resolves keys (inserting new ones in
-training, counting them, honouring the CounterFilter) and pools into
-`[B, D]` in one op, `EVGroupSequenceLookup` writes unweighted sequences
-into `[B, T, D]`.
+EmbeddingVariables: `GroupEmbeddingEVLookup` resolves keys (inserting new ones
+in training, counting them, honouring the CounterFilter) and pools into `[B, D]`
+in one op, `GroupEmbeddingEVSequenceLookup` writes unweighted sequences into
+`[B, T, D]`.
 
 Which groups come here is `lookup_plan`'s decision; the gradients of
 these ops are in `lookup_gradients`.
@@ -77,7 +77,7 @@ def _variable_pooling(op, tables, feats, combiners, table_names, max_norm):
 
 def pooled_variables(tables, feats, combiners, table_names,
                      max_norm=None) -> List[tf.Tensor]:
-    """`GroupEmbeddingVariableLookup`: one `[B, D]` output per table.
+    """`GroupEmbeddingPooledLookup`: one `[B, D]` output per table.
 
     Args:
         tables: `[vocab_i, D]` float32 variables.
@@ -87,7 +87,7 @@ def pooled_variables(tables, feats, combiners, table_names,
         max_norm: None, or a number >= 0 rows are clipped to.
     """
     return _variable_pooling(
-        kernel_library.library().group_embedding_variable_lookup, tables,
+        kernel_library.library().group_embedding_pooled_lookup, tables,
         feats, combiners, table_names, max_norm)
 
 
@@ -128,16 +128,16 @@ def sequence_variables(tables, feats, table_names,
 
 def pooled_ev(variables, feats: List[FeatureIds], combiners,
               training) -> List[tf.Tensor]:
-    """`EVGroupLookup`: pooled `[B_i, D]` lookups of same-dim EVs.
+    """`GroupEmbeddingEVLookup`: pooled `[B_i, D]` lookups of same-dim EVs.
 
-    Row b of output i pools (with `combiners[i]` and the weights of
-    `feats[i]`) the rows `EVGroupGather` would return for the keys of row
-    b, so both EV paths agree exactly; one variable may appear several
-    times (shared columns). Its gradient gives each variable its unique
-    keys with their summed gradients (see `lookup_gradients`).
+    Row b of output i pools (with `combiners[i]` and the weights of `feats[i]`)
+    the rows `GroupEmbeddingEVGather` would return for the keys of row b, so
+    both EV paths agree exactly; one variable may appear several times (shared
+    columns). Its gradient gives each variable its unique keys with their summed
+    gradients (see `lookup_gradients`).
     """
     _watch(variables)
-    return kernel_library.library().ev_group_lookup(
+    return kernel_library.library().group_embedding_ev_lookup(
         handles=[v.handle for v in variables],
         keys=[f.values for f in feats],
         row_splits=[f.row_splits for f in feats],
@@ -150,11 +150,12 @@ def pooled_ev(variables, feats: List[FeatureIds], combiners,
 
 def sequence_ev(variables, feats: List[FeatureIds],
                 training) -> List[tf.Tensor]:
-    """`EVGroupSequenceLookup`: each key's row (as `EVGroupGather` reads
-    it) written straight into its `[B, T, D]` slot; its gradient gives each
-    variable its unique keys and their summed gradients. Unweighted."""
+    """`GroupEmbeddingEVSequenceLookup`: each key's row (as
+    `GroupEmbeddingEVGather` reads it) written straight into its `[B, T, D]`
+    slot; its gradient gives each variable its unique keys and their summed
+    gradients. Unweighted."""
     _watch(variables)
-    return kernel_library.library().ev_group_sequence_lookup(
+    return kernel_library.library().group_embedding_ev_sequence_lookup(
         handles=[v.handle for v in variables],
         keys=[f.values for f in feats],
         **_sequence_layout(feats),

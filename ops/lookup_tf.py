@@ -10,7 +10,7 @@ without copying the tables; fusing only the reduction (concat of the rows,
 split of the outputs) measured slower on CPU.
 
 EmbeddingVariables (with `max_norm`, weighted sequences, or
-`GROUP_EMBEDDING_KERNELS=tf`): ONE `EVGroupGather` fetches the
+`GROUP_EMBEDDING_KERNELS=tf`): ONE `GroupEmbeddingEVGather` fetches the
 `[nnz, D]` rows of the group, pooled (`pool_rows`) or placed
 (`sequence_rows`) in TF; the collective layer pools exchanged rows with
 the same two functions.

@@ -19,10 +19,11 @@ from typing import List
 import tensorflow as tf
 
 from group_embedding.ops import kernel_library
+from group_embedding.ops import op_names
 
 # The op's registered name; the kernel module exposes it as the snake_case
 # function TF generates from it (`_function_name`).
-OP_NAME = "PeerAllToAll"
+OP_NAME = "GroupEmbeddingPeerAllToAll"
 # Mixed into the forward tag to tag the gradient's exchange.
 _GRADIENT_TAG_MASK = 0x5A5A5A5A
 # Per graph, the last exchange created: the next one runs after it.
@@ -32,7 +33,7 @@ _last_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _function_name(op_name: str) -> str:
     """The Python function name TF generates for `op_name`: a `_` before
     an upper-case letter that follows a lower-case one or precedes one
-    ("PeerAllToAll" -> "peer_all_to_all")."""
+    ("GroupEmbeddingPeerAllToAll" -> "group_embedding_peer_all_to_all")."""
     out: List[str] = []
     for i, c in enumerate(op_name):
         if c.isupper() and i > 0 and out[-1] != "_" and (
@@ -97,7 +98,8 @@ def peer_all_to_all(data: tf.Tensor, splits: tf.Tensor, fds: tf.Tensor,
         max_bytes_per_peer=max_bytes_per_peer))
 
 
-@tf.RegisterGradient(OP_NAME)
+# For the op and its pre-rename alias PeerAllToAll.
+@op_names.register_gradient(OP_NAME)
 def _peer_all_to_all_grad(op, grad, _):
     # Rows came from worker p in block p: send their gradients back. Each
     # peer sends back exactly the rows this worker sent it.

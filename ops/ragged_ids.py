@@ -15,6 +15,7 @@ from typing import Optional
 import tensorflow as tf
 
 from group_embedding.ops import kernel_library
+from group_embedding.ops import op_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ def from_packed(values, row_splits, offsets, batch, weights,
     """
     lib = kernel_library.load()
     if lib is not None:
-        ids, splits, ws = lib.group_unpack_ids(
+        ids, splits, ws = lib.group_embedding_unpack_ids(
             values=values, row_splits=row_splits, offsets=offsets,
             batch=batch,
             weights=tf.zeros([0]) if weights is None else weights,
@@ -126,7 +127,8 @@ def from_packed(values, row_splits, offsets, batch, weights,
 
 
 def _unpack_tf(values, row_splits, offsets, batch, weights, num_features):
-    """`GroupUnpackIds` in TF ops: the same checks in one assert, and one
+    """`GroupEmbeddingUnpackIds` in TF ops: the same checks in one assert, and
+    one
     split of the values (features and the gaps between them)."""
     width = tf.shape(row_splits, out_type=tf.int64)[1]
     fits_width = (batch >= 0) & (batch < width)
@@ -186,7 +188,7 @@ def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
                                same_batch)
     weights = [tf.zeros([0], tf.float32) if w is None
                else _float_weights(w.values) for w in sp_weights]
-    values, splits, row_w, _, positions = lib.group_sparse_to_ragged(
+    values, splits, row_w, _, positions = lib.group_embedding_sparse_to_ragged(
         indices=[s.indices for s in sp_ids],
         ids=[tf.cast(s.values, tf.int64) for s in sp_ids],
         dense_shapes=[s.dense_shape for s in sp_ids],
@@ -206,7 +208,7 @@ def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
 
 
 def _register_gradient():
-    @tf.RegisterGradient("GroupSparseToRagged")
+    @op_names.register_gradient("GroupEmbeddingSparseToRagged")
     def _to_ragged_grad(op, *grads):
         # Only the weights are differentiable: route each weight's
         # gradient back from where the sort put it.
@@ -228,8 +230,9 @@ def _register_gradient():
 _register_gradient()
 
 
-# Largest batch (dense_shape[0]) accepted, as in the GroupSparseToRagged
-# kernel: outputs are [batch, D], and batch + 1 must not overflow.
+# Largest batch (dense_shape[0]) accepted, as in the
+# GroupEmbeddingSparseToRagged kernel: outputs are [batch, D], and batch + 1
+# must not overflow.
 MAX_BATCH = 2 ** 48
 
 

@@ -101,7 +101,7 @@ def adagrad(variable, accum, lr, epsilon, indices, values):
     """
     var, acc = _resource(variable), _resource(accum)
     if has_fused_adagrad(var):
-        return kernel_library.load().group_sparse_apply_adagrad(
+        return kernel_library.load().group_embedding_sparse_apply_adagrad(
             var=var.handle, accum=acc.handle, lr=tf.cast(lr, tf.float32),
             epsilon=tf.constant(epsilon, tf.float32),
             indices=tf.cast(indices, tf.int64),

@@ -21,6 +21,7 @@ from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import transport
 from group_embedding.embedding_variable.keras_variable import (
     embedding_variable_of)
+from group_embedding.ops import op_names
 from group_embedding.ops import sparse_apply
 
 
@@ -93,7 +94,8 @@ def _allreduce_slices(hvd, grad, i):
 
 # Ops whose gradient indices are already distinct (the C++ collective
 # lookup sums every source's rows per id): no second dedup needed.
-_DISTINCT_INDEX_OPS = ("CollectiveOwnerGatherGrad",)
+_DISTINCT_INDEX_OPS = op_names.with_alias(
+    "GroupEmbeddingCollectiveOwnerGatherGrad")
 
 
 def _unique_rows(grad):

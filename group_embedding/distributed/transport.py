@@ -8,12 +8,13 @@ the scaling benchmark that latency, not the bytes, was most of the step.
 
 Here the workers open one TCP connection per pair once, in
 `enable_distributed_strategy` (addresses found through Horovod), and every
-exchange is the C++ op `PeerAllToAll` (`ops/peer_exchange.py`, kernel in
-`ops/kernels/peer_exchange_ops.cc`) over those sockets: each worker runs
-the same exchanges in the same order (chained with control dependencies
-within a graph), and each message carries a tag that the receiver
-checks, so a mismatch is an error rather than mixed-up data. A worker
-that dies closes its sockets: the others fail at once with its rank.
+exchange is the C++ op `GroupEmbeddingPeerAllToAll` (`ops/peer_exchange.py`,
+kernel in `ops/kernels/peer_exchange_ops.cc`) over those sockets: each
+worker runs the same exchanges in the same order (chained with control
+dependencies within a graph), and each message carries a tag that the
+receiver checks, so a mismatch is an error rather than mixed-up data. A
+worker that dies closes its sockets: the others fail at once with its
+rank.
 
 `GROUP_EMBEDDING_TRANSPORT` picks the transport: `auto` (default: the
 sockets when the C++ kernels are loaded, else Horovod), `sockets`
@@ -372,9 +373,9 @@ def check_region(fd: int, size: int, peer: int) -> None:
 def _share_memory(peers, rank: int) -> List[List[int]]:
     """Creates one shared region per Unix-linked peer (the lower rank
     makes a sealed memfd and passes it over the authenticated socket);
-    returns the `shm` rows of `PeerAllToAll`: (memfd or -1, bytes per
-    buffer). The descriptors stay open for the life of the process (the
-    op maps them)."""
+    returns the `shm` rows of `GroupEmbeddingPeerAllToAll`: (memfd or -1,
+    bytes per buffer). The descriptors stay open for the life of the
+    process (the op maps them)."""
     rows = [[-1, 0] for _ in peers]
     cap = int(os.environ.get("GROUP_EMBEDDING_TRANSPORT_SHM_BYTES",
                              SHM_BUFFER_BYTES))

@@ -2,7 +2,7 @@
 TensorFlow serves (the mechanism of tutorials/serving.py, for TF1 graphs).
 
 An EV lives in a C++ resource of this library, which a model server does
-not have. `replace_ev_gathers` rewires every `EVGroupGather` op of an
+not have. `replace_ev_gathers` rewires every `GroupEmbeddingEVGather` op of an
 inference graph to read a frozen copy of the restored tables instead:
 `ops/ev_snapshot.EmbeddingSnapshot` (the snapshot TF2 SavedModels hold
 too), here as constants of the graph.
@@ -14,8 +14,9 @@ import tensorflow as tf
 
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ev_snapshot
+from group_embedding.ops import op_names
 
-EV_GATHER_OP = "EVGroupGather"
+EV_GATHER_OPS = op_names.with_alias("GroupEmbeddingEVGather")
 
 
 def snapshot_of(ev: EmbeddingVariable,
@@ -29,12 +30,12 @@ def snapshot_of(ev: EmbeddingVariable,
 
 
 def replace_ev_gathers(graph: tf.Graph, session) -> int:
-    """Makes every consumer of an `EVGroupGather` op read snapshots.
+    """Makes every consumer of an `GroupEmbeddingEVGather` op read snapshots.
 
     Args:
         graph: the inference graph (built with `training=False` lookups on
             the pure-TF path, `GROUP_EMBEDDING_KERNELS=tf`, so that EV rows
-            come from `EVGroupGather`).
+            come from `GroupEmbeddingEVGather`).
         session: a session of `graph` holding the restored EVs.
 
     Returns:
@@ -49,7 +50,7 @@ def replace_ev_gathers(graph: tf.Graph, session) -> int:
         if isinstance(ev, EmbeddingVariable)}
     snapshots = {}
     gathers: List[tf.Operation] = [op for op in graph.get_operations()
-                                   if op.type == EV_GATHER_OP]
+                                   if op.type in EV_GATHER_OPS]
     with graph.as_default():
         for op in gathers:
             k = (len(op.inputs) - 1) // 3  # handles, keys, defaults, flag

@@ -27,8 +27,8 @@ _KERNELS_ENV = "GROUP_EMBEDDING_KERNELS"
 @contextlib.contextmanager
 def pure_tf_lookups():
     """Builds lookups on the pure-TF path (read on every lookup): EV rows
-    then come from `EVGroupGather`, which `ev_snapshot` replaces, and plain
-    tables from stock gathers instead of the C++ fused op."""
+    then come from `GroupEmbeddingEVGather`, which `ev_snapshot` replaces, and
+    plain tables from stock gathers instead of the C++ fused op."""
     previous = os.environ.get(_KERNELS_ENV)
     os.environ[_KERNELS_ENV] = "tf"
     try:

@@ -213,7 +213,7 @@ Layout LayoutOf(const std::string& op) {
   return Layout::kPerTable;
 }
 
-// GroupEmbeddingVariableLookup / GroupEmbeddingConcatLookup /
+// GroupEmbeddingPooledLookup / GroupEmbeddingConcatLookup /
 // GroupEmbeddingSequenceLookup: one core call for the whole group.
 class LookupOp : public OpKernel {
  public:
@@ -465,11 +465,17 @@ class LookupGradOp : public OpKernel {
 #define GE_KERNEL(op) Name(op).Device(::tensorflow::DEVICE_GPU)
 #endif
 
+// GroupEmbeddingVariableLookup(Grad): the pre-rename names of
+// GroupEmbeddingPooledLookup(Grad), kept for graphs saved before
+// (ops/kernels/op_registration.h).
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingPooledLookup"), LookupOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingVariableLookup"), LookupOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingConcatLookup"), LookupOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingSequenceLookup")
                             .HostMemory("max_lens"),
                         LookupOp);
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingPooledLookupGrad"),
+                        LookupGradOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingVariableLookupGrad"),
                         LookupGradOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingConcatLookupGrad"),

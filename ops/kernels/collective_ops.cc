@@ -2,7 +2,8 @@
 // ops/collective_routing.py and group_embedding/distributed/
 // collective_lookup.py.
 //
-// One step of a group of sharded tables, per worker:
+// One step of a group of sharded tables, per worker (op names without
+// their GroupEmbedding prefix):
 //   CollectiveRouteIds     dedups the ids of every table in one pass and
 //                          buckets the unique ids by owner worker into ONE
 //                          int64 send buffer (per owner: K counts, then the
@@ -16,17 +17,19 @@
 //   (alltoall of rows)
 //   CollectivePool         pools each feature's rows straight from that
 //                          buffer into [B, D] (no [nnz, D] tensor).
-// Backward: CollectivePoolGrad sums the pooled gradients into one gradient
-// per unique row (the returned buffer's layout), the alltoall gradient sends
-// them to the owners, and CollectiveOwnerGatherGrad turns them into per-shard
-// (unique local row, summed gradient) pairs for the sparse optimizer.
+// Backward: GroupEmbeddingCollectivePoolGrad sums the pooled gradients into one
+// gradient per unique row (the returned buffer's layout), the alltoall gradient
+// sends them to the owners, and GroupEmbeddingCollectiveOwnerGatherGrad turns
+// them into per-shard (unique local row, summed gradient) pairs for the sparse
+// optimizer.
 //
 // Why C++: the pure-TF routing (per-table unique, argsort, dynamic_partition,
 // stitch, forward and again backward) cost more than the whole single-process
 // step. Buffers hold rows of several dims, so offsets are in floats.
 //
-// Locking: CollectiveOwnerGather takes shared locks on the shards (address
-// order) before handing work to the intra-op pool; work items never lock.
+// Locking: GroupEmbeddingCollectiveOwnerGather takes shared locks on the shards
+// (address order) before handing work to the intra-op pool; work items never
+// lock.
 
 #include <algorithm>
 #include <cstdint>
@@ -47,6 +50,7 @@
 #include "id_map.h"
 #include "pooling.h"
 #include "table_access.h"
+#include "op_registration.h"
 
 namespace group_embedding {
 namespace collective {
@@ -111,8 +115,8 @@ Status ParsePartition(const std::string& text, const std::string& table,
   return Status();
 }
 
-// The received buffer of CollectiveRouteIds' layout: per source worker s,
-// K counts then the ids of table 0, 1, ... Checked and indexed once.
+// The received buffer of GroupEmbeddingCollectiveRouteIds' layout: per source
+// worker s, K counts then the ids of table 0, 1, ... Checked and indexed once.
 struct ReceivedLayout {
   // id_begin[s * k + t]: index in the buffer of the first id of (s, t);
   // count[s * k + t]: how many; elem_begin: float offset of its rows in
@@ -190,7 +194,8 @@ Status ParseReceived(const Tensor& ids, const Tensor& splits, int k,
 // ---------------------------------------------------------------------------
 // Router: dedup + bucketing by owner of K id vectors at once.
 // ---------------------------------------------------------------------------
-REGISTER_OP("CollectiveRouteIds")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingCollectiveRouteIds", "CollectiveRouteIds",
     .Input("ids: num_tables * int64")
     .Output("send_ids: int64")
     .Output("send_splits: int32")
@@ -210,7 +215,7 @@ REGISTER_OP("CollectiveRouteIds")
       c->set_output(1, c->Vector(n));
       for (int t = 0; t < k; ++t) c->set_output(2 + t, c->input(t));
       return Status();
-    });
+    }));
 
 class CollectiveRouteIdsOp : public OpKernel {
  public:
@@ -409,13 +414,15 @@ class CollectiveRouteIdsOp : public OpKernel {
   std::vector<Partition> partitions_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("CollectiveRouteIds").Device(DEVICE_CPU),
-                        CollectiveRouteIdsOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingCollectiveRouteIds", "CollectiveRouteIds",
+    CollectiveRouteIdsOp);
 
 // ---------------------------------------------------------------------------
 // Owner side: the rows asked by every source, from this worker's shards.
 // ---------------------------------------------------------------------------
-REGISTER_OP("CollectiveOwnerGather")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingCollectiveOwnerGather", "CollectiveOwnerGather",
     .Input("shards: num_tables * resource")
     .Input("received_ids: int64")
     .Input("received_splits: int32")
@@ -431,7 +438,7 @@ REGISTER_OP("CollectiveOwnerGather")
       c->set_output(0, c->Vector(c->UnknownDim()));
       c->set_output(1, c->Vector(c->Dim(c->input(k + 1), 0)));
       return Status();
-    });
+    }));
 
 class CollectiveOwnerGatherOp : public OpKernel {
  public:
@@ -521,14 +528,16 @@ class CollectiveOwnerGatherOp : public OpKernel {
   std::vector<std::string> names_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("CollectiveOwnerGather").Device(DEVICE_CPU),
-                        CollectiveOwnerGatherOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingCollectiveOwnerGather", "CollectiveOwnerGather",
+    CollectiveOwnerGatherOp);
 
 // Its gradient: per shard, the distinct local rows asked for by any source
 // and the sum of their gradients (duplicates across sources added).
 // `shard_rows` [K]: the rows of each shard, the bound every received
 // local row is checked against (the op may run apart from its forward).
-REGISTER_OP("CollectiveOwnerGatherGrad")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingCollectiveOwnerGatherGrad", "CollectiveOwnerGatherGrad",
     .Input("grad: float")
     .Input("received_ids: int64")
     .Input("received_splits: int32")
@@ -551,7 +560,7 @@ REGISTER_OP("CollectiveOwnerGatherGrad")
                                            c->MakeDim(dims[t])}));
       }
       return Status();
-    });
+    }));
 
 class CollectiveOwnerGatherGradOp : public OpKernel {
  public:
@@ -564,8 +573,8 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names));
     OP_REQUIRES(ctx, names.empty() || static_cast<int>(names.size()) == k,
-                InvalidArgument("CollectiveOwnerGatherGrad: table_names "
-                                "must have ", k, " entries, got ",
+                InvalidArgument("GroupEmbeddingCollectiveOwnerGatherGrad: "
+                                "table_names must have ", k, " entries, got ",
                                 names.size(), "."));
     for (int t = 0; t < k; ++t) {
       names_.push_back(names.empty() ? absl::StrCat("table ", t) : names[t]);
@@ -577,9 +586,10 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
     const Tensor& grad = ctx->input(0);
     const Tensor& rows_t = ctx->input(3);
     OP_REQUIRES(ctx, rows_t.dims() == 1 && rows_t.NumElements() == k,
-                InvalidArgument("CollectiveOwnerGatherGrad: shard_rows must "
-                                "be a vector of ", k, " row counts, got "
-                                "shape ", rows_t.shape().DebugString(), "."));
+                InvalidArgument("GroupEmbeddingCollectiveOwnerGatherGrad: "
+                                "shard_rows must be a vector of ", k,
+                                " row counts, got shape ",
+                                rows_t.shape().DebugString(), "."));
     const auto shard_rows = rows_t.flat<int64_t>();
     ReceivedLayout layout;
     OP_REQUIRES_OK(ctx, ParseReceived(ctx->input(1), ctx->input(2), k, dims_,
@@ -612,8 +622,9 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
           for (int64_t i = 0; i < layout.count[s * k + t]; ++i) {
             if (ids[i] < 0 || ids[i] >= rows) {
               status[t] = InvalidArgument(
-                  "CollectiveOwnerGatherGrad: ", names_[t], ": worker ", s,
-                  " sent a gradient for local row ", ids[i], " outside "
+                  "GroupEmbeddingCollectiveOwnerGatherGrad: ", names_[t],
+                  ": worker ", s, " sent a gradient for local row ", ids[i],
+                  " outside "
                   "this shard's [0, ", rows, ").");
               return;
             }
@@ -673,8 +684,9 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
   std::vector<std::string> names_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("CollectiveOwnerGatherGrad").Device(DEVICE_CPU),
-                        CollectiveOwnerGatherGradOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingCollectiveOwnerGatherGrad", "CollectiveOwnerGatherGrad",
+    CollectiveOwnerGatherGradOp);
 
 // ---------------------------------------------------------------------------
 // Local pooling from the returned rows buffer.
@@ -716,7 +728,8 @@ Status CheckOffsets(const std::string& name, const Tensor& offsets,
   return Status();
 }
 
-REGISTER_OP("CollectivePool")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingCollectivePool", "CollectivePool",
     .Input("rows: float")
     .Input("row_offsets: num_tables * int64")
     .Input("row_splits: num_tables * int64")
@@ -739,10 +752,10 @@ REGISTER_OP("CollectivePool")
         c->set_output(t, c->MakeShape({b, c->MakeDim(dims[t])}));
       }
       return Status();
-    });
+    }));
 
-// The attrs of the three pooling kernels (CollectivePool and its two
-// gradients): a combiner and a width per table.
+// The attrs of the three pooling kernels (GroupEmbeddingCollectivePool and its
+// two gradients): a combiner and a width per table.
 class PoolKernel : public OpKernel {
  public:
   explicit PoolKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -811,12 +824,15 @@ class CollectivePoolOp : public PoolKernel {
 
 };
 
-REGISTER_KERNEL_BUILDER(Name("CollectivePool").Device(DEVICE_CPU),
-                        CollectivePoolOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingCollectivePool", "CollectivePool",
+    CollectivePoolOp);
 
-// Gradient of CollectivePool w.r.t. the rows buffer: one summed gradient
-// per distinct row (ids sharing a row share its offset), zeros elsewhere.
-REGISTER_OP("CollectivePoolGrad")
+// Gradient of GroupEmbeddingCollectivePool w.r.t. the rows buffer: one summed
+// gradient per distinct row (ids sharing a row share its offset), zeros
+// elsewhere.
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingCollectivePoolGrad", "CollectivePoolGrad",
     .Input("grads: num_tables * float")
     .Input("row_offsets: num_tables * int64")
     .Input("row_splits: num_tables * int64")
@@ -834,7 +850,7 @@ REGISTER_OP("CollectivePoolGrad")
       TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * k, 1, 0));
       c->set_output(0, c->Vector(c->UnknownDim()));
       return Status();
-    });
+    }));
 
 class CollectivePoolGradOp : public PoolKernel {
  public:
@@ -891,12 +907,14 @@ class CollectivePoolGradOp : public PoolKernel {
 
 };
 
-REGISTER_KERNEL_BUILDER(Name("CollectivePoolGrad").Device(DEVICE_CPU),
-                        CollectivePoolGradOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingCollectivePoolGrad", "CollectivePoolGrad",
+    CollectivePoolGradOp);
 
-// Gradient of CollectivePool w.r.t. the per-id weights (weighted tables
-// only; empty outputs for the others). Not stateful: pruned when unused.
-REGISTER_OP("CollectivePoolWeightGrad")
+// Gradient of GroupEmbeddingCollectivePool w.r.t. the per-id weights (weighted
+// tables only; empty outputs for the others). Not stateful: pruned when unused.
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingCollectivePoolWeightGrad", "CollectivePoolWeightGrad",
     .Input("rows: float")
     .Input("row_offsets: num_tables * int64")
     .Input("row_splits: num_tables * int64")
@@ -914,7 +932,7 @@ REGISTER_OP("CollectivePoolWeightGrad")
       TF_RETURN_IF_ERROR(InputsWithRank(c, 1 + 3 * k, 2 * k, 2));
       for (int t = 0; t < k; ++t) c->set_output(t, c->input(1 + 2 * k + t));
       return Status();
-    });
+    }));
 
 class CollectivePoolWeightGradOp : public PoolKernel {
  public:
@@ -964,8 +982,9 @@ class CollectivePoolWeightGradOp : public PoolKernel {
 
 };
 
-REGISTER_KERNEL_BUILDER(Name("CollectivePoolWeightGrad").Device(DEVICE_CPU),
-                        CollectivePoolWeightGradOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingCollectivePoolWeightGrad", "CollectivePoolWeightGrad",
+    CollectivePoolWeightGradOp);
 
 }  // namespace
 }  // namespace collective

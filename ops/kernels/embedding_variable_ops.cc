@@ -1,8 +1,9 @@
 // Ops that create, export, import and evict EmbeddingVariable storage
-// (ev_storage.h). The lookups (EVGroupLookup, EVGroupGather) are in
-// ev_lookup_ops.cc, the sparse optimizer updates in ev_apply_ops.cc.
+// (ev_storage.h). The lookups (GroupEmbeddingEVLookup, GroupEmbeddingEVGather)
+// are in ev_lookup_ops.cc, the sparse optimizer updates in ev_apply_ops.cc.
 
 #include "ev_storage.h"
+#include "op_registration.h"
 
 namespace group_embedding {
 namespace ev {
@@ -11,7 +12,8 @@ namespace {
 // ---------------------------------------------------------------------------
 // Handle: creates the storage on first use, with its configuration.
 // ---------------------------------------------------------------------------
-REGISTER_OP("EVHandleOp")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVHandle", "EVHandleOp",
     .Output("handle: resource")
     .Attr("container: string = ''")
     .Attr("shared_name: string")
@@ -26,7 +28,7 @@ REGISTER_OP("EVHandleOp")
     .Attr("cbf_counter_bytes: int = 8")
     .Attr("max_rows: int = 0")
     .SetIsStateful()
-    .SetShapeFn(tensorflow::shape_inference::ScalarShape);
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape));
 
 class EVHandleOp : public OpKernel {
  public:
@@ -98,18 +100,21 @@ class EVHandleOp : public OpKernel {
   EVConfig config_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVHandleOp").Device(DEVICE_CPU), EVHandleOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVHandle", "EVHandleOp",
+    EVHandleOp);
 
 
 // ---------------------------------------------------------------------------
 // Slots, size, export, import, eviction.
 // ---------------------------------------------------------------------------
-REGISTER_OP("EVEnsureSlot")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVEnsureSlot", "EVEnsureSlot",
     .Input("handle: resource")
     .Attr("slot_name: string")
     .Attr("initial_value: float")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext*) { return Status(); });
+    .SetShapeFn([](InferenceContext*) { return Status(); }));
 
 class EVEnsureSlotOp : public OpKernel {
  public:
@@ -129,10 +134,12 @@ class EVEnsureSlotOp : public OpKernel {
   float init_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVEnsureSlot").Device(DEVICE_CPU),
-                        EVEnsureSlotOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVEnsureSlot", "EVEnsureSlot",
+    EVEnsureSlotOp);
 
-REGISTER_OP("EVSize")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVSize", "EVSize",
     .Input("handle: resource")
     .Output("num_keys: int64")
     .Output("num_bytes: int64")
@@ -141,7 +148,7 @@ REGISTER_OP("EVSize")
       c->set_output(0, c->Scalar());
       c->set_output(1, c->Scalar());
       return Status();
-    });
+    }));
 
 class EVSizeOp : public OpKernel {
  public:
@@ -159,10 +166,13 @@ class EVSizeOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVSize").Device(DEVICE_CPU), EVSizeOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVSize", "EVSize",
+    EVSizeOp);
 
-// Outputs 0-7 of EVExport and EVExportChanges: keys, values, freqs,
-// versions, slot_names, slot_inits, slots [n, S * D], step.
+// Outputs 0-7 of GroupEmbeddingEVExport and GroupEmbeddingEVExportChanges:
+// keys, values, freqs, versions, slot_names, slot_inits, slots [n, S * D],
+// step.
 Status SnapshotShapes(InferenceContext* c) {
   int64_t dim;
   TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
@@ -220,7 +230,8 @@ Status WriteSnapshot(OpKernelContext* ctx, EVStorage* ev,
   return Status();
 }
 
-REGISTER_OP("EVExport")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVExport", "EVExport",
     .Input("handle: resource")
     .Output("keys: int64")
     .Output("values: float")
@@ -232,7 +243,7 @@ REGISTER_OP("EVExport")
     .Output("step: int64")
     .Attr("embedding_dim: int >= 1")
     .SetIsStateful()
-    .SetShapeFn(SnapshotShapes);
+    .SetShapeFn(SnapshotShapes));
 
 class EVExportOp : public OpKernel {
  public:
@@ -247,10 +258,13 @@ class EVExportOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVExport").Device(DEVICE_CPU), EVExportOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVExport", "EVExport",
+    EVExportOp);
 
 // Incremental checkpoints (see "Change tracking" in ev_storage.h).
-REGISTER_OP("EVExportChanges")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVExportChanges", "EVExportChanges",
     .Input("handle: resource")
     .Input("since: int64")
     .Output("keys: int64")
@@ -270,12 +284,12 @@ REGISTER_OP("EVExportChanges")
       c->set_output(8, c->Vector(c->UnknownDim()));
       c->set_output(9, c->Scalar());
       return Status();
-    });
+    }));
 
-// Every live key (`since` == 0) or the keys written since the confirmed
-// save `since` (EVConfirmSave), as EVExport lays them out, the keys
-// evicted since, and this export's number (`covered`, to confirm once
-// its files are durable). One lock: a write racing the export is marked
+// Every live key (`since` == 0) or the keys written since the confirmed save
+// `since` (GroupEmbeddingEVConfirmSave), as GroupEmbeddingEVExport lays them
+// out, the keys evicted since, and this export's number (`covered`, to confirm
+// once its files are durable). One lock: a write racing the export is marked
 // for the next one.
 class EVExportChangesOp : public OpKernel {
  public:
@@ -319,15 +333,17 @@ class EVExportChangesOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVExportChanges").Device(DEVICE_CPU),
-                        EVExportChangesOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVExportChanges", "EVExportChanges",
+    EVExportChangesOp);
 
-REGISTER_OP("EVDeltaBase")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVDeltaBase", "EVDeltaBase",
     .Input("handle: resource")
     .Output("base: int64")
     .Attr("restored: bool = false")
     .SetIsStateful()
-    .SetShapeFn(tensorflow::shape_inference::ScalarShape);
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape));
 
 // The confirmed save the next delta may extend (0: none). With
 // `restored`, after a restore: the restored content becomes that base.
@@ -350,14 +366,16 @@ class EVDeltaBaseOp : public OpKernel {
   bool restored_ = false;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVDeltaBase").Device(DEVICE_CPU),
-                        EVDeltaBaseOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVDeltaBase", "EVDeltaBase",
+    EVDeltaBaseOp);
 
-REGISTER_OP("EVConfirmSave")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVConfirmSave", "EVConfirmSave",
     .Input("handle: resource")
     .Input("covered: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext*) { return Status(); });
+    .SetShapeFn([](InferenceContext*) { return Status(); }));
 
 // The files of export `covered` are durable: the next delta extends it;
 // the marks and evictions it wrote are dropped, so that they stay as
@@ -378,10 +396,12 @@ class EVConfirmSaveOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVConfirmSave").Device(DEVICE_CPU),
-                        EVConfirmSaveOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVConfirmSave", "EVConfirmSave",
+    EVConfirmSaveOp);
 
-REGISTER_OP("EVImport")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVImport", "EVImport",
     .Input("handle: resource")
     .Input("keys: int64")
     .Input("values: float")
@@ -399,7 +419,7 @@ REGISTER_OP("EVImport")
       }
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &unused));  // values
       return c->WithRank(c->input(8), 0, &unused);               // step
-    });
+    }));
 
 class EVImportOp : public OpKernel {
  public:
@@ -474,13 +494,16 @@ class EVImportOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVImport").Device(DEVICE_CPU), EVImportOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVImport", "EVImport",
+    EVImportOp);
 
-REGISTER_OP("EVEvict")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVEvict", "EVEvict",
     .Input("handle: resource")
     .Output("num_evicted: int64")
     .SetIsStateful()
-    .SetShapeFn(tensorflow::shape_inference::ScalarShape);
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape));
 
 class EVEvictOp : public OpKernel {
  public:
@@ -512,7 +535,9 @@ class EVEvictOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVEvict").Device(DEVICE_CPU), EVEvictOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVEvict", "EVEvict",
+    EVEvictOp);
 
 }  // namespace
 }  // namespace ev

@@ -6,6 +6,7 @@
 #include "ev_storage.h"
 #include "id_map.h"
 #include "pooling.h"
+#include "op_registration.h"
 
 namespace group_embedding {
 namespace ev {
@@ -157,9 +158,10 @@ Status ApplyShapes(InferenceContext* c) {
       .Input("grad: float")      \
       .Input("global_step: int64")
 
-REGISTER_OP("EVApplySGD")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVApplySGD", "EVApplySGD",
     .EV_APPLY_INPUTS.Input("lr: float")
-    .SetShapeFn(ApplyShapes);
+    .SetShapeFn(ApplyShapes));
 
 class EVApplySGDOp : public OpKernel {
  public:
@@ -175,14 +177,17 @@ class EVApplySGDOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVApplySGD").Device(DEVICE_CPU), EVApplySGDOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVApplySGD", "EVApplySGD",
+    EVApplySGDOp);
 
 // accum += g^2; var -= lr * g / sqrt(accum + epsilon)  (Keras' rule)
-REGISTER_OP("EVApplyAdagrad")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVApplyAdagrad", "EVApplyAdagrad",
     .EV_APPLY_INPUTS.Input("lr: float")
     .Input("epsilon: float")
     .Attr("slot_name: string")
-    .SetShapeFn(ApplyShapes);
+    .SetShapeFn(ApplyShapes));
 
 class EVApplyAdagradOp : public OpKernel {
  public:
@@ -210,8 +215,9 @@ class EVApplyAdagradOp : public OpKernel {
   std::vector<std::string> slots_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVApplyAdagrad").Device(DEVICE_CPU),
-                        EVApplyAdagradOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVApplyAdagrad", "EVApplyAdagrad",
+    EVApplyAdagradOp);
 
 // DeepRec's AdagradDecay on the touched keys (slots: accumulator, decay
 // power). `period` = (global_step + 1) // accumulator_decay_step; a key
@@ -219,13 +225,14 @@ REGISTER_KERNEL_BUILDER(Name("EVApplyAdagrad").Device(DEVICE_CPU),
 // floor), power += 1; then accum += g^2; var -= lr * g / sqrt(accum).
 // The power is a count kept in element 0 of a float slot row: exact up to
 // 2^24 periods (with the default 100000-step period, 1.6e12 steps).
-REGISTER_OP("EVApplyAdagradDecay")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVApplyAdagradDecay", "EVApplyAdagradDecay",
     .EV_APPLY_INPUTS.Input("lr: float")
     .Input("decay_rate: float")
     .Input("floor: float")
     .Input("period: int64")
     .Attr("slot_names: list(string)")
-    .SetShapeFn(ApplyShapes);
+    .SetShapeFn(ApplyShapes));
 
 class EVApplyAdagradDecayOp : public OpKernel {
  public:
@@ -263,18 +270,20 @@ class EVApplyAdagradDecayOp : public OpKernel {
   std::vector<std::string> slots_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVApplyAdagradDecay").Device(DEVICE_CPU),
-                        EVApplyAdagradDecayOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVApplyAdagradDecay", "EVApplyAdagradDecay",
+    EVApplyAdagradDecayOp);
 
 // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 // var -= alpha * m / (sqrt(v) + epsilon), alpha bias-corrected by caller.
-REGISTER_OP("EVApplyAdam")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVApplyAdam", "EVApplyAdam",
     .EV_APPLY_INPUTS.Input("alpha: float")
     .Input("beta1: float")
     .Input("beta2: float")
     .Input("epsilon: float")
     .Attr("slot_names: list(string)")
-    .SetShapeFn(ApplyShapes);
+    .SetShapeFn(ApplyShapes));
 
 class EVApplyAdamOp : public OpKernel {
  public:
@@ -308,18 +317,20 @@ class EVApplyAdamOp : public OpKernel {
   std::vector<std::string> slots_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVApplyAdam").Device(DEVICE_CPU),
-                        EVApplyAdamOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVApplyAdam", "EVApplyAdam",
+    EVApplyAdamOp);
 
 // TF's ApplyFtrlV2 on the touched rows (slots: accumulator, linear).
-REGISTER_OP("EVApplyFtrl")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVApplyFtrl", "EVApplyFtrl",
     .EV_APPLY_INPUTS.Input("lr: float")
     .Input("l1: float")
     .Input("l2: float")
     .Input("l2_shrinkage: float")
     .Input("lr_power: float")
     .Attr("slot_names: list(string)")
-    .SetShapeFn(ApplyShapes);
+    .SetShapeFn(ApplyShapes));
 
 class EVApplyFtrlOp : public OpKernel {
  public:
@@ -362,8 +373,9 @@ class EVApplyFtrlOp : public OpKernel {
   std::vector<std::string> slots_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVApplyFtrl").Device(DEVICE_CPU),
-                        EVApplyFtrlOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVApplyFtrl", "EVApplyFtrl",
+    EVApplyFtrlOp);
 
 }  // namespace
 }  // namespace ev

@@ -1,5 +1,5 @@
 // Fused pooled lookup of a group of same-dim EmbeddingVariables: the EV
-// analogue of GroupEmbeddingVariableLookup (lookup_ops.cc), which
+// analogue of GroupEmbeddingPooledLookup (lookup_ops.cc), which
 // pools straight into [B, D] outputs instead of gathering [nnz, D] rows.
 //
 // Why two phases: inserting keys mutates a variable's hash map, which
@@ -10,20 +10,22 @@
 // variables are held until pooling ends, so the resolved pointers stay
 // valid.
 //
-// Gradient (registered in fused_lookup.py): GroupEmbeddingVariableLookupGrad
+// Gradient (registered in fused_lookup.py): GroupEmbeddingPooledLookupGrad
 // with keys in the role of ids gives, per variable, the unique keys and
-// their summed gradients; EVGroupWeightGrad below gives the weights'.
+// their summed gradients; GroupEmbeddingEVWeightGrad below gives the weights'.
 //
-// EVGroupGather (unpooled rows, for sequences, max_norm and the pure-TF
-// path) lives here too: it resolves keys exactly as EVGroupLookup does.
+// GroupEmbeddingEVGather (unpooled rows, for sequences, max_norm and the
+// pure-TF path) lives here too: it resolves keys exactly as
+// GroupEmbeddingEVLookup does.
 //
 // Locking rule: the op takes every lock it needs BEFORE handing work to
 // the intra-op pool, and work items never lock. A work item that waited
 // on a variable's lock could deadlock with an op that holds that lock
-// while it waits for the same pool (EVApply*, EVGroupLookup).
+// while it waits for the same pool (EVApply*, GroupEmbeddingEVLookup).
 
 #include "ev_storage.h"
 #include "pooling.h"
+#include "op_registration.h"
 
 namespace group_embedding {
 namespace ev {
@@ -114,18 +116,17 @@ Status ReadGroupInputs(OpKernelContext* ctx, int64_t dim, GroupInputs* in) {
   return Status();
 }
 
-// Points `out[j]` at the row key j reads, as EVGroupGather would copy it:
-// its value if stored and admitted, else `no_permission` (a row of the
-// filter's constant) or, for unknown keys outside training, its default
-// row. With `training`, new keys are inserted (a CBFFilter inserts a key
-// only once admitted), every occurrence is counted and every stored key
-// is stamped with the current step (its version: the last step it was
-// seen, admitted or not). As in DeepRec, a lookup reads what the key had
-// BEFORE this batch counted it: under CounterFilter(N) a key reads
-// `no_permission` for its first N lookups, its row from lookup N + 1 on,
-// and all occurrences of a key in the batch read the same row. Needs the
-// variable's lock (exclusive when training). Fails only when the table
-// is full.
+// Points `out[j]` at the row key j reads, as GroupEmbeddingEVGather would copy
+// it: its value if stored and admitted, else `no_permission` (a row of the
+// filter's constant) or, for unknown keys outside training, its default row.
+// With `training`, new keys are inserted (a CBFFilter inserts a key only once
+// admitted), every occurrence is counted and every stored key is stamped with
+// the current step (its version: the last step it was seen, admitted or not).
+// As in DeepRec, a lookup reads what the key had BEFORE this batch counted it:
+// under CounterFilter(N) a key reads `no_permission` for its first N lookups,
+// its row from lookup N + 1 on, and all occurrences of a key in the batch read
+// the same row. Needs the variable's lock (exclusive when training). Fails only
+// when the table is full.
 Status ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
                    const Tensor& defaults, bool training,
                    const float* no_permission, const float** out) {
@@ -234,7 +235,8 @@ Status PooledShapes(InferenceContext* c) {
   return Status();
 }
 
-REGISTER_OP("EVGroupLookup")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVLookup", "EVGroupLookup",
     .Input("handles: num_tables * resource")
     .Input("keys: num_tables * int64")
     .Input("row_splits: num_tables * int64")
@@ -246,11 +248,11 @@ REGISTER_OP("EVGroupLookup")
     .Attr("combiners: list(string)")
     .Attr("embedding_dim: int >= 1")
     .SetIsStateful()
-    .SetShapeFn(PooledShapes);
+    .SetShapeFn(PooledShapes));
 
-class EVGroupLookupOp : public OpKernel {
+class EVLookupOp : public OpKernel {
  public:
-  explicit EVGroupLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit EVLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
@@ -311,20 +313,22 @@ class EVGroupLookupOp : public OpKernel {
   int64_t dim_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVGroupLookup").Device(DEVICE_CPU),
-                        EVGroupLookupOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVLookup", "EVGroupLookup",
+    EVLookupOp);
 
 // ---------------------------------------------------------------------------
 // Unpooled (is_sequence=True) lookup of a group of same-dim EVs: each key's
-// row, resolved exactly as EVGroupLookup resolves it, lands at
-// [row, position] of a padded [B, T, D] output; zeros elsewhere. EVGroupGather
-// + a TF segment sum computed the same with a [nnz, D] tensor each way.
-// Unweighted tables only (weighted ones keep that path, whose weight
-// gradient TF derives). Gradient (fused_lookup.py):
+// row, resolved exactly as GroupEmbeddingEVLookup resolves it, lands at [row,
+// position] of a padded [B, T, D] output; zeros elsewhere.
+// GroupEmbeddingEVGather + a TF segment sum computed the same with a [nnz, D]
+// tensor each way. Unweighted tables only (weighted ones keep that path, whose
+// weight gradient TF derives). Gradient (fused_lookup.py):
 // GroupEmbeddingSequenceLookupGrad with keys as ids, i.e. per variable its
 // unique keys and their summed gradients.
 // ---------------------------------------------------------------------------
-REGISTER_OP("EVGroupSequenceLookup")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVSequenceLookup", "EVGroupSequenceLookup",
     .Input("handles: num_tables * resource")
     .Input("keys: num_tables * int64")
     .Input("row_splits: num_tables * int64")
@@ -346,11 +350,11 @@ REGISTER_OP("EVGroupSequenceLookup")
       TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 2));  // default values
       TF_RETURN_IF_ERROR(InputsWithRank(c, 6 * n, 1, 0));  // training
       return SequenceOutputShapes(c, n, dim);
-    });
+    }));
 
-class EVGroupSequenceLookupOp : public OpKernel {
+class EVSequenceLookupOp : public OpKernel {
  public:
-  explicit EVGroupSequenceLookupOp(OpKernelConstruction* ctx)
+  explicit EVSequenceLookupOp(OpKernelConstruction* ctx)
       : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
   }
@@ -422,18 +426,20 @@ class EVGroupSequenceLookupOp : public OpKernel {
   int64_t dim_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVGroupSequenceLookup").Device(DEVICE_CPU),
-                        EVGroupSequenceLookupOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVSequenceLookup", "EVGroupSequenceLookup",
+    EVSequenceLookupOp);
 
 // ---------------------------------------------------------------------------
-// Gradient w.r.t. the per-key weights of EVGroupLookup (weighted tables
-// only), as GroupEmbeddingWeightGrad computes it for plain variables:
+// Gradient w.r.t. the per-key weights of GroupEmbeddingEVLookup (weighted
+// tables only), as GroupEmbeddingWeightGrad computes it for plain variables:
 //   d/dw_j = (e_j.g_b - pooled_b.g_b * dn_b/dw_j) / n_b
 // e_j is the row key j read in the forward pass, re-resolved without
 // inserting (the forward already inserted and counted it). Not stateful,
 // so that graph pruning drops it when nothing needs weight gradients.
 // ---------------------------------------------------------------------------
-REGISTER_OP("EVGroupWeightGrad")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVWeightGrad", "EVGroupWeightGrad",
     .Input("handles: num_tables * resource")
     .Input("keys: num_tables * int64")
     .Input("row_splits: num_tables * int64")
@@ -452,11 +458,11 @@ REGISTER_OP("EVGroupWeightGrad")
       TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, 3 * n, 2));
       for (int i = 0; i < n; ++i) c->set_output(i, c->input(3 * n + i));
       return Status();
-    });
+    }));
 
-class EVGroupWeightGradOp : public OpKernel {
+class EVWeightGradOp : public OpKernel {
  public:
-  explicit EVGroupWeightGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit EVWeightGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
@@ -517,15 +523,17 @@ class EVGroupWeightGradOp : public OpKernel {
   int64_t dim_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVGroupWeightGrad").Device(DEVICE_CPU),
-                        EVGroupWeightGradOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVWeightGrad", "EVGroupWeightGrad",
+    EVWeightGradOp);
 
 // ---------------------------------------------------------------------------
 // Grouped gather: rows of K same-dim EVs, concatenated [sum n_i, D].
 // training=true inserts new keys and counts frequencies; false reads only.
-// Rows are those EVGroupLookup pools (same ResolveKeys).
+// Rows are those GroupEmbeddingEVLookup pools (same ResolveKeys).
 // ---------------------------------------------------------------------------
-REGISTER_OP("EVGroupGather")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingEVGather", "EVGroupGather",
     .Input("handles: num_tables * resource")
     .Input("keys: num_tables * int64")
     .Input("default_values: num_tables * float")
@@ -544,11 +552,11 @@ REGISTER_OP("EVGroupGather")
       TF_RETURN_IF_ERROR(InputsWithRank(c, 3 * n, 1, 0));  // training
       c->set_output(0, c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
       return Status();
-    });
+    }));
 
-class EVGroupGatherOp : public OpKernel {
+class EVGatherOp : public OpKernel {
  public:
-  explicit EVGroupGatherOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit EVGatherOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
   }
 
@@ -600,8 +608,9 @@ class EVGroupGatherOp : public OpKernel {
   int64_t dim_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("EVGroupGather").Device(DEVICE_CPU),
-                        EVGroupGatherOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingEVGather", "EVGroupGather",
+    EVGatherOp);
 
 }  // namespace
 }  // namespace ev

@@ -20,18 +20,17 @@
 // Rows live in fixed-size chunks, so growth never moves a row; evicted
 // rows go to a free list and are reused by the next insert.
 //
-// Change tracking (incremental checkpoints, EVExportChanges), two bits
-// per row instead of a 64-bit stamp (8 bytes a key, 8% of a dim-16
-// row): every write to a row (insert, count, version, optimizer
-// update, import) sets its `changed` bit; an export numbers itself
-// with a 64-bit sequence, moves `changed` into `exported` and writes
-// the rows in `exported`, i.e. everything changed since the last save
-// confirmed durable (EVConfirmSave), failed saves included: a save that
-// fails before its confirmation loses no marks. The confirmation clears
-// `exported` and makes that export the base of the next delta. Keys
-// evicted are recorded with the sequence of the next export (once an
-// incremental export asked for them); a change no delta can express (an
-// untracked eviction, a new slot, an import) leaves no base.
+// Change tracking (incremental checkpoints, GroupEmbeddingEVExportChanges), two
+// bits per row instead of a 64-bit stamp (8 bytes a key, 8% of a dim-16 row):
+// every write to a row (insert, count, version, optimizer update, import) sets
+// its `changed` bit; an export numbers itself with a 64-bit sequence, moves
+// `changed` into `exported` and writes the rows in `exported`, i.e. everything
+// changed since the last save confirmed durable (GroupEmbeddingEVConfirmSave),
+// failed saves included: a save that fails before its confirmation loses no
+// marks. The confirmation clears `exported` and makes that export the base of
+// the next delta. Keys evicted are recorded with the sequence of the next
+// export (once an incremental export asked for them); a change no delta can
+// express (an untracked eviction, a new slot, an import) leaves no base.
 
 #include <algorithm>
 #include <cmath>

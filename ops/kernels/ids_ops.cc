@@ -1,13 +1,13 @@
 // Id conversion and packing, the kernels that turn a batch's ids into the
-// ragged per-feature ids / row_splits / weights the fused lookups take:
-//   GroupUnpackIds       unpacks what `ge.pack_ids` packed in the input
-//                        pipeline (Python: group_embedding/packed_ids.py).
-//                        Each feature starts on a 64-byte boundary in the
-//                        packed buffers, so its tensors are views of them:
-//                        no copy (an unaligned start, possible only for
-//                        hand-made inputs, is copied).
-//   GroupSparseToRagged  SparseTensor ids -> ragged, any index order
-//                        (Python: ops/ragged_ids.py).
+// ragged per-feature ids / row_splits / weights the fused lookups take
+// (op names without their GroupEmbedding prefix):
+//   UnpackIds     unpacks what `ge.pack_ids` packed in the input pipeline
+//                 (Python: group_embedding/packed_ids.py). Each feature
+//                 starts on a 64-byte boundary in the packed buffers, so
+//                 its tensors are views of them: no copy (an unaligned
+//                 start, possible only for hand-made inputs, is copied).
+//   SparseToRagged  SparseTensor ids -> ragged, any index order (Python:
+//                 ops/ragged_ids.py).
 
 #include <algorithm>
 #include <cstdint>
@@ -21,11 +21,13 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "op_checks.h"
+#include "op_registration.h"
 
 namespace group_embedding {
 namespace {
 
-REGISTER_OP("GroupUnpackIds")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingUnpackIds", "GroupUnpackIds",
     .Input("values: int64")
     .Input("row_splits: int64")
     .Input("offsets: int64")
@@ -48,7 +50,7 @@ REGISTER_OP("GroupUnpackIds")
         c->set_output(i, c->Vector(c->UnknownDim()));
       }
       return Status();
-    });
+    }));
 
 // `source[begin, begin + size)` as a view, or as a copy when the view
 // would not start on the alignment TF's kernels require.
@@ -64,9 +66,9 @@ Tensor SliceOrCopy(OpKernelContext* ctx, const Tensor& source, int64_t begin,
   return copy;
 }
 
-class GroupUnpackIdsOp : public OpKernel {
+class UnpackIdsOp : public OpKernel {
  public:
-  explicit GroupUnpackIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit UnpackIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_features", &k_));
   }
 
@@ -151,14 +153,16 @@ class GroupUnpackIdsOp : public OpKernel {
   int k_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("GroupUnpackIds").Device(DEVICE_CPU),
-                        GroupUnpackIdsOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingUnpackIds", "GroupUnpackIds",
+    UnpackIdsOp);
 
 // ---------------------------------------------------------------------------
 // SparseTensor ids -> ragged (values grouped by row, row_splits) with a
 // stable counting sort on the row index: O(nnz), any index order.
 // ---------------------------------------------------------------------------
-REGISTER_OP("GroupSparseToRagged")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingSparseToRagged", "GroupSparseToRagged",
     .Input("indices: num_features * int64")
     .Input("ids: num_features * int64")
     .Input("dense_shapes: num_features * int64")
@@ -193,16 +197,16 @@ REGISTER_OP("GroupSparseToRagged")
                                                 : c->Vector(0));
       }
       return Status();
-    });
+    }));
 
 // Largest batch (dense_shape[0]) accepted: the lookups return [batch, D]
 // tensors and row_splits of batch + 1 entries, so a larger one can never
 // be allocated; rejecting it also keeps batch + 1 from overflowing.
 constexpr int64_t kMaxBatch = int64_t{1} << 48;
 
-class GroupSparseToRaggedOp : public OpKernel {
+class SparseToRaggedOp : public OpKernel {
  public:
-  explicit GroupSparseToRaggedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit SparseToRaggedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("feature_names", &names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("same_batch", &same_batch_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("with_positions", &with_positions_));
@@ -378,8 +382,9 @@ class GroupSparseToRaggedOp : public OpKernel {
   bool with_positions_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("GroupSparseToRagged").Device(DEVICE_CPU),
-                        GroupSparseToRaggedOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingSparseToRagged", "GroupSparseToRagged",
+    SparseToRaggedOp);
 
 }  // namespace
 }  // namespace group_embedding

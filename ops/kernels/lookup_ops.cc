@@ -1,5 +1,5 @@
 // CPU kernels of the fused pooled lookup of a group of plain resource-
-// variable tables (GroupEmbeddingVariableLookup; GroupEmbeddingConcatLookup
+// variable tables (GroupEmbeddingPooledLookup; GroupEmbeddingConcatLookup
 // writes the K pooled tables side by side into one [B, K * D] output) and
 // of its backward, per-unique-id gradients ready for IndexedSlices.
 // Python: ops/lookup_kernels.py (calls) and ops/lookup_gradients.py.
@@ -28,6 +28,7 @@
 #include "tensorflow/core/util/work_sharder.h"
 #include "pooling.h"
 #include "table_access.h"
+#include "op_registration.h"
 
 namespace group_embedding {
 namespace {
@@ -35,7 +36,8 @@ namespace {
 // ---------------------------------------------------------------------------
 // Forward: pooled lookup of K ragged id batches from K tables.
 // ---------------------------------------------------------------------------
-REGISTER_OP("GroupEmbeddingVariableLookup")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingPooledLookup", "GroupEmbeddingVariableLookup",
     .Input("tables: num_tables * resource")
     .Input("ids: num_tables * int64")
     .Input("row_splits: num_tables * int64")
@@ -63,7 +65,7 @@ REGISTER_OP("GroupEmbeddingVariableLookup")
         c->set_output(i, c->MakeShape({b, c->MakeDim(dim)}));
       }
       return Status();
-    });
+    }));
 
 // The same lookup writing all K tables side by side into ONE [B, K * D]
 // output (table t in columns [t * D, (t + 1) * D)), i.e. what
@@ -93,9 +95,9 @@ REGISTER_OP("GroupEmbeddingConcatLookup")
       return Status();
     });
 
-class GroupEmbeddingVariableLookupOp : public OpKernel {
+class GroupEmbeddingPooledLookupOp : public OpKernel {
  public:
-  explicit GroupEmbeddingVariableLookupOp(OpKernelConstruction* ctx)
+  explicit GroupEmbeddingPooledLookupOp(OpKernelConstruction* ctx)
       : OpKernel(ctx),
         concat_(ctx->def().op() == "GroupEmbeddingConcatLookup") {
     std::vector<std::string> names;
@@ -208,17 +210,18 @@ class GroupEmbeddingVariableLookupOp : public OpKernel {
   float max_norm_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookup")
-                            .Device(DEVICE_CPU),
-                        GroupEmbeddingVariableLookupOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingPooledLookup", "GroupEmbeddingVariableLookup",
+    GroupEmbeddingPooledLookupOp);
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingConcatLookup").Device(DEVICE_CPU),
-                        GroupEmbeddingVariableLookupOp);
+                        GroupEmbeddingPooledLookupOp);
 
 // ---------------------------------------------------------------------------
 // Backward: per table, unique ids (first-occurrence order) and the summed
 // gradient of each, ready to be returned as IndexedSlices.
 // ---------------------------------------------------------------------------
-REGISTER_OP("GroupEmbeddingVariableLookupGrad")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingPooledLookupGrad", "GroupEmbeddingVariableLookupGrad",
     .Input("grads: num_tables * float")
     .Input("ids: num_tables * int64")
     .Input("row_splits: num_tables * int64")
@@ -241,7 +244,7 @@ REGISTER_OP("GroupEmbeddingVariableLookupGrad")
                       c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
       }
       return Status();
-    });
+    }));
 
 // The backward of GroupEmbeddingConcatLookup: the same outputs from the
 // gradient of the concatenated [B, K * D] output.
@@ -270,9 +273,9 @@ REGISTER_OP("GroupEmbeddingConcatLookupGrad")
       return Status();
     });
 
-class GroupEmbeddingVariableLookupGradOp : public OpKernel {
+class GroupEmbeddingPooledLookupGradOp : public OpKernel {
  public:
-  explicit GroupEmbeddingVariableLookupGradOp(OpKernelConstruction* ctx)
+  explicit GroupEmbeddingPooledLookupGradOp(OpKernelConstruction* ctx)
       : OpKernel(ctx),
         concat_(ctx->def().op() == "GroupEmbeddingConcatLookupGrad") {
     std::vector<std::string> names;
@@ -327,12 +330,12 @@ class GroupEmbeddingVariableLookupGradOp : public OpKernel {
   int64_t dim_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingVariableLookupGrad")
-                            .Device(DEVICE_CPU),
-                        GroupEmbeddingVariableLookupGradOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingPooledLookupGrad", "GroupEmbeddingVariableLookupGrad",
+    GroupEmbeddingPooledLookupGradOp);
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingConcatLookupGrad")
                             .Device(DEVICE_CPU),
-                        GroupEmbeddingVariableLookupGradOp);
+                        GroupEmbeddingPooledLookupGradOp);
 
 }  // namespace
 }  // namespace group_embedding

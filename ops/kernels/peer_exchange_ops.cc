@@ -1,7 +1,7 @@
-// PeerAllToAll: an alltoall of variable-size blocks over TCP connections
-// that every pair of workers opened once (group_embedding/distributed/
-// transport.py builds that mesh and hands the sockets in as file
-// descriptors).
+// GroupEmbeddingPeerAllToAll: an alltoall of variable-size blocks over TCP
+// connections that every pair of workers opened once
+// (group_embedding/distributed/ transport.py builds that mesh and hands the
+// sockets in as file descriptors).
 //
 // Why not Horovod's alltoall: every Horovod collective is negotiated
 // through rank 0 by a background thread that wakes once per cycle, and
@@ -61,6 +61,7 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "op_registration.h"
 
 namespace group_embedding {
 namespace transport {
@@ -630,7 +631,8 @@ class PeerAllToAllOp : public OpKernel {
   int64_t max_bytes_per_peer_;
 };
 
-REGISTER_OP("PeerAllToAll")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingPeerAllToAll", "PeerAllToAll",
     .Input("data: T")
     .Input("splits: int32")
     .Input("fds: int64")
@@ -672,10 +674,11 @@ received: the rows sent to this worker, by source rank.
 received_splits: rows received from each worker.
 tag: identifies the collective; every worker must run the same tags in
   the same order.
-)doc");
+)doc"));
 
-REGISTER_KERNEL_BUILDER(Name("PeerAllToAll").Device(::tensorflow::DEVICE_CPU),
-                        PeerAllToAllOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingPeerAllToAll", "PeerAllToAll",
+    PeerAllToAllOp);
 
 }  // namespace
 }  // namespace transport

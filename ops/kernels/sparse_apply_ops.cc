@@ -17,6 +17,7 @@
 #include "tensorflow/core/util/work_sharder.h"
 #include "id_map.h"
 #include "pooling.h"
+#include "op_registration.h"
 
 namespace group_embedding {
 namespace {
@@ -27,7 +28,8 @@ namespace {
 // updated in parallel:
 //   accum += g^2;  var -= lr * g / sqrt(accum + epsilon)   (Keras' rule)
 // ---------------------------------------------------------------------------
-REGISTER_OP("GroupSparseApplyAdagrad")
+GE_REGISTER_OP_WITH_ALIAS(
+    "GroupEmbeddingSparseApplyAdagrad", "GroupSparseApplyAdagrad",
     .Input("var: resource")
     .Input("accum: resource")
     .Input("lr: float")
@@ -38,7 +40,7 @@ REGISTER_OP("GroupSparseApplyAdagrad")
       TF_RETURN_IF_ERROR(InputsWithRank(c, 2, 2, 0));  // lr, epsilon
       TF_RETURN_IF_ERROR(InputsWithRank(c, 4, 1, 1));  // indices
       return InputsWithRank(c, 5, 1, 2);               // grad
-    });
+    }));
 
 // Gives `var` a buffer of its own before an in-place write, so that
 // tensors handed out by earlier reads keep their values (copy on write).
@@ -52,7 +54,7 @@ Status PrepareInPlaceWrite(OpKernelContext* ctx, Var* var) {
   return Status();
 }
 
-class GroupSparseApplyAdagradOp : public OpKernel {
+class SparseApplyAdagradOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
 
@@ -142,8 +144,9 @@ class GroupSparseApplyAdagradOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("GroupSparseApplyAdagrad").Device(DEVICE_CPU),
-                        GroupSparseApplyAdagradOp);
+GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
+    "GroupEmbeddingSparseApplyAdagrad", "GroupSparseApplyAdagrad",
+    SparseApplyAdagradOp);
 
 }  // namespace
 }  // namespace group_embedding

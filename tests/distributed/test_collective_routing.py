@@ -259,10 +259,10 @@ class CollectiveRoutingTest(tf.test.TestCase):
         for bad in (2**63 - 1, 7, -1):
             with self.assertRaisesRegex(
                     tf.errors.InvalidArgumentError,
-                    rf"CollectiveOwnerGatherGrad: t0: worker 0 sent a "
-                    rf"gradient for local row {bad} outside this shard's "
+                    rf"GroupEmbeddingCollectiveOwnerGatherGrad: t0: worker 0 "
+                    rf"sent a gradient for local row {bad} outside this shard's "
                     rf"\[0, 7\)"):
-                lib.collective_owner_gather_grad(
+                lib.group_embedding_collective_owner_gather_grad(
                     grad=tf.zeros([8]),
                     received_ids=tf.constant([2, 1, bad], tf.int64),
                     received_splits=tf.constant([3], tf.int32),
@@ -287,7 +287,7 @@ class CollectiveRoutingTest(tf.test.TestCase):
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                     r"`dims` must be in \[0, 2147483647\], "
                                     r"got 4611686018427387904"):
-            lib.collective_owner_gather_grad(
+            lib.group_embedding_collective_owner_gather_grad(
                 grad=tf.zeros([0]),
                 received_ids=tf.constant([1, 1, 0, 0], tf.int64),
                 received_splits=tf.constant([4], tf.int32),

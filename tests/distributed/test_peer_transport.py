@@ -1,7 +1,7 @@
 """The peer-socket transport of collective mode (transport.py +
-PeerAllToAll): results equal Horovod's collectives, and a worker at the
-wrong collective, with other row sizes or dead gives a clear error on every
-other worker instead of a hang or mixed-up rows."""
+GroupEmbeddingPeerAllToAll): results equal Horovod's collectives, and a worker
+at the wrong collective, with other row sizes or dead gives a clear error on
+every other worker instead of a hang or mixed-up rows."""
 
 import json
 import os

@@ -241,7 +241,8 @@ def test_fault_on_one_host_ends_every_worker(hosts, tmp_path, fault):
     print(f"\n{fault}{qdisc} with collective_timeout={TIMEOUT} s: "
           f"exited after {times}")
     for line in (out + remote).splitlines():
-        if re.search(r"group_embedding\]|PeerAllToAll|Error:", line):
+        if re.search(r"group_embedding\]|GroupEmbeddingPeerAllToAll|Error:",
+                     line):
             print("   ", line[:400])
     assert proc.returncode != 0, out[-4000:]
     assert "worker survived" not in out + remote, out[-4000:]

@@ -205,7 +205,7 @@ def test_partitioned_tables_share_one_fused_lookup(monkeypatch):
                 2)):
             ge_fc.input_layer(features, cols)
     # Two tables of two shards each: one fused op for all four shards.
-    assert op_counts(graph)["GroupEmbeddingVariableLookup"] == 1
+    assert op_counts(graph)["GroupEmbeddingPooledLookup"] == 1
 
 
 def test_embedding_dim_partitioning_is_rejected():

@@ -16,7 +16,7 @@ from testing import COMBINERS
 from testing import assert_close
 from testing import op_counts
 
-FUSED_OP = "GroupEmbeddingVariableLookup"
+FUSED_OP = "GroupEmbeddingPooledLookup"
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,7 @@ def test_one_fused_lookup_per_scope_when_traced(vocab_file):
     layer(features)
     n_weights = len(layer.weights)
     graph = tf.function(layer).get_concrete_function(features).graph
-    assert op_counts(graph)["GroupEmbeddingVariableLookup"] == 1
+    assert op_counts(graph)["GroupEmbeddingPooledLookup"] == 1
     assert len(layer.weights) == n_weights  # call() created no state
 
 

@@ -13,7 +13,7 @@ from group_embedding.feature_column import scope as scope_lib
 from testing import op_counts
 
 FC = tf.feature_column
-FUSED_OP = "GroupEmbeddingVariableLookup"
+FUSED_OP = "GroupEmbeddingPooledLookup"
 
 
 def _identity(key="uid", buckets=10):

@@ -117,7 +117,7 @@ def test_kernel_writes_the_concatenated_output(monkeypatch):
     ops = _graph_ops(step, ids)
     assert ops.count("GroupEmbeddingConcatLookup") == 1
     assert ops.count("GroupEmbeddingConcatLookupGrad") == 1
-    assert "GroupEmbeddingVariableLookup" not in ops
+    assert "GroupEmbeddingPooledLookup" not in ops
     assert not {"ConcatV2", "SplitV", "Split"} & set(ops), ops
     # Static width in graphs: a dense layer after it needs shape[-1].
     spec = step.get_concrete_function(ids).structured_outputs

@@ -69,12 +69,12 @@ class TestGroupedLookup:
         types = [op.type for op in graph.get_operations()]
         if kernel_mode == "custom":
             # One fused resolve-and-pool op per EV group, no [nnz, D] rows.
-            assert types.count("EVGroupLookup") == 2
-            assert types.count("EVGroupGather") == 0
+            assert types.count("GroupEmbeddingEVLookup") == 2
+            assert types.count("GroupEmbeddingEVGather") == 0
             return
         # One storage gather and one segment sum per EV group (the plain
         # table may add its own segment sum on the pure-TF path).
-        assert types.count("EVGroupGather") == 2
+        assert types.count("GroupEmbeddingEVGather") == 2
         assert types.count("UnsortedSegmentSum") <= 3
 
     def test_dense_lookup(self):

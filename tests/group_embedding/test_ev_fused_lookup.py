@@ -1,15 +1,15 @@
-"""The fused EmbeddingVariable lookup (C++ `EVGroupLookup`) against the
-pure-TF EV path (`GROUP_EMBEDDING_KERNELS=tf`: one `EVGroupGather`, then
-TF pooling), and both against stock TF (`test_training_equals_stock`: the
+"""The fused EmbeddingVariable lookup (C++ `GroupEmbeddingEVLookup`) against the
+pure-TF EV path (`GROUP_EMBEDDING_KERNELS=tf`: one `GroupEmbeddingEVGather`,
+then TF pooling), and both against stock TF (`test_training_equals_stock`: the
 two paths share the storage code, so parity alone misses its defects).
 
-Both paths run the same training steps on twin variables (same default
-matrix); outputs, table gradients (summed per key), weight gradients and
-the stored keys, values and frequencies must agree step after step, with
-weights, empty rows, duplicate keys, a CounterFilter and a variable that
-serves two tables of one group. EV sequences (C++ `EVGroupSequenceLookup`
-when unweighted, else a gather placed in TF) are checked against a numpy
-oracle, and the sequence kernel against the gather path step by step.
+Both paths run the same training steps on twin variables (same default matrix);
+outputs, table gradients (summed per key), weight gradients and the stored keys,
+values and frequencies must agree step after step, with weights, empty rows,
+duplicate keys, a CounterFilter and a variable that serves two tables of one
+group. EV sequences (C++ `GroupEmbeddingEVSequenceLookup` when unweighted, else
+a gather placed in TF) are checked against a numpy oracle, and the sequence
+kernel against the gather path step by step.
 """
 
 import numpy as np
@@ -267,7 +267,7 @@ def _sequence_step(evs, batches, upstream, optimizer, mode, monkeypatch,
 
     graph = lookup.get_concrete_function().graph
     kernel_ops = [op for op in graph.get_operations()
-                  if op.type == "EVGroupSequenceLookup"]
+                  if op.type == "GroupEmbeddingEVSequenceLookup"]
     assert bool(kernel_ops) == (mode == "custom")
     outs, grads = lookup()
     if training:

@@ -74,7 +74,7 @@ def test_custom_forward_is_one_op_per_group(kernel_mode):
     case = _case()
     graph, outs = _forward(case)
     counts = op_counts(graph)
-    assert counts["GroupEmbeddingVariableLookup"] == 2
+    assert counts["GroupEmbeddingPooledLookup"] == 2
     assert _unfused_ops(graph) == {}
     assert counts["ResourceGather"] == 0 and counts["GatherV2"] == 0
     for got, want in zip(outs, case.stock(case.sp_weights())):
@@ -86,8 +86,8 @@ def test_custom_backward_is_one_op_per_group(kernel_mode):
     case = _case()
     graph, grads = _backward(case, with_weights=False)
     counts = op_counts(graph)
-    assert counts["GroupEmbeddingVariableLookup"] == 2
-    assert counts["GroupEmbeddingVariableLookupGrad"] == 2
+    assert counts["GroupEmbeddingPooledLookup"] == 2
+    assert counts["GroupEmbeddingPooledLookupGrad"] == 2
     assert _unfused_ops(graph) == {}
     for got, want, t in zip(grads, _stock_grads(case, False), case.tables):
         assert isinstance(got, tf.IndexedSlices)
@@ -98,7 +98,7 @@ def test_custom_backward_is_one_op_per_group(kernel_mode):
 def test_custom_weighted_backward_is_one_grad_op_per_group(kernel_mode):
     case = _case()
     graph, grads = _backward(case, with_weights=True)
-    assert op_counts(graph)["GroupEmbeddingVariableLookupGrad"] == 2
+    assert op_counts(graph)["GroupEmbeddingPooledLookupGrad"] == 2
     for got, want in zip(grads, _stock_grads(case, True)):
         assert isinstance(got, tf.IndexedSlices)
         assert_close(got, want)
@@ -138,7 +138,7 @@ def test_tf_path_pools_per_table_without_concat_or_split(kernel_mode, taped):
     assert not [t for t in counts if "Segment" in t
                 and t != "UnsortedSegmentSum"]
     assert counts["SplitV"] == 0 and counts["Split"] == 0
-    assert counts["GroupEmbeddingVariableLookup"] == 0
+    assert counts["GroupEmbeddingPooledLookup"] == 0
     for got, want in zip(outs, case.stock(case.sp_weights())):
         assert_close(got, want)
 
@@ -232,7 +232,7 @@ def test_params_num_per_group_splits_groups(kernel_mode, per_group, fused):
     checks = sum(op.type in ("If", "StatelessIf")
                  and "group_range_check" in op.name
                  for op in graph.get_operations())
-    assert (op_counts(graph)["GroupEmbeddingVariableLookup"]
+    assert (op_counts(graph)["GroupEmbeddingPooledLookup"]
             if kernel_mode == "custom" else checks) == fused
     for got, want in zip(outs, case.stock(case.sp_weights())):
         assert_close(got, want)

@@ -185,7 +185,7 @@ def _runtime_offenders(mode):
 
 def _kernel_op(mode):
     return ("GroupEmbeddingSequenceLookup" if mode == "sequence"
-            else "GroupEmbeddingVariableLookup")
+            else "GroupEmbeddingPooledLookup")
 
 
 @pytest.mark.parametrize("mode", MODES)

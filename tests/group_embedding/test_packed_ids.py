@@ -263,12 +263,13 @@ def _address(t):
 
 @pytest.mark.skipif(kernel_library.load() is None, reason="no kernels")
 def test_kernel_views_packed_buffers():
-    """Aligned features come out of GroupUnpackIds as views of the packed
+    """Aligned features come out of GroupEmbeddingUnpackIds as views of the
+    packed
     buffers (no copy)."""
     ids = [tf.ragged.constant([[1, 2, 3], [4]], tf.int64),
            tf.ragged.constant([[5], [6, 7]], tf.int64)]
     p = ge.pack_ids(ids)
-    out_ids, out_splits, _ = kernel_library.load().group_unpack_ids(
+    out_ids, out_splits, _ = kernel_library.load().group_embedding_unpack_ids(
         values=p.values, row_splits=p.row_splits, offsets=p.offsets,
         batch=p.batch, weights=p.weights, num_features=2)
     assert [x.numpy().tolist() for x in out_ids] == [[1, 2, 3, 4],

@@ -66,5 +66,5 @@ def test_matches_stock_v1_adagrad(loss_name):
     assert "ResourceSparseApplyAdagrad" in stock_types
     if kernel_library.load() is not None:
         # The fused update ran, not stock's.
-        assert "GroupSparseApplyAdagrad" in types
+        assert "GroupEmbeddingSparseApplyAdagrad" in types
         assert "ResourceSparseApplyAdagrad" not in types

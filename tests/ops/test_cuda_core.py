@@ -97,7 +97,7 @@ def test_pooled_matches_cpu_kernels(ctx, dim, weighted, max_norm):
     common = dict(ids=[tf.constant(x.ids) for x in tables],
                   row_splits=[tf.constant(x.splits) for x in tables],
                   weights=[_weights(x) for x in tables])
-    want = lib.group_embedding_variable_lookup(
+    want = lib.group_embedding_pooled_lookup(
         tables=[v.handle for v in variables], **common,
         combiners=[x.combiner for x in tables],
         table_names=[f"t{i}" for i in range(len(tables))],
@@ -109,7 +109,7 @@ def test_pooled_matches_cpu_kernels(ctx, dim, weighted, max_norm):
                                    atol=1e-6)
     grads = [rng.normal(size=g.shape).astype(np.float32) for g in got]
     call.set_grads(grads)
-    cpu_ids, cpu_grads = lib.group_embedding_variable_lookup_grad(
+    cpu_ids, cpu_grads = lib.group_embedding_pooled_lookup_grad(
         grads=grads, **common, combiners=[x.combiner for x in tables],
         embedding_dim=dim)
     for t, (ids, g) in enumerate(call.backward()):
@@ -180,8 +180,9 @@ def test_adagrad_matches_cpu_kernel(ctx):
         slots=[rng.uniform(0.1, 1, (30, 16)).astype(np.float32)])
     grad = rng.normal(size=(70, 16)).astype(np.float32)
     var, acc = tf.Variable(x.table), tf.Variable(x.slots[0])
-    lib.group_sparse_apply_adagrad(var=var.handle, accum=acc.handle, lr=0.1,
-                                   epsilon=1e-7, indices=x.ids, grad=grad)
+    lib.group_embedding_sparse_apply_adagrad(
+        var=var.handle, accum=acc.handle, lr=0.1, epsilon=1e-7, indices=x.ids,
+        grad=grad)
     call = cc.GroupCall(ctx.core, ctx.mem, [x])
     call.set_grads([grad])
     (value, (accum,)), = call.backward_apply(
@@ -254,8 +255,8 @@ def test_gpu_library_links_and_loads_into_tensorflow_cpu(tmp_path):
 
 
 # -- the adaptor through TF, on the host stand-in -----------------------------
-LABELLED = ("GroupEmbeddingVariableLookup", "GroupEmbeddingConcatLookup",
-            "GroupEmbeddingSequenceLookup", "GroupEmbeddingVariableLookupGrad",
+LABELLED = ("GroupEmbeddingPooledLookup", "GroupEmbeddingConcatLookup",
+            "GroupEmbeddingSequenceLookup", "GroupEmbeddingPooledLookupGrad",
             "GroupEmbeddingConcatLookupGrad",
             "GroupEmbeddingSequenceLookupGrad")
 
@@ -294,7 +295,7 @@ def test_adaptor_runs_through_tf(host_adaptor):
     grad = rng.normal(size=(40, 16 * k)).astype(np.float32)
 
     def pooled_and_grads():
-        per_table = lib.group_embedding_variable_lookup(
+        per_table = lib.group_embedding_pooled_lookup(
             tables=[v.handle for v in variables], **ragged,
             combiners=combiners, table_names=names, embedding_dim=16,
             max_norm=0.8)
@@ -356,7 +357,7 @@ def test_adaptor_names_the_table_of_a_bad_id(host_adaptor):
     table = tf.Variable(np.ones((5, 4), np.float32))
 
     def lookup():
-        return lib.group_embedding_variable_lookup(
+        return lib.group_embedding_pooled_lookup(
             tables=[table.handle, table.handle],
             ids=[np.array([1, 2], np.int64), np.array([0, 7], np.int64)],
             row_splits=[np.array([0, 1, 2], np.int64)] * 2,

@@ -141,7 +141,7 @@ def test_raw_kernels_reject_malformed_inputs():
     ok_ids, ok_splits = i64([0, 1, 3]), i64([0, 2, 3])
 
     def lookup(ids=ok_ids, splits=ok_splits, weights=empty_w):
-        return lib.group_embedding_variable_lookup(
+        return lib.group_embedding_pooled_lookup(
             tables=[table.handle], ids=[ids], row_splits=[splits],
             weights=[weights], combiners=["sum"], table_names=["t"],
             embedding_dim=2)
@@ -155,7 +155,7 @@ def test_raw_kernels_reject_malformed_inputs():
                  "row_splits")
 
     def grad(grads, ids=ok_ids, splits=ok_splits):
-        return lib.group_embedding_variable_lookup_grad(
+        return lib.group_embedding_pooled_lookup_grad(
             grads=[grads], ids=[ids], row_splits=[splits], weights=[empty_w],
             combiners=["mean"], embedding_dim=2)
 
@@ -216,7 +216,7 @@ def test_raw_kernels_reject_malformed_inputs():
 
     def to_ragged(indices=i64([[0, 0], [1, 0]]), ids=i64([5, 6]),
                   shape=i64([2, 3]), weights=empty_w):
-        return lib.group_sparse_to_ragged(
+        return lib.group_embedding_sparse_to_ragged(
             indices=[indices], ids=[ids], dense_shapes=[shape],
             weights=[weights], feature_names=["f"])
 
@@ -242,7 +242,7 @@ def test_raw_kernels_reject_malformed_inputs():
 
     def adagrad(lr=f32(0.1), eps=f32(1e-7), indices=i64([0, 2]),
                 g=tf.ones([2, 2])):
-        return lib.group_sparse_apply_adagrad(
+        return lib.group_embedding_sparse_apply_adagrad(
             var=table.handle, accum=accum.handle, lr=lr, epsilon=eps,
             indices=indices, grad=g)
 
@@ -258,47 +258,49 @@ def test_raw_kernels_reject_malformed_inputs():
 
     # --- EmbeddingVariable kernels
     ev = ge.get_embedding_variable("hardening_ev", 2)
-    lib.ev_ensure_slot(ev.handle, slot_name="acc", initial_value=0.1)
-    lib.ev_ensure_slot(ev.handle, slot_name="m", initial_value=0.0)
+    lib.group_embedding_ev_ensure_slot(ev.handle, slot_name="acc",
+                                       initial_value=0.1)
+    lib.group_embedding_ev_ensure_slot(ev.handle, slot_name="m",
+                                       initial_value=0.0)
     dflt = ev.default_values
 
     def ev_lookup(training=tf.constant(True), keys=ok_ids):
-        return lib.ev_group_lookup(
+        return lib.group_embedding_ev_lookup(
             handles=[ev.handle], keys=[keys], row_splits=[ok_splits],
             weights=[empty_w], default_values=[dflt], training=training,
             combiners=["sum"], embedding_dim=2)
 
     def ev_gather(training=tf.constant(True), keys=ok_ids):
-        return lib.ev_group_gather(handles=[ev.handle], keys=[keys],
-                                   default_values=[dflt], training=training,
-                                   embedding_dim=2)
+        return lib.group_embedding_ev_gather(
+            handles=[ev.handle], keys=[keys], default_values=[dflt],
+            training=training, embedding_dim=2)
 
     def ev_sequence(training=tf.constant(True), keys=ok_ids,
                     positions=i64([0, 1, 0]), max_len=i64(2)):
-        return lib.ev_group_sequence_lookup(
+        return lib.group_embedding_ev_sequence_lookup(
             handles=[ev.handle], keys=[keys], row_splits=[ok_splits],
             positions=[positions], max_lens=[max_len], default_values=[dflt],
             training=training, embedding_dim=2)
 
-    expect_error("EVGroupSequenceLookup position 2 of max_len 2",
+    expect_error("GroupEmbeddingEVSequenceLookup position 2 of max_len 2",
                  lambda: ev_sequence(positions=i64([0, 2, 0])),
                  "hardening_ev", "position 2", "[0, 2)")
-    expect_error("EVGroupSequenceLookup position -1",
+    expect_error("GroupEmbeddingEVSequenceLookup position -1",
                  lambda: ev_sequence(positions=i64([0, -1, 0])),
                  "position -1")
-    expect_error("EVGroupSequenceLookup 2 positions for 3 keys",
+    expect_error("GroupEmbeddingEVSequenceLookup 2 positions for 3 keys",
                  lambda: ev_sequence(positions=i64([0, 1])), "positions",
                  "3 entries")
-    expect_error("EVGroupSequenceLookup max_len -1",
+    expect_error("GroupEmbeddingEVSequenceLookup max_len -1",
                  lambda: ev_sequence(max_len=i64(-1)), "max_lens", ">= 0")
-    expect_error("EVGroupSequenceLookup max_len [1]",
+    expect_error("GroupEmbeddingEVSequenceLookup max_len [1]",
                  lambda: ev_sequence(max_len=i64([2])),
                  "max_lens must be a scalar")
-    expect_error("EVGroupSequenceLookup [B, T, D] overflowing int64",
+    expect_error("GroupEmbeddingEVSequenceLookup [B, T, D] overflowing int64",
                  lambda: ev_sequence(max_len=i64(2**62)), "overflow")
-    for name, fn in (("EVGroupLookup", ev_lookup),
-                     ("EVGroupGather", ev_gather),
-                     ("EVGroupSequenceLookup", ev_sequence)):
+    for name, fn in (("GroupEmbeddingEVLookup", ev_lookup),
+                     ("GroupEmbeddingEVGather", ev_gather),
+                     ("GroupEmbeddingEVSequenceLookup", ev_sequence)):
         expect_error(f"{name} training [2]",
                      lambda: fn(training=tf.constant([True, False])),
                      "training must be a scalar")
@@ -308,8 +310,8 @@ def test_raw_kernels_reject_malformed_inputs():
         expect_error(f"{name} keys [3, 1]",
                      lambda: fn(keys=i64([[0], [1], [3]])), "keys")
 
-    expect_error("EVGroupWeightGrad grads [1, 2]",
-                 lambda: lib.ev_group_weight_grad(
+    expect_error("GroupEmbeddingEVWeightGrad grads [1, 2]",
+                 lambda: lib.group_embedding_ev_weight_grad(
                      handles=[ev.handle], keys=[ok_ids],
                      row_splits=[ok_splits], weights=[f32([1.0, 1.0, 1.0])],
                      default_values=[dflt], grads=[tf.ones([1, 2])],
@@ -317,46 +319,52 @@ def test_raw_kernels_reject_malformed_inputs():
                      embedding_dim=2), "grads")
 
     def sgd(keys=i64([0, 1]), g=tf.ones([2, 2]), step=i64(1), lr=f32(0.1)):
-        return lib.ev_apply_sgd(ev.handle, keys, g, step, lr)
+        return lib.group_embedding_ev_apply_sgd(ev.handle, keys, g, step, lr)
 
-    expect_error("EVApplySGD step [2]", lambda: sgd(step=i64([1, 2])),
+    expect_error("GroupEmbeddingEVApplySGD step [2]",
+                 lambda: sgd(step=i64([1, 2])),
                  "global_step")
-    expect_error("EVApplySGD lr [1]", lambda: sgd(lr=f32([0.1])), "lr")
-    expect_error("EVApplySGD keys [2, 1]", lambda: sgd(keys=i64([[0], [1]])),
+    expect_error("GroupEmbeddingEVApplySGD lr [1]",
+                 lambda: sgd(lr=f32([0.1])), "lr")
+    expect_error("GroupEmbeddingEVApplySGD keys [2, 1]",
+                 lambda: sgd(keys=i64([[0], [1]])),
                  "keys")
-    expect_error("EVApplySGD grad [4]", lambda: sgd(g=tf.ones([4])),
+    expect_error("GroupEmbeddingEVApplySGD grad [4]",
+                 lambda: sgd(g=tf.ones([4])),
                  "gradient")
-    expect_error("EVApplyAdagrad epsilon [2]",
-                 lambda: lib.ev_apply_adagrad(
+    expect_error("GroupEmbeddingEVApplyAdagrad epsilon [2]",
+                 lambda: lib.group_embedding_ev_apply_adagrad(
                      ev.handle, i64([0]), tf.ones([1, 2]), i64(1), f32(0.1),
                      f32([1e-7, 1e-7]), slot_name="acc"), "epsilon")
-    expect_error("EVApplyAdam beta2 [1]",
-                 lambda: lib.ev_apply_adam(
+    expect_error("GroupEmbeddingEVApplyAdam beta2 [1]",
+                 lambda: lib.group_embedding_ev_apply_adam(
                      ev.handle, i64([0]), tf.ones([1, 2]), i64(1), f32(0.1),
                      f32(0.9), f32([0.999]), f32(1e-7),
                      slot_names=["m", "acc"]), "beta2")
-    expect_error("EVApplyFtrl lr_power [1]",
-                 lambda: lib.ev_apply_ftrl(
+    expect_error("GroupEmbeddingEVApplyFtrl lr_power [1]",
+                 lambda: lib.group_embedding_ev_apply_ftrl(
                      ev.handle, i64([0]), tf.ones([1, 2]), i64(1), f32(0.1),
                      f32(0.0), f32(0.0), f32(0.0), f32([-0.5]),
                      slot_names=["m", "acc"]), "lr_power")
 
     def ev_import(keys=i64([1]), step=i64(3)):
-        return lib.ev_import(ev.handle, keys, tf.ones([1, 2]), i64([1]),
-                             i64([1]), tf.constant([], tf.string),
-                             tf.zeros([0]), tf.zeros([1, 0]), step)
+        return lib.group_embedding_ev_import(
+            ev.handle, keys, tf.ones([1, 2]), i64([1]), i64([1]),
+            tf.constant([], tf.string), tf.zeros([0]), tf.zeros([1, 0]), step)
 
-    expect_error("EVImport step [1]", lambda: ev_import(step=i64([3])),
+    expect_error("GroupEmbeddingEVImport step [1]",
+                 lambda: ev_import(step=i64([3])),
                  "step")
-    expect_error("EVImport keys [1, 1]", lambda: ev_import(keys=i64([[1]])),
+    expect_error("GroupEmbeddingEVImport keys [1, 1]",
+                 lambda: ev_import(keys=i64([[1]])),
                  "vectors")
     """)
 
 
 def test_unpack_ids_rejects_malformed_inputs():
-    """GroupUnpackIds (packed ids) checks every input before viewing any
-    buffer: ranks, feature count, batch against the splits' width, offsets
-    and counts inside the values, weights count."""
+    """GroupEmbeddingUnpackIds (packed ids) checks every input before
+    viewing any buffer: ranks, feature count, batch against the splits' width,
+    offsets and counts inside the values, weights count."""
     _lib()
     run_isolated("""
     lib = kernel_library.library()
@@ -364,9 +372,9 @@ def test_unpack_ids_rejects_malformed_inputs():
 
     def unpack(values=i64([1, 2, 3]), splits=i64([[0, 1, 3]]),
                offsets=i64([0]), batch=i64(2), weights=tf.zeros([0]), k=1):
-        return lib.group_unpack_ids(values=values, row_splits=splits,
-                                    offsets=offsets, batch=batch,
-                                    weights=weights, num_features=k)
+        return lib.group_embedding_unpack_ids(values=values, row_splits=splits,
+                                              offsets=offsets, batch=batch,
+                                              weights=weights, num_features=k)
 
     expect_error("values [3, 1]", lambda: unpack(values=i64([[1], [2], [3]])),
                  "must be vectors")
@@ -404,14 +412,14 @@ def test_shape_functions_reject_known_bad_ranks():
 
     @tf.function
     def gather():
-        return lib.ev_group_gather(
+        return lib.group_embedding_ev_gather(
             handles=[ev.handle], keys=[tf.constant([1], tf.int64)],
             default_values=[ev.default_values],
             training=tf.constant([True, False]), embedding_dim=2)
 
     @tf.function
     def to_ragged():
-        return lib.group_sparse_to_ragged(
+        return lib.group_embedding_sparse_to_ragged(
             indices=[tf.zeros([2, 2], tf.int64)],
             ids=[tf.zeros([2, 1], tf.int64)],
             dense_shapes=[tf.constant([2, 3], tf.int64)],

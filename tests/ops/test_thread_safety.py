@@ -147,7 +147,7 @@ jobs = [(trainer, (1,), {}), (reader, (2,), {"is_sequence": True}),
         (hammer, (0,), {}),
         (hammer, (2,), {}), (housekeeper, (), {})]
 if mode == "tf":
-    # Pure TF: 4 trainers, all through EVGroupGather.
+    # Pure TF: 4 trainers, all through GroupEmbeddingEVGather.
     jobs += [(trainer, (5,), {}), (trainer, (6,), {}), (trainer, (7,), {})]
 threads = [threading.Thread(target=guarded, args=(f,) + a, kwargs=k)
            for f, a, k in jobs]

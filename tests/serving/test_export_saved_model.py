@@ -71,7 +71,7 @@ def test_traced_concrete_function_is_refused(tmp_path):
 
 
 def test_tf1_graph(tmp_path, monkeypatch):
-    # EV reads as EVGroupGather ops, which the export replaces.
+    # EV reads as GroupEmbeddingEVGather ops, which the export replaces.
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "tf")
     rng = np.random.default_rng(0)
     with tf.Graph().as_default():
