@@ -241,7 +241,7 @@ class EVStorage : public tensorflow::ResourceBase {
     }
     r = AllocateRow();
     *meta_.Row(r) = {key, 0, ClampStep(current_step_)};
-    MarkChanged(r);
+    MarkChangedExclusive(r);
     // Re-inserted: the delta carries its row, not its removal.
     if (!removed_.empty()) removed_.erase(key);
     std::memcpy(values_.Row(r), DefaultRowOf(key, defaults, default_rows, dim()),
@@ -331,18 +331,33 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   // Marks `row` as seen at the current step (versions never go back).
+  // Under the exclusive lock, one thread per variable (ResolveKeys).
   void Touch(int64_t row) {
     int64_t* v = &meta_.Row(row)->version;
     *v = std::max(*v, ClampStep(current_step_));
-    MarkChanged(row);
+    MarkChangedExclusive(row);
   }
 
   // Records a write to `row` (the version, a value, a slot, the freq)
   // for the next incremental checkpoint. Atomic: the sharded optimizer
-  // updates write distinct rows, but neighbours share a word.
+  // updates write distinct rows, but neighbours share a word. Tested
+  // first: between two exports a row is written again and again (hot
+  // keys, every step's update), and a plain load that finds the bit set
+  // skips the locked read-modify-write (a full barrier on x86). Exports
+  // move the marks under the exclusive lock, so no mark is lost.
   void MarkChanged(int64_t row) {
-    __atomic_fetch_or(&changed_[row >> 6], uint64_t{1} << (row & 63),
-                      __ATOMIC_RELAXED);
+    uint64_t* word = &changed_[row >> 6];
+    const uint64_t bit = uint64_t{1} << (row & 63);
+    if ((__atomic_load_n(word, __ATOMIC_RELAXED) & bit) == 0) {
+      __atomic_fetch_or(word, bit, __ATOMIC_RELAXED);
+    }
+  }
+  // The same for a caller that is the only writer of the marks (the
+  // variable's exclusive lock held, no sharded loop: inserts, Touch):
+  // a plain OR. Touch runs once per key of every training lookup: a
+  // locked RMW there made the criteo-like EV lookup ~17% slower.
+  void MarkChangedExclusive(int64_t row) {
+    changed_[row >> 6] |= uint64_t{1} << (row & 63);
   }
 
   // The export the next delta is relative to (0: none, save in full).
