@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import tensorflow as tf
 
 from group_embedding.ops import kernel_library
