@@ -238,11 +238,7 @@ GE_REGISTER_OP_WITH_ALIAS(
       TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
-      for (int i = 0; i < n; ++i) {
-        c->set_output(i, c->Vector(c->UnknownDim()));
-        c->set_output(n + i,
-                      c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
-      }
+      UniqueGradOutputShapes(c, n, dim);
       return Status();
     }));
 
@@ -265,11 +261,7 @@ REGISTER_OP("GroupEmbeddingConcatLookupGrad")
       TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 1, 2));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 1, 3 * n, 1));
-      for (int i = 0; i < n; ++i) {
-        c->set_output(i, c->Vector(c->UnknownDim()));
-        c->set_output(n + i,
-                      c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
-      }
+      UniqueGradOutputShapes(c, n, dim);
       return Status();
     });
 

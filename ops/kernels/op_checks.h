@@ -134,6 +134,17 @@ inline Status SequenceOutputShapes(
   return Status();
 }
 
+// Shape functions of the per-unique-id backwards (pooled, concat,
+// sequence): outputs [0, n) are the distinct ids of each table, [n, 2n)
+// their gradient rows [distinct ids, dim].
+inline void UniqueGradOutputShapes(
+    ::tensorflow::shape_inference::InferenceContext* c, int n, int64_t dim) {
+  for (int i = 0; i < n; ++i) {
+    c->set_output(i, c->Vector(c->UnknownDim()));
+    c->set_output(n + i, c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
+  }
+}
+
 // Checks that `t` is a scalar (rank 0); `what` names it.
 inline Status CheckScalar(const Tensor& t, const char* what) {
   if (t.dims() != 0) {

@@ -167,11 +167,7 @@ REGISTER_OP("GroupEmbeddingSequenceLookupGrad")
       TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 3));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 4 * n, 1));
-      for (int i = 0; i < n; ++i) {
-        c->set_output(i, c->Vector(c->UnknownDim()));
-        c->set_output(n + i,
-                      c->MakeShape({c->UnknownDim(), c->MakeDim(dim)}));
-      }
+      UniqueGradOutputShapes(c, n, dim);
       return Status();
     });
 
