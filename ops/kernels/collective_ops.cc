@@ -258,11 +258,20 @@ class CollectiveRouteIdsOp : public OpKernel {
                                   "shape ", ids[t].shape().DebugString(), "."));
     }
     const int64_t n = workers_;
-    // Phase 1, per table (independent, so sharded over tables): dedup,
-    // range check, owner and local row of every distinct id, and its
+    // Each id's slot (its distinct id) goes straight into its row offset,
+    // which phase 3 rewrites in place: no [nnz] scratch per step.
+    OpOutputList offsets_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("row_offsets", &offsets_out));
+    std::vector<int64_t*> offsets(k);
+    for (int t = 0; t < k; ++t) {
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, offsets_out.allocate(t, ids[t].shape(), &o));
+      offsets[t] = o->flat<int64_t>().data();
+    }
+    // Phase 1, per table (independent, so sharded over tables): range
+    // check, dedup, owner and local row of every distinct id, and its
     // position inside the (owner, table) bucket.
     struct Route {
-      std::vector<int64_t> slot;    // per id: its distinct id
       std::vector<int64_t> local;   // per distinct id
       std::vector<int64_t> owner;   // per distinct id
       std::vector<int64_t> pos;     // per distinct id, inside its bucket
@@ -279,15 +288,22 @@ class CollectiveRouteIdsOp : public OpKernel {
         const int64_t nnz = ids[t].NumElements();
         const int64_t* v = ids[t].flat<int64_t>().data();
         const int64_t vocab = vocab_[t];
-        r.slot.resize(nnz);
+        // One unsigned compare per id and no early exit: the loop
+        // vectorises; the first bad id is looked for only on failure.
+        bool bad = false;
         for (int64_t j = 0; j < nnz; ++j) {
-          if (v[j] < 0 || v[j] >= vocab) {
-            r.status = InvalidArgument(names_[t], ": id ", v[j],
-                                       " is out of range [0, ", vocab,
-                                       ") for this table.");
-            return;
-          }
+          bad |= static_cast<uint64_t>(v[j]) >= static_cast<uint64_t>(vocab);
         }
+        if (bad) {
+          const int64_t* first = std::find_if(v, v + nnz, [&](int64_t id) {
+            return id < 0 || id >= vocab;
+          });
+          r.status = InvalidArgument(names_[t], ": id ", *first,
+                                     " is out of range [0, ", vocab,
+                                     ") for this table.");
+          return;
+        }
+        int64_t* slot = offsets[t];
         std::vector<int64_t> keys;
         WithIdMap(vocab, nnz, scratch.For(t),
                   [&](auto& map) {
@@ -295,7 +311,7 @@ class CollectiveRouteIdsOp : public OpKernel {
           constexpr int64_t kAhead = 16;
           for (int64_t j = 0; j < nnz; ++j) {
             if (j + kAhead < nnz) map.Prefetch(v[j + kAhead]);
-            r.slot[j] = map.Insert(v[j]);
+            slot[j] = map.Insert(v[j]);
           }
           keys = map.TakeKeys();
         });
@@ -377,14 +393,6 @@ class CollectiveRouteIdsOp : public OpKernel {
       for (int t = 0; t < k; ++t) send[at + t] = routes[t].count[o];
       at += splits(o);
     }
-    OpOutputList offsets_out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("row_offsets", &offsets_out));
-    std::vector<int64_t*> offsets(k);
-    for (int t = 0; t < k; ++t) {
-      Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, offsets_out.allocate(t, ids[t].shape(), &o));
-      offsets[t] = o->flat<int64_t>().data();
-    }
     // Phase 3, per table: fill its buckets and every id's row offset.
     auto fill = [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -397,9 +405,9 @@ class CollectiveRouteIdsOp : public OpKernel {
           send[send_at[b] + r.pos[i]] = r.local[i];
           row_at[i] = elem_at[b] + r.pos[i] * dim;
         }
-        const int64_t nnz = static_cast<int64_t>(r.slot.size());
+        const int64_t nnz = ids[t].NumElements();
         int64_t* out = offsets[t];
-        for (int64_t j = 0; j < nnz; ++j) out[j] = row_at[r.slot[j]];
+        for (int64_t j = 0; j < nnz; ++j) out[j] = row_at[out[j]];
       }
     };
     tensorflow::Shard(pool->num_threads, pool->workers, k,
@@ -619,26 +627,40 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
         int64_t bound = 0;
         for (int64_t s = 0; s < n; ++s) {
           const int64_t* ids = v + layout.id_begin[s * k + t];
-          for (int64_t i = 0; i < layout.count[s * k + t]; ++i) {
-            if (ids[i] < 0 || ids[i] >= rows) {
-              status[t] = InvalidArgument(
-                  "GroupEmbeddingCollectiveOwnerGatherGrad: ", names_[t],
-                  ": worker ", s, " sent a gradient for local row ", ids[i],
-                  " outside "
-                  "this shard's [0, ", rows, ").");
-              return;
-            }
-            bound = std::max(bound, ids[i] + 1);
+          const int64_t c = layout.count[s * k + t];
+          // No early exit: the loop vectorises; the bad row is looked
+          // for only on failure.
+          bool bad = false;
+          int64_t most = -1;
+          for (int64_t i = 0; i < c; ++i) {
+            bad |= static_cast<uint64_t>(ids[i]) >=
+                   static_cast<uint64_t>(rows);
+            most = std::max(most, ids[i]);
           }
+          if (bad) {
+            const int64_t* at = std::find_if(ids, ids + c, [&](int64_t id) {
+              return id < 0 || id >= rows;
+            });
+            status[t] = InvalidArgument(
+                "GroupEmbeddingCollectiveOwnerGatherGrad: ", names_[t],
+                ": worker ", s, " sent a gradient for local row ", *at,
+                " outside this shard's [0, ", rows, ").");
+            return;
+          }
+          bound = std::max(bound, most + 1);
         }
         std::vector<int64_t> slot(total);
         std::vector<int64_t> keys;
         WithIdMap(bound, total, scratch.For(t),
                   [&](auto& map) {
+          // Slots are read at random: fetch a few ids ahead.
+          constexpr int64_t kAhead = 16;
           int64_t j = 0;
           for (int64_t s = 0; s < n; ++s) {
             const int64_t* ids = v + layout.id_begin[s * k + t];
-            for (int64_t i = 0; i < layout.count[s * k + t]; ++i) {
+            const int64_t c = layout.count[s * k + t];
+            for (int64_t i = 0; i < c; ++i) {
+              if (i + kAhead < c) map.Prefetch(ids[i + kAhead]);
               slot[j++] = map.Insert(ids[i]);
             }
           }
@@ -653,8 +675,11 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
         if (!status[t].ok()) return;
         std::copy(keys.begin(), keys.end(), it->flat<int64_t>().data());
         float* sums = vt->flat<float>().data();
-        std::fill(sums, sums + u * dim, 0.0f);
-        int64_t j = 0;
+        // Slots are numbered in this loop's order: a slot's first
+        // gradient is the one whose slot equals the count so far. It is
+        // stored as 0 + g (not copied: a -0.0 becomes +0.0, as in the
+        // single-process backward), the later ones added.
+        int64_t j = 0, seen = 0;
         for (int64_t s = 0; s < n; ++s) {
           const float* src = g + layout.elem_begin[s * k + t];
           const int64_t c = layout.count[s * k + t];
@@ -662,9 +687,14 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
             constexpr int64_t kDim = decltype(fixed)::value;
             const int64_t width = kDim > 0 ? kDim : dim;
             for (int64_t i = 0; i < c; ++i) {
-              float* dst = sums + slot[j + i] * width;
-              for (int64_t d = 0; d < width; ++d) {
-                dst[d] += src[i * width + d];
+              const int64_t at = slot[j + i];
+              float* dst = sums + at * width;
+              const float* row = src + i * width;
+              if (at == seen) {
+                ++seen;
+                for (int64_t d = 0; d < width; ++d) dst[d] = 0.0f + row[d];
+              } else {
+                for (int64_t d = 0; d < width; ++d) dst[d] += row[d];
               }
             }
           });
@@ -694,12 +724,13 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
 
 // One table of the returned rows buffer as the pooling core reads it; no
 // output yet.
-PooledTable<BufferRows> BufferTable(const float* rows, const Tensor& offsets,
+PooledTable<BufferRows> BufferTable(const float* rows, int64_t elems,
+                                    const Tensor& offsets,
                                     const Tensor& splits,
                                     const Tensor& weights, int64_t dim,
                                     Combiner combiner) {
   PooledTable<BufferRows> p;
-  p.rows = {rows, offsets.flat<int64_t>().data()};
+  p.rows = {rows, offsets.flat<int64_t>().data(), BufferRowsEnd(elems, dim)};
   p.splits = splits.flat<int64_t>().data();
   p.weights = weights.NumElements() ? weights.flat<float>().data() : nullptr;
   p.nnz = offsets.NumElements();
@@ -710,20 +741,36 @@ PooledTable<BufferRows> BufferTable(const float* rows, const Tensor& offsets,
   return p;
 }
 
+// The error for a row offset outside a buffer of `elems` floats.
+Status BadOffset(const std::string& name, int64_t offset, int64_t dim,
+                 int64_t elems) {
+  return InvalidArgument(name, ": row offset ", offset, " does not address "
+                         "a row of ", dim, " floats in a buffer of ", elems,
+                         ".");
+}
+
 // Checks one table's ragged ids (row offsets here) and that every offset
 // addresses a whole `dim`-float row of a buffer of `elems` floats.
+// `offsets_too` false: only the shapes and splits (the pooling checks
+// each offset as it reads it).
 Status CheckOffsets(const std::string& name, const Tensor& offsets,
                     const Tensor& splits, const Tensor& weights, int64_t dim,
-                    int64_t elems) {
+                    int64_t elems, bool offsets_too = true) {
   TF_RETURN_IF_ERROR(CheckRagged(name, offsets, splits, weights,
                                  /*vocab=*/-1, "row_offsets"));
-  const auto o = offsets.flat<int64_t>();
-  for (int64_t j = 0; j < o.size(); ++j) {
-    if (o(j) < 0 || o(j) > elems - dim) {
-      return InvalidArgument(name, ": row offset ", o(j), " does not "
-                             "address a row of ", dim, " floats in a buffer "
-                             "of ", elems, ".");
-    }
+  if (!offsets_too) return Status();
+  const int64_t* o = offsets.flat<int64_t>().data();
+  const int64_t n = offsets.NumElements();
+  const uint64_t end = BufferRowsEnd(elems, dim);
+  // No early exit: the loop vectorises; the bad offset is looked for
+  // only on failure.
+  bool bad = false;
+  for (int64_t j = 0; j < n; ++j) bad |= static_cast<uint64_t>(o[j]) >= end;
+  if (bad) {
+    const int64_t* at = std::find_if(o, o + n, [&](int64_t x) {
+      return static_cast<uint64_t>(x) >= end;
+    });
+    return BadOffset(name, *at, dim, elems);
   }
   return Status();
 }
@@ -802,24 +849,32 @@ class CollectivePoolOp : public PoolKernel {
     for (int t = 0; t < k; ++t) {
       OP_REQUIRES_OK(ctx, CheckOffsets(absl::StrCat("table ", t), offsets[t],
                                        splits[t], weights[t], dims_[t],
-                                       elems));
+                                       elems, /*offsets_too=*/false));
       const int64_t batch = splits[t].NumElements() - 1;
       first_row[t + 1] = first_row[t] + batch;
       total_nnz += offsets[t].NumElements();
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dims_[t]}),
                                        &o));
-      tables[t] = BufferTable(rows, offsets[t], splits[t], weights[t],
-                              dims_[t], combiners_[t]);
+      tables[t] = BufferTable(rows, elems, offsets[t], splits[t],
+                              weights[t], dims_[t], combiners_[t]);
       tables[t].out = o->flat<float>().data();
       tables[t].stride = dims_[t];
     }
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
-    // Offsets were checked (CheckOffsets): no id is refused; no clipping.
+    // An offset outside the buffer is skipped (never read) and reported.
+    // No clipping.
     const int64_t avg = total_nnz / total_rows + 1;
-    PoolTables(ctx, tables, first_row, /*max_norm=*/-1.0f, avg * 64 + 20,
-               [](int, int64_t) {});
+    const Refused bad = PoolTables(ctx, tables, first_row,
+                                   /*max_norm=*/-1.0f, avg * 64 + 20);
+    if (bad.any()) {
+      const int t = bad.table;
+      const int64_t j = bad.pos;
+      ctx->SetStatus(BadOffset(absl::StrCat("table ", t),
+                               offsets[t].flat<int64_t>()(j), dims_[t],
+                               elems));
+    }
   }
 
 };
@@ -876,7 +931,8 @@ class CollectivePoolGradOp : public PoolKernel {
     for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
       OP_REQUIRES_OK(ctx, CheckOffsets(name, offsets[t], splits[t],
-                                       weights[t], dims_[t], elems));
+                                       weights[t], dims_[t], elems,
+                                       /*offsets_too=*/false));
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t],
                                       splits[t].NumElements() - 1, dims_[t]));
       total += offsets[t].NumElements();
@@ -886,9 +942,15 @@ class CollectivePoolGradOp : public PoolKernel {
                                              &out_t));
     float* out = out_t->flat<float>().data();
     std::fill(out, out + elems, 0.0f);
-    // Tables own disjoint parts of the buffer: shard over tables.
+    std::vector<Status> status(k);
+    // Tables own disjoint parts of the buffer: shard over tables. Each
+    // table's offsets are checked right before its scatter, which then
+    // reads them from cache.
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
+        status[t] = CheckOffsets(absl::StrCat("table ", t), offsets[t],
+                                 splits[t], weights[t], dims_[t], elems);
+        if (!status[t].ok()) continue;
         // The single-process backward's loop (pooling.h): collective
         // training computes the same gradients bitwise.
         const auto table = MakeGradTable(
@@ -903,6 +965,7 @@ class CollectivePoolGradOp : public PoolKernel {
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, k,
                       (total / k + 1) * 64, work);
+    for (const Status& st : status) OP_REQUIRES_OK(ctx, st);
   }
 
 };
@@ -959,12 +1022,14 @@ class CollectivePoolWeightGradOp : public PoolKernel {
     for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
       const int64_t dim = dims_[t];
+      // Only weighted tables read rows at their offsets.
+      const bool weighted = weights[t].NumElements() != 0;
       OP_REQUIRES_OK(ctx, CheckOffsets(name, offsets[t], splits[t],
-                                       weights[t], dim,
-                                       rows_t.NumElements()));
+                                       weights[t], dim, rows_t.NumElements(),
+                                       /*offsets_too=*/weighted));
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
-      if (weights[t].NumElements() == 0) continue;
+      if (!weighted) continue;
       const int64_t batch = splits[t].NumElements() - 1;
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], batch,
                                       dim));

@@ -305,7 +305,7 @@ class EVLookupOp : public OpKernel {
     // Every key has a row (ResolveKeys): no id is refused, no clipping.
     const int64_t avg = offset[k] / total_rows + 1;
     PoolTables(ctx, pooled, first_row, /*max_norm=*/-1.0f,
-               avg * dim * 4 + 20, [](int, int64_t) {});
+               avg * dim * 4 + 20);
   }
 
  private:

@@ -14,7 +14,6 @@
 // SharedVarLocks) before handing work to the pool; work items never lock.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -182,20 +181,13 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
 
-    // The first out-of-range id found, as (table, position); any one is
-    // reported (shards race), never read.
-    std::atomic<bool> bad(false);
-    std::atomic<int64_t> bad_table(-1), bad_pos(-1);
+    // An out-of-range id is skipped (never read) and reported.
     const int64_t avg = total_nnz / total_rows + 1;
-    PoolTables(ctx, pooled, first_row, max_norm_, avg * dim_ * 4 + 20,
-               [&](int t, int64_t j) {
-                 if (!bad.exchange(true)) {
-                   bad_table = t;
-                   bad_pos = j;
-                 }
-               });
-    if (bad) {
-      const int64_t t = bad_table, j = bad_pos;
+    const Refused bad = PoolTables(ctx, pooled, first_row, max_norm_,
+                                   avg * dim_ * 4 + 20);
+    if (bad.any()) {
+      const int t = bad.table;
+      const int64_t j = bad.pos;
       ctx->SetStatus(InvalidArgument(
           table_names_[t], ": id ", ids[t].flat<int64_t>()(j),
           " is out of range [0, ", vocabs[t], ") for this table."));

@@ -10,6 +10,7 @@
 // gradient loop, a template over where an id's gradient slot is.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -172,13 +173,24 @@ struct ResolvedRows {
 };
 
 // Rows at float offsets of one buffer (the collective lookup's returned
-// rows); offsets are checked by the caller.
+// rows). Offsets are checked here, in the pooling (a separate pass over
+// them cost as much as reading them again from memory): a row must lie
+// inside the buffer, offset < `end` = buffer floats - dim + 1.
 struct BufferRows {
   const float* buffer;
   const int64_t* offsets;
-  static constexpr bool Has(int64_t) { return true; }
+  uint64_t end;
+  // One unsigned compare also catches negative offsets.
+  bool Has(int64_t j) const {
+    return static_cast<uint64_t>(offsets[j]) < end;
+  }
   const float* Row(int64_t j) const { return buffer + offsets[j]; }
 };
+
+// BufferRows' `end` for rows of `dim` floats in a buffer of `elems`.
+inline uint64_t BufferRowsEnd(int64_t elems, int64_t dim) {
+  return elems >= dim ? static_cast<uint64_t>(elems - dim) + 1 : 0;
+}
 
 // One table of a pooled lookup: its rows, its ragged ids and where its
 // pooled [batch, dim] rows go (row b at out + b * stride: stride `dim` for
@@ -472,13 +484,24 @@ inline void ShardExamples(::tensorflow::OpKernelContext* ctx,
                       work);
 }
 
-// Pools every example of every table (each at its own width); an id not
-// Has() is reported as `on_bad(t, j)` (from any thread).
-template <typename Rows, typename OnBad>
-void PoolTables(::tensorflow::OpKernelContext* ctx,
-                const std::vector<PooledTable<Rows>>& tables,
-                const std::vector<int64_t>& first_row, float max_norm,
-                int64_t cost, OnBad&& on_bad) {
+// An id PoolTables refused (not Has()): table and position, or table -1.
+struct Refused {
+  int table = -1;
+  int64_t pos = -1;
+  bool any() const { return table >= 0; }
+};
+
+// Pools every example of every table (each at its own width). Returns an
+// id it refused, the first found (any one when shards race); the others
+// were skipped too, so the caller fails the op.
+template <typename Rows>
+Refused PoolTables(::tensorflow::OpKernelContext* ctx,
+                   const std::vector<PooledTable<Rows>>& tables,
+                   const std::vector<int64_t>& first_row, float max_norm,
+                   int64_t cost) {
+  std::atomic<bool> bad(false);
+  std::atomic<int> bad_table(-1);
+  std::atomic<int64_t> bad_pos(-1);
   ShardExamples(ctx, first_row, cost, [&](int t, int64_t b0, int64_t b1) {
     const PooledTable<Rows>& p = tables[t];
     // Clipped rows of width 4 keep the run-time width: unrolled at 4, GCC
@@ -488,9 +511,16 @@ void PoolTables(::tensorflow::OpKernelContext* ctx,
     const int64_t static_width = max_norm >= 0.0f && p.dim == 4 ? -1 : p.dim;
     WithStaticDim(static_width, [&](auto static_dim) {
       PoolExamples<decltype(static_dim)::value>(
-          p, max_norm, b0, b1, [&](int64_t j) { on_bad(t, j); });
+          p, max_norm, b0, b1, [&](int64_t j) {
+            if (!bad.exchange(true)) {
+              bad_table = t;
+              bad_pos = j;
+            }
+          });
     });
   });
+  // The shards have ended: their writes are visible.
+  return bad ? Refused{bad_table, bad_pos} : Refused{};
 }
 
 // One table of a sequence (unpooled) lookup: row j lands at

@@ -304,6 +304,38 @@ class CollectiveRoutingTest(tf.test.TestCase):
                                                                 tf.int64)],
                                     [feat], ["sum"], [4])
 
+    def test_bad_offsets_fail_in_pool_and_its_gradient(self):
+        # The pooling checks each offset as it reads it, the gradient
+        # before it scatters: negative, past the end, and so large that
+        # `offset + dim` would wrap.
+        lib = collective_routing.library()
+        feats = [FeatureIds(tf.constant([0, 0], tf.int64),
+                            tf.constant([0, 1, 2], tf.int64), None, None,
+                            None, f"f{t}") for t in range(2)]
+        for bad in (-1, 7, 2**63 - 2):
+            offsets = [tf.constant([0, 2], tf.int64),
+                       tf.constant([4, bad], tf.int64)]
+            message = f"table 1: row offset {bad} does not address"
+            with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                        message):
+                collective_routing.pool(tf.zeros([8]), offsets, feats,
+                                        ["sum", "sum"], [2, 2])
+            with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                        message):
+                lib.group_embedding_collective_pool_grad(
+                    grads=[tf.ones([2, 2])] * 2, row_offsets=offsets,
+                    row_splits=[f.row_splits for f in feats],
+                    weights=[tf.zeros([0])] * 2,
+                    num_elements=tf.constant(8, tf.int64),
+                    combiners=["sum", "sum"], dims=[2, 2])
+        # The last whole row (offset elems - dim) is inside.
+        offsets = [tf.constant([0, 2], tf.int64), tf.constant([4, 6],
+                                                             tf.int64)]
+        pooled = collective_routing.pool(tf.range(8, dtype=tf.float32),
+                                         offsets, feats, ["sum", "sum"],
+                                         [2, 2])
+        self.assertAllEqual(pooled[1], [[4, 5], [6, 7]])
+
 
 if __name__ == "__main__":
     tf.test.main()
