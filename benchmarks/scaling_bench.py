@@ -39,7 +39,7 @@ shared with other machines, and a slow spell that lasts a whole launch
 rounds. Efficiency = median step(N=1) / median step(N=2) over all their
 rounds, both from this run; each pair's own ratio is printed and kept
 too. Then, in every launch, a few extra steps run under the TF profiler
-(per-op time, classified below) and the Horovod timeline
+(per-op time, classified below) and, in `2h` only, the Horovod timeline
 (per-collective negotiation and transfer time; with the peer sockets,
 each exchange op's time, split into latency + bytes / bandwidth probed
 in the same launch), which gives the step breakdown per worker; the
@@ -374,12 +374,13 @@ def worker(args):
         tf.profiler.experimental.ProfilerOptions(
             host_tracer_level=2, python_tracer_level=0,
             device_tracer_level=0)))
-    if hvd is not None and rank == 0:
+    timeline_on = hvd is not None and "HOROVOD_TIMELINE" in os.environ
+    if timeline_on and rank == 0:
         hvd.start_timeline(timeline)
     for i in range(args.profile_steps):
         with tf.profiler.experimental.Trace("ge_step", step_num=i):
             step(batches[i % len(batches)]).numpy()
-    if hvd is not None and rank == 0:
+    if timeline_on and rank == 0:
         hvd.stop_timeline()
     tf.profiler.experimental.stop()
     barrier()
@@ -397,7 +398,7 @@ def worker(args):
                                          size),
         "loopback_bytes_per_step": lo_bytes / (args.rounds * args.steps),
     }
-    if hvd is not None and rank == 0:
+    if timeline_on and rank == 0:
         time.sleep(0.2)  # the timeline writer thread flushes
         record["collectives"] = timeline_collectives(timeline, n)
     if hvd is not None and transport.active():
@@ -457,10 +458,17 @@ def launch(n, args, record, pipeline=False, horovod_transport=False,
         me.append("--pipeline")
     if collective:
         me.append("--collective")
-    env = dict(os.environ, HOROVOD_TIMELINE="DYNAMIC",
-               TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("HOROVOD_TIMELINE", None)
     if horovod_transport:
         env["GROUP_EMBEDDING_TRANSPORT"] = "horovod"
+        # Only here do the step's collectives go through Horovod, so only
+        # here is its timeline worth its cost: with HOROVOD_TIMELINE set,
+        # rank 0 runs Horovod's timeline writer from init to exit, a loop
+        # that calls sched_yield() without sleeping. It took 12% of rank
+        # 0's core through the timed rounds (perf, this VM), and the
+        # slowest worker sets every round.
+        env["HOROVOD_TIMELINE"] = "DYNAMIC"
     if n == 1 and not collective:
         cmd = me
     else:

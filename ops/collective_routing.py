@@ -19,8 +19,8 @@ runs, per step and worker:
 Every function here needs the C++ kernels (`library()` is not None).
 """
 
-from typing import List
-from typing import Sequence
+import weakref
+from typing import Any, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
@@ -107,10 +107,15 @@ def owner_gather(shards: Sequence[tf.Variable], received_ids: tf.Tensor,
         # The kernel reads the shards through their handles: tell the
         # tapes and the function being traced that they were read.
         resource_variable_ops.variable_accessed(s)
+    # Static row counts spare the gradient a shape read and a slice per
+    # shard every step (the kernel checks them).
+    rows = [s.shape[0] for s in shards]
+    shard_rows = ([] if any(r is None for r in rows)
+                  else [int(r) for r in rows])
     return _kernels().group_embedding_collective_owner_gather(
         shards=[s.handle for s in shards], received_ids=received_ids,
         received_splits=received_splits, dims=[int(d) for d in dims],
-        table_names=list(table_names))
+        table_names=list(table_names), shard_rows=shard_rows)
 
 
 def pool(rows: tf.Tensor, row_offsets: Sequence[tf.Tensor],
@@ -140,21 +145,84 @@ def pool(rows: tf.Tensor, row_offsets: Sequence[tf.Tensor],
         combiners=list(combiners), dims=[int(d) for d in dims])
 
 
+# The owner gradient merge's op names (its alias too).
+OWNER_GRAD_OPS = op_names.with_alias(
+    "GroupEmbeddingCollectiveOwnerGatherGrad")
+# Per graph, the owner gradient merges built again with a scale:
+# {(merge op name, scale): the scaled op}.
+_ScaledMerges = Dict[Tuple[str, float], Any]
+_scaled_merges: "weakref.WeakKeyDictionary[Any, _ScaledMerges]" = (
+    weakref.WeakKeyDictionary())
+
+
+def scaled_shard_gradient(grad, scale: float):
+    """`grad` times `scale`, from the owner gradient merge itself.
+
+    When `grad` is one shard's output of the owner gradient merge
+    (`GroupEmbeddingCollectiveOwnerGatherGrad`) in the graph being built,
+    the merge is built again with `scale` folded in: one op scales every
+    shard (the unscaled merge is left unused and pruned), instead of a
+    multiply op per shard.
+
+    Args:
+        grad: a gradient (`tf.IndexedSlices`, a tensor or None).
+        scale: the factor, e.g. 1 / number of workers.
+
+    Returns:
+        The scaled `tf.IndexedSlices`, or None where `grad` is not such an
+        output (eager, another op, another graph): scale it yourself.
+    """
+    if not isinstance(grad, tf.IndexedSlices) or tf.executing_eagerly():
+        return None
+    op = getattr(grad.values, "op", None)
+    if (op is None or op.type not in OWNER_GRAD_OPS
+            or grad.indices.op is not op
+            or op.graph is not tf.compat.v1.get_default_graph()):
+        return None
+    k = op.get_attr("num_tables")
+    t = grad.values.value_index - k
+    if t < 0 or grad.indices.value_index != t:
+        return None
+    merged = op.get_attr("scale") * scale
+    built = _scaled_merges.setdefault(op.graph, {})
+    key = (op.name, merged)
+    if key not in built:
+        merge = _kernels().group_embedding_collective_owner_gather_grad
+        with tf.name_scope("scaled_owner_gradient"):
+            built[key] = merge(
+                grad=op.inputs[0], received_ids=op.inputs[1],
+                received_splits=op.inputs[2], shard_rows=op.inputs[3],
+                num_tables=k, dims=op.get_attr("dims"),
+                table_names=op.get_attr("table_names"), scale=merged)
+    indices, values = built[key]
+    return tf.IndexedSlices(values[t], indices[t], grad.dense_shape)
+
+
 def _register_gradients():
     @op_names.register_gradient("GroupEmbeddingCollectiveOwnerGather")
     def _owner_gather_grad(op, grad_rows, grad_splits):
         del grad_splits  # integer output
         k = op.get_attr("num_tables")
-        shapes = [tf.raw_ops.VariableShape(input=h, out_type=tf.int64)
-                  for h in op.inputs[:k]]
+        dims = op.get_attr("dims")
+        try:
+            rows = list(op.get_attr("shard_rows"))
+        except ValueError:  # a graph built before the attr existed
+            rows = []
+        if len(rows) == k:
+            shapes = [tf.constant([r, d], tf.int64)
+                      for r, d in zip(rows, dims)]
+            shard_rows = tf.constant(rows, tf.int64)
+        else:
+            shapes = [tf.raw_ops.VariableShape(input=h, out_type=tf.int64)
+                      for h in op.inputs[:k]]
+            shard_rows = tf.stack([s[0] for s in shapes])
         names = [n.decode() if isinstance(n, bytes) else n
                  for n in op.get_attr("table_names")]
         lib = _kernels()
         indices, values = lib.group_embedding_collective_owner_gather_grad(
             grad=grad_rows, received_ids=op.inputs[k],
-            received_splits=op.inputs[k + 1],
-            shard_rows=tf.stack([s[0] for s in shapes]), num_tables=k,
-            dims=op.get_attr("dims"), table_names=names)
+            received_splits=op.inputs[k + 1], shard_rows=shard_rows,
+            num_tables=k, dims=dims, table_names=names)
         slices = [tf.IndexedSlices(v, i, s)
                   for i, v, s in zip(indices, values, shapes)]
         return slices + [None, None]

@@ -21,7 +21,7 @@ from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import transport
 from group_embedding.embedding_variable.keras_variable import (
     embedding_variable_of)
-from group_embedding.ops import op_names
+from group_embedding.ops import collective_routing
 from group_embedding.ops import sparse_apply
 
 
@@ -54,7 +54,10 @@ def allreduce_gradients(gradients: Sequence[Any],
               or embedding_variable_of(v) is not None):
             # Shards and EmbeddingVariables: every worker's gradient rows
             # already reached the owner through the all-to-all backward.
-            if isinstance(g, tf.IndexedSlices):
+            scaled = collective_routing.scaled_shard_gradient(g, 1.0 / size)
+            if scaled is not None:
+                g = scaled
+            elif isinstance(g, tf.IndexedSlices):
                 g = tf.IndexedSlices(g.values / size, g.indices,
                                      g.dense_shape)
             else:
@@ -94,8 +97,7 @@ def _allreduce_slices(hvd, grad, i):
 
 # Ops whose gradient indices are already distinct (the C++ collective
 # lookup sums every source's rows per id): no second dedup needed.
-_DISTINCT_INDEX_OPS = op_names.with_alias(
-    "GroupEmbeddingCollectiveOwnerGatherGrad")
+_DISTINCT_INDEX_OPS = collective_routing.OWNER_GRAD_OPS
 
 
 def _unique_rows(grad):

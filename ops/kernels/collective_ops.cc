@@ -439,6 +439,9 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("num_tables: int >= 1")
     .Attr("dims: list(int)")
     .Attr("table_names: list(string)")
+    // The rows of each shard when the graph was built (empty: unknown);
+    // the gradient takes them instead of reading every shard's shape.
+    .Attr("shard_rows: list(int) = []")
     .SetShapeFn([](InferenceContext* c) {
       int k;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
@@ -459,6 +462,11 @@ class CollectiveOwnerGatherOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
     OP_REQUIRES(ctx, static_cast<int>(names_.size()) == k,
                 InvalidArgument("table_names must have ", k, " entries."));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shard_rows", &shard_rows_));
+    OP_REQUIRES(ctx, shard_rows_.empty() ||
+                         static_cast<int>(shard_rows_.size()) == k,
+                InvalidArgument("shard_rows must be empty or have ", k,
+                                " entries."));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -481,6 +489,13 @@ class CollectiveOwnerGatherOp : public OpKernel {
                                   dims_[t], "] shard, got ",
                                   table->shape().DebugString()));
       const int64_t rows = table->dim_size(0);
+      // The gradient bounds its rows by the built-in count: the shard
+      // must still have it.
+      OP_REQUIRES(ctx, shard_rows_.empty() || shard_rows_[t] == rows,
+                  InvalidArgument(names_[t], ": the shard has ", rows,
+                                  " rows, but the lookup was built for ",
+                                  shard_rows_.empty() ? 0 : shard_rows_[t],
+                                  "."));
       for (int64_t s = 0; s < n; ++s) {
         const int64_t b = layout.id_begin[s * k + t];
         for (int64_t j = b; j < b + layout.count[s * k + t]; ++j) {
@@ -534,6 +549,7 @@ class CollectiveOwnerGatherOp : public OpKernel {
  private:
   std::vector<int64_t> dims_;
   std::vector<std::string> names_;
+  std::vector<int64_t> shard_rows_;
 };
 
 GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
@@ -541,7 +557,9 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
     CollectiveOwnerGatherOp);
 
 // Its gradient: per shard, the distinct local rows asked for by any source
-// and the sum of their gradients (duplicates across sources added).
+// and the sum of their gradients (duplicates across sources added), times
+// `scale` (allreduce_gradients' 1/N, applied here instead of by one
+// multiply op per shard).
 // `shard_rows` [K]: the rows of each shard, the bound every received
 // local row is checked against (the op may run apart from its forward).
 GE_REGISTER_OP_WITH_ALIAS(
@@ -555,6 +573,7 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("num_tables: int >= 1")
     .Attr("dims: list(int)")
     .Attr("table_names: list(string) = []")
+    .Attr("scale: float = 1.0")
     .SetShapeFn([](InferenceContext* c) {
       int k;
       std::vector<int64_t> dims;
@@ -587,6 +606,7 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
     for (int t = 0; t < k; ++t) {
       names_.push_back(names.empty() ? absl::StrCat("table ", t) : names[t]);
     }
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -700,6 +720,11 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
           });
           j += c;
         }
+        // Once summed, as a multiply after the merge would (the rows are
+        // still in cache).
+        if (scale_ != 1.0f) {
+          for (int64_t i = 0; i < u * dim; ++i) sums[i] *= scale_;
+        }
       }
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
@@ -712,6 +737,7 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
   IdScratch scratch_;
   std::vector<int64_t> dims_;
   std::vector<std::string> names_;
+  float scale_;
 };
 
 GE_REGISTER_CPU_KERNEL_WITH_ALIAS(

@@ -252,6 +252,89 @@ class CollectiveRoutingTest(tf.test.TestCase):
             collective_routing.owner_gather(
                 shards, received, tf.constant([4], tf.int32), DIMS, NAMES)
 
+    def test_shard_rows_built_in_are_checked_and_spare_shape_reads(self):
+        shards = [tf.Variable(tf.zeros([v, d])) for v, d in zip(VOCABS, DIMS)]
+        received = tf.constant([1, 0, 0, 2], tf.int64)
+        splits = tf.constant([4], tf.int32)
+        lib = collective_routing.library()
+        # A shard that no longer has the rows the lookup was built for.
+        rows = list(VOCABS)
+        rows[1] += 1
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    "t1: the shard has 7 rows, but the "
+                                    "lookup was built for 8"):
+            lib.group_embedding_collective_owner_gather(
+                shards=[s.handle for s in shards], received_ids=received,
+                received_splits=splits, dims=DIMS, table_names=NAMES,
+                shard_rows=rows)
+
+        # Static shards: the gradient reads no shard shape, and equals the
+        # one built from the shapes read at run time (no built-in rows).
+        def grads(built_in):
+            @tf.function
+            def f():
+                with tf.GradientTape() as tape:
+                    if built_in:
+                        rows, _ = collective_routing.owner_gather(
+                            shards, received, splits, DIMS, NAMES)
+                    else:
+                        for s in shards:
+                            tape.watch(s)
+                        rows, _ = lib.group_embedding_collective_owner_gather(
+                            shards=[s.handle for s in shards],
+                            received_ids=received, received_splits=splits,
+                            dims=DIMS, table_names=NAMES)
+                    loss = tf.reduce_sum(rows * tf.range(
+                        tf.size(rows), dtype=tf.float32))
+                g = tape.gradient(loss, shards)
+                return [(x.indices, x.values, x.dense_shape) for x in g]
+            ops = {o.type for o in f.get_concrete_function().graph
+                   .get_operations()}
+            return f(), ops
+        built, built_ops = grads(True)
+        read, read_ops = grads(False)
+        self.assertNotIn("VariableShape", built_ops)
+        self.assertIn("VariableShape", read_ops)
+        for a, b in zip(built, read):
+            for x, y in zip(a, b):
+                self.assertAllEqual(x, y)
+
+    def test_shard_gradients_scaled_inside_the_merge(self):
+        # allreduce_gradients' 1/N: the merge is built again with the
+        # scale (one op for every shard), equal to a multiply after it.
+        shards = [tf.Variable(tf.zeros([v, d])) for v, d in zip(VOCABS, DIMS)]
+        # Per source: 3 counts, then its rows of t0, t1, t2 (row 3 of t0
+        # from both).
+        received = tf.constant([2, 1, 1, 3, 5, 0, 2, 2, 1, 1, 3, 6, 4, 1],
+                               tf.int64)
+        splits = tf.constant([7, 7], tf.int32)
+
+        @tf.function
+        def f():
+            with tf.GradientTape() as tape:
+                rows, _ = collective_routing.owner_gather(
+                    shards, received, splits, DIMS, NAMES)
+                loss = tf.reduce_sum(rows * tf.sin(tf.range(
+                    tf.size(rows), dtype=tf.float32)))
+            grads = tape.gradient(loss, shards)
+            scaled = [collective_routing.scaled_shard_gradient(g, 1 / 3)
+                      for g in grads]
+            # One scaled merge serves every shard.
+            self.assertEqual(len({s.values.op.name for s in scaled}), 1)
+            self.assertAlmostEqual(
+                scaled[0].values.op.get_attr("scale"), 1 / 3)
+            return [(g.indices, g.values * (1 / 3), s.indices, s.values)
+                    for g, s in zip(grads, scaled)]
+
+        for indices, expected, got_indices, got in f():
+            self.assertAllEqual(got_indices, indices)
+            self.assertAllEqual(got, expected)
+        # Not the merge's output (eager, a plain tensor): left to the
+        # caller.
+        self.assertIsNone(collective_routing.scaled_shard_gradient(
+            tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0], tf.int64)),
+            0.5))
+
     def test_owner_gather_grad_row_outside_the_shard_fails(self):
         # Local row 2**63 - 1 once overflowed `id + 1` in the kernel's
         # dedup map and crashed the process (issue 25.7).
