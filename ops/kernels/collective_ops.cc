@@ -288,21 +288,8 @@ class CollectiveRouteIdsOp : public OpKernel {
         const int64_t nnz = ids[t].NumElements();
         const int64_t* v = ids[t].flat<int64_t>().data();
         const int64_t vocab = vocab_[t];
-        // One unsigned compare per id and no early exit: the loop
-        // vectorises; the first bad id is looked for only on failure.
-        bool bad = false;
-        for (int64_t j = 0; j < nnz; ++j) {
-          bad |= static_cast<uint64_t>(v[j]) >= static_cast<uint64_t>(vocab);
-        }
-        if (bad) {
-          const int64_t* first = std::find_if(v, v + nnz, [&](int64_t id) {
-            return id < 0 || id >= vocab;
-          });
-          r.status = InvalidArgument(names_[t], ": id ", *first,
-                                     " is out of range [0, ", vocab,
-                                     ") for this table.");
-          return;
-        }
+        r.status = CheckIdRange(names_[t], v, nnz, vocab);
+        if (!r.status.ok()) return;
         int64_t* slot = offsets[t];
         std::vector<int64_t> keys;
         WithIdMap(vocab, nnz, scratch.For(t),
@@ -648,26 +635,17 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
         for (int64_t s = 0; s < n; ++s) {
           const int64_t* ids = v + layout.id_begin[s * k + t];
           const int64_t c = layout.count[s * k + t];
-          // No early exit: the loop vectorises; the bad row is looked
-          // for only on failure.
-          bool bad = false;
-          int64_t most = -1;
-          for (int64_t i = 0; i < c; ++i) {
-            bad |= static_cast<uint64_t>(ids[i]) >=
-                   static_cast<uint64_t>(rows);
-            most = std::max(most, ids[i]);
-          }
-          if (bad) {
-            const int64_t* at = std::find_if(ids, ids + c, [&](int64_t id) {
-              return id < 0 || id >= rows;
-            });
+          const int64_t* at = FirstOutside(ids, c, rows);
+          if (at != nullptr) {
             status[t] = InvalidArgument(
                 "GroupEmbeddingCollectiveOwnerGatherGrad: ", names_[t],
                 ": worker ", s, " sent a gradient for local row ", *at,
                 " outside this shard's [0, ", rows, ").");
             return;
           }
-          bound = std::max(bound, most + 1);
+          if (c > 0) {
+            bound = std::max(bound, *std::max_element(ids, ids + c) + 1);
+          }
         }
         std::vector<int64_t> slot(total);
         std::vector<int64_t> keys;
@@ -775,30 +753,21 @@ Status BadOffset(const std::string& name, int64_t offset, int64_t dim,
                          ".");
 }
 
-// Checks one table's ragged ids (row offsets here) and that every offset
-// addresses a whole `dim`-float row of a buffer of `elems` floats.
-// `offsets_too` false: only the shapes and splits (the pooling checks
-// each offset as it reads it).
-Status CheckOffsets(const std::string& name, const Tensor& offsets,
-                    const Tensor& splits, const Tensor& weights, int64_t dim,
-                    int64_t elems, bool offsets_too = true) {
-  TF_RETURN_IF_ERROR(CheckRagged(name, offsets, splits, weights,
-                                 /*vocab=*/-1, "row_offsets"));
-  if (!offsets_too) return Status();
-  const int64_t* o = offsets.flat<int64_t>().data();
-  const int64_t n = offsets.NumElements();
-  const uint64_t end = BufferRowsEnd(elems, dim);
-  // No early exit: the loop vectorises; the bad offset is looked for
-  // only on failure.
-  bool bad = false;
-  for (int64_t j = 0; j < n; ++j) bad |= static_cast<uint64_t>(o[j]) >= end;
-  if (bad) {
-    const int64_t* at = std::find_if(o, o + n, [&](int64_t x) {
-      return static_cast<uint64_t>(x) >= end;
-    });
-    return BadOffset(name, *at, dim, elems);
-  }
-  return Status();
+// Checks that every row offset of one table addresses a whole `dim`-float
+// row of a buffer of `elems` floats.
+Status CheckOffsetValues(const std::string& name, const Tensor& offsets,
+                         int64_t dim, int64_t elems) {
+  const int64_t* bad = FirstOutside(offsets.flat<int64_t>().data(),
+                                    offsets.NumElements(),
+                                    BufferRowsEnd(elems, dim));
+  return bad == nullptr ? Status() : BadOffset(name, *bad, dim, elems);
+}
+
+// Checks one table's ragged ids (row offsets here): shapes and splits.
+Status CheckRaggedOffsets(const std::string& name, const Tensor& offsets,
+                          const Tensor& splits, const Tensor& weights) {
+  return CheckRagged(name, offsets, splits, weights, /*vocab=*/-1,
+                     "row_offsets");
 }
 
 GE_REGISTER_OP_WITH_ALIAS(
@@ -873,9 +842,10 @@ class CollectivePoolOp : public PoolKernel {
     const float* rows = rows_t.flat<float>().data();
     std::vector<PooledTable<BufferRows>> tables(k);
     for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, CheckOffsets(absl::StrCat("table ", t), offsets[t],
-                                       splits[t], weights[t], dims_[t],
-                                       elems, /*offsets_too=*/false));
+      // Offsets are checked by the pooling, as it reads them.
+      OP_REQUIRES_OK(ctx, CheckRaggedOffsets(absl::StrCat("table ", t),
+                                             offsets[t], splits[t],
+                                             weights[t]));
       const int64_t batch = splits[t].NumElements() - 1;
       first_row[t + 1] = first_row[t] + batch;
       total_nnz += offsets[t].NumElements();
@@ -956,9 +926,8 @@ class CollectivePoolGradOp : public PoolKernel {
     int64_t total = 0;
     for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
-      OP_REQUIRES_OK(ctx, CheckOffsets(name, offsets[t], splits[t],
-                                       weights[t], dims_[t], elems,
-                                       /*offsets_too=*/false));
+      OP_REQUIRES_OK(ctx, CheckRaggedOffsets(name, offsets[t], splits[t],
+                                             weights[t]));
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t],
                                       splits[t].NumElements() - 1, dims_[t]));
       total += offsets[t].NumElements();
@@ -974,8 +943,8 @@ class CollectivePoolGradOp : public PoolKernel {
     // reads them from cache.
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        status[t] = CheckOffsets(absl::StrCat("table ", t), offsets[t],
-                                 splits[t], weights[t], dims_[t], elems);
+        status[t] = CheckOffsetValues(absl::StrCat("table ", t), offsets[t],
+                                      dims_[t], elems);
         if (!status[t].ok()) continue;
         // The single-process backward's loop (pooling.h): collective
         // training computes the same gradients bitwise.
@@ -1050,9 +1019,12 @@ class CollectivePoolWeightGradOp : public PoolKernel {
       const int64_t dim = dims_[t];
       // Only weighted tables read rows at their offsets.
       const bool weighted = weights[t].NumElements() != 0;
-      OP_REQUIRES_OK(ctx, CheckOffsets(name, offsets[t], splits[t],
-                                       weights[t], dim, rows_t.NumElements(),
-                                       /*offsets_too=*/weighted));
+      OP_REQUIRES_OK(ctx, CheckRaggedOffsets(name, offsets[t], splits[t],
+                                             weights[t]));
+      if (weighted) {
+        OP_REQUIRES_OK(ctx, CheckOffsetValues(name, offsets[t], dim,
+                                              rows_t.NumElements()));
+      }
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
       if (!weighted) continue;

@@ -7,6 +7,7 @@
 // function refuses known wrong ranks at graph construction. No
 // arithmetic here (that is pooling.h).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -60,6 +61,29 @@ std::vector<const T*> DataOf(const ::tensorflow::OpInputList& list) {
   return out;
 }
 
+// The first of v[0..n) outside [0, end), or nullptr. One unsigned compare
+// per value (it also catches negatives) and no early exit, so the pass
+// vectorises; the bad value is looked for only when there is one.
+inline const int64_t* FirstOutside(const int64_t* v, int64_t n,
+                                   uint64_t end) {
+  bool bad = false;
+  for (int64_t j = 0; j < n; ++j) bad |= static_cast<uint64_t>(v[j]) >= end;
+  if (!bad) return nullptr;
+  return std::find_if(v, v + n, [end](int64_t x) {
+    return static_cast<uint64_t>(x) >= end;
+  });
+}
+
+// Checks that every id of v[0..n) addresses a row of a table with
+// `vocab` (>= 0) rows.
+inline Status CheckIdRange(const std::string& name, const int64_t* v,
+                           int64_t n, int64_t vocab) {
+  const int64_t* bad = FirstOutside(v, n, static_cast<uint64_t>(vocab));
+  if (bad == nullptr) return Status();
+  return InvalidArgument(name, ": id ", *bad, " is out of range [0, ", vocab,
+                         ") for this table.");
+}
+
 // Checks that ids/row_splits/weights of table `t` describe a ragged batch
 // and that every id addresses a row of a table with `vocab` rows (any id
 // when `vocab` < 0, as for EmbeddingVariable keys).
@@ -97,14 +121,7 @@ inline Status CheckRagged(const std::string& name, const Tensor& ids,
                            weights.NumElements(), " weights.");
   }
   if (vocab >= 0) {
-    const auto v = ids.flat<int64_t>();
-    for (int64_t j = 0; j < nnz; ++j) {
-      if (v(j) < 0 || v(j) >= vocab) {
-        return InvalidArgument(name, ": id ", v(j),
-                               " is out of range [0, ", vocab,
-                               ") for this table.");
-      }
-    }
+    return CheckIdRange(name, ids.flat<int64_t>().data(), nnz, vocab);
   }
   return Status();
 }
