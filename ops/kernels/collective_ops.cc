@@ -938,23 +938,26 @@ class CollectivePoolGradOp : public PoolKernel {
     float* out = out_t->flat<float>().data();
     std::fill(out, out + elems, 0.0f);
     std::vector<Status> status(k);
-    // Tables own disjoint parts of the buffer: shard over tables. Each
-    // table's offsets are checked right before its scatter, which then
-    // reads them from cache.
+    // Tables own disjoint parts of the buffer: shard over tables. The
+    // scatter refuses an offset outside the buffer as it reaches it.
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        status[t] = CheckOffsetValues(absl::StrCat("table ", t), offsets[t],
-                                      dims_[t], elems);
-        if (!status[t].ok()) continue;
         // The single-process backward's loop (pooling.h): collective
         // training computes the same gradients bitwise.
         const auto table = MakeGradTable(
             PooledGrads{grads[t].flat<float>().data(), dims_[t]}, splits[t],
             weights[t], offsets[t].NumElements(), combiners_[t]);
-        const OffsetSlots slots{out, offsets[t].flat<int64_t>().data()};
+        const int64_t* off = offsets[t].flat<int64_t>().data();
+        const OffsetSlots slots{out, off, BufferRowsEnd(elems, dims_[t])};
+        int64_t refused = -1;
         WithStaticDim(dims_[t], [&](auto d) {
-          ScatterIdGrads<decltype(d)::value>(table, slots, dims_[t]);
+          refused = ScatterIdGrads<decltype(d)::value>(table, slots,
+                                                       dims_[t]);
         });
+        if (refused >= 0) {
+          status[t] = BadOffset(absl::StrCat("table ", t), off[refused],
+                                dims_[t], elems);
+        }
       }
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();

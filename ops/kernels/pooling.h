@@ -289,16 +289,23 @@ struct DenseSlots {
   const int64_t* slot;
   int64_t width;
   static constexpr bool kPrefetch = false;
+  // Slots come from the kernel's own dedup: always in range.
+  bool Has(int64_t) const { return true; }
   float* Slot(int64_t j) const { return sums + slot[j] * width; }
 };
 
 // Slots at float offsets of one buffer (the collective lookup's rows
-// buffer: ids sharing a row share its offset); offsets checked by the
-// caller.
+// buffer: ids sharing a row share its offset). `end`: BufferRowsEnd of
+// the buffer; an offset at or past it (or negative) is refused as the
+// scatter reaches it, which costs less than a pass over the offsets first.
 struct OffsetSlots {
   float* buffer;
   const int64_t* offsets;
+  uint64_t end;
   static constexpr bool kPrefetch = true;
+  bool Has(int64_t j) const {
+    return static_cast<uint64_t>(offsets[j]) < end;
+  }
   float* Slot(int64_t j) const { return buffer + offsets[j]; }
 };
 
@@ -345,16 +352,25 @@ inline void ForEachIdGrad(const GradTable<Grads>& p, Visit&& visit) {
 
 // Adds every id's gradient into its slot (slots zeroed by the caller).
 // `kDim` > 0: the width fixed at compile time (WithStaticDim).
+// Returns the first id whose slot `slots.Has` refuses (nothing is written
+// for it), or -1.
 template <int64_t kDim, typename Grads, typename Slots>
-inline void ScatterIdGrads(const GradTable<Grads>& p, const Slots& slots,
-                           int64_t dim) {
+inline int64_t ScatterIdGrads(const GradTable<Grads>& p, const Slots& slots,
+                              int64_t dim) {
   const int64_t width = kDim > 0 ? kDim : dim;
+  int64_t refused = -1;
   ForEachIdGrad(p, [&](int64_t j, float f, const float* g) {
+    // Prefetching a bad address is harmless: it never faults.
     if (Slots::kPrefetch && j + kPrefetchDistance < p.nnz) {
       PrefetchRow(slots.Slot(j + kPrefetchDistance), width);
     }
+    if (__builtin_expect(!slots.Has(j), 0)) {
+      if (refused < 0) refused = j;
+      return;
+    }
     AddScaledRow(slots.Slot(j), g, f, width);
   });
+  return refused;
 }
 
 // d loss / d w_j of one weighted table, given the gradient of its pooled
