@@ -484,13 +484,12 @@ class CollectiveOwnerGatherOp : public OpKernel {
                                   shard_rows_.empty() ? 0 : shard_rows_[t],
                                   "."));
       for (int64_t s = 0; s < n; ++s) {
-        const int64_t b = layout.id_begin[s * k + t];
-        for (int64_t j = b; j < b + layout.count[s * k + t]; ++j) {
-          OP_REQUIRES(ctx, v[j] >= 0 && v[j] < rows,
-                      InvalidArgument(names_[t], ": worker ", s, " asks for "
-                                      "local row ", v[j], " outside this "
-                                      "shard's [0, ", rows, ")."));
-        }
+        const int64_t* bad = FirstOutside(v + layout.id_begin[s * k + t],
+                                          layout.count[s * k + t], rows);
+        OP_REQUIRES(ctx, bad == nullptr,
+                    InvalidArgument(names_[t], ": worker ", s, " asks for "
+                                    "local row ", *bad, " outside this "
+                                    "shard's [0, ", rows, ")."));
       }
       tables[t] = table->flat<float>().data();
     }
@@ -606,6 +605,13 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
                                 " row counts, got shape ",
                                 rows_t.shape().DebugString(), "."));
     const auto shard_rows = rows_t.flat<int64_t>();
+    for (int t = 0; t < k; ++t) {
+      // A row count bounds the id map below: never negative.
+      OP_REQUIRES(ctx, shard_rows(t) >= 0,
+                  InvalidArgument("GroupEmbeddingCollectiveOwnerGatherGrad: ",
+                                  names_[t], ": shard_rows is ",
+                                  shard_rows(t), ", not a row count."));
+    }
     ReceivedLayout layout;
     OP_REQUIRES_OK(ctx, ParseReceived(ctx->input(1), ctx->input(2), k, dims_,
                                       &layout));
@@ -627,11 +633,10 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
         const int64_t dim = dims_[t];
         int64_t total = 0;
         for (int64_t s = 0; s < n; ++s) total += layout.count[s * k + t];
-        // Every local row must lie in the shard; once it does, the
-        // direct map's bound `id + 1` cannot overflow (an id of 2**63-1
-        // once wrapped it negative and the map wrote out of bounds).
+        // Every local row must lie in the shard, which then bounds the
+        // id map (an id of 2**63-1 once wrapped the bound `id + 1`
+        // negative and the map wrote out of bounds).
         const int64_t rows = shard_rows(t);
-        int64_t bound = 0;
         for (int64_t s = 0; s < n; ++s) {
           const int64_t* ids = v + layout.id_begin[s * k + t];
           const int64_t c = layout.count[s * k + t];
@@ -643,13 +648,10 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
                 " outside this shard's [0, ", rows, ").");
             return;
           }
-          if (c > 0) {
-            bound = std::max(bound, *std::max_element(ids, ids + c) + 1);
-          }
         }
         std::vector<int64_t> slot(total);
         std::vector<int64_t> keys;
-        WithIdMap(bound, total, scratch.For(t),
+        WithIdMap(rows, total, scratch.For(t),
                   [&](auto& map) {
           // Slots are read at random: fetch a few ids ahead.
           constexpr int64_t kAhead = 16;

@@ -107,6 +107,12 @@ def main():
     # Start together: tracing takes seconds on busy cores, more than the
     # timeout. `hvd` is Horovod itself, not watched by the timeout.
     hvd.allreduce(tf.constant(0), name="warmed_up")
+    if args.stuck == "frozen" and hvd.rank() == 1:
+        # Once frozen, its watchdog posts nothing: let it post a heartbeat
+        # first (3 of its intervals), or on a loaded machine the steps
+        # before the freeze may outrun the first post and the verdict can
+        # only say "never reported" instead of how long it was silent.
+        time.sleep(max(1.0, 3 * timeout / 10))
     rng = np.random.default_rng(hvd.rank())
     for i in range(6):
         stuck_now = (args.stuck != "none" and hvd.rank() == 1

@@ -343,14 +343,25 @@ class CollectiveRoutingTest(tf.test.TestCase):
             with self.assertRaisesRegex(
                     tf.errors.InvalidArgumentError,
                     rf"GroupEmbeddingCollectiveOwnerGatherGrad: t0: worker 0 "
-                    rf"sent a gradient for local row {bad} outside this shard's "
-                    rf"\[0, 7\)"):
+                    rf"sent a gradient for local row {bad} outside this "
+                    rf"shard's \[0, 7\)"):
                 lib.group_embedding_collective_owner_gather_grad(
                     grad=tf.zeros([8]),
                     received_ids=tf.constant([2, 1, bad], tf.int64),
                     received_splits=tf.constant([3], tf.int32),
                     shard_rows=tf.constant([7], tf.int64), num_tables=1,
                     dims=[4], table_names=["t0"])
+        # The row count bounds the merge's id map: a negative one (which
+        # every row would pass as unsigned) is refused first.
+        with self.assertRaisesRegex(
+                tf.errors.InvalidArgumentError,
+                "t0: shard_rows is -1, not a row count"):
+            lib.group_embedding_collective_owner_gather_grad(
+                grad=tf.zeros([8]),
+                received_ids=tf.constant([2, 1, 5], tf.int64),
+                received_splits=tf.constant([3], tf.int32),
+                shard_rows=tf.constant([-1], tf.int64), num_tables=1,
+                dims=[4], table_names=["t0"])
 
     def test_div_route_of_a_vocab_near_int64_max(self):
         # ceil(V / N) as (V + N - 1) / N overflowed here and wrote the
