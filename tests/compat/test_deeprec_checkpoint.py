@@ -192,8 +192,10 @@ def test_training_continues_as_deepray(case):
 
 
 def test_next_loss_needs_the_filtered_counts():
-    """Without the `_filtered` counts key 3 would need two more sightings:
-    the second continuation loss differs (the test above can fail)."""
+    """Without the filtered keys (their counts lost) key 3 would need two
+    more sightings: the second continuation loss differs (the test above
+    can fail). Every fixture's filtered count is 1, so the counts
+    themselves are checked by `test_filtered_counts_are_restored`."""
     exp, cfg, evs, opt, _ = _restore("deepray_adagrad")
     cont = exp["continuation"]
     keys, values, freqs, versions, *rest = [
@@ -206,6 +208,51 @@ def test_next_loss_needs_the_filtered_counts():
          versions[admitted], rest[0], rest[1], rest[2][admitted], rest[3]])))
     losses = [_train_step(evs, opt, b) for b in cont["batches"]]
     assert not np.allclose(losses[1], cont["losses_deepray"][1], rtol=1e-5)
+
+
+def test_filtered_counts_are_restored(tmp_path):
+    """Every fixture's filtered key was seen once, so the counts are
+    rewritten: [1, 2, 3, 4] for keys 3, 5, 6, 9 is what DeepRec saves
+    under `CounterFilter(5)` for keys seen that many steps. Restored into
+    one, each key keeps its count, reads the filter's zeros, and is
+    admitted at the step its count reaches 5 (one count per step it
+    occurs in), then reads its row; the rest stay filtered."""
+    counts = {3: 1, 5: 2, 6: 3, 9: 4}
+
+    def recount(t):
+        keys = t["user_ev:0-keys_filtered"]
+        assert sorted(keys) == sorted(counts)
+        t["user_ev:0-freqs_filtered"] = np.array(
+            [counts[int(k)] for k in keys], t["user_ev:0-freqs_filtered"].dtype)
+
+    prefix = _rewrite(tmp_path, recount)
+    cfg = dict(_expected("deepray_adagrad")["config"])
+    cfg["filter_freq"] = dict(cfg["filter_freq"], user_ev=5)
+    evs = _make_evs(cfg)
+    opt = _make_optimizer(cfg)
+    out = ge.restore_deeprec_checkpoint(prefix, [evs[f] for f in FEATURES],
+                                        opt)
+    assert out["user_ev"]["filtered_keys"] == len(counts)
+
+    def read(key):
+        (row,) = ge.group_embedding_lookup_sparse(
+            [evs["user_ev"]], [tf.ragged.constant([[key]], tf.int64)],
+            ["sum"], training=False)
+        return row.numpy()[0]
+
+    for step in range(4):
+        got = _contents(evs["user_ev"])
+        for key, count in counts.items():
+            freq = count + step
+            assert got[key][2] == freq, (key, step)
+            admitted = freq >= 5
+            # Admitted at the step that counted it to 5: its row (the
+            # default row, then trained) is read from the next step on;
+            # init_table holds no zero.
+            assert np.all(read(key) != 0) == admitted, (key, step)
+            assert np.all(read(key) == 0) == (not admitted), (key, step)
+        _train_step(evs, opt, {"user_ev": [sorted(counts)],
+                               "item_ev": [[10]]})
 
 
 def test_restore_into_partitioned_ev_list():
