@@ -69,7 +69,8 @@ def _in_program_order(build: Callable):
 def peer_all_to_all(data: tf.Tensor, splits: tf.Tensor, fds: tf.Tensor,
                     shm: tf.Tensor, expected: tf.Tensor, *, tag: int,
                     timeout_seconds: float = 600.0,
-                    max_bytes_per_peer: int = 4 << 30):
+                    max_bytes_per_peer: int = 4 << 30,
+                    derived_bytes_per_row: int = 0):
     """Sends block p of `data` (rows `splits[p]`) to worker p.
 
     Args:
@@ -84,8 +85,13 @@ def peer_all_to_all(data: tf.Tensor, splits: tf.Tensor, fds: tf.Tensor,
             runs another exchange is an error.
         timeout_seconds: an exchange with no byte from a peer for this
             long fails (default 600, the op's).
-        max_bytes_per_peer: the most bytes a peer may announce where
-            `expected` is -1 (default 4 GiB, the op's).
+        max_bytes_per_peer: the most bytes a peer may make this worker
+            allocate where `expected` is -1 (default 4 GiB, the op's):
+            each row received counts with `derived_bytes_per_row`.
+        derived_bytes_per_row: bytes this worker will allocate for each
+            row it receives here once the exchange is done (e.g. the
+            embedding rows an id turns into), counted against
+            `max_bytes_per_peer` before anything is allocated (default 0).
 
     Returns:
         (received rows by source worker, int32 `[N]` rows from each).
@@ -95,14 +101,16 @@ def peer_all_to_all(data: tf.Tensor, splits: tf.Tensor, fds: tf.Tensor,
     return _in_program_order(lambda: op(
         data, splits, fds, shm, expected, tag=tag,
         timeout_seconds=timeout_seconds,
-        max_bytes_per_peer=max_bytes_per_peer))
+        max_bytes_per_peer=max_bytes_per_peer,
+        derived_bytes_per_row=derived_bytes_per_row))
 
 
 # For the op and its pre-rename alias PeerAllToAll.
 @op_names.register_gradient(OP_NAME)
 def _peer_all_to_all_grad(op, grad, _):
     # Rows came from worker p in block p: send their gradients back. Each
-    # peer sends back exactly the rows this worker sent it.
+    # peer sends back exactly the rows this worker sent it (an exact count:
+    # no derived bytes to bound).
     back, _ = peer_all_to_all(
         grad, op.outputs[1], op.inputs[2], op.inputs[3],
         tf.cast(op.inputs[1], tf.int64),

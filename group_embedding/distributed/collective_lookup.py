@@ -41,16 +41,29 @@ from group_embedding.distributed.sharded_variable import ShardedVariable
 # `transport`'s peer sockets when they are connected, else Horovod.
 
 
-def _alltoall(hvd, data, splits, name, expected=None):
+def _alltoall(hvd, data, splits, name, expected=None, derived=0):
     """One exchange: over the peer sockets when connected, else Horovod.
     `expected`: the rows each worker must send here, where known (the
-    peer transport refuses another count; Horovod negotiates them)."""
+    peer transport refuses another count; Horovod negotiates them).
+    `derived`: bytes this worker allocates later per row received,
+    counted against the transport's byte cap."""
     if transport.active():
         return transport.tracked(
-            hvd, lambda x: transport.alltoall(x, splits, name,
-                                              expected_splits=expected),
+            hvd, lambda x: transport.alltoall(
+                x, splits, name, expected_splits=expected,
+                derived_bytes_per_row=derived),
             data, True)
     return hvd.alltoall(data, splits=splits)
+
+
+def owner_bytes_per_id(tables) -> int:
+    """What an owner allocates for one id a peer sends it, beyond the id:
+    its row in the widest table of the group (forward), then, in the
+    backward, that row's gradient and its merged gradient (the forward
+    row is gone by then). The byte cap bounds these too: a message of
+    ids within the cap cannot become rows many times the cap."""
+    return 2 * max(int(t.embedding_dim) * tf.as_dtype(t.dtype).size
+                   for t in tables)
 
 
 # An EV key's count travels to tf.repeat: bounded like one int32 split.
@@ -104,9 +117,10 @@ def _check_received(tables, received, received_splits, names, rank, size,
         checks.append(_first_failure(bad_count, [
             name, ": worker ", sender, " sent key ", ids, " with count ",
             count, f", outside [1, {_MAX_COUNT}]."]))
-        # What tf.repeat allocates per sender: bounded like the ids of one
-        # exchange (each key's count is < 2**31, so the sum cannot wrap).
-        most = transport.max_ids_per_peer()
+        # What tf.repeat allocates per sender, and the rows gathered for
+        # those keys: bounded like the ids of one exchange (each key's
+        # count is < 2**31, so the sum cannot wrap).
+        most = transport.max_ids_per_peer(owner_bytes_per_id(tables))
         per_sender = tf.math.unsorted_segment_sum(
             tf.where(bad_slot | bad_count, tf.zeros_like(count), count),
             sender, size)
@@ -114,7 +128,8 @@ def _check_received(tables, received, received_splits, names, rank, size,
             "worker ", tf.range(size, dtype=tf.int64), " sent EV keys of ",
             f"{', '.join(names)} whose counts sum to ", per_sender,
             f", more than {most} ids (GROUP_EMBEDDING_TRANSPORT_MAX_BYTES "
-            f"/ 8) in one exchange."]))
+            f"over {8 + owner_bytes_per_id(tables)} bytes an id and its "
+            f"rows) in one exchange."]))
         # tf.not_equal, not `!=`: TF1 graphs may compare tensors as objects.
         checks.append(_first_failure(~bad_slot & tf.not_equal(owner, rank), [
             name, ": worker ", sender, " sent key ", ids,
@@ -236,7 +251,12 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
     splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=size,
                               maxlength=size)
     key = group_key(names)
-    received, received_splits = _alltoall(hvd, send, splits, f"ids:{key}")
+    # Each received row (slot, id, count) is split three ways below, then
+    # turns into rows: looked up, stitched, and in the backward their
+    # gradients.
+    received, received_splits = _alltoall(
+        hvd, send, splits, f"ids:{key}",
+        derived=24 + 3 * owner_bytes_per_id(tables) // 2)
     with tf.control_dependencies(_check_received(
             tables, received, received_splits, names, hvd.rank(), size,
             is_ev)):
@@ -304,8 +324,11 @@ def exchange_group_ids(tables, feats, names) -> Dict[str, Any]:
         [f.values for f in feats], [t.vocab_size for t in tables],
         [t.embedding_dim for t in tables],
         [t.partition_strategy for t in tables], hvd.size(), names)
-    received, received_splits = _alltoall(hvd, send, send_splits,
-                                          f"ids:{group_key(names)}")
+    # The per-source table counts in `send` turn into no rows: counting
+    # every int64 as an id bounds the rows from above.
+    received, received_splits = _alltoall(
+        hvd, send, send_splits, f"ids:{group_key(names)}",
+        derived=owner_bytes_per_id(tables))
     return {"received": received, "received_splits": received_splits,
             "offsets": tuple(offsets)}
 

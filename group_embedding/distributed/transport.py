@@ -42,10 +42,12 @@ again by the op). While the workers connect, a stranger's connection
 `HANDSHAKE_SECONDS` on its own thread, with a warning, while the
 listener keeps accepting until the setup deadline: it changes nothing.
 Exchanges then carry no per-message authentication (no cost per step).
-`GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` caps the bytes a peer may announce
-for one exchange whose counts the receiver cannot know (default 4 GiB);
-where it can (gradients, averages, rows coming back), a different count
-is an error.
+`GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` caps the bytes a peer may make
+this worker allocate with one exchange whose counts the receiver cannot
+know (default 4 GiB): the message and the rows its ids turn into on the
+owner (`derived_bytes_per_row`), checked on the header before anything is
+allocated; where the receiver knows the count (gradients, averages, rows
+coming back), a different count is an error.
 """
 
 import fcntl
@@ -310,10 +312,18 @@ class _Acceptor:
         return peers
 
 
-def max_ids_per_peer() -> int:
+def max_ids_per_peer(derived_bytes_per_id: int = 0) -> int:
     """int64 ids one peer may send in an exchange whose counts this
-    worker cannot know (`GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` / 8)."""
-    return _state["max_bytes"] // 8
+    worker cannot know, when each id makes this worker allocate
+    `derived_bytes_per_id` more (its rows):
+    `GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` / (8 + that)."""
+    return _state["max_bytes"] // (8 + max(0, int(derived_bytes_per_id)))
+
+
+def max_bytes_per_peer() -> int:
+    """`GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` as `connect` read it: the
+    most one peer may make this worker allocate in one exchange."""
+    return _state["max_bytes"]
 
 
 def job_secret() -> Optional[bytes]:
@@ -598,7 +608,7 @@ def tracked(hvd, fn, inputs, differentiable=False):
 
 
 def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str,
-             expected_splits=None):
+             expected_splits=None, derived_bytes_per_row: int = 0):
     """Sends block p of `data` (rows `splits[p]`) to worker p.
 
     Args:
@@ -609,7 +619,11 @@ def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str,
             the exchanges of one step.
         expected_splits: `[N]`, the rows each worker must send here, where
             this worker knows them (another count is an error); None:
-            any count up to `GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` a peer.
+            any count whose rows, each with `derived_bytes_per_row`, fit
+            in `GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` a peer.
+        derived_bytes_per_row: bytes this worker allocates later for each
+            row received (an id's embedding rows), counted against the
+            cap before anything is allocated (default 0).
 
     Returns:
         (received rows by source worker, int32 `[N]` rows from each).
@@ -623,7 +637,8 @@ def alltoall(data: tf.Tensor, splits: tf.Tensor, name: str,
     return peer_exchange.peer_all_to_all(
         data, tf.cast(splits, tf.int32), fds, shm, expected, tag=_tag(name),
         timeout_seconds=_state["timeout"],
-        max_bytes_per_peer=_state["max_bytes"])
+        max_bytes_per_peer=_state["max_bytes"],
+        derived_bytes_per_row=int(derived_bytes_per_row))
 
 
 # Buffers up to this size (per worker) are averaged in ONE exchange.

@@ -16,6 +16,9 @@
 // expects (the exact count where the caller knows it, e.g. gradients go
 // back the way rows came, else the caller's byte cap per peer) before
 // anything is allocated: a peer never picks the size of an allocation.
+// The cap counts each row received plus `derived_bytes_per_row`, what the
+// caller will allocate for it afterwards (an id's embedding rows), so a
+// small message cannot turn into a large allocation downstream.
 //
 // Peers on the same host may also share memory (transport.py creates one
 // memfd per pair and passes its descriptor in; the op maps it once and
@@ -204,8 +207,14 @@ class PeerAllToAllOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout_seconds", &timeout_seconds_));
     OP_REQUIRES_OK(ctx,
                    ctx->GetAttr("max_bytes_per_peer", &max_bytes_per_peer_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("derived_bytes_per_row",
+                                     &derived_bytes_per_row_));
     OP_REQUIRES(ctx, max_bytes_per_peer_ >= 0,
                 errors::InvalidArgument("max_bytes_per_peer must be >= 0"));
+    OP_REQUIRES(ctx, derived_bytes_per_row_ >= 0,
+                errors::InvalidArgument(
+                    "derived_bytes_per_row must be >= 0, got ",
+                    derived_bytes_per_row_));
     OP_REQUIRES(ctx, timeout_seconds_ > 0,
                 errors::InvalidArgument("timeout_seconds must be > 0"));
   }
@@ -626,23 +635,34 @@ class PeerAllToAllOp : public OpKernel {
 
   // The rows a header announces, against what this worker expects of
   // `peer`: the exact count when the caller gave one, else at most
-  // max_bytes_per_peer_ bytes (and an int32 split). Row bytes already
-  // equal this worker's, so rows * row_bytes is checked by division.
+  // max_bytes_per_peer_ bytes counting each row and the
+  // derived_bytes_per_row_ it turns into here (and an int32 split). Row
+  // bytes already equal this worker's; the sum saturates instead of
+  // wrapping, and rows * cost is checked by division.
   Status CheckAnnouncedRows(const Header& h, int64_t want, int peer) const {
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    const int64_t cost = h.row_bytes > kMax - derived_bytes_per_row_
+                             ? kMax
+                             : h.row_bytes + derived_bytes_per_row_;
     const int64_t most_rows =
-        h.row_bytes > 0 ? max_bytes_per_peer_ / h.row_bytes
-                        : std::numeric_limits<int32_t>::max();
+        cost > 0 ? max_bytes_per_peer_ / cost
+                 : std::numeric_limits<int32_t>::max();
     if (h.rows < 0 || (want >= 0 && h.rows != want) ||
         (want < 0 && (h.rows > most_rows ||
                       h.rows > std::numeric_limits<int32_t>::max()))) {
       return errors::DataLoss(
           "PeerAllToAll (tag ", tag_, "): worker ", peer, " announced ",
-          h.rows, " rows of ", h.row_bytes, " bytes; this worker expects ",
+          h.rows, " rows of ", h.row_bytes, " bytes",
+          want < 0 && derived_bytes_per_row_ > 0
+              ? absl::StrCat(", each turning into ", derived_bytes_per_row_,
+                             " bytes more here")
+              : "",
+          "; this worker expects ",
           want >= 0 ? absl::StrCat("exactly ", want)
                     : absl::StrCat("at most ", most_rows, " (",
                                    max_bytes_per_peer_, " bytes, "
                                    "GROUP_EMBEDDING_TRANSPORT_MAX_BYTES)"),
-          " from it");
+          " from it; nothing was allocated for them");
     }
     return Status();
   }
@@ -650,6 +670,7 @@ class PeerAllToAllOp : public OpKernel {
   int64_t tag_;
   float timeout_seconds_;
   int64_t max_bytes_per_peer_;
+  int64_t derived_bytes_per_row_;
 };
 
 GE_REGISTER_OP_WITH_ALIAS(
@@ -665,6 +686,7 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("tag: int")
     .Attr("timeout_seconds: float = 600")
     .Attr("max_bytes_per_peer: int = 4294967296")
+    .Attr("derived_bytes_per_row: int = 0")
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       ::tensorflow::shape_inference::ShapeHandle data;
@@ -689,8 +711,8 @@ fds: connected socket of each peer; -1 at this worker's rank.
 shm: per peer, (memfd shared with it or -1, bytes per buffer): the lower
   rank's two outgoing buffers, then the higher rank's (a sealed memfd).
 expected: per worker, the rows it must send (an exchange whose counts the
-  caller knows, e.g. a gradient going back), or -1: any count up to
-  max_bytes_per_peer bytes.
+  caller knows, e.g. a gradient going back), or -1: any count whose rows,
+  each counted with derived_bytes_per_row, fit in max_bytes_per_peer bytes.
 received: the rows sent to this worker, by source rank.
 received_splits: rows received from each worker.
 tag: identifies the collective; every worker must run the same tags in

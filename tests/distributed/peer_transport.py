@@ -14,7 +14,14 @@ Run by test_peer_transport.py under `horovodrun -np N`. Modes:
   hostile   parity, but worker 0 holds its first connection until the
             test has attacked the listeners (see test_peer_transport.py:
             $HOSTILE_DIR/ready, then .../done); the last worker then
-            prints why it dropped each stranger's connection.
+            prints why it dropped each stranger's connection;
+  amplify   worker 1 is a hostile peer of a lookup of a dim-64 table:
+            its ids message to worker 0 asks for one row many times
+            over. First as many as the byte cap allows (worker 0 must
+            serve it), then as many ids as the cap's bytes hold (8 each:
+            rows of 32x the cap, which worker 0 must refuse before
+            allocating). Worker 0 prints its peak RSS growth for each
+            ("amplify legal|attack growth <bytes> ...").
 Prints "<mode> ok" per worker on success, and "<mode> named by worker R"
 when worker R's error names the real problem (not only a peer that
 closed its connection).
@@ -157,10 +164,77 @@ def report_dropped():
         print(f"dropped: {line}", flush=True)
 
 
+def _memory(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _peak_growth(run):
+    """(peak RSS growth in bytes while `run()` ran, its error or None)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _memory("VmRSS")
+    error = None
+    try:
+        run()
+    except tf.errors.OpError as e:
+        error = e
+    return _memory("VmHWM") - before, error
+
+
+def amplify(hvd):
+    """See the module docstring; worker 0 owns ids 0, 2, 4, ... (mod)."""
+    from group_embedding.distributed import collective_lookup
+    rank = hvd.rank()
+    cap = transport.max_bytes_per_peer()
+    table = ge.get_embedding_table("amp", 1000, 64, replicate=False)
+    ids = tf.RaggedTensor.from_row_lengths(
+        tf.constant([0, 2, 4, 1], tf.int64), [2, 2])
+
+    def lookup():
+        ge.group_embedding_lookup_sparse([table], [ids], "sum")[0].numpy()
+
+    lookup()  # warm-up: both honest
+    honest = transport.alltoall
+    copies = {}
+
+    def crafted(data, splits, name, *args, **kwargs):
+        # Block 0 (to worker 0) becomes [count, row 0 x count].
+        n = copies.get(name[:4], 0)
+        if n and rank == 1:
+            block0 = int(splits[0])
+            data = tf.concat([tf.constant([n] + [0] * n, tf.int64),
+                              data[block0:]], 0)
+            splits = tf.concat([[n + 1], splits[1:]], 0)
+        return honest(data, splits, name, *args, **kwargs)
+
+    transport.alltoall = crafted
+    per_id = collective_lookup.owner_bytes_per_id([table])
+    # The largest message the cap allows: (1 + n) ids with their rows.
+    copies["ids:"] = cap // (8 + per_id) - 1
+    growth, error = _peak_growth(lookup)
+    if rank == 0:
+        assert error is None, error
+        print(f"amplify legal growth {growth} cap {cap} copies "
+              f"{copies['ids:']}", flush=True)
+    # The issue's message: as many ids as fit in the cap's bytes.
+    copies["ids:"] = cap // 8 - 2
+    growth, error = _peak_growth(lookup)
+    if rank == 0:
+        assert error is not None, "the amplifying message was accepted"
+        print(f"amplify attack growth {growth} cap {cap} copies "
+              f"{copies['ids:']} error {error.message}", flush=True)
+        if "worker 1 announced" in error.message:
+            print("amplify named by worker 0", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=("parity", "mismatch", "rowshape",
-                                         "dead", "hostile"))
+                                         "dead", "hostile", "amplify"))
     args = parser.parse_args()
     if args.mode == "hostile":
         hold_first_connection()
@@ -189,6 +263,9 @@ def main():
         check_error(
             lambda: transport.alltoall(tf.zeros([size, 2]), ones, "next"),
             "an earlier exchange failed", rank, size)
+    elif args.mode == "amplify":
+        amplify(hvd)  # prints whether it was named itself
+        named = False
     elif args.mode == "dead":
         if rank == size - 1:
             print("dead ok", flush=True)
@@ -205,7 +282,7 @@ def main():
     # still holds unread bytes resets it, which a slower peer would see
     # instead of its own error. Horovod still works (it has its own
     # connections) unless a worker died.
-    if args.mode == "dead":
+    if args.mode in ("dead", "amplify"):
         time.sleep(3)
     else:
         hvd.allreduce(tf.constant(1.0), name="done").numpy()

@@ -33,7 +33,7 @@ def _exchange(monkeypatch, received, received_splits):
     `received` ([table slot, key, count] rows) as what the peers sent."""
     calls = []
 
-    def fake_alltoall(hvd, data, splits, name, expected=None):
+    def fake_alltoall(hvd, data, splits, name, expected=None, derived=0):
         calls.append(name)
         if name.startswith("ids:"):
             return (tf.constant(received, tf.int64),
@@ -78,13 +78,16 @@ def test_bad_count_fails_naming_the_sender(monkeypatch, count):
 
 
 def test_counts_summing_past_the_cap_fail_naming_the_sender(monkeypatch):
-    # Each count is in range, but their sum is what tf.repeat allocates:
-    # 2 x 6 ids > 10 (an 80-byte cap). Before, 1M keys of count 2**31-1
-    # asked tf.repeat for 2**51 ids.
-    monkeypatch.setitem(transport._state, "max_bytes", 80)
+    # Each count is in range, but their sum is what tf.repeat allocates,
+    # with a dim-3 float32 row per key (two of them counted: the row, then
+    # its gradient): 2 x 6 ids > 10 (a 320-byte cap, 32 bytes an id).
+    # Before, 1M keys of count 2**31-1 asked tf.repeat for 2**51 ids, and
+    # the cap counted 8 bytes an id, not the rows.
+    monkeypatch.setitem(transport._state, "max_bytes", 320)
     with pytest.raises(tf.errors.InvalidArgumentError, match=(
             r"worker 1 sent EV keys of t_ev whose counts sum to 12, more "
-            r"than 10 ids")):
+            r"than 10 ids \(GROUP_EMBEDDING_TRANSPORT_MAX_BYTES over 32 "
+            r"bytes an id and its rows\)")):
         _exchange(monkeypatch, [[0, 4, 1], [0, 6, 6], [0, 8, 6]], [1, 2])
     rows = _exchange(monkeypatch, [[0, 4, 1], [0, 6, 5], [0, 8, 5]],
                      [1, 2])  # 10: accepted

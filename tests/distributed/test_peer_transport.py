@@ -513,6 +513,38 @@ def test_strangers_and_impostors_change_nothing(tmp_path):
         assert any(reason in line for line in dropped), (reason, out[-6000:])
 
 
+def test_byte_cap_bounds_the_rows_an_ids_message_turns_into():
+    # A hostile worker (authenticated) asks worker 0 for one row of a
+    # dim-64 table 8,388,606 times: 64 MiB of ids, legal under a 64 MiB
+    # cap, but 2 GiB of rows on the owner. Before, worker 0's peak RSS grew
+    # by 2.3 GB (36x the cap) before the job failed. Now the header is
+    # refused, naming the sender, before anything is allocated; and the
+    # largest message the cap allows (ids and their rows) grows it by at
+    # most 1.2x the cap.
+    cap = 64 << 20
+    result = run_workers(2, "peer_transport.py", "amplify", timeout=240,
+                         env={"GROUP_EMBEDDING_TRANSPORT_MAX_BYTES":
+                              str(cap)})
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("amplify ok") == 2, out[-4000:]
+    legal = re.search(r"amplify legal growth (\d+) cap (\d+) copies (\d+)",
+                      out)
+    attack = re.search(r"amplify attack growth (\d+) cap (\d+) copies "
+                       r"(\d+) error (.*)", out)
+    assert legal and attack, out[-4000:]
+    assert int(attack.group(3)) == 8_388_606
+    assert int(attack.group(1)) <= 1.2 * cap, attack.group(0)
+    assert ("worker 1 announced 8388607 rows of 8 bytes, each turning "
+            "into 512 bytes more here; this worker expects at most 129055 "
+            f"({cap} bytes") in attack.group(4), attack.group(4)
+    assert "amplify named by worker 0" in out, out[-4000:]
+    print(legal.group(0), "\n", attack.group(0)[:300])
+    # What the cap allows is served, within it.
+    assert int(legal.group(3)) == cap // (8 + 512) - 1
+    assert int(legal.group(1)) <= 1.2 * cap, legal.group(0)
+
+
 def test_max_bytes_setting_is_checked(monkeypatch):
     monkeypatch.delenv("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES", raising=False)
     assert transport._max_bytes() == 4 << 30
