@@ -7,9 +7,11 @@ all-to-all; horovodrun must stop them and exit non-zero.
 `--mode none` fails nobody: the workers train until the test injects a
 fault from outside (test_two_hosts.py: SIGKILL, SIGSTOP, a link taken
 down, delayed packets). Each step prints `worker R on HOST step S`;
-`--checkpoint-dir D` saves the table every `--save-every` steps with
-`ge.save_tables` and worker 0 prints `saved step S sum X sumsq Y` (the
-table's global sums, for the test to check a restore against).
+`--checkpoint-dir D` saves the table every `--save-every` steps (up to
+step `--save-until`) with `ge.save_tables`; the workers then look up
+every row of the table and worker 0 writes them to `D.lookups/S.npy` and
+prints `saved step S` (for the test to check a restore against, row by
+row).
 """
 
 import argparse
@@ -33,6 +35,9 @@ def main():
     parser.add_argument("--mode", choices=["raise", "kill", "none"])
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--save-every", type=int, default=4)
+    # A save runs Horovod collectives (its barriers), which fail without
+    # naming the dead worker: the fault test injects after the last one.
+    parser.add_argument("--save-until", type=int, default=None)
     args = parser.parse_args()
     hvd = ge.enable_distributed_strategy("collective")
     rank = hvd.rank()
@@ -49,14 +54,19 @@ def main():
             if args.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("simulated failure on worker 1")
-        if args.checkpoint_dir and step and step % args.save_every == 0:
+        if args.checkpoint_dir and step and step % args.save_every == 0 \
+                and (args.save_until is None or step <= args.save_until):
             ge.save_tables(args.checkpoint_dir, {"t": table}, step)
-            sums = hvd.allreduce(tf.stack(
-                [tf.reduce_sum(table.shard),
-                 tf.reduce_sum(tf.square(table.shard))]), op=hvd.Sum)
+            # What the workers look up now is what a restore must hold.
+            every_row = tf.RaggedTensor.from_row_lengths(
+                np.arange(VOCAB), np.ones(VOCAB, np.int64))
+            rows = ge.group_embedding_lookup_sparse(
+                [table], [every_row], "sum")[0]
             if rank == 0:
-                print(f"saved step {step} sum {float(sums[0])!r} sumsq "
-                      f"{float(sums[1])!r}", flush=True)
+                lookups = args.checkpoint_dir + ".lookups"
+                os.makedirs(lookups, exist_ok=True)
+                np.save(os.path.join(lookups, f"{step}.npy"), rows.numpy())
+                print(f"saved step {step} ", flush=True)
         if args.mode == "none":
             print(f"worker {rank} on {host} step {step}", flush=True)
         ids = tf.RaggedTensor.from_row_lengths(rng.integers(0, VOCAB, 16),
