@@ -33,9 +33,10 @@ import tensorflow as tf
 from group_embedding.ops import kernel_library
 
 CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
-CORE_SOURCES = ("lookup_kernels.cu", "backward_kernels.cu")
+CORE_SOURCES = ("lookup_kernels.cu", "backward_kernels.cu",
+                "ev_table_kernels.cu")
 ADAPTOR_SOURCE = "tf_gpu_kernels.cc"
-HOST_CORE_SOURCE = "host_core.cc"
+HOST_CORE_SOURCES = ("host_core.cc", "ev_table_host.cc")
 # Compute capabilities of the fat binary (CUDA 13's lowest is 7.5), plus
 # PTX of the last for newer GPUs. GROUP_EMBEDDING_CUDA_ARCHS overrides,
 # e.g. "90" to build for H100 / H200 alone.
@@ -171,8 +172,9 @@ def compile_host_core(path, verbose=False):
     compiler = os.environ.get("CXX", "g++")
     tmp = f"{path}.tmp{os.getpid()}"
     _run([compiler, "-shared", "-std=c++17", "-fvisibility=hidden"]
-         + list(_CXX_FLAGS) + [os.path.join(CUDA_DIR, HOST_CORE_SOURCE),
-                               "-o", tmp],
+         + list(_CXX_FLAGS)
+         + [os.path.join(CUDA_DIR, src) for src in HOST_CORE_SOURCES]
+         + ["-o", tmp],
          "compiling the host stand-in", verbose)
     os.replace(tmp, path)
     return path
@@ -203,12 +205,13 @@ def compile_tf_library(path, on_host=False, nvcc=None, capabilities=None,
              + [os.path.join(CUDA_DIR, ADAPTOR_SOURCE), "-o", adaptor]
              + compile_flags, "compiling the TF adaptor", verbose)
         if on_host:
-            core = os.path.join(objdir, "host_core.o")
-            _run([compiler, "-c", "-std=c++17", "-fvisibility=hidden"]
-                 + list(_CXX_FLAGS)
-                 + [os.path.join(CUDA_DIR, HOST_CORE_SOURCE), "-o", core],
-                 "compiling the host stand-in", verbose)
-            objects, runtime = [core], []
+            objects, runtime = [], []
+            for src in HOST_CORE_SOURCES:
+                objects.append(os.path.join(objdir, src + ".o"))
+                _run([compiler, "-c", "-std=c++17", "-fvisibility=hidden"]
+                     + list(_CXX_FLAGS)
+                     + [os.path.join(CUDA_DIR, src), "-o", objects[-1]],
+                     "compiling the host stand-in", verbose)
         else:
             nvcc = nvcc or find_nvcc()
             objects = compile_core_objects(objdir, nvcc, capabilities,

@@ -9,9 +9,17 @@
 #      when carried) through torch pointers;
 #   4. runs the quick parity cases under compute-sanitizer memcheck and
 #      racecheck (exit code 9 on any finding);
-#   5. benchmarks the criteo-like step against torch (benchmarks/gpu/bench.py).
+#   5. benchmarks the criteo-like step against torch (benchmarks/gpu/bench.py);
+#   6. the GPU EV table: its parity cases against the numpy model of the
+#      CPU EV (tests/ops/ev_table_parity.py, both builds, and the quick
+#      ones under both sanitizers), then its speed against HierarchicalKV
+#      in the same run (HKV's driver shared/gpu/hkv_anchor.cu: the carried
+#      build/gpu/hkv_anchor, else built from a carried build/hkv/include;
+#      benchmarks/gpu/ev_table_bench.py).
 # Writes everything under $OUT (default benchmarks/results/gpu): the logs,
-# parity_*.json, bench.json and summary.json (commit id from GE_COMMIT).
+# parity_*.json, bench.json, ev_table_*.json, hkv_anchor.jsonl and
+# summary.json (commit id from GE_COMMIT). SKIP="bench ev_bench" (names of
+# steps) leaves steps out.
 # Exit status: 0 only if every step passed.
 #
 # Usage (from the repository root):
@@ -26,6 +34,7 @@ STEPS_FAILED=()
 step() {  # step NAME TIMEOUT CMD...: runs and records a step
     local name=$1 limit=$2
     shift 2
+    case " ${SKIP:-} " in *" $name "*) echo "=== $name: skipped"; return;; esac
     echo "=== $name: $*"
     local t0=$SECONDS
     timeout "$limit" "$@"
@@ -68,7 +77,8 @@ EOF
 CORE="$BUILD/libge_cuda.so"
 step build 300 "$NVCC" -O3 -std=c++17 -arch="$ARCH" \
     -Xcompiler -fPIC,-fvisibility=hidden -shared -o "$CORE" \
-    ops/cuda/lookup_kernels.cu ops/cuda/backward_kernels.cu
+    ops/cuda/lookup_kernels.cu ops/cuda/backward_kernels.cu \
+    ops/cuda/ev_table_kernels.cu
 
 # 3. Parity: this machine's build (CuPy) and the carried one (torch).
 step parity_machine_build 300 "$PY" tests/ops/cuda_parity.py \
@@ -82,6 +92,14 @@ else
     STEPS_FAILED+=("parity_carried_build(missing)")
 fi
 
+step ev_table_parity_machine_build 300 "$PY" tests/ops/ev_table_parity.py \
+    --core "$CORE" --memory cupy --json "$OUT/ev_table_parity_machine_build.json"
+if [ -f build/gpu/libge_cuda.so ]; then
+    step ev_table_parity_carried_build 300 "$PY" \
+        tests/ops/ev_table_parity.py --core build/gpu/libge_cuda.so \
+        --memory torch --json "$OUT/ev_table_parity_carried_build.json"
+fi
+
 # 4. compute-sanitizer on the quick cases.
 for tool in memcheck racecheck; do
     step "sanitizer_$tool" 300 "$SANITIZER" --tool "$tool" \
@@ -89,11 +107,34 @@ for tool in memcheck racecheck; do
         "$PY" tests/ops/cuda_parity.py --core "$CORE" --memory cupy \
         --quick --json "$OUT/sanitizer_${tool}_parity.json"
     tail -5 "$OUT/sanitizer_$tool.log"
+    step "ev_table_sanitizer_$tool" 300 "$SANITIZER" --tool "$tool" \
+        --error-exitcode 9 --log-file "$OUT/ev_table_sanitizer_$tool.log" \
+        "$PY" tests/ops/ev_table_parity.py --core "$CORE" --memory cupy \
+        --quick --json "$OUT/ev_table_sanitizer_${tool}_parity.json"
+    tail -5 "$OUT/ev_table_sanitizer_$tool.log"
 done
 
 # 5. Speed against torch.
 step bench 400 "$PY" benchmarks/gpu/bench.py --core "$CORE" \
     --json "$OUT/bench.json"
+
+# 6. The EV table against HierarchicalKV, same run.
+HKV=build/gpu/hkv_anchor
+if [ ! -x "$HKV" ] && [ -d build/hkv/include ]; then
+    HKV="$BUILD/hkv_anchor"
+    step hkv_build 300 "$NVCC" -O3 -std=c++17 -arch="$ARCH" \
+        --expt-relaxed-constexpr --expt-extended-lambda -I build/hkv/include \
+        -o "$HKV" build/hkv/hkv_anchor.cu
+fi
+if [ -x "$HKV" ]; then
+    step hkv_anchor 300 bash -c "'$HKV' > '$OUT/hkv_anchor.jsonl'"
+    cat "$OUT/hkv_anchor.jsonl"
+else
+    echo "no HierarchicalKV driver (carry build/gpu/hkv_anchor or build/hkv/include)"
+    STEPS_FAILED+=("hkv_anchor(missing)")
+fi
+step ev_bench 400 "$PY" benchmarks/gpu/ev_table_bench.py --core "$CORE" \
+    --hkv "$OUT/hkv_anchor.jsonl" --json "$OUT/ev_table_bench.json"
 
 "$PY" - "$OUT" "${GE_COMMIT:-unknown}" "${STEPS_FAILED[*]:-}" <<'EOF'
 import json, os, sys
@@ -101,17 +142,21 @@ out, commit, failed = sys.argv[1], sys.argv[2], sys.argv[3].split()
 summary = {"commit": commit, "failed_steps": failed}
 for name in ("environment", "parity_machine_build", "parity_carried_build",
              "sanitizer_memcheck_parity", "sanitizer_racecheck_parity",
-             "bench"):
+             "bench", "ev_table_parity_machine_build",
+             "ev_table_parity_carried_build",
+             "ev_table_sanitizer_memcheck_parity",
+             "ev_table_sanitizer_racecheck_parity", "ev_table_bench"):
     path = os.path.join(out, name + ".json")
     if os.path.exists(path):
         data = json.load(open(path))
         if "cases" in data:  # keep the counts, the cases stay in the file
             data = {k: v for k, v in data.items() if k != "cases"}
         summary[name] = data
-for tool in ("memcheck", "racecheck"):
-    path = os.path.join(out, f"sanitizer_{tool}.log")
+for log in ("sanitizer_memcheck", "sanitizer_racecheck",
+            "ev_table_sanitizer_memcheck", "ev_table_sanitizer_racecheck"):
+    path = os.path.join(out, log + ".log")
     if os.path.exists(path):
-        summary[f"sanitizer_{tool}_summary"] = open(path).read().strip(
+        summary[log + "_summary"] = open(path).read().strip(
             ).splitlines()[-1:]
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps(summary, indent=1))

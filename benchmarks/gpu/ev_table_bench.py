@@ -1,0 +1,198 @@
+"""The GPU EV table against HierarchicalKV, same run, same GPU.
+
+Runs on the GPU machine (CuPy, no TensorFlow) after
+`benchmarks/gpu/check.sh` built the core; HKV's numbers come from its own
+driver (`shared/gpu/hkv_anchor.cu`, run by check.sh just before) and are
+read from its output file.
+
+1. HKV's paper Config B, as the anchor's driver runs it: dim 32, capacity
+   128M keys (2^20 buckets of 128), batch 1M, LRU; the table filled with
+   distinct keys to load factor 0.5, then to 1.0 (inserting as many keys
+   as the capacity; full buckets evict); at each: `find` of 1M stored
+   keys, `insert` (HKV's insert_or_assign: 1M stored keys, rows given),
+   `find_or_insert` of 60% stored and 40% new keys. 18 prepared batches,
+   3 warm-up calls, the median of 15 calls timed with CUDA events around
+   each call, in billions of keys per second. Each call here includes
+   the Python binding's overhead (ctypes, scratch query).
+2. LFU hit rate: a table holding 10% of a Zipf(0.99) key space, batches
+   of keys drawn from it; the share of lookups whose key was stored
+   before the batch, after warm-up, next to the share an ideal cache of
+   the 10% hottest keys would hit (the ceiling of any policy).
+
+Writes a JSON with both tables' numbers and the ratios.
+
+Usage:
+    python benchmarks/gpu/ev_table_bench.py --core build/libge_cuda.so \\
+        --hkv hkv_anchor.jsonl --json ev_table_bench.json
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+
+def _load(name, relpath):
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(_REPO, *relpath.split("/")))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cc = _load("_ge_cuda_core", "ops/cuda_core.py")
+et = _load("_ge_ev_table_core", "ops/ev_table_core.py")
+
+
+def timed(cp, fn, reps=15, warmup=3):
+    """Median ms of `fn(i)` over `reps` calls after `warmup`, CUDA events
+    around each call (HKV's driver does the same)."""
+    for i in range(warmup):
+        fn(i)
+    cp.cuda.get_current_stream().synchronize()
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for i in range(reps):
+        a.record()
+        fn(warmup + i)
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def config_b(core, cp, args):
+    """Find / insert / find_or_insert at load factors 0.5 and 1.0."""
+    mem = cc.CupyMemory()
+    dim, batch = 32, args.batch
+    num_buckets = args.capacity // et.BUCKET
+    defaults = np.zeros((1, dim), np.float32)
+    table = et.EvTable(core, mem, num_buckets, dim, defaults, policy="lru")
+    cap = table.capacity
+    out = cp.empty((batch, dim), cp.float32)
+    rows = cp.zeros((batch, dim), cp.float32)
+    cp.random.seed(7)
+    results = []
+    next_key = 1
+    for lf in (0.5, 1.0):
+        t0 = time.time()
+        while next_key < int(cap * lf):
+            keys = cp.arange(next_key, next_key + batch, dtype=cp.int64)
+            table.launch_find_or_insert(keys, None, None)
+            next_key += batch
+        cp.cuda.get_current_stream().synchronize()
+        fill_s = time.time() - t0
+        load = table.size() / cap
+        hits = [cp.random.randint(1, next_key, batch, dtype=cp.int64)
+                for _ in range(18)]
+        t_find = timed(cp, lambda i: table.launch_find(hits[i], out, None))
+        # All keys stored: the probe, the sort and the count, no insert.
+        t_foi_hits = timed(cp, lambda i: table.launch_find_or_insert(
+            hits[i], out, None))
+        t_assign = timed(cp, lambda i: table.launch_insert(hits[i], rows))
+        mixed = []
+        for _ in range(18):
+            old = cp.random.randint(1, next_key, batch, dtype=cp.int64)
+            new = next_key + cp.random.randint(0, cap * 4, batch,
+                                               dtype=cp.int64)
+            mixed.append(cp.where(cp.random.random(batch) < 0.6, old, new))
+        t_foi = timed(cp, lambda i: table.launch_find_or_insert(
+            mixed[i], out, None))
+        counters = table.counters()
+        results.append({
+            "load_factor_target": lf, "load_factor": round(load, 4),
+            "fill_seconds": round(fill_s, 2),
+            "find_ms": t_find, "insert_ms": t_assign,
+            "find_or_insert_ms": t_foi,
+            "find_or_insert_all_hits_ms": t_foi_hits,
+            "find_bkvs": batch / t_find / 1e6,
+            "insert_bkvs": batch / t_assign / 1e6,
+            "find_or_insert_bkvs": batch / t_foi / 1e6,
+            "counters": counters})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def zipf_hit_rate(core, cp, args):
+    """LFU (and LRU) hit rate with 10% of a Zipf(0.99) key space."""
+    mem = cc.CupyMemory()
+    # Buckets are a power of two: the key space is 10x the capacity.
+    cap_buckets = 1 << max(0, (args.zipf_keys // 10 // et.BUCKET)
+                           .bit_length() - 1)
+    space = 10 * cap_buckets * et.BUCKET
+    weights = 1.0 / np.arange(1, space + 1, dtype=np.float64) ** 0.99
+    cdf = cp.asarray(np.cumsum(weights) / weights.sum())
+    ideal = float(weights[:cap_buckets * et.BUCKET].sum() / weights.sum())
+    # Ranks to keys through a permutation: hot keys spread over buckets.
+    perm = cp.asarray(np.random.default_rng(3).permutation(space)).astype(
+        cp.int64)
+    cp.random.seed(11)
+    out = {}
+    for policy in ("lfu", "lru"):
+        table = et.EvTable(core, mem, cap_buckets, 8,
+                           np.zeros((1, 8), np.float32), policy=policy)
+        slots = cp.empty((args.zipf_batch,), cp.int64)
+        hits, seen = 0, 0
+        for b in range(args.zipf_warmup + args.zipf_batches):
+            ranks = cp.searchsorted(cdf, cp.random.random(args.zipf_batch))
+            keys = perm[cp.minimum(ranks, space - 1)]
+            table.launch_find(keys, None, slots)
+            if b >= args.zipf_warmup:
+                hits += int((slots >= 0).sum())
+                seen += args.zipf_batch
+            table.launch_find_or_insert(keys, None, None)
+        out[policy] = hits / seen
+    return {"key_space": space, "capacity": cap_buckets * et.BUCKET,
+            "batch": args.zipf_batch, "batches": args.zipf_batches,
+            "warmup": args.zipf_warmup, "hit_rate_lfu": out["lfu"],
+            "hit_rate_lru": out["lru"], "ideal_top_10pct": ideal,
+            "hkv_published_lfu": 0.883}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--core", required=True)
+    parser.add_argument("--hkv", help="the anchor driver's JSON lines")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--capacity", type=int, default=128 << 20)
+    parser.add_argument("--batch", type=int, default=1 << 20)
+    parser.add_argument("--zipf-keys", type=int, default=10 << 20)
+    parser.add_argument("--zipf-batch", type=int, default=1 << 20)
+    parser.add_argument("--zipf-batches", type=int, default=40)
+    parser.add_argument("--zipf-warmup", type=int, default=20)
+    args = parser.parse_args()
+    import cupy as cp
+    core = cc.Core(args.core)
+    result = {"config_b": config_b(core, cp, args)}
+    result["zipf"] = zipf_hit_rate(core, cp, args)
+    print(json.dumps(result["zipf"]), flush=True)
+    if args.hkv and os.path.exists(args.hkv):
+        anchors = [json.loads(line) for line in open(args.hkv)
+                   if line.startswith("{")]
+        result["hkv"] = anchors
+        ratios = []
+        for ours, hkv in zip(result["config_b"], anchors):
+            ratios.append({
+                "load_factor": hkv["load_factor"],
+                "find": ours["find_bkvs"] / hkv["find_bkvs"],
+                "insert_vs_insert_or_assign":
+                    ours["insert_bkvs"] / hkv["insert_or_assign_bkvs"],
+                "find_or_insert":
+                    ours["find_or_insert_bkvs"] / hkv["find_or_insert_bkvs"],
+            })
+        result["ratios_vs_hkv"] = ratios
+        print(json.dumps(ratios), flush=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

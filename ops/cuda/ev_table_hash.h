@@ -1,0 +1,123 @@
+#ifndef GROUP_EMBEDDING_OPS_CUDA_EV_TABLE_HASH_H_
+#define GROUP_EMBEDDING_OPS_CUDA_EV_TABLE_HASH_H_
+
+// Where a key lives in the GPU EV table, which key a full bucket gives
+// up, and the host checks of a table call: compiled for the device
+// (ev_table_kernels.cu) and the host stand-in (ev_table_host.cc), and
+// restated by the numpy model (tests/ops/ev_table_parity.py), so that all
+// three place, pin and evict the same keys.
+
+#include <stdint.h>
+
+#include <limits>
+
+#include "core_checks.h"
+#include "embedding_math.h"
+#include "ev_table.h"
+
+namespace ge_ev {
+
+// The CPU kernels' mixer (ops/kernels/id_map.h Mix): a bijection of
+// uint64, so distinct keys never share a hash.
+GE_HD uint64_t Mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return x;
+}
+
+// Bucket from the high half, digest from the low byte: independent bits,
+// so the keys of one bucket still spread over 255 digests. Digest 0 is
+// kept for free slots.
+GE_HD int64_t BucketOf(uint64_t h, int64_t num_buckets) {
+  return static_cast<int64_t>((h >> 32) &
+                              static_cast<uint64_t>(num_buckets - 1));
+}
+GE_HD uint8_t DigestOf(uint64_t h) {
+  const uint8_t d = static_cast<uint8_t>(h & 0xff);
+  return d == 0 ? 1 : d;
+}
+
+// Row `key mod rows` (non-negative) of the default matrix.
+GE_HD int64_t DefaultRow(int64_t key, int64_t rows) {
+  int64_t m = key % rows;
+  return m < 0 ? m + rows : m;
+}
+
+// Whether a stored key with `freq` occurrences counted is admitted.
+GE_HD bool Admitted(int64_t freq, int64_t filter_freq) {
+  return filter_freq <= 0 || freq >= filter_freq;
+}
+
+// The eviction order of a full bucket: true when entry a should go
+// before entry b. LRU: older clock first, then smaller key; LFU: smaller
+// freq first, then older clock, then smaller key. Pinned entries (clock
+// == the current call) are never candidates; the caller skips them.
+GE_HD bool EvictsBefore(int policy, int64_t freq_a, int64_t clock_a,
+                        int64_t key_a, int64_t freq_b, int64_t clock_b,
+                        int64_t key_b) {
+  if (policy == GE_EV_LFU && freq_a != freq_b) return freq_a < freq_b;
+  if (clock_a != clock_b) return clock_a < clock_b;
+  return key_a < key_b;
+}
+
+// Buckets are numbered in uint32 by the insert's sort (one more for "no
+// insert"), occurrences in int32.
+constexpr int64_t kMaxBuckets = int64_t{1} << 30;
+constexpr int64_t kMaxKeys = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxSlots = 8;
+
+inline bool IsPowerOfTwo(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// Host checks of a table descriptor, shared by every call.
+inline int CheckTable(const GeEvTable* t) {
+  if (t == nullptr || t->keys == nullptr || t->digests == nullptr ||
+      t->freq == nullptr || t->version == nullptr || t->clock == nullptr ||
+      t->values == nullptr) {
+    return GE_ERR_ARGUMENT;
+  }
+  // The probes read a bucket's digests as 16-byte words.
+  if ((reinterpret_cast<uintptr_t>(t->digests) & 15) != 0) {
+    return GE_ERR_ARGUMENT;
+  }
+  if (!IsPowerOfTwo(t->num_buckets) || t->num_buckets > kMaxBuckets ||
+      t->dim < 1 || t->dim > ge_core::kMaxDimVec4 || t->num_slots < 0 ||
+      t->num_slots > kMaxSlots || (t->num_slots > 0 && t->slots == nullptr) ||
+      (t->num_slots > 0 && t->slot_inits == nullptr) ||
+      (t->policy != GE_EV_LRU && t->policy != GE_EV_LFU) ||
+      t->filter_freq < 0 || t->defaults == nullptr || t->default_rows < 1) {
+    return GE_ERR_ARGUMENT;
+  }
+  return GE_OK;
+}
+
+inline int CheckBatch(const GeEvTable* t, const int64_t* keys, int64_t n) {
+  const int s = CheckTable(t);
+  if (s != GE_OK) return s;
+  if (n < 0 || (n > 0 && keys == nullptr)) return GE_ERR_ARGUMENT;
+  if (n > kMaxKeys) return GE_ERR_TOO_LARGE;
+  return GE_OK;
+}
+
+// An evicted output must hold every key a call can evict (n for an
+// insert), else a key could be dropped.
+inline int CheckEvicted(const GeEvTable* t, const GeEvEvicted* e,
+                        int64_t n) {
+  if (e == nullptr) return GE_OK;
+  if (e->keys == nullptr || e->values == nullptr || e->freq == nullptr ||
+      e->version == nullptr || e->count == nullptr || e->capacity < n ||
+      (t->num_slots > 0 && e->slots == nullptr)) {
+    return GE_ERR_ARGUMENT;
+  }
+  return GE_OK;
+}
+
+inline int64_t Capacity(const GeEvTable* t) {
+  return t->num_buckets * GE_EV_BUCKET;
+}
+
+}  // namespace ge_ev
+
+#endif  // GROUP_EMBEDDING_OPS_CUDA_EV_TABLE_HASH_H_

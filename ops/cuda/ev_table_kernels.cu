@@ -1,0 +1,703 @@
+// The GPU EV table (ev_table.h) in CUDA.
+//
+// A find is one launch: a tile of 8 lanes per key reads the key's bucket
+// digests (16 bytes a lane, one 128-byte line), checks the keys whose
+// digest matches, and copies the row (float4 per lane where aligned).
+// A find-or-insert is four: the same probe, which also stamps the keys
+// it finds and writes the bucket of each missing key; a radix sort of
+// those buckets, so that the missing keys of one bucket are adjacent;
+// one warp per bucket inserting them in turn (it alone writes that
+// bucket in the launch: no locks, no lost insert, no key stored twice,
+// duplicates of a new key found in the warp's copy of the bucket); and
+// a pass that reads the new keys' rows and counts every occurrence.
+
+#include <cuda_runtime.h>
+
+#include <cub/cub.cuh>
+#include <initializer_list>
+
+#include "ev_table_hash.h"
+
+namespace ge_cuda_ev {
+namespace {
+
+using ge_ev::Admitted;
+using ge_ev::BucketOf;
+using ge_ev::DefaultRow;
+using ge_ev::DigestOf;
+using ge_ev::Mix;
+
+constexpr int kTile = 8;    // lanes per key in the probes
+constexpr int kBlock = 256;
+constexpr int kPerLane = GE_EV_BUCKET / 32;  // slots per lane in a warp
+constexpr unsigned kAll = 0xffffffffu;
+
+__device__ __forceinline__ void Count(unsigned long long* counters, int which,
+                                      unsigned long long v = 1) {
+  atomicAdd(counters + which, v);
+}
+
+// Tile-cooperative row copies; `vec4`: every row 16-byte aligned.
+__device__ __forceinline__ void CopyRow(float* dst, const float* src,
+                                        int64_t dim, int lane, int lanes,
+                                        bool vec4) {
+  if (vec4) {
+    for (int64_t d = 4 * lane; d < dim; d += 4 * lanes) {
+      *reinterpret_cast<float4*>(dst + d) =
+          *reinterpret_cast<const float4*>(src + d);
+    }
+  } else {
+    for (int64_t d = lane; d < dim; d += lanes) dst[d] = src[d];
+  }
+}
+__device__ __forceinline__ void FillRow(float* dst, float v, int64_t dim,
+                                        int lane, int lanes) {
+  for (int64_t d = lane; d < dim; d += lanes) dst[d] = v;
+}
+
+// The slot of `key` in its bucket or -1, in every lane of the tile. All
+// 32 lanes of the warp call it (ballot and shuffle over the warp).
+__device__ __forceinline__ int64_t TileFind(const GeEvTable& t, bool active,
+                                            int64_t key, uint64_t h,
+                                            int lane, int tile) {
+  int64_t found = -1;
+  if (active) {
+    const int64_t base = BucketOf(h, t.num_buckets) * GE_EV_BUCKET;
+    const uint4 d =
+        reinterpret_cast<const uint4*>(t.digests + base)[lane];
+    const unsigned want = DigestOf(h) * 0x01010101u;
+    const unsigned words[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      // 0xff in each byte whose digest matches.
+      unsigned bits = __vcmpeq4(words[w], want);
+      while (bits != 0) {
+        const int byte = (__ffs(bits) - 1) >> 3;
+        bits &= ~(0xffu << (8 * byte));
+        const int64_t s = base + lane * 16 + w * 4 + byte;
+        if (t.keys[s] == key) found = s;
+      }
+    }
+  }
+  const unsigned hits =
+      (__ballot_sync(kAll, found >= 0) >> (tile * kTile)) & 0xffu;
+  const int src = tile * kTile + (hits ? __ffs(hits) - 1 : 0);
+  const int64_t s = __shfl_sync(kAll, found, src);
+  return hits ? s : -1;
+}
+
+struct Tile {
+  int64_t j;  // the key this tile serves
+  int lane;   // 0 .. kTile - 1
+  int tile;   // tile of the warp
+};
+__device__ __forceinline__ Tile MyTile() {
+  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) +
+                    threadIdx.x;
+  return {g / kTile, static_cast<int>(threadIdx.x % kTile),
+          static_cast<int>((threadIdx.x % 32) / kTile)};
+}
+
+// What an absent (or reserved) key reads.
+__device__ __forceinline__ void AbsentRow(const GeEvTable& t, int64_t key,
+                                          float* dst, int lane, bool vec4) {
+  if (t.filter_freq > 0) {
+    FillRow(dst, t.no_permission, t.dim, lane, kTile);
+  } else {
+    CopyRow(dst, t.defaults + DefaultRow(key, t.default_rows) * t.dim,
+            t.dim, lane, kTile, vec4);
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    FindKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
+               float* out, int64_t* out_slots, unsigned long long* counters,
+               bool vec4) {
+  const Tile me = MyTile();
+  const bool active = me.j < n;
+  const int64_t key = active ? keys[me.j] : 0;
+  const bool bad = key == GE_EV_EMPTY_KEY;
+  const uint64_t h = Mix(static_cast<uint64_t>(key));
+  const int64_t s = TileFind(t, active && !bad, key, h, me.lane, me.tile);
+  if (!active) return;
+  if (bad && me.lane == 0) Count(counters, GE_EV_BAD_KEYS);
+  const bool admitted = s >= 0 && Admitted(t.freq[s], t.filter_freq);
+  if (out_slots != nullptr && me.lane == 0) {
+    out_slots[me.j] = admitted ? s : -1;
+  }
+  if (out == nullptr) return;
+  float* dst = out + me.j * t.dim;
+  if (admitted) {
+    CopyRow(dst, t.values + s * t.dim, t.dim, me.lane, kTile, vec4);
+  } else {
+    AbsentRow(t, key, dst, me.lane, vec4);
+  }
+}
+
+// What an import writes besides the key (NULL arrays: initial state).
+struct ImportRows {
+  bool on;
+  const float* rows;
+  const float* slots;  // [num_slots, n, dim]
+  const int64_t* freq;
+  const int64_t* version;
+  int64_t n;
+};
+
+// Writes entry s's state (a new key or an import), tile- or
+// warp-cooperatively (`lanes` lanes, `lane` of them).
+__device__ __forceinline__ void WriteEntry(const GeEvTable& t, int64_t s,
+                                           int64_t key, int64_t j,
+                                           int64_t version,
+                                           const ImportRows& in, int lane,
+                                           int lanes, bool vec4) {
+  const int64_t dim = t.dim;
+  const int64_t cap = t.num_buckets * GE_EV_BUCKET;
+  const float* row =
+      in.on ? in.rows + j * dim
+            : t.defaults + DefaultRow(key, t.default_rows) * dim;
+  CopyRow(t.values + s * dim, row, dim, lane, lanes, vec4);
+  for (int k = 0; k < t.num_slots; ++k) {
+    float* dst = t.slots + (k * cap + s) * dim;
+    if (in.on && in.slots != nullptr) {
+      CopyRow(dst, in.slots + (k * in.n + j) * dim, dim, lane, lanes, vec4);
+    } else {
+      FillRow(dst, t.slot_inits[k], dim, lane, lanes);
+    }
+  }
+  if (lane == 0) {
+    t.freq[s] = in.on && in.freq != nullptr ? in.freq[j] : 0;
+    t.version[s] = in.on && in.version != nullptr ? in.version[j] : version;
+  }
+}
+
+// Probe of a find-or-insert / insert: found keys are stamped (training)
+// or overwritten (import) and their rows read; a missing key leaves its
+// bucket in `bucket_of` (others `none`) for the insert.
+__global__ void __launch_bounds__(kBlock)
+    ProbeKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
+                int64_t version, int64_t call_clock, float* out,
+                int64_t* slot_of, uint32_t* bucket_of, int32_t* index_of,
+                uint32_t none, ImportRows in, unsigned long long* counters,
+                bool vec4) {
+  const Tile me = MyTile();
+  const bool active = me.j < n;
+  const int64_t key = active ? keys[me.j] : 0;
+  const bool bad = key == GE_EV_EMPTY_KEY;
+  const uint64_t h = Mix(static_cast<uint64_t>(key));
+  const int64_t s = TileFind(t, active && !bad, key, h, me.lane, me.tile);
+  if (!active) return;
+  if (me.lane == 0) {
+    slot_of[me.j] = s;
+    index_of[me.j] = static_cast<int32_t>(me.j);
+    bucket_of[me.j] = (s >= 0 || bad)
+                          ? none
+                          : static_cast<uint32_t>(
+                                BucketOf(h, t.num_buckets));
+    if (bad) Count(counters, GE_EV_BAD_KEYS);
+  }
+  if (s < 0) return;
+  if (in.on) {
+    WriteEntry(t, s, key, me.j, version, in, me.lane, kTile, vec4);
+    if (me.lane == 0) t.clock[s] = call_clock;
+    return;
+  }
+  // Duplicates store the same values: the race is benign.
+  if (me.lane == 0) {
+    t.version[s] = max(t.version[s], version);
+    t.clock[s] = call_clock;
+  }
+  if (out == nullptr) return;
+  // The freq before this call counts (FinishKernel counts afterwards).
+  float* dst = out + me.j * t.dim;
+  if (Admitted(t.freq[s], t.filter_freq)) {
+    CopyRow(dst, t.values + s * t.dim, t.dim, me.lane, kTile, vec4);
+  } else {
+    FillRow(dst, t.no_permission, t.dim, me.lane, kTile);
+  }
+}
+
+// Lane `lane`'s slot i of a warp's bucket copy: bucket slot i * 32 + lane
+// (so that each load is one coalesced line).
+__device__ __forceinline__ int SlotOf(int i, int lane) {
+  return i * 32 + lane;
+}
+
+// One warp per bucket with missing keys: the run of sorted entries
+// [start, ...) with that bucket, inserted in turn.
+__global__ void __launch_bounds__(kBlock)
+    InsertKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
+                 const uint32_t* __restrict__ bucket_sorted,
+                 const int32_t* __restrict__ index_sorted, uint32_t none,
+                 int64_t version, int64_t call_clock, int64_t* slot_of,
+                 GeEvEvicted ev, bool has_ev, ImportRows in,
+                 unsigned long long* counters, bool vec4) {
+  const int64_t w =
+      (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= n) return;
+  const uint32_t b = bucket_sorted[w];
+  if (b == none || (w > 0 && bucket_sorted[w - 1] == b)) return;
+  const int64_t base = static_cast<int64_t>(b) * GE_EV_BUCKET;
+  const int64_t cap = t.num_buckets * GE_EV_BUCKET;
+  int64_t k[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) k[i] = t.keys[base + SlotOf(i, lane)];
+
+  for (int64_t e = w; e < n && bucket_sorted[e] == b; ++e) {
+    const int64_t j = index_sorted[e];
+    const int64_t key = keys[j];
+    // A duplicate of a key this warp inserted already.
+    int q = -1;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const unsigned m = __ballot_sync(kAll, k[i] == key);
+      if (q < 0 && m != 0) q = SlotOf(i, __ffs(m) - 1);
+    }
+    if (q >= 0) {
+      if (lane == 0) slot_of[j] = base + q;
+      continue;
+    }
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const unsigned m = __ballot_sync(kAll, k[i] == GE_EV_EMPTY_KEY);
+      if (q < 0 && m != 0) q = SlotOf(i, __ffs(m) - 1);
+    }
+    if (q < 0) {
+      // Full: the lane's best unpinned candidate, then the warp's.
+      int best = -1;
+      int64_t bf = 0, bc = 0, bk = 0;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int64_t s = base + SlotOf(i, lane);
+        const int64_t c = t.clock[s];
+        if (c == call_clock) continue;
+        const int64_t f = t.freq[s];
+        if (best < 0 || ge_ev::EvictsBefore(t.policy, f, c, k[i], bf, bc,
+                                            bk)) {
+          best = SlotOf(i, lane);
+          bf = f;
+          bc = c;
+          bk = k[i];
+        }
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        const int ob = __shfl_down_sync(kAll, best, off);
+        const int64_t of = __shfl_down_sync(kAll, bf, off);
+        const int64_t oc = __shfl_down_sync(kAll, bc, off);
+        const int64_t ok = __shfl_down_sync(kAll, bk, off);
+        if (ob >= 0 && (best < 0 || ge_ev::EvictsBefore(t.policy, of, oc, ok,
+                                                        bf, bc, bk))) {
+          best = ob;
+          bf = of;
+          bc = oc;
+          bk = ok;
+        }
+      }
+      q = __shfl_sync(kAll, best, 0);
+      if (q < 0) {  // every key of the bucket is pinned by this call
+        if (lane == 0) {
+          slot_of[j] = -1;
+          Count(counters, GE_EV_FULL);
+        }
+        continue;
+      }
+      const int64_t victim = base + q;
+      if (has_ev) {
+        unsigned long long at = 0;
+        if (lane == 0) at = atomicAdd(ev.count, 1ull);
+        at = __shfl_sync(kAll, at, 0);
+        if (at >= static_cast<unsigned long long>(ev.capacity)) {
+          if (lane == 0) {
+            slot_of[j] = -1;
+            Count(counters, GE_EV_FULL);
+          }
+          continue;
+        }
+        const int64_t a = static_cast<int64_t>(at);
+        if (lane == 0) {
+          ev.keys[a] = t.keys[victim];
+          ev.freq[a] = t.freq[victim];
+          ev.version[a] = t.version[victim];
+        }
+        CopyRow(ev.values + a * t.dim, t.values + victim * t.dim, t.dim,
+                lane, 32, vec4);
+        for (int sl = 0; sl < t.num_slots; ++sl) {
+          CopyRow(ev.slots + (sl * ev.capacity + a) * t.dim,
+                  t.slots + (sl * cap + victim) * t.dim, t.dim, lane, 32,
+                  vec4);
+        }
+        __syncwarp();
+      }
+      if (lane == 0) Count(counters, GE_EV_EVICTED);
+    }
+    const int64_t s = base + q;
+    const uint64_t h = Mix(static_cast<uint64_t>(key));
+    WriteEntry(t, s, key, j, version, in, lane, 32, vec4);
+    if (lane == 0) {
+      t.keys[s] = key;
+      t.digests[s] = DigestOf(h);
+      t.clock[s] = call_clock;
+      slot_of[j] = s;
+      Count(counters, GE_EV_INSERTED);
+    }
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      if (SlotOf(i, lane) == q) k[i] = key;
+    }
+    __syncwarp();
+  }
+}
+
+// After the inserts: new keys' rows read (freq 0 before this call) and
+// every stored occurrence counted.
+__global__ void __launch_bounds__(kBlock)
+    FinishKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
+                 const int64_t* slot_of, const uint32_t* bucket_of,
+                 uint32_t none, float* out, int64_t* out_slots, bool vec4) {
+  const Tile me = MyTile();
+  if (me.j >= n) return;
+  const int64_t s = slot_of[me.j];
+  if (me.lane == 0) {
+    if (s >= 0) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(t.freq + s), 1ull);
+    }
+    if (out_slots != nullptr) out_slots[me.j] = s;
+  }
+  // Keys found by the probe have their row already.
+  if (out == nullptr || (bucket_of[me.j] == none && s >= 0)) return;
+  float* dst = out + me.j * t.dim;
+  if (s >= 0 && t.filter_freq <= 0) {
+    CopyRow(dst, t.values + s * t.dim, t.dim, me.lane, kTile, vec4);
+  } else {
+    AbsentRow(t, keys[me.j], dst, me.lane, vec4);
+  }
+}
+
+__global__ void InitKernel(GeEvTable t, int64_t cap) {
+  const int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) +
+                    threadIdx.x;
+  if (s >= cap) return;
+  t.keys[s] = GE_EV_EMPTY_KEY;
+  t.digests[s] = 0;
+}
+
+__global__ void EvictKernel(GeEvTable t, int64_t cap, int64_t step,
+                            int64_t steps_to_live, float l2_threshold,
+                            GeEvEvicted ev, bool has_ev,
+                            unsigned long long* counters) {
+  const int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) +
+                    threadIdx.x;
+  if (s >= cap || t.keys[s] == GE_EV_EMPTY_KEY) return;
+  bool doomed;
+  if (steps_to_live > 0) {
+    // Both are steps in [0, 2^63): the difference cannot overflow.
+    doomed = step - t.version[s] > steps_to_live;
+  } else {
+    double ss = 0.0;
+    const float* v = t.values + s * t.dim;
+    for (int64_t d = 0; d < t.dim; ++d) ss += double(v[d]) * v[d];
+    doomed = 0.5 * ss < l2_threshold;
+  }
+  if (!doomed) return;
+  if (has_ev) {
+    const unsigned long long at = atomicAdd(ev.count, 1ull);
+    if (at >= static_cast<unsigned long long>(ev.capacity)) {
+      Count(counters, GE_EV_FULL);
+      return;  // kept: nothing leaves without a place to go
+    }
+    const int64_t a = static_cast<int64_t>(at);
+    ev.keys[a] = t.keys[s];
+    ev.freq[a] = t.freq[s];
+    ev.version[a] = t.version[s];
+    CopyRow(ev.values + a * t.dim, t.values + s * t.dim, t.dim, 0, 1, false);
+    for (int sl = 0; sl < t.num_slots; ++sl) {
+      CopyRow(ev.slots + (sl * ev.capacity + a) * t.dim,
+              t.slots + (sl * cap + s) * t.dim, t.dim, 0, 1, false);
+    }
+  }
+  t.keys[s] = GE_EV_EMPTY_KEY;
+  t.digests[s] = 0;
+  Count(counters, GE_EV_EVICTED);
+}
+
+// One block per bucket: its live keys counted (export, size).
+__global__ void __launch_bounds__(GE_EV_BUCKET)
+    CountKernel(GeEvTable t, int64_t* per_bucket, unsigned long long* total) {
+  const int64_t s = blockIdx.x * static_cast<int64_t>(GE_EV_BUCKET) +
+                    threadIdx.x;
+  const int c = __syncthreads_count(t.keys[s] != GE_EV_EMPTY_KEY);
+  if (threadIdx.x == 0) {
+    if (per_bucket != nullptr) per_bucket[blockIdx.x] = c;
+    if (c) atomicAdd(total, static_cast<unsigned long long>(c));
+  }
+}
+
+__global__ void __launch_bounds__(GE_EV_BUCKET)
+    ExportKernel(GeEvTable t, const int64_t* first, int64_t* keys,
+                 float* values, float* slots, int64_t* freq,
+                 int64_t* version, int64_t capacity) {
+  using Scan = cub::BlockScan<int, GE_EV_BUCKET>;
+  __shared__ typename Scan::TempStorage temp;
+  const int64_t cap = t.num_buckets * GE_EV_BUCKET;
+  const int64_t s = blockIdx.x * static_cast<int64_t>(GE_EV_BUCKET) +
+                    threadIdx.x;
+  const bool live = t.keys[s] != GE_EV_EMPTY_KEY;
+  int before = 0;
+  Scan(temp).ExclusiveSum(live ? 1 : 0, before);
+  const int64_t a = first[blockIdx.x] + before;
+  if (!live || a >= capacity) return;
+  keys[a] = t.keys[s];
+  if (freq) freq[a] = t.freq[s];
+  if (version) version[a] = t.version[s];
+  if (values) {
+    CopyRow(values + a * t.dim, t.values + s * t.dim, t.dim, 0, 1, false);
+  }
+  for (int sl = 0; slots && sl < t.num_slots; ++sl) {
+    CopyRow(slots + (sl * capacity + a) * t.dim,
+            t.slots + (sl * cap + s) * t.dim, t.dim, 0, 1, false);
+  }
+}
+
+bool Aligned(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Rows can be moved as float4 when every row array involved allows it.
+bool Vec4(const GeEvTable& t, std::initializer_list<const void*> more) {
+  if (t.dim % 4 != 0 || !Aligned(t.values) || !Aligned(t.defaults) ||
+      (t.slots && !Aligned(t.slots))) {
+    return false;
+  }
+  for (const void* p : more) {
+    if (p != nullptr && !Aligned(p)) return false;
+  }
+  return true;
+}
+
+int Launched() { return static_cast<int>(cudaGetLastError()); }
+
+int64_t Blocks(int64_t threads) { return (threads + kBlock - 1) / kBlock; }
+
+// Sort key bits: buckets < num_buckets, plus `none` = num_buckets.
+int SortBits(int64_t num_buckets) {
+  int bits = 1;
+  while ((int64_t{1} << bits) <= num_buckets) ++bits;
+  return bits;
+}
+
+struct InsertScratch {
+  uint32_t *bucket_of, *bucket_sorted;
+  int32_t *index_of, *index_sorted;
+  int64_t* slot_of;
+  void* sort_temp;
+  size_t sort_bytes;
+  size_t total;
+};
+
+InsertScratch Layout(void* base, int64_t n) {
+  ge_core::ScratchLayout layout(base);
+  InsertScratch s;
+  s.bucket_of = layout.Take<uint32_t>(n);
+  s.bucket_sorted = layout.Take<uint32_t>(n);
+  s.index_of = layout.Take<int32_t>(n);
+  s.index_sorted = layout.Take<int32_t>(n);
+  s.slot_of = layout.Take<int64_t>(n);
+  s.sort_bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, s.sort_bytes, s.bucket_of,
+                                  s.bucket_sorted, s.index_of,
+                                  s.index_sorted, static_cast<int>(n));
+  s.sort_temp = layout.Take<char>(static_cast<int64_t>(s.sort_bytes));
+  s.total = layout.used();
+  return s;
+}
+
+// The probe, sort, insert (and, training, finish) of n keys.
+int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
+           int64_t step, int64_t call_clock, float* out, int64_t* out_slots,
+           const GeEvEvicted* evicted, const ImportRows& in, void* scratch,
+           size_t scratch_bytes, unsigned long long* counters,
+           void* stream) {
+  int status = ge_ev::CheckBatch(table, keys, n);
+  if (status != GE_OK) return status;
+  status = ge_ev::CheckEvicted(table, evicted, n);
+  if (status != GE_OK) return status;
+  if (counters == nullptr) return GE_ERR_ARGUMENT;
+  if (n == 0) return GE_OK;
+  if (scratch == nullptr || scratch_bytes < ge_ev_scratch_bytes(table, n)) {
+    return GE_ERR_SCRATCH;
+  }
+  const GeEvTable& t = *table;
+  InsertScratch s = Layout(scratch, n);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const uint32_t none = static_cast<uint32_t>(t.num_buckets);
+  const bool vec4 = Vec4(t, {out, in.rows, in.slots, evicted ? evicted->values
+                                                             : nullptr,
+                             evicted ? evicted->slots : nullptr});
+  const int64_t version = step < 0 ? 0 : step;
+  ProbeKernel<<<Blocks(n * kTile), kBlock, 0, st>>>(
+      t, keys, n, version, call_clock, out, s.slot_of, s.bucket_of,
+      s.index_of, none, in, counters, vec4);
+  if (int e = Launched()) return e;
+  cudaError_t e = cub::DeviceRadixSort::SortPairs(
+      s.sort_temp, s.sort_bytes, s.bucket_of, s.bucket_sorted, s.index_of,
+      s.index_sorted, static_cast<int>(n), 0, SortBits(t.num_buckets), st);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  GeEvEvicted ev{};
+  if (evicted) ev = *evicted;
+  InsertKernel<<<Blocks(n * 32), kBlock, 0, st>>>(
+      t, keys, n, s.bucket_sorted, s.index_sorted, none, version, call_clock,
+      s.slot_of, ev, evicted != nullptr, in, counters, vec4);
+  if (int e2 = Launched()) return e2;
+  if (in.on) return GE_OK;
+  FinishKernel<<<Blocks(n * kTile), kBlock, 0, st>>>(
+      t, keys, n, s.slot_of, s.bucket_of, none, out, out_slots, vec4);
+  return Launched();
+}
+
+}  // namespace
+}  // namespace ge_cuda_ev
+
+using namespace ge_cuda_ev;  // NOLINT: the C entry points below
+
+extern "C" {
+
+size_t ge_ev_table_bytes(int64_t num_buckets, int64_t dim, int num_slots) {
+  if (!ge_ev::IsPowerOfTwo(num_buckets) || num_buckets > ge_ev::kMaxBuckets ||
+      dim < 1 || num_slots < 0 || num_slots > ge_ev::kMaxSlots) {
+    return 0;
+  }
+  const size_t cap = static_cast<size_t>(num_buckets) * GE_EV_BUCKET;
+  return cap * (8 * 4 + 1 + 4 * static_cast<size_t>(dim) * (1 + num_slots));
+}
+
+int ge_ev_init(const GeEvTable* table, void* stream) {
+  if (table == nullptr || table->keys == nullptr ||
+      table->digests == nullptr || !ge_ev::IsPowerOfTwo(table->num_buckets) ||
+      table->num_buckets > ge_ev::kMaxBuckets) {
+    return GE_ERR_ARGUMENT;
+  }
+  const int64_t cap = ge_ev::Capacity(table);
+  InitKernel<<<Blocks(cap), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(
+      *table, cap);
+  return Launched();
+}
+
+size_t ge_ev_scratch_bytes(const GeEvTable* table, int64_t n) {
+  (void)table;
+  if (n < 0 || n > ge_ev::kMaxKeys) return 0;
+  return Layout(nullptr, n).total;
+}
+
+int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
+               float* out, int64_t* out_slots, unsigned long long* counters,
+               void* stream) {
+  const int status = ge_ev::CheckBatch(table, keys, n);
+  if (status != GE_OK) return status;
+  if (counters == nullptr) return GE_ERR_ARGUMENT;
+  if (n == 0) return GE_OK;
+  FindKernel<<<Blocks(n * kTile), kBlock, 0,
+               static_cast<cudaStream_t>(stream)>>>(
+      *table, keys, n, out, out_slots, counters, Vec4(*table, {out}));
+  return Launched();
+}
+
+int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
+                         int64_t n, int64_t step, int64_t call_clock,
+                         float* out, int64_t* out_slots,
+                         const GeEvEvicted* evicted, void* scratch,
+                         size_t scratch_bytes, unsigned long long* counters,
+                         void* stream) {
+  const ImportRows none{false, nullptr, nullptr, nullptr, nullptr, n};
+  return Upsert(table, keys, n, step, call_clock, out, out_slots, evicted,
+                none, scratch, scratch_bytes, counters, stream);
+}
+
+int ge_ev_insert(const GeEvTable* table, const int64_t* keys, int64_t n,
+                 const float* rows, const float* slots, const int64_t* freq,
+                 const int64_t* version, int64_t step, int64_t call_clock,
+                 const GeEvEvicted* evicted, void* scratch,
+                 size_t scratch_bytes, unsigned long long* counters,
+                 void* stream) {
+  if (n > 0 && rows == nullptr) return GE_ERR_ARGUMENT;
+  const ImportRows in{true, rows, slots, freq, version, n};
+  return Upsert(table, keys, n, step, call_clock, nullptr, nullptr, evicted,
+                in, scratch, scratch_bytes, counters, stream);
+}
+
+int ge_ev_evict(const GeEvTable* table, int64_t step, int64_t steps_to_live,
+                float l2_threshold, const GeEvEvicted* evicted,
+                unsigned long long* counters, void* stream) {
+  int status = ge_ev::CheckTable(table);
+  if (status != GE_OK) return status;
+  status = ge_ev::CheckEvicted(table, evicted, 0);
+  if (status != GE_OK || counters == nullptr || steps_to_live < 0) {
+    return GE_ERR_ARGUMENT;
+  }
+  if (steps_to_live == 0 && !(l2_threshold >= 0.0f)) return GE_OK;
+  const int64_t cap = ge_ev::Capacity(table);
+  GeEvEvicted ev{};
+  if (evicted) ev = *evicted;
+  EvictKernel<<<Blocks(cap), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(
+      *table, cap, step < 0 ? 0 : step, steps_to_live, l2_threshold, ev,
+      evicted != nullptr, counters);
+  return Launched();
+}
+
+int ge_ev_size(const GeEvTable* table, unsigned long long* count,
+               void* stream) {
+  const int status = ge_ev::CheckTable(table);
+  if (status != GE_OK) return status;
+  if (count == nullptr) return GE_ERR_ARGUMENT;
+  CountKernel<<<table->num_buckets, GE_EV_BUCKET, 0,
+                static_cast<cudaStream_t>(stream)>>>(*table, nullptr, count);
+  return Launched();
+}
+
+size_t ge_ev_export_scratch_bytes(const GeEvTable* table) {
+  if (ge_ev::CheckTable(table) != GE_OK) return 0;
+  const int64_t nb = table->num_buckets;
+  ge_core::ScratchLayout layout(nullptr);
+  int64_t* counts = layout.Take<int64_t>(nb);
+  int64_t* first = layout.Take<int64_t>(nb);
+  size_t scan_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, counts, first,
+                                static_cast<int>(nb));
+  layout.Take<char>(static_cast<int64_t>(scan_bytes));
+  return layout.used();
+}
+
+int ge_ev_export(const GeEvTable* table, int64_t* keys, float* values,
+                 float* slots, int64_t* freq, int64_t* version,
+                 int64_t capacity, unsigned long long* count, void* scratch,
+                 size_t scratch_bytes, void* stream) {
+  const int status = ge_ev::CheckTable(table);
+  if (status != GE_OK) return status;
+  if (count == nullptr || capacity < 0 || (capacity > 0 && keys == nullptr)) {
+    return GE_ERR_ARGUMENT;
+  }
+  if (scratch == nullptr ||
+      scratch_bytes < ge_ev_export_scratch_bytes(table)) {
+    return GE_ERR_SCRATCH;
+  }
+  const int64_t nb = table->num_buckets;
+  ge_core::ScratchLayout layout(scratch);
+  int64_t* counts = layout.Take<int64_t>(nb);
+  int64_t* first = layout.Take<int64_t>(nb);
+  size_t scan_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, counts, first,
+                                static_cast<int>(nb));
+  void* scan_temp = layout.Take<char>(static_cast<int64_t>(scan_bytes));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  CountKernel<<<nb, GE_EV_BUCKET, 0, st>>>(*table, counts, count);
+  if (int e = Launched()) return e;
+  cudaError_t e = cub::DeviceScan::ExclusiveSum(
+      scan_temp, scan_bytes, counts, first, static_cast<int>(nb), st);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  if (capacity == 0) return GE_OK;
+  ExportKernel<<<nb, GE_EV_BUCKET, 0, st>>>(*table, first, keys, values,
+                                            slots, freq, version, capacity);
+  return Launched();
+}
+
+}  // extern "C"
