@@ -37,14 +37,21 @@ signed with the job secret (HMAC-SHA256 over its key and body, see
 peer_auth.py) and checked field by field when read: an unsigned, forged
 or malformed record is ignored with a line on stderr (a heartbeat that
 does not verify counts as missing), never obeyed and never fatal to the
-thread. Any other exception in the thread stops the worker with the
-traceback: a worker never goes on without its hang detection.
+thread. A record is read only up to `MAX_RECORD_BYTES` (asked of the
+server, checked on its announced length, and bounded in the read): a
+larger one is ignored unread. Decoding maps every failure a stranger's
+bytes can cause (not UTF-8 or ASCII, JSON nested too deep, numbers too
+large, wrong types) to "ignored". Any other exception in the thread stops
+the worker with the traceback: a worker never goes on without its hang
+detection.
 """
 
+import hashlib
 import http.client
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -67,8 +74,19 @@ EXIT_CODE = 124
 # `global`, `local_*`, `cross_*` and per process set.
 _SCOPE = "group_embedding_watchdog"
 _HTTP_TIMEOUT_SECONDS = 5.0
-# Longest verdict message accepted from the store.
+# Longest verdict message accepted from the store (ours are cut to it).
 _MAX_MESSAGE_CHARS = 65536
+# Largest record read from the store: a verdict of _MAX_MESSAGE_CHARS
+# ASCII characters, JSON-escaped twice (body in record), with room to
+# spare. Anything larger is not read at all.
+MAX_RECORD_BYTES = 8 * _MAX_MESSAGE_CHARS + 4096
+# Distinct invalid records reported on stderr (then silently ignored).
+_MAX_REPORTED = 1000
+_MAC = re.compile(r"[0-9a-f]{64}")
+# What a stranger's bytes can make decoding raise: not JSON, not UTF-8
+# (ValueError), nested too deep (RecursionError), a number too large for
+# a float (OverflowError), a value of another type (TypeError).
+_DECODE_ERRORS = (ValueError, RecursionError, OverflowError, TypeError)
 # Errors of the store itself (gone, slow, cut short): try next round.
 _STORE_ERRORS = (OSError, urllib.error.URLError, http.client.HTTPException)
 
@@ -275,6 +293,10 @@ class TrackedHorovod:
                           differentiable)
 
 
+class InvalidRecord(ValueError):
+    """A record of the store that is malformed or not signed by the job."""
+
+
 class RendezvousStore:
     """Keys on horovodrun's rendezvous HTTP server (PUT/GET of bytes)."""
 
@@ -295,18 +317,35 @@ class RendezvousStore:
             pass
 
     def get(self, key: str) -> Optional[bytes]:
+        """The value under `key` (None: absent).
+
+        Raises:
+            InvalidRecord: larger than `MAX_RECORD_BYTES`; not read (the
+                connection is closed on the announced length).
+        """
+        # Only the first MAX_RECORD_BYTES + 1 are asked for (horovodrun's
+        # server ignores the range and sends all: the length decides).
+        request = urllib.request.Request(
+            self._url + key,
+            headers={"Range": f"bytes=0-{MAX_RECORD_BYTES}"})
         try:
             with urllib.request.urlopen(
-                    self._url + key, timeout=_HTTP_TIMEOUT_SECONDS) as r:
-                return r.read()
+                    request, timeout=_HTTP_TIMEOUT_SECONDS) as r:
+                announced = r.headers.get("Content-Length")
+                if (announced is not None and announced.isdigit()
+                        and int(announced) > MAX_RECORD_BYTES):
+                    raise InvalidRecord(
+                        f"{announced} bytes, more than {MAX_RECORD_BYTES}: "
+                        f"not read")
+                value = r.read(MAX_RECORD_BYTES + 1)
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 return None
             raise
-
-
-class InvalidRecord(ValueError):
-    """A record of the store that is malformed or not signed by the job."""
+        if len(value) > MAX_RECORD_BYTES:
+            raise InvalidRecord(f"more than {MAX_RECORD_BYTES} bytes: not "
+                                f"read")
+        return value
 
 
 def encode_record(secret: bytes, key: str, body: Dict[str, Any]) -> bytes:
@@ -353,26 +392,42 @@ def decode_record(secret: bytes, key: str, raw: bytes,
     `abort`: a verdict), verified and checked field by field.
 
     Raises:
-        InvalidRecord: not JSON of the expected shape, not signed with
-            `secret` for this key, or a field of the wrong type or range.
+        InvalidRecord: larger than `MAX_RECORD_BYTES`, not ASCII JSON of
+            the expected shape (whatever the bytes: any decoding error is
+            this one), not signed with `secret` for this key, or a field
+            of the wrong type or range.
     """
+    if len(raw) > MAX_RECORD_BYTES:
+        raise InvalidRecord(f"{len(raw)} bytes, more than "
+                            f"{MAX_RECORD_BYTES}")
     try:
-        record = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRecord(f"not JSON ({e})") from e
+        return _decode(secret, key, raw, size)
+    except InvalidRecord:
+        raise
+    except _DECODE_ERRORS as e:
+        raise InvalidRecord(f"undecodable ({type(e).__name__}: {e})") \
+            from e
+
+
+def _decode(secret: bytes, key: str, raw: bytes,
+            size: int) -> Dict[str, Any]:
+    # Ours are ASCII (json.dumps escapes the rest): no surrogates or
+    # other encoding surprises get past this.
+    if not raw.isascii():
+        raise InvalidRecord("not ASCII")
+    record = json.loads(raw)
     if (not isinstance(record, dict) or set(record) != {"body", "mac"}
             or not isinstance(record["body"], str)
-            or not isinstance(record["mac"], str)):
-        raise InvalidRecord("not a signed record ({'body': str, 'mac': "
-                            "str})")
+            or not isinstance(record["mac"], str)
+            or not record["body"].isascii()
+            or not _MAC.fullmatch(record["mac"])):
+        raise InvalidRecord("not a signed record ({'body': ASCII str, "
+                            "'mac': 64 hex digits})")
     if not peer_auth.verify(secret, key, record["body"].encode(),
                             record["mac"]):
         raise InvalidRecord("its signature does not verify with the job "
                             "secret")
-    try:
-        body = json.loads(record["body"])
-    except ValueError as e:
-        raise InvalidRecord(f"body not JSON ({e})") from e
+    body = json.loads(record["body"])
     if not isinstance(body, dict):
         raise InvalidRecord("body is not a JSON object")
     if key == "abort":
@@ -380,6 +435,13 @@ def decode_record(secret: bytes, key: str, raw: bytes,
     else:
         _heartbeat_fields(body)
     return body
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """`text` as one short printable line (it may quote a stranger)."""
+    line = text.encode("ascii", "backslashreplace").decode()
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def find_stuck(rank: int, size: int, exited: int,
@@ -512,21 +574,31 @@ class Watchdog:
     def _read(self, key: str) -> Optional[Dict[str, Any]]:
         """The verified body under `key`; None if absent or invalid (an
         invalid one is reported once)."""
-        raw = self._store.get(key)
-        if raw is None:
-            return None
+        raw = None
         try:
+            raw = self._store.get(key)
+            if raw is None:
+                return None
             return decode_record(self._job_secret(), key, raw, self.size)
         except InvalidRecord as e:
-            seen = (key, bytes(raw[:4096]))
-            if seen not in self._ignored and len(self._ignored) < 1000:
-                self._ignored.add(seen)
-                sys.stderr.write(
-                    f"[group_embedding] rank {self.rank}: the collective "
-                    f"watchdog ignores the record {key!r} of the key-value "
-                    f"store: {e}\n")
-                sys.stderr.flush()
+            self._report(key, raw, str(e))
             return None
+
+    def _report(self, key: str, raw: Optional[bytes], why: str) -> None:
+        """One line on stderr per distinct invalid record (up to
+        _MAX_REPORTED of them)."""
+        seen = (key, why if raw is None else hashlib.sha256(raw).digest())
+        if seen in self._ignored or len(self._ignored) > _MAX_REPORTED:
+            return
+        self._ignored.add(seen)
+        line = (f"the collective watchdog ignores the record {key!r} of "
+                f"the key-value store: {_one_line(why)}")
+        if len(self._ignored) > _MAX_REPORTED:
+            line = (f"more than {_MAX_REPORTED} invalid records: the "
+                    f"collective watchdog ignores the next ones without a "
+                    f"line")
+        sys.stderr.write(f"[group_embedding] rank {self.rank}: {line}\n")
+        sys.stderr.flush()
 
     def _job_secret(self) -> bytes:
         secret = self._secret()
@@ -596,6 +668,9 @@ class Watchdog:
         # one too, if its watchdog runs) to read and print the verdict
         # before a first exit breaks their collectives.
         exit_at = time.time() + 2 * self.interval
+        # The others accept at most _MAX_MESSAGE_CHARS (many stuck ranks).
+        if len(verdict) > _MAX_MESSAGE_CHARS:
+            verdict = verdict[:_MAX_MESSAGE_CHARS - 3] + "..."
         self._write("abort", {"message": verdict, "exit_at": exit_at,
                               "rank": self.rank})
         self._stop(f"[group_embedding] rank {self.rank}: {verdict}",

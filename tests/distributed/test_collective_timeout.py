@@ -7,12 +7,15 @@ the watchdog's rounds in-process, without Horovod.
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -111,6 +114,128 @@ def test_hostile_records_in_the_real_store():
     assert re.search(r"\[0\]<stderr>:\[group_embedding\] rank 0: collective "
                      r"timeout: rank 0 waited .* for rank 1\.", out), \
         out[-4000:]
+
+
+def _post(url, value):
+    try:
+        _put(url, value)
+    except (OSError, urllib.error.URLError):
+        pass  # e.g. the server cut a huge one short: tried, as a stranger
+
+
+def _set_phase(folder, phase):
+    (folder / "phase.tmp").write_text(phase)
+    os.rename(folder / "phase.tmp", folder / "phase")
+
+
+def _post_interleaved(folder, address, signed):
+    """The issue's records, then 1,200 random and mutated ones, each block
+    posted under a scope nobody reads (phase `control`), then under the
+    watchdog's (`attack`): both phases see the same traffic and, block by
+    block, the same load from the rest of the host."""
+    issue = [[json.dumps({"body": "x", "mac": "\ud800"}).encode()],
+             [b"[" * 100000], [b"x" * (1 << 30)]]
+    fuzz = _fuzz(3700, 1200, signed)
+    blocks = issue + [fuzz[i:i + 100] for i in range(0, len(fuzz), 100)]
+    keys = ["abort"] * 4 + ["rank_0", "rank_1"]
+    phases = [("control", "stranger_control"),
+              ("attack", "group_embedding_watchdog")]
+    for n, block in enumerate(blocks):
+        # Either phase first, in turn: neither gets the start of a block.
+        for phase, scope in phases[::1 if n % 2 else -1]:
+            _set_phase(folder, phase)
+            for i, raw in enumerate(block):
+                key = "abort" if len(block) == 1 else keys[i % len(keys)]
+                _post(f"http://{address}/{scope}/{key}", raw)
+                time.sleep(0.004)
+            if len(block) == 1:
+                time.sleep(1.5)  # several rounds of every watchdog
+
+
+def test_stranger_records_in_a_real_job(tmp_path):
+    # A 2-worker job trains; a stranger (no secret) posts the issue's
+    # records to its store (a lone surrogate, '[' x 100000, 1 GiB), then
+    # 1,200 random and mutated ones. Before, the first two stopped every
+    # worker within ~1 s and the third cost each worker +2 GB and 2.3x
+    # slower steps. Now: every round of the watchdog stays cheap, nothing
+    # is read whole, the steps are as fast as under the same traffic to
+    # keys nobody reads (the control: the poster and the server share the
+    # cores), and the watchdogs still stop the job, naming the worker,
+    # when one gets stuck at the end (not blinded).
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", FUZZ_DIR=str(tmp_path))
+    env[watchdog.ENV_TIMEOUT] = str(TIMEOUT)
+    proc = subprocess.Popen(
+        [horovodrun, "-np", "2", "--gloo", sys.executable,
+         os.path.join(_HERE, "collective_store_fuzz.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, start_new_session=True)
+    try:
+        store_file = tmp_path / "store"
+        deadline = time.monotonic() + HANG_AFTER
+        while not store_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                "the job never started training"
+            time.sleep(0.2)
+        address = store_file.read_text()
+        signed = None
+        while signed is None:
+            try:
+                with urllib.request.urlopen(
+                        f"http://{address}/group_embedding_watchdog/"
+                        f"rank_0", timeout=5) as r:
+                    signed = r.read()
+            except urllib.error.HTTPError:
+                time.sleep(0.1)
+        _post_interleaved(tmp_path, address, signed)
+        _set_phase(tmp_path, "stop")
+        out, _ = proc.communicate(timeout=HANG_AFTER)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        print(proc.communicate()[0][-6000:])
+        raise
+    ended = time.time()
+    assert "the collective watchdog failed" not in out, out[-4000:]
+    assert "stops: " not in out.split("worker 1 stuck at")[0], out[-4000:]
+    for rank in (0, 1):
+        stats = {}
+        for phase in ("control", "attack"):
+            m = re.search(
+                rf"worker {rank} {phase}: steps (\d+) median ([\d.]+) s cpu "
+                rf"([\d.]+) s; "
+                rf"watchdog rounds (\d+) cpu mean ([\d.]+) max ([\d.]+) "
+                rf"wall max ([\d.]+) interval ([\d.]+)", out)
+            assert m, out[-4000:]
+            stats[phase] = [float(x) for x in m.groups()]
+        steps, median, step_cpu, rounds, cpu, _, wall, interval = \
+            stats["attack"]
+        assert rounds >= 10 and steps >= 20, stats
+        # The watchdog thread's cost per round, against its interval: the
+        # most it can take from the job (1 GiB read whole: seconds).
+        assert cpu <= 0.1 * interval, stats
+        assert wall < interval, stats
+        # Median step times, attacked vs under the same traffic to keys
+        # nobody reads.
+        assert median <= 1.1 * stats["control"][1], stats
+        growth = int(re.search(rf"worker {rank} attack rss growth (\d+)",
+                               out).group(1))
+        print(f"worker {rank}: {stats}, attack rss growth {growth}")
+        assert growth < 64 << 20, growth
+        # Each of the issue's records: ignored with a line.
+        for why in ("not a signed record", "RecursionError",
+                    "1073741824 bytes, more than"):
+            assert re.search(
+                rf"\[{rank}\]<stderr>:\[group_embedding\] rank {rank}: the "
+                rf"collective watchdog ignores the record 'abort' of the "
+                rf"key-value store: .*{why}", out), (why, out[-4000:])
+    # Not blinded: worker 1 stuck after all this is found and named.
+    stalled = re.search(r"worker 1 stuck at ([\d.]+)", out)
+    assert stalled, out[-4000:]
+    assert re.search(r"\[0\]<stderr>:\[group_embedding\] rank 0: collective "
+                     r"timeout: rank 0 waited [\d.]+ s .* for rank 1\.",
+                     out), out[-4000:]
+    assert proc.returncode != 0 and "finished" not in out, out[-4000:]
+    assert ended - float(stalled.group(1)) < TIMEOUT + 25, out[-4000:]
 
 
 def test_idle_and_lagging_workers_do_not_time_out():
@@ -256,6 +381,21 @@ _HOSTILE_ABORTS = [
         "message": "stop", "exit_at": float("nan"), "rank": 1}),
     watchdog.encode_record(SECRET, "abort", {
         "message": "stop", "exit_at": 0, "rank": 7}),
+    # Issue 37: a lone surrogate (UnicodeEncodeError in .encode() before,
+    # outside the decoder's error handling) and nesting past the recursion
+    # limit (RecursionError): both stopped every worker.
+    json.dumps({"body": "x", "mac": "\ud800"}).encode(),
+    json.dumps({"body": "\udfff", "mac": "0" * 64}).encode(),
+    b"[" * 100000,
+    b'{"body": ' + b"[" * 100000 + b"]" * 100000 + b', "mac": "00"}',
+    b"\xff\xfe not UTF-8",
+    # Signed, with what only the job could put there: still no crash.
+    watchdog.encode_record(SECRET, "abort", {
+        "message": "stop", "exit_at": 10**400, "rank": 1}),
+    watchdog.encode_record(SECRET, "abort", {
+        "message": "stop", "exit_at": 0, "rank": 10**400}),
+    watchdog.encode_record(SECRET, "abort", {
+        "message": "x" * 65537, "exit_at": 0, "rank": 1}),
 ]
 
 
@@ -302,6 +442,116 @@ def test_invalid_heartbeat_counts_as_missing(heartbeat, capsys):
     assert "Stuck: rank 1 (never reported, or no valid record" in exits[0]
     assert "ignores the record 'rank_1'" in capsys.readouterr().err
     assert _body(store, "abort")["rank"] == 0
+
+
+def _fuzz(seed, count, signed):
+    """`count` records a stranger could post: random bytes, and mutations
+    of `signed` (a real record, which anyone can read from the store)."""
+    rng = random.Random(seed)
+    pieces = [b"[", b"{", b'"', b"\\ud800", b"\\udc00", b"\xff", b"\x00",
+              b"1" * 5000, b"1e999", b"NaN", b"-Infinity", b'"body"',
+              b'"mac"', b":", b",", b"}", b"]", b"\\", b"\n"]
+    out = []
+    for i in range(count):
+        kind = i % 6
+        raw = bytearray(signed)
+        if kind == 0:
+            out.append(bytes(rng.getrandbits(8)
+                             for _ in range(rng.randrange(0, 300))))
+            continue
+        if kind == 1:  # flipped bytes
+            for _ in range(rng.randrange(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.getrandbits(8)
+        elif kind == 2:  # cut, or a slice repeated
+            a, b = sorted(rng.randrange(len(raw) + 1) for _ in range(2))
+            raw = raw[:a] if rng.random() < 0.5 else raw[:b] + raw[a:]
+        elif kind == 3:  # JSON pieces spliced in
+            for _ in range(rng.randrange(1, 5)):
+                at = rng.randrange(len(raw) + 1)
+                raw[at:at] = rng.choice(pieces) * rng.choice((1, 2, 3000))
+        elif kind == 4:  # nested
+            depth = rng.choice((10, 1000, 50000))
+            raw = (b"[" * depth + raw + b"]" * depth
+                   if rng.random() < 0.5 else b'{"a":' * depth + raw)
+        else:  # a digit of the signed body changed
+            digits = [j for j, c in enumerate(raw) if 48 <= c <= 57]
+            raw[rng.choice(digits)] = rng.choice(b"0123456789")
+        out.append(bytes(raw))
+    return out
+
+
+def test_fuzzed_records_are_ignored_with_a_line_each(capsys):
+    # Every decoding failure is "ignored, one line on stderr", whatever
+    # the bytes; a valid abort is still obeyed afterwards.
+    store, exits, c = _Store(), [], _Counters()
+    w = _watchdog(0, store, c, exits)
+    w.check()
+    records = _fuzz(37, 3000, store.data["rank_0"])
+    for raw in records:
+        store.data["abort"] = raw
+        w.check()
+    assert exits == []
+    lines = capsys.readouterr().err.splitlines()
+    distinct = {r for r in records if r != store.data["rank_0"]}
+    assert len(lines) == min(len(distinct), 1001), lines[-3:]
+    assert all("the collective watchdog ignores the record 'abort'" in line
+               or "ignores the next ones without a line" in line
+               for line in lines), [x for x in lines if "ignores" not in x]
+    assert all(len(line) < 500 for line in lines)
+    store.data["abort"] = watchdog.encode_record(SECRET, "abort", {
+        "message": "stop now", "exit_at": 0, "rank": 1})
+    w.check()
+    assert exits == ["[group_embedding] rank 0 stops: stop now"]
+
+
+def _kv_server():
+    from horovod.runner.http.http_server import RendezvousServer
+    server = RendezvousServer()
+    return server, server.start()
+
+
+def _put(url, value):
+    request = urllib.request.Request(url, data=value, method="PUT")
+    urllib.request.urlopen(request, timeout=60).close()
+
+
+def test_store_reads_at_most_the_record_cap():
+    # Against horovodrun's own server: a record past the cap is refused
+    # on its announced length, unread; one at the cap is read.
+    server, port = _kv_server()
+    try:
+        store = watchdog.RendezvousStore("127.0.0.1", str(port))
+        url = f"http://127.0.0.1:{port}/group_embedding_watchdog/abort"
+        cap = watchdog.MAX_RECORD_BYTES
+        _put(url, b"x" * cap)
+        assert store.get("abort") == b"x" * cap
+        _put(url, b"x" * (cap + 1))
+        with pytest.raises(watchdog.InvalidRecord,
+                           match=rf"{cap + 1} bytes, more than {cap}: not "
+                                 r"read"):
+            store.get("abort")
+        _put(url, b"x" * (256 << 20))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = _status("VmRSS")
+        start = time.monotonic()
+        for _ in range(10):
+            with pytest.raises(watchdog.InvalidRecord, match="not read"):
+                store.get("abort")
+        # Before: each read took the whole record (+2 GB at 1 GiB).
+        assert time.monotonic() - start < 5
+        assert _status("VmHWM") - before < 16 << 20
+        assert store.get("missing") is None
+    finally:
+        server.stop()
+
+
+def _status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(field)
 
 
 def test_watchdog_thread_survives_hostile_records_and_still_stops(capsys):
