@@ -16,7 +16,9 @@
 // and a delete is a plain store (no probe chains, no tombstones). A
 // bucket that is full when a new key arrives evicts its least valuable
 // unpinned key: LRU the oldest clock, LFU the smallest freq (ties: older
-// clock, then smaller key). Keys seen by the current call are pinned (a
+// clock, then the lower slot; a new key takes the lowest free slot, the
+// missing keys of a call go in bucket by bucket in batch order, so where
+// every key lands is deterministic). Keys seen by the current call are pinned (a
 // row handed out in this call never changes owner within it). Inserts
 // therefore never fail up to load factor 1.0, unless one call brings
 // more distinct keys into one bucket than it has unpinned slots (counted

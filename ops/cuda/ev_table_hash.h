@@ -52,15 +52,18 @@ GE_HD bool Admitted(int64_t freq, int64_t filter_freq) {
 }
 
 // The eviction order of a full bucket: true when entry a should go
-// before entry b. LRU: older clock first, then smaller key; LFU: smaller
-// freq first, then older clock, then smaller key. Pinned entries (clock
-// == the current call) are never candidates; the caller skips them.
+// before entry b. LRU: older clock first; LFU: smaller freq first, then
+// older clock; then the lower slot (placement is deterministic: new keys
+// take the lowest free slot, bucket by bucket in key order, so the slot
+// order is a fact of the table the model can follow, and the victim is
+// chosen without reading keys). Pinned entries (clock == the current
+// call) are never candidates; the caller skips them.
 GE_HD bool EvictsBefore(int policy, int64_t freq_a, int64_t clock_a,
-                        int64_t key_a, int64_t freq_b, int64_t clock_b,
-                        int64_t key_b) {
+                        int64_t slot_a, int64_t freq_b, int64_t clock_b,
+                        int64_t slot_b) {
   if (policy == GE_EV_LFU && freq_a != freq_b) return freq_a < freq_b;
   if (clock_a != clock_b) return clock_a < clock_b;
-  return key_a < key_b;
+  return slot_a < slot_b;
 }
 
 // Buckets are numbered in uint32 by the insert's sort (one more for "no

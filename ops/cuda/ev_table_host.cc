@@ -108,9 +108,9 @@ int64_t Place(const GeEvTable& t, int64_t base, int64_t call_clock,
   for (int i = 0; i < GE_EV_BUCKET; ++i) {
     const int64_t s = base + i;
     if (t.clock[s] == call_clock) continue;
-    if (best < 0 || ge_ev::EvictsBefore(t.policy, t.freq[s], t.clock[s],
-                                        t.keys[s], t.freq[best],
-                                        t.clock[best], t.keys[best])) {
+    if (best < 0 || ge_ev::EvictsBefore(t.policy, t.freq[s], t.clock[s], s,
+                                        t.freq[best], t.clock[best],
+                                        best)) {
       best = s;
     }
   }

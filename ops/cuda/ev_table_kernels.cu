@@ -3,16 +3,18 @@
 // A find is one launch: a tile of 8 lanes per key reads the key's bucket
 // digests (16 bytes a lane, one 128-byte line), checks the keys whose
 // digest matches, and copies the row (float4 per lane where aligned).
-// A find-or-insert is four: the same probe, which also stamps the keys
-// it finds and writes the bucket of each missing key; a radix sort of
-// those buckets, so that the missing keys of one bucket are adjacent;
-// one warp per bucket inserting them in turn (it alone writes that
-// bucket in the launch: no locks, no lost insert, no key stored twice,
-// duplicates of a new key found in the warp's copy of the bucket); and
-// a pass that reads the new keys' rows and counts every occurrence.
+// A find-or-insert is three: the same probe, which also stamps, counts
+// and reads the keys it finds and writes the bucket of each missing key;
+// a radix sort of those buckets (stable: a bucket's missing keys end up
+// adjacent, in batch order); and warps that each insert one bucket's
+// keys in turn (a warp alone writes its bucket in the launch: no locks,
+// no lost insert, no key stored twice; repeats of a new key are found in
+// the warp's copy of the bucket's digests), writing their rows. With a
+// CounterFilter a fourth counts the hits once every read is done.
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cub/cub.cuh>
 #include <initializer_list>
 
@@ -29,7 +31,6 @@ using ge_ev::Mix;
 
 constexpr int kTile = 8;    // lanes per key in the probes
 constexpr int kBlock = 256;
-constexpr int kPerLane = GE_EV_BUCKET / 32;  // slots per lane in a warp
 constexpr unsigned kAll = 0xffffffffu;
 
 __device__ __forceinline__ void Count(unsigned long long* counters, int which,
@@ -66,18 +67,20 @@ __device__ __forceinline__ int64_t TileFind(const GeEvTable& t, bool active,
     const uint4 d =
         reinterpret_cast<const uint4*>(t.digests + base)[lane];
     const unsigned want = DigestOf(h) * 0x01010101u;
-    const unsigned words[4] = {d.x, d.y, d.z, d.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      // 0xff in each byte whose digest matches.
-      unsigned bits = __vcmpeq4(words[w], want);
-      while (bits != 0) {
+    // Byte k of word w (slot 16 lane + 4 w + k) is 0xff where the digest
+    // matches.
+    auto scan = [&](unsigned word, int w) {
+      for (unsigned bits = __vcmpeq4(word, want); bits != 0;) {
         const int byte = (__ffs(bits) - 1) >> 3;
         bits &= ~(0xffu << (8 * byte));
         const int64_t s = base + lane * 16 + w * 4 + byte;
         if (t.keys[s] == key) found = s;
       }
-    }
+    };
+    scan(d.x, 0);
+    scan(d.y, 1);
+    scan(d.z, 2);
+    scan(d.w, 3);
   }
   const unsigned hits =
       (__ballot_sync(kAll, found >= 0) >> (tile * kTile)) & 0xffu;
@@ -173,7 +176,9 @@ __device__ __forceinline__ void WriteEntry(const GeEvTable& t, int64_t s,
 
 // Probe of a find-or-insert / insert: found keys are stamped (training)
 // or overwritten (import) and their rows read; a missing key leaves its
-// bucket in `bucket_of` (others `none`) for the insert.
+// bucket in `bucket_of` (others `none`) for the insert. Without a
+// filter the read does not depend on freq, so hits are counted here;
+// with one, CountHitsKernel counts them once every read is done.
 __global__ void __launch_bounds__(kBlock)
     ProbeKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
                 int64_t version, int64_t call_clock, float* out,
@@ -196,6 +201,12 @@ __global__ void __launch_bounds__(kBlock)
                                 BucketOf(h, t.num_buckets));
     if (bad) Count(counters, GE_EV_BAD_KEYS);
   }
+  if (bad) {
+    if (out != nullptr && !in.on) {
+      AbsentRow(t, key, out + me.j * t.dim, me.lane, vec4);
+    }
+    return;
+  }
   if (s < 0) return;
   if (in.on) {
     WriteEntry(t, s, key, me.j, version, in, me.lane, kTile, vec4);
@@ -206,172 +217,216 @@ __global__ void __launch_bounds__(kBlock)
   if (me.lane == 0) {
     t.version[s] = max(t.version[s], version);
     t.clock[s] = call_clock;
+    if (t.filter_freq <= 0) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(t.freq + s), 1ull);
+    }
   }
   if (out == nullptr) return;
-  // The freq before this call counts (FinishKernel counts afterwards).
   float* dst = out + me.j * t.dim;
-  if (Admitted(t.freq[s], t.filter_freq)) {
+  if (t.filter_freq <= 0 || Admitted(t.freq[s], t.filter_freq)) {
     CopyRow(dst, t.values + s * t.dim, t.dim, me.lane, kTile, vec4);
   } else {
     FillRow(dst, t.no_permission, t.dim, me.lane, kTile);
   }
 }
 
-// Lane `lane`'s slot i of a warp's bucket copy: bucket slot i * 32 + lane
-// (so that each load is one coalesced line).
-__device__ __forceinline__ int SlotOf(int i, int lane) {
-  return i * 32 + lane;
+// The victim of a full bucket (slot in the bucket), or -1 when every key
+// is pinned; the whole warp calls it. Lane l weighs slots 4l .. 4l + 3.
+__device__ __forceinline__ int Victim(const GeEvTable& t, int64_t base,
+                                      int64_t call_clock, int lane) {
+  int best = -1;
+  int64_t bf = 0, bc = 0;
+  const int64_t* clock = t.clock + base + 4 * lane;
+  const int64_t* freq = t.freq + base + 4 * lane;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t c = clock[i];
+    if (c == call_clock) continue;
+    const int64_t f = t.policy == GE_EV_LFU ? freq[i] : 0;
+    if (best < 0 ||
+        ge_ev::EvictsBefore(t.policy, f, c, 4 * lane + i, bf, bc, best)) {
+      best = 4 * lane + i;
+      bf = f;
+      bc = c;
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    const int ob = __shfl_down_sync(kAll, best, off);
+    const int64_t of = __shfl_down_sync(kAll, bf, off);
+    const int64_t oc = __shfl_down_sync(kAll, bc, off);
+    if (ob >= 0 &&
+        (best < 0 || ge_ev::EvictsBefore(t.policy, of, oc, ob, bf, bc,
+                                         best))) {
+      best = ob;
+      bf = of;
+      bc = oc;
+    }
+  }
+  return __shfl_sync(kAll, best, 0);
 }
 
-// One warp per bucket with missing keys: the run of sorted entries
-// [start, ...) with that bucket, inserted in turn.
-__global__ void __launch_bounds__(kBlock)
-    InsertKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
-                 const uint32_t* __restrict__ bucket_sorted,
-                 const int32_t* __restrict__ index_sorted, uint32_t none,
-                 int64_t version, int64_t call_clock, int64_t* slot_of,
-                 GeEvEvicted ev, bool has_ev, ImportRows in,
-                 unsigned long long* counters, bool vec4) {
-  const int64_t w =
-      (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (w >= n) return;
-  const uint32_t b = bucket_sorted[w];
-  if (b == none || (w > 0 && bucket_sorted[w - 1] == b)) return;
+// What a new key's occurrence reads in training: its freq before this
+// call is 0, so its row only without a filter.
+__device__ __forceinline__ void NewKeyRow(const GeEvTable& t, int64_t s,
+                                          float* dst, int lane, bool vec4) {
+  if (t.filter_freq <= 0) {
+    CopyRow(dst, t.values + s * t.dim, t.dim, lane, 32, vec4);
+  } else {
+    FillRow(dst, t.no_permission, t.dim, lane, 32);
+  }
+}
+
+struct InsertCall {
+  GeEvTable t;
+  const int64_t* keys;
+  int64_t n;
+  const uint32_t* bucket_sorted;
+  const int32_t* index_sorted;
+  int64_t version, call_clock;
+  int64_t* slot_of;
+  float* out;  // training rows (NULL: none, or an import)
+  GeEvEvicted ev;
+  bool has_ev;
+  ImportRows in;
+  unsigned long long* counters;
+  bool vec4;
+};
+
+// The missing keys of bucket b, sorted entries [e, ...), inserted in
+// turn by one warp. The warp keeps the bucket's digests (4 a lane: slots
+// 4l .. 4l + 3), so it finds free slots and the keys it inserted earlier
+// in the run without reading keys.
+__device__ void InsertRun(const InsertCall& c, int64_t e, uint32_t b,
+                          int lane) {
+  const GeEvTable& t = c.t;
   const int64_t base = static_cast<int64_t>(b) * GE_EV_BUCKET;
   const int64_t cap = t.num_buckets * GE_EV_BUCKET;
-  int64_t k[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) k[i] = t.keys[base + SlotOf(i, lane)];
-
-  for (int64_t e = w; e < n && bucket_sorted[e] == b; ++e) {
-    const int64_t j = index_sorted[e];
-    const int64_t key = keys[j];
-    // A duplicate of a key this warp inserted already.
-    int q = -1;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const unsigned m = __ballot_sync(kAll, k[i] == key);
-      if (q < 0 && m != 0) q = SlotOf(i, __ffs(m) - 1);
+  uint32_t dg = reinterpret_cast<const uint32_t*>(t.digests + base)[lane];
+  for (; e < c.n && c.bucket_sorted[e] == b; ++e) {
+    const int64_t j = c.index_sorted[e];
+    const int64_t key = c.keys[j];
+    const uint64_t h = Mix(static_cast<uint64_t>(key));
+    const uint32_t d = DigestOf(h);
+    float* dst = c.out != nullptr ? c.out + j * t.dim : nullptr;
+    // A repeat of a key this warp inserted earlier in the run.
+    int found = -1;
+    for (unsigned m = __vcmpeq4(dg, d * 0x01010101u); m != 0;) {
+      const int byte = (__ffs(m) - 1) >> 3;
+      m &= ~(0xffu << (8 * byte));
+      if (t.keys[base + 4 * lane + byte] == key) found = 4 * lane + byte;
     }
-    if (q >= 0) {
-      if (lane == 0) slot_of[j] = base + q;
+    const unsigned hits = __ballot_sync(kAll, found >= 0);
+    if (hits != 0) {
+      const int64_t s = base + __shfl_sync(kAll, found, __ffs(hits) - 1);
+      if (lane == 0) {
+        c.slot_of[j] = s;
+        if (!c.in.on) ++t.freq[s];  // only this warp writes a new key
+      }
+      if (dst != nullptr) NewKeyRow(t, s, dst, lane, c.vec4);
       continue;
     }
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const unsigned m = __ballot_sync(kAll, k[i] == GE_EV_EMPTY_KEY);
-      if (q < 0 && m != 0) q = SlotOf(i, __ffs(m) - 1);
-    }
-    if (q < 0) {
-      // Full: the lane's best unpinned candidate, then the warp's.
-      int best = -1;
-      int64_t bf = 0, bc = 0, bk = 0;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        const int64_t s = base + SlotOf(i, lane);
-        const int64_t c = t.clock[s];
-        if (c == call_clock) continue;
-        const int64_t f = t.freq[s];
-        if (best < 0 || ge_ev::EvictsBefore(t.policy, f, c, k[i], bf, bc,
-                                            bk)) {
-          best = SlotOf(i, lane);
-          bf = f;
-          bc = c;
-          bk = k[i];
-        }
+    // The lowest free slot (digest 0), else the policy's victim.
+    const unsigned z = __vcmpeq4(dg, 0u);
+    const unsigned frees = __ballot_sync(kAll, z != 0);
+    int q;
+    if (frees != 0) {
+      const int src = __ffs(frees) - 1;
+      q = 4 * src + ((__ffs(__shfl_sync(kAll, z, src)) - 1) >> 3);
+    } else {
+      q = Victim(t, base, c.call_clock, lane);
+      bool room = q >= 0;
+      int64_t a = 0;
+      if (room && c.has_ev) {
+        unsigned long long at = 0;
+        if (lane == 0) at = atomicAdd(c.ev.count, 1ull);
+        at = __shfl_sync(kAll, at, 0);
+        room = at < static_cast<unsigned long long>(c.ev.capacity);
+        a = static_cast<int64_t>(at);
       }
-      for (int off = 16; off > 0; off >>= 1) {
-        const int ob = __shfl_down_sync(kAll, best, off);
-        const int64_t of = __shfl_down_sync(kAll, bf, off);
-        const int64_t oc = __shfl_down_sync(kAll, bc, off);
-        const int64_t ok = __shfl_down_sync(kAll, bk, off);
-        if (ob >= 0 && (best < 0 || ge_ev::EvictsBefore(t.policy, of, oc, ok,
-                                                        bf, bc, bk))) {
-          best = ob;
-          bf = of;
-          bc = oc;
-          bk = ok;
-        }
-      }
-      q = __shfl_sync(kAll, best, 0);
-      if (q < 0) {  // every key of the bucket is pinned by this call
+      if (!room) {  // every key pinned, or nowhere to put the victim
         if (lane == 0) {
-          slot_of[j] = -1;
-          Count(counters, GE_EV_FULL);
+          c.slot_of[j] = -1;
+          Count(c.counters, GE_EV_FULL);
+        }
+        if (dst != nullptr) {
+          if (t.filter_freq > 0) {
+            FillRow(dst, t.no_permission, t.dim, lane, 32);
+          } else {
+            CopyRow(dst, t.defaults + DefaultRow(key, t.default_rows) * t.dim,
+                    t.dim, lane, 32, c.vec4);
+          }
         }
         continue;
       }
       const int64_t victim = base + q;
-      if (has_ev) {
-        unsigned long long at = 0;
-        if (lane == 0) at = atomicAdd(ev.count, 1ull);
-        at = __shfl_sync(kAll, at, 0);
-        if (at >= static_cast<unsigned long long>(ev.capacity)) {
-          if (lane == 0) {
-            slot_of[j] = -1;
-            Count(counters, GE_EV_FULL);
-          }
-          continue;
-        }
-        const int64_t a = static_cast<int64_t>(at);
+      if (c.has_ev) {
         if (lane == 0) {
-          ev.keys[a] = t.keys[victim];
-          ev.freq[a] = t.freq[victim];
-          ev.version[a] = t.version[victim];
+          c.ev.keys[a] = t.keys[victim];
+          c.ev.freq[a] = t.freq[victim];
+          c.ev.version[a] = t.version[victim];
         }
-        CopyRow(ev.values + a * t.dim, t.values + victim * t.dim, t.dim,
-                lane, 32, vec4);
+        CopyRow(c.ev.values + a * t.dim, t.values + victim * t.dim, t.dim,
+                lane, 32, c.vec4);
         for (int sl = 0; sl < t.num_slots; ++sl) {
-          CopyRow(ev.slots + (sl * ev.capacity + a) * t.dim,
+          CopyRow(c.ev.slots + (sl * c.ev.capacity + a) * t.dim,
                   t.slots + (sl * cap + victim) * t.dim, t.dim, lane, 32,
-                  vec4);
+                  c.vec4);
         }
         __syncwarp();
       }
-      if (lane == 0) Count(counters, GE_EV_EVICTED);
+      if (lane == 0) Count(c.counters, GE_EV_EVICTED);
     }
     const int64_t s = base + q;
-    const uint64_t h = Mix(static_cast<uint64_t>(key));
-    WriteEntry(t, s, key, j, version, in, lane, 32, vec4);
+    WriteEntry(t, s, key, j, c.version, c.in, lane, 32, c.vec4);
     if (lane == 0) {
       t.keys[s] = key;
-      t.digests[s] = DigestOf(h);
-      t.clock[s] = call_clock;
-      slot_of[j] = s;
-      Count(counters, GE_EV_INSERTED);
+      t.digests[s] = static_cast<uint8_t>(d);
+      t.clock[s] = c.call_clock;
+      if (!c.in.on) t.freq[s] = 1;  // this occurrence
+      c.slot_of[j] = s;
+      Count(c.counters, GE_EV_INSERTED);
     }
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      if (SlotOf(i, lane) == q) k[i] = key;
+    if (lane == q / 4) {
+      const int shift = 8 * (q % 4);
+      dg = (dg & ~(0xffu << shift)) | (d << shift);
     }
     __syncwarp();
+    if (dst != nullptr) NewKeyRow(t, s, dst, lane, c.vec4);
   }
 }
 
-// After the inserts: new keys' rows read (freq 0 before this call) and
-// every stored occurrence counted.
-__global__ void __launch_bounds__(kBlock)
-    FinishKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
-                 const int64_t* slot_of, const uint32_t* bucket_of,
-                 uint32_t none, float* out, int64_t* out_slots, bool vec4) {
-  const Tile me = MyTile();
-  if (me.j >= n) return;
-  const int64_t s = slot_of[me.j];
-  if (me.lane == 0) {
-    if (s >= 0) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(t.freq + s), 1ull);
+// Warps walk the sorted entries 32 at a time; a run belongs to the warp
+// whose chunk holds its first entry. The sort puts `none` last, so a
+// chunk that starts with it ends the walk.
+__global__ void __launch_bounds__(kBlock) InsertKernel(InsertCall c,
+                                                       uint32_t none) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = gridDim.x * static_cast<int64_t>(kBlock / 32);
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) +
+                    threadIdx.x) / 32;
+       w * 32 < c.n; w += warps) {
+    const int64_t e = w * 32 + lane;
+    const uint32_t b = e < c.n ? c.bucket_sorted[e] : none;
+    if (__shfl_sync(kAll, b, 0) == none) return;
+    const bool start =
+        b != none && (e == 0 || c.bucket_sorted[e - 1] != b);
+    for (unsigned starts = __ballot_sync(kAll, start); starts != 0;
+         starts &= starts - 1) {
+      const int l = __ffs(starts) - 1;
+      InsertRun(c, w * 32 + l, __shfl_sync(kAll, b, l), lane);
     }
-    if (out_slots != nullptr) out_slots[me.j] = s;
   }
-  // Keys found by the probe have their row already.
-  if (out == nullptr || (bucket_of[me.j] == none && s >= 0)) return;
-  float* dst = out + me.j * t.dim;
-  if (s >= 0 && t.filter_freq <= 0) {
-    CopyRow(dst, t.values + s * t.dim, t.dim, me.lane, kTile, vec4);
-  } else {
-    AbsentRow(t, keys[me.j], dst, me.lane, vec4);
-  }
+}
+
+// With a filter: the hits are counted once every read is done.
+__global__ void __launch_bounds__(kBlock)
+    CountHitsKernel(GeEvTable t, int64_t n, const int64_t* slot_of,
+                    const uint32_t* bucket_of, uint32_t none) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) +
+                    threadIdx.x;
+  if (j >= n || bucket_of[j] != none || slot_of[j] < 0) return;
+  atomicAdd(reinterpret_cast<unsigned long long*>(t.freq + slot_of[j]),
+            1ull);
 }
 
 __global__ void InitKernel(GeEvTable t, int64_t cap) {
@@ -535,23 +590,29 @@ int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
                                                              : nullptr,
                              evicted ? evicted->slots : nullptr});
   const int64_t version = step < 0 ? 0 : step;
+  // Slots go straight to the caller's array when there is one.
+  int64_t* slot_of = out_slots != nullptr ? out_slots : s.slot_of;
   ProbeKernel<<<Blocks(n * kTile), kBlock, 0, st>>>(
-      t, keys, n, version, call_clock, out, s.slot_of, s.bucket_of,
+      t, keys, n, version, call_clock, out, slot_of, s.bucket_of,
       s.index_of, none, in, counters, vec4);
   if (int e = Launched()) return e;
   cudaError_t e = cub::DeviceRadixSort::SortPairs(
       s.sort_temp, s.sort_bytes, s.bucket_of, s.bucket_sorted, s.index_of,
       s.index_sorted, static_cast<int>(n), 0, SortBits(t.num_buckets), st);
   if (e != cudaSuccess) return static_cast<int>(e);
-  GeEvEvicted ev{};
-  if (evicted) ev = *evicted;
-  InsertKernel<<<Blocks(n * 32), kBlock, 0, st>>>(
-      t, keys, n, s.bucket_sorted, s.index_sorted, none, version, call_clock,
-      s.slot_of, ev, evicted != nullptr, in, counters, vec4);
+  InsertCall call{t, keys, n, s.bucket_sorted, s.index_sorted, version,
+                  call_clock, slot_of, in.on ? nullptr : out, GeEvEvicted{},
+                  evicted != nullptr, in, counters, vec4};
+  if (evicted) call.ev = *evicted;
+  // Enough warps to fill the GPU; each walks chunks of 32 entries.
+  const int64_t chunks = (n + 31) / 32;
+  const int64_t blocks =
+      std::min<int64_t>((chunks + kBlock / 32 - 1) / (kBlock / 32), 2048);
+  InsertKernel<<<blocks, kBlock, 0, st>>>(call, none);
   if (int e2 = Launched()) return e2;
-  if (in.on) return GE_OK;
-  FinishKernel<<<Blocks(n * kTile), kBlock, 0, st>>>(
-      t, keys, n, s.slot_of, s.bucket_of, none, out, out_slots, vec4);
+  if (in.on || t.filter_freq <= 0) return GE_OK;
+  CountHitsKernel<<<Blocks(n), kBlock, 0, st>>>(t, n, slot_of, s.bucket_of,
+                                                none);
   return Launched();
 }
 
