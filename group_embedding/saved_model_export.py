@@ -2,11 +2,12 @@
 
 TF2 objects (Keras models, `tf.Module`s) go through `tf.saved_model.save`,
 which freezes every EmbeddingVariable it meets into stock TF ops
-(ops/ev_snapshot.py); `model.export()` does the same. This function adds
-a check that the written graph needs no op of this library, and frees the
-snapshots afterwards. TF1 graphs are frozen from a session
-(`estimator/saved_model_writer.py`, what `Estimator.export_saved_model`
-writes).
+(ops/ev_snapshot.py); `model.export()` does the same. This function saves
+a Keras model with endpoints typed by its inputs (keras_serving.py: ragged
+and sparse inputs stay so), checks that the written graph needs no op of
+this library, and frees the snapshots afterwards. TF1 graphs are frozen
+from a session (`estimator/saved_model_writer.py`, what
+`Estimator.export_saved_model` writes).
 """
 
 import os
@@ -15,9 +16,11 @@ from typing import Dict
 from typing import Optional
 from typing import Set
 
+import keras
 import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
+from group_embedding import keras_serving
 from group_embedding.ops import ev_snapshot
 
 
@@ -43,6 +46,15 @@ def export_saved_model(obj, export_dir: str, signatures=None,
       `model.export()`, freezes the EVs by itself; this adds the check
       below). Pass tf.functions as signatures, not concrete functions
       traced before: the save must trace them.
+    * A Keras model with defined inputs and no `signatures` is saved as
+      `keras_serving.KerasServing(model)`: a `serve` function taking the
+      inputs as the model does, each as its kind of tensor (a
+      `keras.Input(ragged=True)` a `tf.RaggedTensor`, `sparse=True` a
+      `tf.SparseTensor`), and a `serving_default` signature of dense
+      tensors named after the inputs (`NAME`; `NAME_values` and
+      `NAME_row_splits` of a ragged input; `NAME_indices`, `NAME_values`
+      and `NAME_dense_shape` of a sparse one). Keras' own `model.export()`
+      types every input dense.
     * TF1: `export_saved_model(None, export_dir, session=sess,
       inputs={name: tensor}, outputs={name: tensor})` freezes the graph of
       `sess` (variables become constants) into a `serving_default`
@@ -52,7 +64,8 @@ def export_saved_model(obj, export_dir: str, signatures=None,
       `Estimator.export_saved_model` does.
 
     Args:
-        obj: the trackable object to save (TF2), None for TF1.
+        obj: the trackable object to save (TF2; a Keras model: see
+            above), None for TF1.
         export_dir: the SavedModel folder (must not exist for TF1).
         signatures: as for `tf.saved_model.save`.
         options: a `tf.saved_model.SaveOptions`.
@@ -67,9 +80,14 @@ def export_saved_model(obj, export_dir: str, signatures=None,
         NotImplementedError: the written graph still needs an op of this
             library (e.g. a collective lookup); nothing is left at
             `export_dir`.
-        ValueError: TF1 form without `inputs` / `outputs`, or with `obj`.
+        ValueError: TF1 form without `inputs` / `outputs`, or with `obj`;
+            a Keras model whose inputs' serving tensor names collide.
     """
     if session is None:
+        if isinstance(obj, keras.Model) and signatures is None and \
+                keras_serving.model_inputs(obj) is not None:
+            obj = keras_serving.KerasServing(obj)
+            signatures = obj.signatures()
         try:
             tf.saved_model.save(obj, export_dir, signatures=signatures,
                                 options=options)

@@ -6,8 +6,11 @@ import group_embedding, and writes its predictions.
 REQUESTS.npz holds per input NAME either `NAME` (dense), `NAME.values` and
 `NAME.row_splits` (ragged) or `NAME.indices`, `NAME.values`,
 `NAME.dense_shape` (sparse). ENDPOINT "serve" calls the `serve` function
-of `model.export()` with the dict of inputs; "serving_default" calls that
-signature: by input name, or (as `tf.saved_model.save(model)` names them)
+(of `model.export()` or `ge.export_saved_model(model)`) with the dict of
+inputs; "serving_default" calls that signature: by input name, a ragged
+or sparse input as its dense parts as `ge.export_saved_model` documents
+them (`NAME_values`, `NAME_row_splits`; `NAME_indices`, `NAME_values`,
+`NAME_dense_shape`), or (as `tf.saved_model.save(model)` names them)
 `inputs`, `inputs_1`, ... in the order of the sorted input names.
 """
 
@@ -50,6 +53,22 @@ def inputs(arrays):
     return result
 
 
+def parts(features):
+    """Ragged and sparse inputs as the dense tensors of their parts."""
+    out = {}
+    for name, value in features.items():
+        if isinstance(value, tf.RaggedTensor):
+            out[name + "_values"] = value.values
+            out[name + "_row_splits"] = value.row_splits
+        elif isinstance(value, tf.SparseTensor):
+            out[name + "_indices"] = value.indices
+            out[name + "_values"] = value.values
+            out[name + "_dense_shape"] = value.dense_shape
+        else:
+            out[name] = value
+    return out
+
+
 def main():
     path, requests, out, endpoint = sys.argv[1:5]
     features = inputs(dict(np.load(requests, allow_pickle=True)))
@@ -62,7 +81,9 @@ def main():
     else:
         signature = loaded.signatures[endpoint]
         names = signature.structured_input_signature[1]
-        if set(names) != set(features):  # Keras: inputs, inputs_1, ...
+        if set(names) == set(parts(features)):
+            features = parts(features)
+        elif set(names) != set(features):  # Keras: inputs, inputs_1, ...
             names = sorted(names, key=lambda n: int(n.rpartition("_")[2])
                            if "_" in n else 0)
             features = {n: features[k] for n, k in

@@ -1,7 +1,8 @@
 """`ge.export_saved_model` (issue 26.1): TF2 objects and TF1 graphs; the
 SavedModel is served by plain TF in a process that cannot import
 group_embedding (serve_plain.py) and predicts what the library's model
-predicts."""
+predicts, on admitted keys, keys stored but still under the CounterFilter
+and unseen keys. Keras models: test_keras_export.py."""
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ import tensorflow as tf
 import group_embedding as ge
 from group_embedding.ops import ev_snapshot
 
+from test_keras_export import ev_pending_keys
+from test_keras_export import pending_keys
 from test_keras_export import serve
 
 _v1 = tf.compat.v1
@@ -25,8 +28,10 @@ def test_tf2_module(tmp_path):
     ev = ge.get_embedding_variable("module_ev", 4, ev_option=_ev_option())
     dense = tf.Variable(tf.random.normal([4, 1], seed=1))
     opt = ge.optimizers.Adagrad(0.2)
-    ids = tf.ragged.constant([[1, 2, 3], [3, 4], [5, 1]], tf.int64)
-    for _ in range(3):
+    for step in range(3):
+        # Key 6 only at the first step: stored, not admitted.
+        ids = tf.ragged.constant([[1, 2, 3], [3, 4], [5, 1, 6][:3 - step]],
+                                 tf.int64)
         with tf.GradientTape() as tape:
             out = ge.group_embedding_lookup_sparse([ev], [ids], ["sum"])[0]
             loss = tf.reduce_sum(tf.matmul(out, dense) ** 2)
@@ -44,7 +49,9 @@ def test_tf2_module(tmp_path):
         return tf.matmul(pooled, dense)
 
     module.serve = serve_fn
-    request = tf.ragged.constant([[1, 2], [], [9, 3, -4], [5]], tf.int64)
+    request = tf.ragged.constant([[1, 2], [], [9, 3, -4], [5], [6, 2]],
+                                 tf.int64)
+    assert ev_pending_keys(ev, request.values) == [6]
     want = serve_fn(request).numpy()
     path = str(tmp_path / "module")
     assert ge.export_saved_model(module, path) == path
@@ -93,11 +100,16 @@ def test_tf1_graph(tmp_path, monkeypatch):
         request = rng.integers(-1, 12, [16, 2])
         with _v1.Session() as sess:
             sess.run(_v1.global_variables_initializer())
-            for _ in range(4):
+            for i in range(4):
                 batch = rng.integers(0, 8, [8, 3])
+                if i == 0:
+                    batch[0, 0] = 9  # seen once: stored, not admitted
                 sess.run(step, {ids: tf.compat.v1.SparseTensorValue(
                     np.stack(np.nonzero(batch >= 0), 1), batch.ravel(),
                     batch.shape)})
+            request[2, 1] = 9
+            keys, _, _, freqs = sess.run(ev.export())
+            assert pending_keys(keys, freqs, 2, request) == [9]
             want = sess.run(served, {dense_ids: request})
             path = str(tmp_path / "tf1")
             ge.export_saved_model(None, path, session=sess,

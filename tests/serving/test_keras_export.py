@@ -1,11 +1,14 @@
-"""One-call export (issue 26.1): `model.export()` and
-`tf.saved_model.save(model)` of Keras models whose EV tables come from
-`GroupEmbeddingFeatures` or from `ge.get_embedding_variable`.
+"""One-call export (issue 26.1, 37.4): `model.export()`,
+`tf.saved_model.save(model)` and `ge.export_saved_model(model)` of Keras
+models whose EV tables come from `GroupEmbeddingFeatures` or from
+`ge.get_embedding_variable`, on dense, ragged and sparse inputs.
 
 Oracle: `model.predict` of the trained model. The SavedModel is served by
 `serve_plain.py` in a subprocess that cannot import group_embedding, on
-requests holding trained keys, keys still under a CounterFilter, keys the
-CBFFilter never admitted, unseen (also negative) keys and empty rows.
+requests holding trained keys, keys stored but still under a
+CounterFilter (each test checks that its request has some:
+`pending_keys`), keys the CBFFilter has not admitted, unseen (also
+negative) keys and empty rows.
 """
 
 import os
@@ -51,30 +54,31 @@ def serve(path, features, endpoint, tmp_path):
     return np.load(out)
 
 
-def save_module(model, path):
-    """`tf.saved_model.save` of a module serving `model` on its inputs.
+def pending_keys(keys, freqs, filter_freq, requested):
+    """The keys of `requested` that an EV stores (its exported `keys` and
+    `freqs`) but has not admitted: counted fewer than `filter_freq`
+    times. A test whose data leave none cannot tell them from admitted or
+    unseen keys."""
+    count = dict(zip(np.asarray(keys).tolist(), np.asarray(freqs).tolist()))
+    return sorted({k for k in np.asarray(requested).ravel().tolist()
+                   if 0 < count.get(k, 0) < filter_freq})
 
-    Keras' `model.export` gives ragged and sparse inputs dense specs (and
-    takes no other), so models on them are saved as TF documents it: a
-    tf.function with the input signature, here named `serve` as Keras
-    names its endpoint.
-    """
-    def spec(x):
-        if x.ragged:
-            return tf.RaggedTensorSpec(x.shape, x.dtype, ragged_rank=1,
-                                       row_splits_dtype=tf.int64)
-        if x.sparse:
-            return tf.SparseTensorSpec(x.shape, x.dtype)
-        return tf.TensorSpec(x.shape, x.dtype)
 
-    module = tf.Module()
-    # The layers, not the model: Keras would add its own signature, with
-    # dense specs for these inputs.
-    module.layers = model.layers
-    module.serve = tf.function(
-        lambda features: model(features, training=False),
-        input_signature=[tf.nest.map_structure(spec, model.input)])
-    tf.saved_model.save(module, path)
+def ev_pending_keys(ev, requested):
+    """`pending_keys` of an eager EV with a CounterFilter."""
+    keys, _, _, freqs = ev.export()
+    return pending_keys(keys.numpy(), freqs.numpy(),
+                        ev.ev_option.filter_option.filter_freq, requested)
+
+
+def string_keys(values):
+    """The EV keys of string ids (columns.py: a 64-bit fingerprint)."""
+    return tf.strings.to_hash_bucket_fast(values, 2**63 - 1).numpy()
+
+
+def _table(model, feature):
+    return next(ev for ev in model.get_layer("features").embedding_variables
+                if feature in ev.name)
 
 
 def _columns(scope):
@@ -91,17 +95,20 @@ def _columns(scope):
             ge_fc.categorical_column_with_embedding(
                 "tag", dtype=tf.int64, ev_option=ge.EmbeddingVariableOption(
                     filter_option=ge.CBFFilter(
-                        filter_freq=2, max_element_size=1000,
+                        filter_freq=3, max_element_size=1000,
                         false_positive_probability=0.01))), 4, "sqrtn")
     return [uid, city, tag]
 
 
 def _data(seed, n=64):
+    """A batch where city "rare" and tag 40 occur once each: trained for
+    up to 2 epochs, they stay under their filters (filter_freq 3)."""
     rng = np.random.default_rng(seed)
     uid = rng.integers(-50, 2**40, 12)[rng.integers(0, 12, n)]
-    city = rng.choice(["sf", "ny", "la", "berlin", "rare"], n,
-                      p=[.3, .3, .2, .17, .03])
+    city = rng.choice(["sf", "ny", "la", "berlin"], n, p=[.3, .3, .2, .2])
+    city[n // 2] = "rare"
     tags = rng.integers(0, 30, [n, 3])
+    tags[n // 2, 0] = 40
     y = ((uid % 2 == 0) ^ (city == "sf")).astype("float32")[:, None]
     return uid, city, tags, y
 
@@ -111,6 +118,7 @@ def _requests(seed=1):
     uid[:3] = [-7, 2**62, 0]  # never seen
     city[:2] = ["never", "rare"]
     tags[:2] = [77, 78, 79]
+    tags[3] = [40, 78, 5]  # row 3 keeps all 3 in `_ragged`
     return uid, city, tags
 
 
@@ -151,6 +159,9 @@ def _trained_dense_model(scope):
 def test_export_and_saved_model_of_feature_columns(tmp_path):
     model, request = _trained_dense_model("export_dense")
     want = model.predict(request, verbose=0)
+    assert ev_pending_keys(_table(model, "city"),
+                           string_keys(request["city"])) == \
+        string_keys(["rare"]).tolist()
     sizes = [int(ev.size()) for ev in
              model.get_layer("features").embedding_variables]
     assert all(s > 0 for s in sizes)
@@ -162,6 +173,14 @@ def test_export_and_saved_model_of_feature_columns(tmp_path):
     got = serve(str(tmp_path / "saved"), request, "serving_default",
                 tmp_path)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # Dense inputs through `ge.export_saved_model`: signature by name.
+    path = ge.export_saved_model(model, str(tmp_path / "ge"))
+    for endpoint in ("serve", "serving_default"):
+        got = serve(path, request, endpoint, tmp_path)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    signature = tf.saved_model.load(path).signatures["serving_default"]
+    assert sorted(signature.structured_input_signature[1]) == sorted(
+        request)
     # The snapshots were freed once written.
     assert not ev_snapshot._taken
     # Exporting inserted nothing and counted nothing.
@@ -177,10 +196,14 @@ def test_export_and_saved_model_of_feature_columns(tmp_path):
 
 def test_export_after_more_training_freezes_the_new_rows(tmp_path):
     model, request = _trained_dense_model("export_twice")
+    city = string_keys(request["city"])
+    assert ev_pending_keys(_table(model, "city"), city)
     model.export(str(tmp_path / "first"), verbose=False)
     first = model.predict(request, verbose=0)
     uid2, city2, tags2, y2 = _data(5)
     _fit(model, {"uid": uid2, "city": city2, "tag": tags2}, y2)
+    # "rare" was admitted since: the second export reads its row.
+    assert not ev_pending_keys(_table(model, "city"), city)
     model.export(str(tmp_path / "second"), verbose=False)
     second = model.predict(request, verbose=0)
     assert not np.allclose(first, second)
@@ -193,7 +216,11 @@ def test_export_after_more_training_freezes_the_new_rows(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["ragged", "sparse"])
-def test_export_of_ragged_and_sparse_inputs(tmp_path, kind):
+def test_export_saved_model_of_ragged_and_sparse_inputs(tmp_path, kind):
+    """`ge.export_saved_model(model, dir)` types the multi-hot input as
+    it is: `serve` takes the RaggedTensor (SparseTensor) under the
+    input's name, `serving_default` its parts (`tag_values`,
+    `tag_row_splits`; `tag_indices`, `tag_values`, `tag_dense_shape`)."""
     sparse = kind == "sparse"
     inputs = {
         "uid": keras.Input(shape=(), dtype="int64", name="uid"),
@@ -218,10 +245,44 @@ def test_export_of_ragged_and_sparse_inputs(tmp_path, kind):
     uid, city, tags = _requests()
     request = {"uid": tf.constant(uid), "city": tf.constant(city),
                "tag": convert(tags)}
+    assert ev_pending_keys(_table(model, "city"), string_keys(city))
     want = model.predict_on_batch(request)
-    save_module(model, str(tmp_path / "exported"))
-    got = serve(str(tmp_path / "exported"), request, "serve", tmp_path)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    path = str(tmp_path / "exported")
+    assert ge.export_saved_model(model, path) == path
+    for endpoint in ("serve", "serving_default"):
+        got = serve(path, request, endpoint, tmp_path)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    parts = ["tag_indices", "tag_values", "tag_dense_shape"] if sparse \
+        else ["tag_values", "tag_row_splits"]
+    signature = tf.saved_model.load(path).signatures["serving_default"]
+    assert sorted(signature.structured_input_signature[1]) == sorted(
+        ["uid", "city"] + parts)
+
+
+def test_keras_export_types_ragged_inputs_dense():
+    """Why `ge.export_saved_model` builds its own endpoints: Keras'
+    export spec of a ragged input is a dense TensorSpec (if Keras starts
+    typing it, `model.export` may serve such models too)."""
+    from keras.src.export import export_utils
+
+    tag = keras.Input(shape=(None,), dtype="int64", name="tag", ragged=True)
+    spec = export_utils.make_tf_tensor_spec(tag)
+    assert type(spec) is tf.TensorSpec, spec
+
+
+def test_export_saved_model_refuses_colliding_input_names(tmp_path):
+    inputs = {"tag": keras.Input(shape=(None,), dtype="int64", ragged=True,
+                                 name="tag"),
+              "tag_values": keras.Input(shape=(), dtype="int64",
+                                        name="tag_values")}
+    out = keras.layers.Concatenate()(
+        [keras.ops.cast(keras.ops.expand_dims(inputs["tag_values"], 1),
+                        "float32")] * 2)
+    model = keras.Model(inputs, out)
+    with pytest.raises(ValueError, match="inputs 'tag' and 'tag_values' "
+                       "both need the serving tensor name 'tag_values'"):
+        ge.export_saved_model(model, str(tmp_path / "m"))
+    assert not (tmp_path / "m").exists()
 
 
 class TagsLayer(keras.layers.Layer):
@@ -268,10 +329,10 @@ def test_export_of_get_embedding_variable(tmp_path, key_dtype, trained):
         np.arange(-40, 40, 3).astype(key_dtype.as_numpy_dtype),
         [5, 0, 10, 12])
     want = model.predict_on_batch(request)
-    save_module(model, str(tmp_path / "exported"))
-    got = serve(str(tmp_path / "exported"), {"ids": request}, "serve",
-                tmp_path)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    path = ge.export_saved_model(model, str(tmp_path / "exported"))
+    for endpoint in ("serve", "serving_default"):
+        got = serve(path, {"ids": request}, endpoint, tmp_path)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     # Unseen keys read their default rows: the rows differ by key mod 7.
     assert len(np.unique(np.round(want, 6))) > 2
 
@@ -297,10 +358,15 @@ def test_model_export_of_get_embedding_variable(tmp_path):
     model = keras.Model(ids, keras.layers.Dense(1)(RowsLayer()(ids)))
     model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
     rng = np.random.default_rng(4)
-    for _ in range(3):
-        model.train_on_batch(rng.integers(0, 12, [8, 4]),
-                             np.ones([8, 1], np.float32))
-    request = tf.constant(rng.integers(-3, 15, [16, 4]))
+    for step in range(3):
+        batch = rng.integers(0, 12, [8, 4])
+        if step == 0:
+            batch[0, 0] = 20  # seen once: stored, not admitted
+        model.train_on_batch(batch, np.ones([8, 1], np.float32))
+    request = rng.integers(-3, 15, [16, 4])
+    request[1, 2] = 20
+    assert ev_pending_keys(model.layers[1].ev, request) == [20]
+    request = tf.constant(request)
     want = model.predict_on_batch(request)
     model.export(str(tmp_path / "exported"), verbose=False)
     np.testing.assert_allclose(
