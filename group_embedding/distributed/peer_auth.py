@@ -32,7 +32,8 @@ import os
 import secrets
 import socket
 import struct
-from typing import NamedTuple, Optional
+import time
+from typing import Callable, NamedTuple, Optional
 
 SECRET_BYTES = 32
 NONCE_BYTES = 32
@@ -106,9 +107,36 @@ def _proof(keys: JobKeys, role: bytes, connector: int, acceptor: int,
     return hmac.new(keys.secret, message, hashlib.sha256).digest()
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds to `deadline` (time.monotonic), for a socket timeout.
+
+    Raises:
+        socket.timeout: the deadline has passed.
+    """
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("timed out: the handshake did not complete "
+                             "within its deadline")
+    return left
+
+
+def _send(sock: socket.socket, data: bytes,
+          deadline: Optional[float]) -> None:
+    if deadline is not None:
+        sock.settimeout(_left(deadline))
+    sock.sendall(data)
+
+
+def _recv_exactly(sock: socket.socket, n: int,
+                  deadline: Optional[float] = None) -> bytes:
+    """`n` bytes, all before `deadline` (one bound for the whole
+    handshake: a peer trickling a byte at a time cannot stretch it)."""
     data = b""
     while len(data) < n:
+        if deadline is not None:
+            sock.settimeout(_left(deadline))
         chunk = sock.recv(n - len(data))
         if not chunk:
             # Not a proof of anything: a busy acceptor turns connections
@@ -120,9 +148,11 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def connecting(sock: socket.socket, keys: JobKeys, rank: int,
-               peer: int) -> None:
+               peer: int, deadline: Optional[float] = None) -> None:
     """This worker (`rank`) authenticates the worker `peer` it connected
     to, and proves itself; returns once `peer` accepted the connection.
+
+    `deadline` (time.monotonic), if given, bounds the whole handshake.
 
     Raises:
         HandshakeError: the other end did not prove it holds the secret
@@ -132,24 +162,32 @@ def connecting(sock: socket.socket, keys: JobKeys, rank: int,
     """
     _check_uid(sock)
     nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(_HELLO.pack(_MAGIC, keys.job_id, rank, peer, nonce))
+    _send(sock, _HELLO.pack(_MAGIC, keys.job_id, rank, peer, nonce),
+          deadline)
     their_nonce, their_proof = _REPLY.unpack(
-        _recv_exactly(sock, _REPLY.size))
+        _recv_exactly(sock, _REPLY.size, deadline))
     if not hmac.compare_digest(
             their_proof,
             _proof(keys, b"accept", rank, peer, their_nonce, nonce)):
         raise HandshakeError(f"the process listening as worker {peer} "
                              f"does not hold this job's secret")
-    sock.sendall(_proof(keys, b"connect", rank, peer, nonce, their_nonce))
-    if _recv_exactly(sock, 1) != _ACCEPTED:
+    _send(sock, _proof(keys, b"connect", rank, peer, nonce, their_nonce),
+          deadline)
+    if _recv_exactly(sock, 1, deadline) != _ACCEPTED:
         raise HandshakeError(f"worker {peer} answered the handshake with "
                              f"garbage")
 
 
-def accepting(sock: socket.socket, keys: JobKeys, rank: int) -> int:
+def accepting(sock: socket.socket, keys: JobKeys, rank: int,
+              deadline: Optional[float] = None,
+              on_greeting: Optional[Callable[[], None]] = None) -> int:
     """This worker (`rank`) authenticates a connection it accepted and
     proves itself; returns the connecting worker's rank (lower than
     `rank`).
+
+    `deadline` (time.monotonic), if given, bounds the whole handshake;
+    `on_greeting` is called once a well-formed greeting of this job has
+    arrived (the acceptor then prefers to drop other connections).
 
     Raises:
         HandshakeError: not a worker of this job (wrong format, job, rank
@@ -158,7 +196,7 @@ def accepting(sock: socket.socket, keys: JobKeys, rank: int) -> int:
     """
     _check_uid(sock)
     magic, job_id, who, me, nonce = _HELLO.unpack(
-        _recv_exactly(sock, _HELLO.size))
+        _recv_exactly(sock, _HELLO.size, deadline))
     if magic != _MAGIC:
         raise HandshakeError("not a group_embedding worker (bad greeting)")
     if not hmac.compare_digest(job_id, keys.job_id):
@@ -166,15 +204,17 @@ def accepting(sock: socket.socket, keys: JobKeys, rank: int) -> int:
     if me != rank or not 0 <= who < rank:
         raise HandshakeError(f"claims to be worker {who} connecting to "
                              f"worker {me}")
+    if on_greeting is not None:
+        on_greeting()
     own = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(_REPLY.pack(own, _proof(keys, b"accept", who, rank, own,
-                                         nonce)))
-    proof = _recv_exactly(sock, _MAC_BYTES)
+    _send(sock, _REPLY.pack(own, _proof(keys, b"accept", who, rank, own,
+                                        nonce)), deadline)
+    proof = _recv_exactly(sock, _MAC_BYTES, deadline)
     if not hmac.compare_digest(
             proof, _proof(keys, b"connect", who, rank, nonce, own)):
         raise HandshakeError(f"claims to be worker {who} but does not hold "
                              f"this job's secret")
-    sock.sendall(_ACCEPTED)
+    _send(sock, _ACCEPTED, deadline)
     return who
 
 

@@ -38,9 +38,13 @@ The Unix sockets' names are random per worker (nothing secret), the TCP
 listener binds only the address the peers are told, and the shared
 memfd is sealed against shrinking and growing (checked on receipt, and
 again by the op). While the workers connect, a stranger's connection
-(a port scan, garbage, a wrong proof, silence) is dropped after
-`HANDSHAKE_SECONDS` on its own thread, with a warning, while the
-listener keeps accepting until the setup deadline: it changes nothing.
+(a port scan, garbage, a wrong proof, silence, a byte at a time) is
+dropped within `HANDSHAKE_SECONDS` of its accept (one deadline for the
+whole handshake) on its own thread, with a warning, while the listener
+keeps accepting until the setup deadline. A Unix peer of another uid is
+dropped at accept; the others hold one of a few slots of their origin
+(TCP address, Unix uid), and a new connection past them drops the oldest
+of its origin that has not greeted: a stranger only crowds out itself.
 Exchanges then carry no per-message authentication (no cost per step).
 `GROUP_EMBEDDING_TRANSPORT_MAX_BYTES` caps the bytes a peer may make
 this worker allocate with one exchange whose counts the receiver cannot
@@ -77,13 +81,20 @@ SHM_BUFFER_BYTES = 64 << 20
 # Seals of a shared region: its size can never change (a peer that shrank
 # it would make the next copy fault with SIGBUS).
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-# A connection must complete its handshake within this; the whole setup
-# within SETUP_SECONDS.
+# A connection must complete its whole handshake within this from its
+# accept (one deadline, not one per read); the whole setup within
+# SETUP_SECONDS.
 HANDSHAKE_SECONDS = 10.0
 SETUP_SECONDS = 120.0
-# Handshakes in progress at once; more connections are dropped at once (a
-# real peer that is turned down retries).
+# Handshakes in progress at once, in all and per origin (a TCP peer's
+# address, a Unix peer's uid): a new connection past either makes room by
+# dropping the oldest of its origin (or of the busiest one) that has not
+# greeted yet, so a stranger's connections only ever crowd out its own.
 _MAX_PENDING = 64
+_MAX_PENDING_PER_ORIGIN = 4
+# Dropped connections reported per origin (warnings,
+# `dropped_connections`); the rest are only counted.
+_MAX_DROP_MESSAGES = 200
 MAX_BYTES_PER_PEER = 4 << 30
 _log = logging.getLogger(__name__)
 _state: Dict[str, Any] = {
@@ -204,8 +215,8 @@ def _connect_peer(address, unix_name, keys, rank: int, peer: int,
         s = None
         try:
             s = _connect_to(address, unix_name)
-            s.settimeout(HANDSHAKE_SECONDS)
-            peer_auth.connecting(s, keys, rank, peer)
+            peer_auth.connecting(s, keys, rank, peer,
+                                 time.monotonic() + HANDSHAKE_SECONDS)
             return s
         except peer_auth.HandshakeError:
             if s is not None:
@@ -221,21 +232,36 @@ def _connect_peer(address, unix_name, keys, rank: int, peer: int,
         time.sleep(0.2)
 
 
+class _Pending:
+    """A handshake in progress: its socket, origin and progress."""
+
+    def __init__(self, sock: socket.socket, origin):
+        self.sock, self.origin = sock, origin
+        self.greeted = False
+        self.evicted: Optional[str] = None
+
+
 class _Acceptor:
     """Accepts the lower ranks' connections in the background: each one
-    authenticated on its own thread within HANDSHAKE_SECONDS, so that a
-    stranger (silent, closing, sending garbage or a wrong proof) holds
-    nothing but its own thread and is dropped with a warning."""
+    authenticated on its own thread within HANDSHAKE_SECONDS of its
+    accept, so that a stranger (silent, trickling, closing, sending
+    garbage or a wrong proof) holds nothing but its own thread for a
+    bounded time and is dropped with a warning. A Unix peer of another
+    uid is dropped at accept, before it takes a slot; the others take a
+    slot of their origin (see `_MAX_PENDING_PER_ORIGIN`)."""
 
     def __init__(self, listeners, keys, rank: int):
         self._listeners = listeners
         self._keys, self._rank = keys, rank
         self._lock = threading.Lock()
         self._peers: Dict[int, socket.socket] = {}
-        self._pending = 0
+        # Oldest first, per origin.
+        self._pending: Dict[Any, List[_Pending]] = {}
         self._closed = False
         self._complete = threading.Event()
         self.dropped: List[str] = []
+        self.dropped_count = 0
+        self._drops_by_origin: Dict[str, int] = {}
         if rank == 0:
             self._complete.set()
         self._thread = threading.Thread(target=self._serve, daemon=True,
@@ -253,15 +279,53 @@ class _Acceptor:
                     s, _ = ln.accept()
                 except OSError:
                     continue  # e.g. reset before it was accepted
-                with self._lock:
-                    busy = self._pending >= _MAX_PENDING
-                    if not busy:
-                        self._pending += 1
-                if busy:
-                    self._drop(s, "too many handshakes in progress")
-                    continue
-                threading.Thread(target=self._handshake, args=(s,),
-                                 daemon=True).start()
+                self._admit(s)
+
+    def _admit(self, s: socket.socket) -> None:
+        accepted = time.monotonic()
+        try:
+            uid = peer_auth.peer_uid(s)
+            origin = ("uid", uid) if uid is not None else (
+                "address", s.getpeername()[0])
+        except OSError as e:
+            self._drop(s, f"{type(e).__name__}: {e}")
+            return
+        if uid is not None and uid != os.geteuid():
+            # Told by the kernel: no slot, no thread.
+            self._drop(s, f"the process at the other end runs as uid "
+                          f"{uid}, not this worker's {os.geteuid()}")
+            return
+        entry = _Pending(s, origin)
+        with self._lock:
+            victim = self._make_room(origin)
+            self._pending.setdefault(origin, []).append(entry)
+        if victim is not None:
+            # Its thread sees the connection end and drops it.
+            try:
+                victim.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        threading.Thread(target=self._handshake, args=(entry, accepted),
+                         daemon=True).start()
+
+    def _make_room(self, origin) -> Optional[_Pending]:
+        """Under the lock: the handshake to give up for one more from
+        `origin`, if the slots are full (marked, taken off the list)."""
+        mine = self._pending.get(origin, [])
+        total = sum(len(v) for v in self._pending.values())
+        if len(mine) >= _MAX_PENDING_PER_ORIGIN:
+            pool, why = mine, (f"{len(mine)} handshakes in progress from "
+                               f"its origin already")
+        elif total >= _MAX_PENDING:
+            pool = max(self._pending.values(), key=len)
+            why = f"{total} handshakes in progress already"
+        else:
+            return None
+        # The oldest that has not greeted: a real peer greets at once.
+        victim = next((p for p in pool if not p.greeted), pool[0])
+        pool.remove(victim)
+        victim.evicted = f"dropped to make room ({why})"
+        return victim
 
     def _drop(self, s: socket.socket, why: str) -> None:
         try:
@@ -272,20 +336,45 @@ class _Acceptor:
         message = (f"group_embedding: worker {self._rank} dropped a "
                    f"connection from {origin} while connecting to its "
                    f"peers: {why}")
+        # A flood would otherwise grow the list and the log without bound:
+        # per origin (TCP address, or any Unix peer) the first ones only.
+        where = origin[0] if isinstance(origin, tuple) else "unix"
         with self._lock:
+            self.dropped_count += 1
+            n = self._drops_by_origin.get(where, 0) + 1
+            if n > _MAX_DROP_MESSAGES or (
+                    n == 1 and len(self._drops_by_origin) >= 1000):
+                return
+            self._drops_by_origin[where] = n
+            if n == _MAX_DROP_MESSAGES:
+                message += (f" (the last of {n} messages about {where}; "
+                            f"its further drops are not reported)")
             self.dropped.append(message)
         _log.warning(message)
 
-    def _handshake(self, s: socket.socket) -> None:
+    def _greeted(self, entry: _Pending) -> None:
+        with self._lock:
+            entry.greeted = True
+
+    def _handshake(self, entry: _Pending, accepted: float) -> None:
+        s = entry.sock
         try:
-            s.settimeout(HANDSHAKE_SECONDS)
-            who = peer_auth.accepting(s, self._keys, self._rank)
+            who = peer_auth.accepting(
+                s, self._keys, self._rank,
+                deadline=accepted + HANDSHAKE_SECONDS,
+                on_greeting=lambda: self._greeted(entry))
+            if entry.evicted:
+                raise ConnectionError("evicted")
         except Exception as e:  # anything a stranger causes: drop it
-            self._drop(s, f"{type(e).__name__}: {e}")
+            self._drop(s, entry.evicted or f"{type(e).__name__}: {e}")
             return
         finally:
             with self._lock:
-                self._pending -= 1
+                pool = self._pending.get(entry.origin, [])
+                if entry in pool:
+                    pool.remove(entry)
+                if not pool:
+                    self._pending.pop(entry.origin, None)
         old: Optional[socket.socket]
         with self._lock:
             if self._closed:

@@ -9,13 +9,24 @@ rank) and with the new one (magic, a guessed job id, ranks, a nonce).
 For each socket it prints one JSON line: the name, whether the connection
 was made, and the bytes the worker answered before closing (none: it
 refused the stranger before saying anything).
+
+Two more strangers, for test_two_hosts.py (a worker's slots):
+  --trickle HOST:PORT  holds `--count` TCP connections to a worker's
+      listener, each sending one byte every 6 s, and opens a new one for
+      each that is dropped, for `--seconds`;
+  --flood NAME         keeps opening connections to the abstract Unix
+      socket NAME (up to `--count` open) for `--seconds`.
+Each prints one JSON line at the end: connections made and dropped.
 """
 
+import argparse
 import json
 import os
+import select
 import socket
 import struct
 import sys
+import time
 
 
 def worker_sockets():
@@ -78,7 +89,75 @@ def attack(name, kind, hello):
     return result
 
 
+def _open(family, address):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect(address)
+    except OSError:
+        s.close()
+        return None
+    s.setblocking(False)
+    return s
+
+
+def hold(family, address, count, seconds, trickle):
+    """Keeps `count` connections to `address` open for `seconds`, a new
+    one for each dropped; with `trickle`, one byte each every 6 s."""
+    made = dropped = 0
+    held = []
+    end = time.monotonic() + seconds
+    next_byte = time.monotonic() + 6
+    while time.monotonic() < end:
+        while len(held) < count:
+            s = _open(family, address)
+            if s is None:
+                break
+            made += 1
+            held.append(s)
+        if trickle and time.monotonic() >= next_byte:
+            next_byte += 6
+            for s in held:
+                try:
+                    s.send(b"G")
+                except OSError:
+                    pass
+        ready = select.select(held, [], [], 0.05)[0] if held else []
+        for s in ready:
+            try:
+                gone = s.recv(4096) == b""
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                dropped += 1
+                held.remove(s)
+                s.close()
+        if not held:
+            time.sleep(0.01)
+    for s in held:
+        s.close()
+    print(json.dumps({"uid": os.getuid(), "made": made,
+                      "dropped": dropped}), flush=True)
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trickle")
+    parser.add_argument("--flood")
+    parser.add_argument("--count", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=30)
+    args = parser.parse_args()
+    if args.trickle:
+        host, port = args.trickle.rsplit(":", 1)
+        hold(socket.AF_INET, (host, int(port)), args.count, args.seconds,
+             True)
+        return
+    if args.flood:
+        hold(socket.AF_UNIX, "\0" + args.flood, args.count, args.seconds,
+             False)
+        return
     names = worker_sockets()
     if not names:
         print(json.dumps({"error": "no group_embedding socket listed"}))

@@ -28,6 +28,7 @@ closed its connection).
 """
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -153,6 +154,39 @@ def hold_first_connection():
     transport._connect_to = held_connect
 
 
+def publish_listeners():
+    """Writes this worker's listener addresses to
+    $HOSTILE_DIR/listeners-<rank> (JSON: tcp [host, port], unix name):
+    where a port scan would find them (test_two_hosts.py's strangers, in
+    other network namespaces, cannot list this one's sockets)."""
+    folder = os.environ["HOSTILE_DIR"]
+    rank = os.environ.get("HOROVOD_RANK")
+    found = {}
+    open_tcp, open_unix = (transport._open_tcp_listener,
+                           transport._open_unix_listener)
+
+    def write():
+        path = os.path.join(folder, f"listeners-{rank}")
+        with open(path + ".tmp", "w") as f:
+            json.dump(found, f)
+        os.rename(path + ".tmp", path)
+
+    def tcp(host):
+        listener = open_tcp(host)
+        found["tcp"] = list(listener.getsockname()[:2])
+        return listener
+
+    def unix():
+        listener = open_unix()
+        found["unix"] = (None if listener is None
+                         else listener.getsockname()[1:].decode())
+        write()
+        return listener
+
+    transport._open_tcp_listener = tcp
+    transport._open_unix_listener = unix
+
+
 def report_dropped():
     """Prints why each stranger was dropped, once the silent ones have
     timed out too."""
@@ -238,6 +272,7 @@ def main():
     args = parser.parse_args()
     if args.mode == "hostile":
         hold_first_connection()
+        publish_listeners()
     hvd = ge.enable_distributed_strategy("collective")
     assert transport.active(), "the peer sockets are not connected"
     rank, size = hvd.rank(), hvd.size()

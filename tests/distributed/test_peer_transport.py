@@ -244,6 +244,34 @@ def test_handshake_refuses_a_proof_for_the_wrong_nonce():
     c.close()
 
 
+def test_handshake_has_one_deadline_a_trickle_cannot_stretch():
+    # A byte every 0.2 s: each read would finish within any per-read
+    # limit (before: 10 s per recv, so 80 bytes held a slot ~8 minutes at
+    # one byte every 6 s). One deadline 1 s from the start ends it.
+    a, c = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.2):
+            try:
+                c.send(b"G")
+            except OSError:
+                return
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(socket.timeout, match="timed out"):
+            peer_auth.accepting(a, _KEYS, 1, deadline=start + 1.0)
+        assert time.monotonic() - start < 1.5
+    finally:
+        stop.set()
+        thread.join()
+        a.close()
+        c.close()
+
+
 def _catch(fn):
     try:
         return fn()

@@ -20,6 +20,7 @@ last checkpoint restorable (restored here at one worker, checked row by
 row against what the workers looked up when they saved it).
 """
 
+import json
 import os
 import re
 import signal
@@ -266,3 +267,82 @@ def test_fault_on_one_host_ends_every_worker(hosts, tmp_path, fault):
         assert seconds < TIMEOUT + 10, (who, times, out[-3000:],
                                         remote[-3000:])
     assert _restore_at_one_worker(folder) == 8
+
+
+def _stranger(hosts, host, *args):
+    """hostile_peer.py as `nobody` in `host`'s namespace (0 or 1)."""
+    return subprocess.Popen(
+        ["ip", "netns", "exec", hosts.namespaces[host], "setpriv",
+         "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+         "/usr/bin/python3", os.path.join(_HERE, "hostile_peer.py"),
+         *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+
+
+def test_strangers_holding_every_slot_cannot_keep_the_peers_out(hosts,
+                                                                tmp_path):
+    # Worker 0 (host A) waits to connect to worker 1 (host B) until the
+    # strangers are in place: 64 TCP connections from host A (the very
+    # address worker 0 connects from) and 64 from host B, each trickling
+    # a byte every 6 s and replaced when dropped, and `nobody` flooding
+    # worker 1's Unix socket. Before, the trickles held all 64 handshake
+    # slots (the 10 s limit was per read) and worker 0 was dropped as busy
+    # until the setup failed. Now a handshake has one 10 s deadline, slots
+    # are per origin and a greeting peer is never the one dropped to make
+    # room: the job connects as fast as without strangers, + 10 s at most.
+    env = dict(os.environ, HOSTILE_DIR=str(tmp_path))
+    proc = hosts.launch(_command(2, 1, "peer_transport.py", "hostile"),
+                        env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+    lines = _Lines(proc.stdout)
+    strangers = []
+    try:
+        listeners = tmp_path / "listeners-1"
+        deadline = time.monotonic() + START_WITHIN
+        while not ((tmp_path / "ready").exists() and listeners.exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                lines.text()[-4000:]
+            time.sleep(0.2)
+        found = json.loads(listeners.read_text())
+        host, port = found["tcp"]
+        assert host == two_hosts.ADDRESSES[1], found
+        for h in (0, 1):
+            strangers.append(_stranger(hosts, h, "--trickle",
+                                       f"{host}:{port}", "--count", "64",
+                                       "--seconds", "25"))
+        strangers.append(_stranger(hosts, 1, "--flood", found["unix"],
+                                   "--count", "64", "--seconds", "25"))
+        time.sleep(3)  # every slot taken (and the backlog)
+        released = time.monotonic()
+        (tmp_path / "done").write_text("")
+        connected = lines.wait_for(r"\[1\]<stdout>:links: ", 60)
+        took = time.monotonic() - released
+        assert connected, lines.text()[-4000:]
+        reports = [json.loads(s.communicate(timeout=60)[0].splitlines()[-1])
+                   for s in strangers]
+        proc.wait(timeout=120)
+    finally:
+        for s in strangers:
+            if s.poll() is None:
+                s.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    out = lines.text()
+    print(f"\nconnected {took:.2f} s after the release; strangers: "
+          f"{reports}")
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("hostile ok") == 2, out[-4000:]
+    assert "links: self,tcp" in out and "links: tcp,self" in out, \
+        out[-4000:]
+    assert took < 10, took
+    # The strangers were there the whole time and were dropped, each kind
+    # for its reason.
+    # (each more connections than an origin's slots: some were evicted)
+    assert all(r["uid"] == 65534 and r["made"] > 4 for r in reports), \
+        reports
+    dropped = [line for line in out.splitlines() if "dropped: " in line]
+    assert any("runs as uid 65534" in line for line in dropped), dropped[:5]
+    for address in two_hosts.ADDRESSES:
+        assert any(f"('{address}'" in line and "to make room" in line
+                   for line in dropped), (address, dropped[:5])
