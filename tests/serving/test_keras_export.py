@@ -246,7 +246,7 @@ def test_export_saved_model_of_ragged_and_sparse_inputs(tmp_path, kind):
     request = {"uid": tf.constant(uid), "city": tf.constant(city),
                "tag": convert(tags)}
     assert ev_pending_keys(_table(model, "city"), string_keys(city))
-    want = model.predict_on_batch(request)
+    want = model.predict(request, verbose=0)
     path = str(tmp_path / "exported")
     assert ge.export_saved_model(model, path) == path
     for endpoint in ("serve", "serving_default"):
@@ -328,7 +328,7 @@ def test_export_of_get_embedding_variable(tmp_path, key_dtype, trained):
     request = tf.RaggedTensor.from_row_lengths(
         np.arange(-40, 40, 3).astype(key_dtype.as_numpy_dtype),
         [5, 0, 10, 12])
-    want = model.predict_on_batch(request)
+    want = model.predict(request, verbose=0)
     path = ge.export_saved_model(model, str(tmp_path / "exported"))
     for endpoint in ("serve", "serving_default"):
         got = serve(path, {"ids": request}, endpoint, tmp_path)
@@ -367,7 +367,7 @@ def test_model_export_of_get_embedding_variable(tmp_path):
     request[1, 2] = 20
     assert ev_pending_keys(model.layers[1].ev, request) == [20]
     request = tf.constant(request)
-    want = model.predict_on_batch(request)
+    want = model.predict(request, verbose=0)
     model.export(str(tmp_path / "exported"), verbose=False)
     np.testing.assert_allclose(
         serve(str(tmp_path / "exported"), {"ids": request}, "serve",
