@@ -29,9 +29,7 @@ class GeEvTable(ctypes.Structure):
     _fields_ = [
         ("keys", ctypes.c_void_p),
         ("digests", ctypes.c_void_p),
-        ("freq", ctypes.c_void_p),
-        ("version", ctypes.c_void_p),
-        ("clock", ctypes.c_void_p),
+        ("meta", ctypes.c_void_p),
         ("values", ctypes.c_void_p),
         ("slots", ctypes.c_void_p),
         ("num_buckets", ctypes.c_int64),
@@ -78,10 +76,10 @@ def _typed(lib):
         "ge_ev_init": (c_int, [t, vp]),
         "ge_ev_scratch_bytes": (size, [t, i64]),
         "ge_ev_find": (c_int, [t, vp, i64, vp, vp, vp, vp]),
-        "ge_ev_find_or_insert": (c_int, [t, vp, i64, i64, i64, vp, vp, e,
-                                         vp, size, vp, vp]),
-        "ge_ev_insert": (c_int, [t, vp, i64, vp, vp, vp, vp, i64, i64, e,
-                                 vp, size, vp, vp]),
+        "ge_ev_find_or_insert": (c_int, [t, vp, i64, i64, vp, vp, e, vp,
+                                         size, vp, vp]),
+        "ge_ev_insert": (c_int, [t, vp, i64, vp, vp, vp, vp, i64, e, vp,
+                                 size, vp, vp]),
         "ge_ev_evict": (c_int, [t, i64, i64, f32, e, vp, vp]),
         "ge_ev_size": (c_int, [t, vp, vp]),
         "ge_ev_export_scratch_bytes": (size, [t]),
@@ -129,9 +127,7 @@ class EvTable:
             "keys": m.empty((cap,), np.int64),
             # 16-byte aligned words of the probe: allocated as int64.
             "digests": m.zeros(((cap + 7) // 8,), np.int64),
-            "freq": m.zeros((cap,), np.int64),
-            "version": m.zeros((cap,), np.int64),
-            "clock": m.zeros((cap,), np.int64),
+            "meta": m.zeros((cap, 2), np.int64),  # freq, version
             "values": m.zeros((cap, self.dim), np.float32),
             "slots": (m.zeros((self.num_slots, cap, self.dim), np.float32)
                       if self.num_slots else None),
@@ -143,8 +139,7 @@ class EvTable:
         k = self._keep
         self.desc = GeEvTable(
             keys=m.ptr(k["keys"]), digests=m.ptr(k["digests"]),
-            freq=m.ptr(k["freq"]), version=m.ptr(k["version"]),
-            clock=m.ptr(k["clock"]), values=m.ptr(k["values"]),
+            meta=m.ptr(k["meta"]), values=m.ptr(k["values"]),
             slots=m.ptr(k["slots"]), num_buckets=int(num_buckets),
             dim=self.dim, num_slots=self.num_slots,
             policy=POLICIES[policy], filter_freq=int(filter_freq),
@@ -152,7 +147,6 @@ class EvTable:
             defaults=m.ptr(k["defaults"]),
             default_rows=int(np.asarray(defaults).shape[0]),
             slot_inits=m.ptr(k["slot_inits"]))
-        self.clock = 0
         self._scratch = None
         self.check("ge_ev_init", self.lib.ge_ev_init(
             ctypes.byref(self.desc), m.stream))
@@ -202,7 +196,7 @@ class EvTable:
             out["slots"] = self.m.get(keep["slots"])[:, :n]
         return out
 
-    # -- calls (device arrays in, device arrays out) -----------------------------
+    # -- calls on device arrays (not synchronised) ----------------------
     def launch_find(self, keys, out, out_slots):
         """ge_ev_find on device arrays (no synchronisation)."""
         m = self.m
@@ -213,15 +207,15 @@ class EvTable:
 
     def launch_find_or_insert(self, keys, out, out_slots, step=0,
                               evicted=None):
-        """ge_ev_find_or_insert on device arrays (no synchronisation);
-        each call takes the next call clock."""
+        """ge_ev_find_or_insert on device arrays (no synchronisation).
+        Keys seen at `step` are pinned: steps must advance for keys to
+        be evicted."""
         m = self.m
         n = m.count(keys)
         need = self.lib.ge_ev_scratch_bytes(ctypes.byref(self.desc), n)
         scratch = self.scratch(need)
-        self.clock += 1
         self.check("ge_ev_find_or_insert", self.lib.ge_ev_find_or_insert(
-            ctypes.byref(self.desc), m.ptr(keys), n, int(step), self.clock,
+            ctypes.byref(self.desc), m.ptr(keys), n, int(step),
             m.ptr(out), m.ptr(out_slots),
             ctypes.byref(evicted) if evicted is not None else None,
             m.ptr(scratch), m.count(scratch), m.ptr(self._keep["counters"]),
@@ -256,17 +250,14 @@ class EvTable:
 
     def launch_insert(self, keys, rows, slots=None, freq=None,
                       version=None, step=0, evicted=None):
-        """ge_ev_insert on device arrays (no synchronisation); each call
-        takes the next call clock."""
+        """ge_ev_insert on device arrays (no synchronisation)."""
         m = self.m
         n = m.count(keys)
         need = self.lib.ge_ev_scratch_bytes(ctypes.byref(self.desc), n)
         scratch = self.scratch(need)
-        self.clock += 1
         self.check("ge_ev_insert", self.lib.ge_ev_insert(
             ctypes.byref(self.desc), m.ptr(keys), n, m.ptr(rows),
             m.ptr(slots), m.ptr(freq), m.ptr(version), int(step),
-            self.clock,
             ctypes.byref(evicted) if evicted is not None else None,
             m.ptr(scratch), m.count(scratch), m.ptr(self._keep["counters"]),
             m.stream))

@@ -82,11 +82,14 @@ def config_b(core, cp, args):
     cp.random.seed(7)
     results = []
     next_key = 1
+    # Every call is a step of its own (keys seen at the current step are
+    # pinned; LRU is by the step a key was last seen).
+    step = iter(range(1, 1 << 40))
     for lf in (0.5, 1.0):
         t0 = time.time()
         while next_key < int(cap * lf):
             keys = cp.arange(next_key, next_key + batch, dtype=cp.int64)
-            table.launch_find_or_insert(keys, None, None)
+            table.launch_find_or_insert(keys, None, None, next(step))
             next_key += batch
         cp.cuda.get_current_stream().synchronize()
         fill_s = time.time() - t0
@@ -96,8 +99,9 @@ def config_b(core, cp, args):
         t_find = timed(cp, lambda i: table.launch_find(hits[i], out, None))
         # All keys stored: the probe, the sort and the count, no insert.
         t_foi_hits = timed(cp, lambda i: table.launch_find_or_insert(
-            hits[i], out, None))
-        t_assign = timed(cp, lambda i: table.launch_insert(hits[i], rows))
+            hits[i], out, None, next(step)))
+        t_assign = timed(cp, lambda i: table.launch_insert(
+            hits[i], rows, step=next(step)))
         mixed = []
         for _ in range(18):
             old = cp.random.randint(1, next_key, batch, dtype=cp.int64)
@@ -105,7 +109,7 @@ def config_b(core, cp, args):
                                                dtype=cp.int64)
             mixed.append(cp.where(cp.random.random(batch) < 0.6, old, new))
         t_foi = timed(cp, lambda i: table.launch_find_or_insert(
-            mixed[i], out, None))
+            mixed[i], out, None, next(step)))
         counters = table.counters()
         results.append({
             "load_factor_target": lf, "load_factor": round(load, 4),
@@ -148,7 +152,7 @@ def zipf_hit_rate(core, cp, args):
             if b >= args.zipf_warmup:
                 hits += int((slots >= 0).sum())
                 seen += args.zipf_batch
-            table.launch_find_or_insert(keys, None, None)
+            table.launch_find_or_insert(keys, None, None, b + 1)
         out[policy] = hits / seen
     return {"key_space": space, "capacity": cap_buckets * et.BUCKET,
             "batch": args.zipf_batch, "batches": args.zipf_batches,

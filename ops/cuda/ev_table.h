@@ -2,9 +2,8 @@
 #define GROUP_EMBEDDING_OPS_CUDA_EV_TABLE_H_
 
 // The GPU EmbeddingVariable table of the CUDA core: int64 keys -> a row,
-// its optimizer slots, an occurrence count (freq), a version (the last
-// step the key was seen) and a clock (the last call that saw it), in
-// device memory the caller owns. Same interface rules as
+// its optimizer slots, an occurrence count (freq) and a version (the
+// last step the key was seen), in device memory the caller owns. Same interface rules as
 // group_embedding_cuda.h: device pointers, a stream, caller scratch,
 // nothing allocated, bad input counted on the device (`counters`, 64-bit,
 // ADDED to), host argument errors returned as GE_ERR_*.
@@ -15,14 +14,16 @@
 // one bucket's 128 one-byte digests and the keys whose digest matches,
 // and a delete is a plain store (no probe chains, no tombstones). A
 // bucket that is full when a new key arrives evicts its least valuable
-// unpinned key: LRU the oldest clock, LFU the smallest freq (ties: older
-// clock, then the lower slot; a new key takes the lowest free slot, the
-// missing keys of a call go in bucket by bucket in batch order, so where
-// every key lands is deterministic). Keys seen by the current call are pinned (a
-// row handed out in this call never changes owner within it). Inserts
-// therefore never fail up to load factor 1.0, unless one call brings
-// more distinct keys into one bucket than it has unpinned slots (counted
-// in GE_EV_FULL; those keys are not stored and read as not admitted).
+// unpinned key: LRU the oldest version, LFU the smallest freq, then the
+// oldest version; ties go to the lower slot (a new key takes the lowest
+// free slot and the missing keys of a call go in bucket by bucket in
+// batch order, so where every key lands is deterministic). Keys seen at
+// the current step (version >= step) are pinned: a row handed out in a
+// step keeps its key until the step's update, whatever other lookups of
+// the step bring. Inserts therefore never fail up to load factor 1.0,
+// unless one step brings more distinct keys into one bucket than it has
+// unpinned slots (counted in GE_EV_FULL; those keys are not stored and
+// read as not admitted). Steps must advance for keys to leave.
 //
 // Semantics are the CPU EmbeddingVariable's (ops/kernels/ev_storage.h,
 // ResolveKeys in ev_lookup_ops.cc):
@@ -62,10 +63,11 @@ enum GeEvCounter {
 typedef struct GeEvTable {
   // Device arrays of capacity = num_buckets * GE_EV_BUCKET entries.
   int64_t* keys;      // GE_EV_EMPTY_KEY: free (ge_ev_init sets all)
-  uint8_t* digests;   // one byte of the key's hash, 0 for free slots
-  int64_t* freq;      // occurrences counted
-  int64_t* version;   // last step the key was seen
-  int64_t* clock;     // last call (call_clock) that saw the key
+  uint8_t* digests;   // one byte of the key's hash, 0 for free slots;
+                      // 16-byte aligned
+  // [capacity, 2]: occurrences counted (freq), last step seen (version),
+  // side by side: a hit touches one 16-byte pair. 16-byte aligned.
+  int64_t* meta;
   float* values;      // [capacity, dim]
   float* slots;       // [num_slots, capacity, dim]; NULL if num_slots = 0
   int64_t num_buckets;
@@ -118,12 +120,10 @@ int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
 // (evicting by the policy when their bucket is full), out [n, dim] (or
 // NULL) gets what each key reads (see the top), out_slots [n] (or NULL)
 // each key's slot (-1 if not stored); every stored key's version becomes
-// max(version, step), its clock `call_clock` (strictly larger than any
-// earlier call's), and its freq grows by its occurrences.
+// max(version, step) and its freq grows by its occurrences.
 GE_API
 int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
-                         int64_t n, int64_t step, int64_t call_clock,
-                         float* out, int64_t* out_slots,
+                         int64_t n, int64_t step, float* out, int64_t* out_slots,
                          const GeEvEvicted* evicted, void* scratch,
                          size_t scratch_bytes, unsigned long long* counters,
                          void* stream);
@@ -131,11 +131,11 @@ int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
 // Import of n DISTINCT keys with all their state: rows [n, dim], slots
 // [num_slots, n, dim] (NULL: slot_inits), freq, version [n] (NULL: 0,
 // max(step, 0)); keys present are overwritten, absent ones inserted
-// (evicting as above, with `call_clock` pinning this call's keys).
+// (evicting as above; the call's own keys are pinned until it ends).
 GE_API
 int ge_ev_insert(const GeEvTable* table, const int64_t* keys, int64_t n,
                  const float* rows, const float* slots, const int64_t* freq,
-                 const int64_t* version, int64_t step, int64_t call_clock,
+                 const int64_t* version, int64_t step,
                  const GeEvEvicted* evicted, void* scratch,
                  size_t scratch_bytes, unsigned long long* counters,
                  void* stream);

@@ -52,19 +52,22 @@ GE_HD bool Admitted(int64_t freq, int64_t filter_freq) {
 }
 
 // The eviction order of a full bucket: true when entry a should go
-// before entry b. LRU: older clock first; LFU: smaller freq first, then
-// older clock; then the lower slot (placement is deterministic: new keys
-// take the lowest free slot, bucket by bucket in key order, so the slot
-// order is a fact of the table the model can follow, and the victim is
-// chosen without reading keys). Pinned entries (clock == the current
-// call) are never candidates; the caller skips them.
-GE_HD bool EvictsBefore(int policy, int64_t freq_a, int64_t clock_a,
-                        int64_t slot_a, int64_t freq_b, int64_t clock_b,
+// before entry b. LRU: older version first; LFU: smaller freq first,
+// then older version; then the lower slot (placement is deterministic,
+// so the slot order is a fact of the table the model can follow, and the
+// victim is chosen without reading keys). Pinned entries (version >= the
+// current step) are never candidates; the caller skips them.
+GE_HD bool EvictsBefore(int policy, int64_t freq_a, int64_t version_a,
+                        int64_t slot_a, int64_t freq_b, int64_t version_b,
                         int64_t slot_b) {
   if (policy == GE_EV_LFU && freq_a != freq_b) return freq_a < freq_b;
-  if (clock_a != clock_b) return clock_a < clock_b;
+  if (version_a != version_b) return version_a < version_b;
   return slot_a < slot_b;
 }
+
+// freq and version of slot s in the meta pairs.
+GE_HD int64_t* FreqOf(int64_t* meta, int64_t s) { return meta + 2 * s; }
+GE_HD int64_t* VersionOf(int64_t* meta, int64_t s) { return meta + 2 * s + 1; }
 
 // Buckets are numbered in uint32 by the insert's sort (one more for "no
 // insert"), occurrences in int32.
@@ -77,12 +80,12 @@ inline bool IsPowerOfTwo(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 // Host checks of a table descriptor, shared by every call.
 inline int CheckTable(const GeEvTable* t) {
   if (t == nullptr || t->keys == nullptr || t->digests == nullptr ||
-      t->freq == nullptr || t->version == nullptr || t->clock == nullptr ||
-      t->values == nullptr) {
+      t->meta == nullptr || t->values == nullptr) {
     return GE_ERR_ARGUMENT;
   }
-  // The probes read a bucket's digests as 16-byte words.
-  if ((reinterpret_cast<uintptr_t>(t->digests) & 15) != 0) {
+  // The probes read digests and meta pairs as 16-byte words.
+  if ((reinterpret_cast<uintptr_t>(t->digests) & 15) != 0 ||
+      (reinterpret_cast<uintptr_t>(t->meta) & 15) != 0) {
     return GE_ERR_ARGUMENT;
   }
   if (!IsPowerOfTwo(t->num_buckets) || t->num_buckets > kMaxBuckets ||
@@ -115,6 +118,17 @@ inline int CheckEvicted(const GeEvTable* t, const GeEvEvicted* e,
     return GE_ERR_ARGUMENT;
   }
   return GE_OK;
+}
+
+// Device bytes of a table's arrays: key 8, digest 1, meta 16, row and
+// slots 4 x dim each, per slot; 0 for bad arguments.
+inline size_t TableBytes(int64_t num_buckets, int64_t dim, int num_slots) {
+  if (!IsPowerOfTwo(num_buckets) || num_buckets > kMaxBuckets || dim < 1 ||
+      dim > ge_core::kMaxDimVec4 || num_slots < 0 || num_slots > kMaxSlots) {
+    return 0;
+  }
+  const size_t cap = static_cast<size_t>(num_buckets) * GE_EV_BUCKET;
+  return cap * (8 + 1 + 16 + 4 * static_cast<size_t>(dim) * (1 + num_slots));
 }
 
 inline int64_t Capacity(const GeEvTable* t) {

@@ -54,8 +54,11 @@ struct ImportRows {
   int64_t n;
 };
 
+// A new or imported entry's row, slots and freq; its version is `now`
+// (an import's own versions are written when the call ends: until then
+// its keys are pinned like those of a training step).
 void WriteEntry(const GeEvTable& t, int64_t s, int64_t key, int64_t j,
-                int64_t version, const ImportRows& in) {
+                int64_t now, const ImportRows& in) {
   const int64_t cap = ge_ev::Capacity(&t);
   CopyRow(t.values + s * t.dim,
           in.on ? in.rows + j * t.dim
@@ -69,8 +72,8 @@ void WriteEntry(const GeEvTable& t, int64_t s, int64_t key, int64_t j,
       std::fill(dst, dst + t.dim, t.slot_inits[k]);
     }
   }
-  t.freq[s] = in.on && in.freq != nullptr ? in.freq[j] : 0;
-  t.version[s] = in.on && in.version != nullptr ? in.version[j] : version;
+  *ge_ev::FreqOf(t.meta, s) = in.on && in.freq != nullptr ? in.freq[j] : 0;
+  *ge_ev::VersionOf(t.meta, s) = now;
 }
 
 // Moves entry s to the evicted output; false when it has no room.
@@ -85,8 +88,8 @@ bool Evict(const GeEvTable& t, int64_t s, const GeEvEvicted* ev,
     const int64_t a = static_cast<int64_t>(at);
     const int64_t cap = ge_ev::Capacity(&t);
     ev->keys[a] = t.keys[s];
-    ev->freq[a] = t.freq[s];
-    ev->version[a] = t.version[s];
+    ev->freq[a] = *ge_ev::FreqOf(t.meta, s);
+    ev->version[a] = *ge_ev::VersionOf(t.meta, s);
     CopyRow(ev->values + a * t.dim, t.values + s * t.dim, t.dim);
     for (int k = 0; k < t.num_slots; ++k) {
       CopyRow(ev->slots + (k * ev->capacity + a) * t.dim,
@@ -99,7 +102,7 @@ bool Evict(const GeEvTable& t, int64_t s, const GeEvEvicted* ev,
 
 // The slot a new key of bucket `base` takes: the first free one, else
 // the least valuable unpinned key's (evicted); -1 when none.
-int64_t Place(const GeEvTable& t, int64_t base, int64_t call_clock,
+int64_t Place(const GeEvTable& t, int64_t base, int64_t now,
               const GeEvEvicted* ev, unsigned long long* counters) {
   for (int i = 0; i < GE_EV_BUCKET; ++i) {
     if (t.keys[base + i] == GE_EV_EMPTY_KEY) return base + i;
@@ -107,10 +110,12 @@ int64_t Place(const GeEvTable& t, int64_t base, int64_t call_clock,
   int64_t best = -1;
   for (int i = 0; i < GE_EV_BUCKET; ++i) {
     const int64_t s = base + i;
-    if (t.clock[s] == call_clock) continue;
-    if (best < 0 || ge_ev::EvictsBefore(t.policy, t.freq[s], t.clock[s], s,
-                                        t.freq[best], t.clock[best],
-                                        best)) {
+    const int64_t version = *ge_ev::VersionOf(t.meta, s);
+    if (version >= now) continue;  // pinned
+    if (best < 0 ||
+        ge_ev::EvictsBefore(t.policy, *ge_ev::FreqOf(t.meta, s), version, s,
+                            *ge_ev::FreqOf(t.meta, best),
+                            *ge_ev::VersionOf(t.meta, best), best)) {
       best = s;
     }
   }
@@ -122,7 +127,7 @@ int64_t Place(const GeEvTable& t, int64_t base, int64_t call_clock,
 }
 
 int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
-           int64_t step, int64_t call_clock, float* out, int64_t* out_slots,
+           int64_t step, float* out, int64_t* out_slots,
            const GeEvEvicted* evicted, const ImportRows& in, void* scratch,
            size_t scratch_bytes, unsigned long long* counters) {
   int status = ge_ev::CheckBatch(table, keys, n);
@@ -135,7 +140,7 @@ int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
     return GE_ERR_SCRATCH;
   }
   const GeEvTable& t = *table;
-  const int64_t version = step < 0 ? 0 : step;
+  const int64_t now = step < 0 ? 0 : step;
   std::vector<int64_t> slot(n, -1);
   // (bucket, occurrence) of each missing key, in the sort's order.
   std::vector<std::pair<int64_t, int64_t>> missing;
@@ -153,14 +158,13 @@ int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
       continue;
     }
     if (in.on) {
-      WriteEntry(t, s, key, j, version, in);
-      t.clock[s] = call_clock;
+      WriteEntry(t, s, key, j, now, in);
       continue;
     }
-    t.version[s] = std::max(t.version[s], version);
-    t.clock[s] = call_clock;
+    int64_t* version = ge_ev::VersionOf(t.meta, s);
+    *version = std::max(*version, now);
     if (out == nullptr) continue;
-    if (Admitted(t.freq[s], t.filter_freq)) {
+    if (Admitted(*ge_ev::FreqOf(t.meta, s), t.filter_freq)) {
       CopyRow(out + j * t.dim, t.values + s * t.dim, t.dim);
     } else {
       std::fill(out + j * t.dim, out + (j + 1) * t.dim, t.no_permission);
@@ -172,12 +176,11 @@ int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
     const int64_t key = keys[j];
     int64_t s = Find(t, key);  // a duplicate inserted just before
     if (s < 0) {
-      s = Place(t, m.first * GE_EV_BUCKET, call_clock, evicted, counters);
+      s = Place(t, m.first * GE_EV_BUCKET, now, evicted, counters);
       if (s >= 0) {
-        WriteEntry(t, s, key, j, version, in);
+        WriteEntry(t, s, key, j, now, in);
         t.keys[s] = key;
         t.digests[s] = DigestOf(Mix(static_cast<uint64_t>(key)));
-        t.clock[s] = call_clock;
         ++counters[GE_EV_INSERTED];
       }
     }
@@ -190,12 +193,19 @@ int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
       }
     }
   }
-  if (in.on) return GE_OK;
+  if (in.on) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (slot[j] >= 0 && in.version != nullptr) {
+        *ge_ev::VersionOf(t.meta, slot[j]) = in.version[j];
+      }
+    }
+    return GE_OK;
+  }
   for (int64_t j = 0; j < n; ++j) {
     if (keys[j] == GE_EV_EMPTY_KEY && out != nullptr) {
       AbsentRow(t, keys[j], out + j * t.dim);
     }
-    if (slot[j] >= 0) ++t.freq[slot[j]];
+    if (slot[j] >= 0) ++*ge_ev::FreqOf(t.meta, slot[j]);
     if (out_slots != nullptr) out_slots[j] = slot[j];
   }
   return GE_OK;
@@ -209,12 +219,7 @@ using namespace ge_host_ev;  // NOLINT: the C entry points below
 extern "C" {
 
 size_t ge_ev_table_bytes(int64_t num_buckets, int64_t dim, int num_slots) {
-  if (!ge_ev::IsPowerOfTwo(num_buckets) || num_buckets > ge_ev::kMaxBuckets ||
-      dim < 1 || num_slots < 0 || num_slots > ge_ev::kMaxSlots) {
-    return 0;
-  }
-  const size_t cap = static_cast<size_t>(num_buckets) * GE_EV_BUCKET;
-  return cap * (8 * 4 + 1 + 4 * static_cast<size_t>(dim) * (1 + num_slots));
+  return ge_ev::TableBytes(num_buckets, dim, num_slots);
 }
 
 int ge_ev_init(const GeEvTable* table, void* stream) {
@@ -249,7 +254,8 @@ int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
     const bool bad = keys[j] == GE_EV_EMPTY_KEY;
     if (bad) ++counters[GE_EV_BAD_KEYS];
     const int64_t s = bad ? -1 : Find(t, keys[j]);
-    const bool admitted = s >= 0 && Admitted(t.freq[s], t.filter_freq);
+    const bool admitted =
+        s >= 0 && Admitted(*ge_ev::FreqOf(t.meta, s), t.filter_freq);
     if (out_slots != nullptr) out_slots[j] = admitted ? s : -1;
     if (out == nullptr) continue;
     if (admitted) {
@@ -262,27 +268,26 @@ int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
 }
 
 int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
-                         int64_t n, int64_t step, int64_t call_clock,
-                         float* out, int64_t* out_slots,
+                         int64_t n, int64_t step, float* out, int64_t* out_slots,
                          const GeEvEvicted* evicted, void* scratch,
                          size_t scratch_bytes, unsigned long long* counters,
                          void* stream) {
   (void)stream;
   const ImportRows none{false, nullptr, nullptr, nullptr, nullptr, n};
-  return Upsert(table, keys, n, step, call_clock, out, out_slots, evicted,
+  return Upsert(table, keys, n, step, out, out_slots, evicted,
                 none, scratch, scratch_bytes, counters);
 }
 
 int ge_ev_insert(const GeEvTable* table, const int64_t* keys, int64_t n,
                  const float* rows, const float* slots, const int64_t* freq,
-                 const int64_t* version, int64_t step, int64_t call_clock,
+                 const int64_t* version, int64_t step,
                  const GeEvEvicted* evicted, void* scratch,
                  size_t scratch_bytes, unsigned long long* counters,
                  void* stream) {
   (void)stream;
   if (n > 0 && rows == nullptr) return GE_ERR_ARGUMENT;
   const ImportRows in{true, rows, slots, freq, version, n};
-  return Upsert(table, keys, n, step, call_clock, nullptr, nullptr, evicted,
+  return Upsert(table, keys, n, step, nullptr, nullptr, evicted,
                 in, scratch, scratch_bytes, counters);
 }
 
@@ -303,7 +308,7 @@ int ge_ev_evict(const GeEvTable* table, int64_t step, int64_t steps_to_live,
     if (t.keys[s] == GE_EV_EMPTY_KEY) continue;
     bool doomed;
     if (steps_to_live > 0) {
-      doomed = now - t.version[s] > steps_to_live;
+      doomed = now - *ge_ev::VersionOf(t.meta, s) > steps_to_live;
     } else {
       double ss = 0.0;
       for (int64_t d = 0; d < t.dim; ++d) {
@@ -357,8 +362,8 @@ int ge_ev_export(const GeEvTable* table, int64_t* keys, float* values,
     if (t.keys[s] == GE_EV_EMPTY_KEY) continue;
     if (a < capacity) {
       keys[a] = t.keys[s];
-      if (freq) freq[a] = t.freq[s];
-      if (version) version[a] = t.version[s];
+      if (freq) freq[a] = *ge_ev::FreqOf(t.meta, s);
+      if (version) version[a] = *ge_ev::VersionOf(t.meta, s);
       if (values) CopyRow(values + a * t.dim, t.values + s * t.dim, t.dim);
       for (int k = 0; slots && k < t.num_slots; ++k) {
         CopyRow(slots + (k * capacity + a) * t.dim,

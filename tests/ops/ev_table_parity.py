@@ -66,10 +66,11 @@ def mix(key):
 
 class Model:
     """The table's semantics in plain Python: a dict per bucket of
-    key -> [value, slots, freq, version, clock, slot]. A new key takes
-    the lowest free slot of its bucket, else the slot of the bucket's
-    least valuable unpinned key (LRU: oldest clock; LFU: smallest freq,
-    then oldest clock; then the lower slot)."""
+    key -> [value, slots, freq, version, slot]. A new key takes the
+    lowest free slot of its bucket, else the slot of the bucket's least
+    valuable unpinned key (LRU: oldest version; LFU: smallest freq, then
+    oldest version; then the lower slot). Keys with version >= the
+    call's step are pinned."""
 
     def __init__(self, num_buckets, dim, defaults, num_slots=0,
                  slot_inits=(), policy="lru", filter_freq=0,
@@ -83,7 +84,7 @@ class Model:
         self.filter_freq = filter_freq
         self.no_permission = np.float32(no_permission)
         self.buckets = [dict() for _ in range(num_buckets)]
-        self.clock = 0
+        self.now = 0
 
     def bucket(self, key):
         return self.buckets[(mix(int(key)) >> 32) & (self.nb - 1)]
@@ -98,8 +99,7 @@ class Model:
 
     def new_entry(self, key, version, slot):
         slots = [np.full(self.dim, v, np.float32) for v in self.slot_inits]
-        return [self.absent_row_default(key), slots, 0, version, self.clock,
-                slot]
+        return [self.absent_row_default(key), slots, 0, version, slot]
 
     def absent_row_default(self, key):
         return self.defaults[int(key) % len(self.defaults)].copy()
@@ -108,9 +108,9 @@ class Model:
         """The key a full bucket gives up, or None (all pinned)."""
         best = None
         for key, e in bucket.items():
-            if e[4] == self.clock:
+            if e[3] >= self.now:
                 continue
-            rank = ((e[2] if self.policy == "lfu" else 0), e[4], e[5])
+            rank = ((e[2] if self.policy == "lfu" else 0), e[3], e[4])
             if best is None or rank < best[0]:
                 best = (rank, key)
         return None if best is None else best[1]
@@ -120,14 +120,14 @@ class Model:
         bucket = self.bucket(key)
         base = ((mix(int(key)) >> 32) & (self.nb - 1)) * BUCKET
         if len(bucket) < BUCKET:
-            used = {e[5] for e in bucket.values()}
+            used = {e[4] for e in bucket.values()}
             return next(s for s in range(base, base + BUCKET)
                         if s not in used)
         victim = self._victim(bucket)
         if victim is None:
             return None
         evicted[victim] = bucket.pop(victim)
-        return evicted[victim][5]
+        return evicted[victim][4]
 
     def _missing_order(self, keys, missing):
         return sorted(missing, key=lambda j: (
@@ -143,8 +143,7 @@ class Model:
 
     def find_or_insert(self, keys, step):
         """(rows, stored per occurrence, evicted dict, full count)."""
-        self.clock += 1
-        version = max(int(step), 0)
+        self.now = version = max(int(step), 0)
         rows = np.empty((len(keys), self.dim), np.float32)
         stored = np.zeros(len(keys), bool)
         missing = []
@@ -154,7 +153,6 @@ class Model:
                 missing.append(j)
                 continue
             e[3] = max(e[3], version)
-            e[4] = self.clock
             rows[j] = e[0] if self.admitted(e) else self.no_permission
             stored[j] = True
         evicted, full = {}, 0
@@ -177,7 +175,9 @@ class Model:
         return rows, stored, evicted, full
 
     def insert(self, keys, rows, slots, freq, version, step):
-        self.clock += 1
+        """Import; the call's keys are pinned (version = the step) until
+        it ends, then take their own versions."""
+        self.now = max(int(step), 0)
         evicted, full = {}, 0
         missing = []
 
@@ -187,14 +187,13 @@ class Model:
                      for k in range(self.num_slots)] if slots is not None
                     else [np.full(self.dim, v, np.float32)
                           for v in self.slot_inits],
-                    int(freq[j]) if freq is not None else 0,
-                    int(version[j]) if version is not None
-                    else max(int(step), 0), self.clock, slot]
+                    int(freq[j]) if freq is not None else 0, self.now,
+                    slot]
 
         for j, key in enumerate(keys):
             old = self.bucket(key).get(int(key))
             if old is not None:
-                self.bucket(key)[int(key)] = state(j, old[5])
+                self.bucket(key)[int(key)] = state(j, old[4])
             else:
                 missing.append(j)
         for j in self._missing_order(keys, missing):
@@ -204,6 +203,10 @@ class Model:
                 full += 1
                 continue
             self.bucket(key)[key] = state(j, slot)
+        for j, key in enumerate(keys):
+            e = self.bucket(key).get(int(key))
+            if e is not None and version is not None:
+                e[3] = int(version[j])
         return evicted, full
 
     def evict(self, step, steps_to_live=0, l2_threshold=-1.0):
@@ -257,7 +260,7 @@ def check_state(table, model, what, placement=True):
                       f"{sorted(extra)[:3]})")
     if table.size() != model.size():
         raise Failure(f"{what}: size {table.size()} != {model.size()}")
-    by_slot = [k for k, _ in sorted(want.items(), key=lambda kv: kv[1][5])]
+    by_slot = [k for k, _ in sorted(want.items(), key=lambda kv: kv[1][4])]
     if placement and [int(k) for k in keys] != by_slot:
         raise Failure(f"{what}: keys are not where the model put them")
     order = {int(k): i for i, k in enumerate(keys)}
@@ -294,7 +297,7 @@ def check_slots(keys, slots, stored, model, what):
     in (so one slot per key, in its bucket, distinct keys apart); -1
     exactly where nothing was stored."""
     for key, s, ok in zip(keys, slots, stored):
-        want = model.bucket(key)[int(key)][5] if ok else -1
+        want = model.bucket(key)[int(key)][4] if ok else -1
         if s != want:
             raise Failure(f"{what}: key {key} in slot {s}, model {want}")
 
@@ -454,8 +457,9 @@ def case_export_import(ctx, seed):
     slots = rng.standard_normal((2, n, 5)).astype(np.float32)
     freq = rng.integers(0, 5, n)
     version = rng.integers(0, 9, n)
-    got = other.insert(keys, rows, slots, freq, version, keep_evicted=True)
-    ev, _ = other_model.insert(keys, rows, slots, freq, version, 0)
+    got = other.insert(keys, rows, slots, freq, version, step=10,
+                       keep_evicted=True)
+    ev, _ = other_model.insert(keys, rows, slots, freq, version, 10)
     check_evicted(got, ev, "import", 2)
     check_state(other, other_model, "after import")
 

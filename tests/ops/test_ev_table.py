@@ -37,10 +37,10 @@ def test_cases_catch_the_wrong_policy(ctx, monkeypatch):
     real = ev_table_parity.Model._victim
 
     def newest(self, bucket):
-        free = {k: e for k, e in bucket.items() if e[4] != self.clock}
+        free = {k: e for k, e in bucket.items() if e[3] < self.now}
         if not free:
             return None
-        return max(free, key=lambda k: (free[k][4], k))
+        return max(free, key=lambda k: (free[k][3], free[k][4]))
 
     monkeypatch.setattr(ev_table_parity.Model, "_victim", newest)
     with pytest.raises(ev_table_parity.Failure):
