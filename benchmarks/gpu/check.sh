@@ -15,7 +15,10 @@
 #      ones under both sanitizers), then its speed against HierarchicalKV
 #      in the same run (HKV's driver shared/gpu/hkv_anchor.cu: the carried
 #      build/gpu/hkv_anchor, else built from a carried build/hkv/include;
-#      benchmarks/gpu/ev_table_bench.py).
+#      benchmarks/gpu/ev_table_bench.py), the criteo-like step on EV
+#      tables against plain ones (benchmarks/gpu/ev_step_bench.py) and,
+#      where ncu is installed, the table's kernels one by one
+#      (benchmarks/gpu/ev_table_phases.py).
 # Writes everything under $OUT (default benchmarks/results/gpu): the logs,
 # parity_*.json, bench.json, ev_table_*.json, hkv_anchor.jsonl and
 # summary.json (commit id from GE_COMMIT). SKIP="bench ev_bench" (names of
@@ -135,6 +138,16 @@ else
 fi
 step ev_bench 400 "$PY" benchmarks/gpu/ev_table_bench.py --core "$CORE" \
     --hkv "$OUT/hkv_anchor.jsonl" --json "$OUT/ev_table_bench.json"
+# The criteo-like step on EV tables against plain tables.
+step ev_step 400 "$PY" benchmarks/gpu/ev_step_bench.py --core "$CORE" \
+    --json "$OUT/ev_step_bench.json"
+# Kernel by kernel (Nsight Compute), where it is installed.
+NCU=$(command -v ncu || echo "$(dirname "$NVCC")/ncu")
+if [ -x "$NCU" ]; then
+    step ev_phases 200 bash -c "'$NCU' --profile-from-start off \
+        --metrics gpu__time_duration.sum,dram__bytes.sum '$PY' \
+        benchmarks/gpu/ev_table_phases.py '$CORE' > '$OUT/ev_table_phases.txt' 2>&1"
+fi
 
 "$PY" - "$OUT" "${GE_COMMIT:-unknown}" "${STEPS_FAILED[*]:-}" <<'EOF'
 import json, os, sys
@@ -145,7 +158,8 @@ for name in ("environment", "parity_machine_build", "parity_carried_build",
              "bench", "ev_table_parity_machine_build",
              "ev_table_parity_carried_build",
              "ev_table_sanitizer_memcheck_parity",
-             "ev_table_sanitizer_racecheck_parity", "ev_table_bench"):
+             "ev_table_sanitizer_racecheck_parity", "ev_table_bench",
+             "ev_step_bench"):
     path = os.path.join(out, name + ".json")
     if os.path.exists(path):
         data = json.load(open(path))
