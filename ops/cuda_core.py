@@ -23,7 +23,8 @@ from typing import Optional
 
 import numpy as np
 
-ABI_VERSION = 1
+ABI_VERSION = 2
+ROWS_BY_POSITION = 1  # GeTable.flags
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 3}
 SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 2}
@@ -46,7 +47,7 @@ class GeTable(ctypes.Structure):
         ("batch", ctypes.c_int64),
         ("seq_len", ctypes.c_int64),
         ("combiner", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("flags", ctypes.c_int32),
         ("out", ctypes.c_void_p),
         ("out_stride", ctypes.c_int64),
         ("grad", ctypes.c_void_p),
@@ -104,7 +105,7 @@ class Core:
         common: List[Any] = [tables, c_int, i64, f32]
         size = ctypes.c_size_t
         for name in ("ge_lookup_pooled", "ge_lookup_sequence",
-                     "ge_weight_grads"):
+                     "ge_weight_grads", "ge_clip_grads"):
             getattr(lib, name).restype = c_int
             getattr(lib, name).argtypes = common + [vp, size, vp, vp]
         lib.ge_backward.restype = c_int
@@ -440,14 +441,23 @@ class GroupCall:
         return [(self.mem.get(dv["table"]),
                  [self.mem.get(s) for s in dv["slots"]]) for dv in self.dev]
 
-    def weight_grads(self, pooled=None):
+    def weight_grads(self, pooled=None, by_position=False):
         """d loss / d weights of the weighted tables (None for others);
-        `pooled`: the forward outputs (pooled mean / sqrtn tables)."""
+        `pooled`: the forward outputs (pooled mean / sqrtn tables);
+        `by_position`: give the core each id's row, row j for id j (a
+        snapshot of the rows, GE_ROWS_BY_POSITION) instead of the table."""
         m, k = self.mem, len(self.tables)
         outs = []
         keep = []
         for t, x in enumerate(self.tables):
             out = None
+            if by_position:
+                rows = m.put(x.table[np.clip(x.ids, 0, None)]
+                             .astype(np.float32))
+                keep.append(rows)
+                self.descs[t].table = m.ptr(rows)
+                self.descs[t].vocab = len(x.ids)
+                self.descs[t].flags = ROWS_BY_POSITION
             if x.weights is not None:
                 out = m.zeros((len(x.ids),), np.float32)
                 self.descs[t].weight_grad = m.ptr(out)
@@ -456,9 +466,45 @@ class GroupCall:
                     keep.append(p)
                     self.descs[t].pooled = m.ptr(p)
             outs.append(out)
-        self._check("weight_grads", self.core.lib.ge_weight_grads(
-            self.descs, k, self.dim, self.max_norm,
-            m.ptr(self.lookup_scratch), m.count(self.lookup_scratch),
-            m.ptr(self.errors), m.stream))
-        m.sync()
+        try:
+            self._check("weight_grads", self.core.lib.ge_weight_grads(
+                self.descs, k, self.dim, self.max_norm,
+                m.ptr(self.lookup_scratch), m.count(self.lookup_scratch),
+                m.ptr(self.errors), m.stream))
+            m.sync()
+        finally:
+            if by_position:
+                for t in range(k):
+                    self._describe(t)
+                    self.descs[t].flags = 0
         return [None if o is None else m.get(o) for o in outs]
+
+    def clip_grads(self, unique_ids, grads, in_place=False):
+        """The max_norm clip's backward of per-id gradient rows
+        (`ge_clip_grads`): per table, `unique_ids[t]` ([u]) and their
+        summed gradients `grads[t]` ([u, dim]), against the call's tables
+        and `max_norm`; the clipped rows per table, numpy. `in_place`:
+        the core writes over its input rows."""
+        m, k, d = self.mem, len(self.tables), self.dim
+        descs = (GeTable * k)()
+        keep = []
+        outs = []
+        for t in range(k):
+            ids = m.put(np.asarray(unique_ids[t], np.int64))
+            # A copy: in place, the host stand-in would write the caller's.
+            g = m.put(np.array(grads[t], np.float32).reshape(-1, d))
+            out = g if in_place else m.zeros(g.shape, np.float32)
+            keep += [ids, g]
+            outs.append(out)
+            desc = descs[t]
+            desc.table = m.ptr(self.dev[t]["table"])
+            desc.vocab = self.tables[t].table.shape[0]
+            desc.ids = m.ptr(ids)
+            desc.nnz = desc.batch = len(unique_ids[t])
+            desc.grad, desc.grad_stride = m.ptr(g), d
+            desc.out, desc.out_stride = m.ptr(out), d
+        self._check("clip_grads", self.core.lib.ge_clip_grads(
+            descs, k, d, self.max_norm, m.ptr(self.lookup_scratch),
+            m.count(self.lookup_scratch), m.ptr(self.errors), m.stream))
+        m.sync()
+        return [m.get(o) for o in outs]

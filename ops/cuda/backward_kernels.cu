@@ -391,10 +391,13 @@ __global__ void __launch_bounds__(kBlock)
     }
   }
   const uint64_t vocab = static_cast<uint64_t>(x.vocab);
+  // A snapshot by position has row j for id j (checked when taken).
+  const bool by_position = (x.flags & GE_ROWS_BY_POSITION) != 0;
   for (int64_t j = lo; j < hi; ++j) {
     const int64_t id = x.ids[j];
     float dw = 0.0f;
-    bool ok = static_cast<uint64_t>(id) < vocab;
+    const bool good_id = by_position || static_cast<uint64_t>(id) < vocab;
+    bool ok = good_id;
     if (sequence) {
       const int64_t p = x.positions[j];
       if (p < 0 || p >= x.seq_len) {
@@ -405,12 +408,11 @@ __global__ void __launch_bounds__(kBlock)
                             me.lane, gb);
       }
     }
-    if (static_cast<uint64_t>(id) >= vocab && me.lane == 0) {
-      CountError(g.errors, GE_BAD_IDS);
-    }
+    if (!good_id && me.lane == 0) CountError(g.errors, GE_BAD_IDS);
     if (ok) {
       float e[CH][VEC];
-      LoadRow<VEC, G, CH>(x.table + id * dim, dim, me.lane, e);
+      LoadRow<VEC, G, CH>(x.table + (by_position ? j : id) * dim, dim,
+                          me.lane, e);
       float eg = RowDot<VEC, G, CH>(e, gb, me.mask);
       if (g.max_norm >= 0.0f) {
         eg *= ge_math::ClipFactor(RowSquaredNorm<VEC, G, CH>(e, me.mask),
@@ -421,6 +423,71 @@ __global__ void __launch_bounds__(kBlock)
     }
     if (me.lane == 0) x.weight_grad[j] = dw;
   }
+}
+
+// The clip's backward on per-id rows (ge_clip_grads): one group per id.
+template <int VEC, int G, int CH>
+__global__ void __launch_bounds__(kBlock)
+    ClipGradKernel(DeviceGroup g) {
+  const Lanes<G> me;
+  if (me.unit >= g.units) return;
+  const int t = FindSegment(g.unit_base, g.n, me.unit);
+  const GeTable& x = g.tables[t];
+  const int64_t j = me.unit - g.unit_base[t];
+  const int64_t dim = g.dim;
+  const int64_t id = x.ids[j];
+  float acc[CH][VEC];
+  // Read whole before any store: `out` may be `grad`.
+  LoadRow<VEC, G, CH>(x.grad + j * x.grad_stride, dim, me.lane, acc);
+  if (static_cast<uint64_t>(id) >= static_cast<uint64_t>(x.vocab)) {
+    if (me.lane == 0) CountError(g.errors, GE_BAD_IDS);
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[c][v] = 0.0f;
+    }
+  } else {
+    float e[CH][VEC];
+    LoadRow<VEC, G, CH>(x.table + id * dim, dim, me.lane, e);
+    const float ss = RowSquaredNorm<VEC, G, CH>(e, me.mask);
+    const float eg = RowDot<VEC, G, CH>(e, acc, me.mask);
+    const ge_math::ClipGrad cg = ge_math::ClipGradOf(ss, eg, g.max_norm);
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        acc[c][v] = cg.a * (acc[c][v] - e[c][v] * cg.b);
+      }
+    }
+  }
+  StoreRow<VEC, G, CH>(x.out + j * x.out_stride, dim, me.lane, acc);
+}
+
+// Uploads a checked call's descriptors into the scratch (of
+// ge_lookup_scratch_bytes) and launches, through
+// launch(Shape, grid, stream, group), one kernel with a group of lanes
+// per unit (per example row, or per id): the calls whose only scratch is
+// their descriptors.
+template <typename Launch>
+int LaunchOnUnits(const GeTable* tables, int n, int64_t dim, float max_norm,
+                  const ge_core::GroupPlan& plan, void* scratch,
+                  size_t scratch_bytes, unsigned long long* errors,
+                  void* stream, Launch&& launch) {
+  if (scratch == nullptr || scratch_bytes < ge_lookup_scratch_bytes(n)) {
+    return GE_ERR_SCRATCH;
+  }
+  if (plan.units() == 0) return GE_OK;
+  auto s = static_cast<cudaStream_t>(stream);
+  DeviceGroup g;
+  const cudaError_t e = UploadGroup(tables, n, plan, scratch, s, &g);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  g.dim = dim;
+  g.max_norm = max_norm;
+  g.errors = errors;
+  return WithShape(dim, RowsVec4(tables, n, dim), [&](auto shape) {
+    launch(shape, GridFor(g.units, decltype(shape)::kG), s, g);
+    return LaunchStatus();
+  });
 }
 
 // Scratch of a backward call, after the descriptors.
@@ -605,25 +672,30 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
   const int status = ge_core::CheckWeightGrads(tables, num_tables, dim,
                                                max_norm, errors, &plan);
   if (status != GE_OK) return status;
-  if (scratch == nullptr ||
-      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
-    return GE_ERR_SCRATCH;
-  }
-  if (plan.units() == 0) return GE_OK;
-  auto s = static_cast<cudaStream_t>(stream);
-  ge_cuda::DeviceGroup g;
-  const cudaError_t e =
-      ge_cuda::UploadGroup(tables, num_tables, plan, scratch, s, &g);
-  if (e != cudaSuccess) return static_cast<int>(e);
-  g.dim = dim;
-  g.max_norm = max_norm;
-  g.errors = errors;
-  return ge_cuda::WithShape(
-      dim, ge_cuda::RowsVec4(tables, num_tables, dim), [&](auto shape) {
+  return ge_cuda::LaunchOnUnits(
+      tables, num_tables, dim, max_norm, plan, scratch, scratch_bytes,
+      errors, stream, [](auto shape, unsigned grid, cudaStream_t s,
+                         const ge_cuda::DeviceGroup& g) {
         using S = decltype(shape);
         ge_cuda::WeightGradKernel<S::kVec, S::kG, S::kCh>
-            <<<ge_cuda::GridFor(g.units, S::kG), ge_cuda::kBlock, 0, s>>>(g);
-        return ge_cuda::LaunchStatus();
+            <<<grid, ge_cuda::kBlock, 0, s>>>(g);
+      });
+}
+
+int ge_clip_grads(const GeTable* tables, int num_tables, int64_t dim,
+                  float max_norm, void* scratch, size_t scratch_bytes,
+                  unsigned long long* errors, void* stream) {
+  ge_core::GroupPlan plan;
+  const int status = ge_core::CheckClipGrads(tables, num_tables, dim,
+                                             max_norm, errors, &plan);
+  if (status != GE_OK) return status;
+  return ge_cuda::LaunchOnUnits(
+      tables, num_tables, dim, max_norm, plan, scratch, scratch_bytes,
+      errors, stream, [](auto shape, unsigned grid, cudaStream_t s,
+                         const ge_cuda::DeviceGroup& g) {
+        using S = decltype(shape);
+        ge_cuda::ClipGradKernel<S::kVec, S::kG, S::kCh>
+            <<<grid, ge_cuda::kBlock, 0, s>>>(g);
       });
 }
 

@@ -31,6 +31,8 @@ enum Need : unsigned {
   kSequence = 4,    // positions / seq_len
   kWeightGrad = 8,  // pooled + weight_grad of weighted tables
   kTableRows = 16,  // reads table rows
+  kRowsByPosition = 32,  // GE_ROWS_BY_POSITION is allowed
+  kPlainRows = 64,  // one id per row, no positions (ge_clip_grads)
 };
 
 // Prefix arrays of a group: table t's units (output rows) are
@@ -62,6 +64,17 @@ inline int CheckTables(const GeTable* tables, int n, int64_t dim,
     const GeTable& x = tables[t];
     if (x.vocab < 0 || x.nnz < 0 || x.batch < 0) return GE_ERR_ARGUMENT;
     if (x.combiner < GE_SUM || x.combiner > GE_SQRTN) return GE_ERR_ARGUMENT;
+    const int32_t allowed = (need & kRowsByPosition) ? GE_ROWS_BY_POSITION : 0;
+    if ((x.flags & ~allowed) != 0) return GE_ERR_ARGUMENT;
+    // Rows by position: one row per id (the row count is `vocab`).
+    if ((x.flags & GE_ROWS_BY_POSITION) && x.weights != nullptr &&
+        x.vocab < x.nnz) {
+      return GE_ERR_ARGUMENT;
+    }
+    if ((need & kPlainRows) &&
+        (x.splits != nullptr || x.positions != nullptr)) {
+      return GE_ERR_ARGUMENT;
+    }
     if (x.nnz > 0 && x.ids == nullptr) return GE_ERR_ARGUMENT;
     if (x.splits == nullptr ? x.batch != x.nnz
                             : (x.batch == 0 && x.nnz != 0)) {
@@ -181,8 +194,8 @@ inline int CheckBackward(const GeTable* tables, int n, int64_t dim,
 inline int CheckWeightGrads(const GeTable* tables, int n, int64_t dim,
                             float max_norm, const unsigned long long* errors,
                             GroupPlan* plan) {
-  const int status =
-      CheckTables(tables, n, dim, kWeightGrad | kTableRows, plan);
+  const int status = CheckTables(
+      tables, n, dim, kWeightGrad | kTableRows | kRowsByPosition, plan);
   if (status != GE_OK) return status;
   for (int t = 0; t < n; ++t) {
     const GeTable& x = tables[t];
@@ -191,6 +204,19 @@ inline int CheckWeightGrads(const GeTable* tables, int n, int64_t dim,
       return GE_ERR_ARGUMENT;
     }
   }
+  if (errors == nullptr || !std::isfinite(max_norm)) return GE_ERR_ARGUMENT;
+  return GE_OK;
+}
+
+// The checks of a ge_clip_grads call before its scratch size: per table
+// `nnz` ids, one gradient row each in, one out.
+inline int CheckClipGrads(const GeTable* tables, int n, int64_t dim,
+                          float max_norm, const unsigned long long* errors,
+                          GroupPlan* plan) {
+  const int status =
+      CheckTables(tables, n, dim, kGrad | kOut | kTableRows | kPlainRows,
+                  plan);
+  if (status != GE_OK) return status;
   if (errors == nullptr || !std::isfinite(max_norm)) return GE_ERR_ARGUMENT;
   return GE_OK;
 }

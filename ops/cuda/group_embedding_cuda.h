@@ -30,7 +30,8 @@
 extern "C" {
 #endif
 
-#define GE_CUDA_ABI_VERSION 1
+// 2: GeTable.flags (was reserved) and ge_clip_grads.
+#define GE_CUDA_ABI_VERSION 2
 
 // The libraries are built with hidden visibility: only these functions
 // are exported (not cub's or the static CUDA runtime's symbols).
@@ -38,6 +39,13 @@ extern "C" {
 
 enum GeCombiner { GE_SUM = 0, GE_MEAN = 1, GE_SQRTN = 2 };
 enum GeErrorCounter { GE_BAD_IDS = 0, GE_BAD_LAYOUT = 1, GE_NUM_ERRORS = 2 };
+// GeTable.flags. GE_ROWS_BY_POSITION (ge_weight_grads only): `table`
+// holds one row per id, row j for ids[j] (a snapshot of the ids' rows
+// taken where the forward read them, as GroupEmbeddingTableSnapshot
+// copies them when the variable is in copy-on-read mode); `vocab` is its
+// row count, at least nnz, and ids are not range-checked (the snapshot
+// checked them). Every other call refuses a non-zero flags.
+enum GeTableFlags { GE_ROWS_BY_POSITION = 1 };
 enum GeOptimizer {
   GE_OPT_SGD = 0,      // v -= lr g
   GE_OPT_ADAGRAD = 1,  // a += g^2; v -= lr g / sqrt(a + eps)  (Keras)
@@ -64,7 +72,7 @@ typedef struct GeTable {
   int64_t batch;
   int64_t seq_len;          // sequence lookups: T of the [B, T, dim] output
   int32_t combiner;         // GeCombiner (pooled lookups)
-  int32_t reserved;
+  int32_t flags;            // GeTableFlags; 0 unless a call says otherwise
   // Forward output: row b at out + b * out_stride ([B, T, dim] for
   // sequences: position p of row b at out + b * out_stride + p * dim).
   // The concatenated [B, K * dim] layout is out = base + t * dim,
@@ -145,10 +153,23 @@ int ge_backward_apply(const GeTable* tables, int num_tables, int64_t dim,
 // d loss / d w_j of weighted tables (weights != NULL; others skipped):
 // pooled: (clip(e_j).g_b - [combiner term]) * scale_b, as the CPU
 // kernel's WeightGradRows; sequence: clip(e_j).g[b, positions[j]].
+// e_j is table row ids[j], or row j with flags GE_ROWS_BY_POSITION.
 GE_API
 int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
                     float max_norm, void* scratch, size_t scratch_bytes,
                     unsigned long long* errors, void* stream);
+
+// Backward of the max_norm clip on rows that are already summed per
+// distinct id (what GroupEmbeddingClipGrad does after a backward without
+// clip): for each table (splits = NULL, positions = NULL, batch = nnz),
+// row j of `out` = the clip's backward of row j of `grad` with the
+// table's row ids[j], as ge_backward applies it: g' = a (g - e b). `out`
+// may be `grad` (in place). A bad id is counted and its row is zeros.
+// Scratch: ge_lookup_scratch_bytes(num_tables).
+GE_API
+int ge_clip_grads(const GeTable* tables, int num_tables, int64_t dim,
+                  float max_norm, void* scratch, size_t scratch_bytes,
+                  unsigned long long* errors, void* stream);
 
 // Stream-ordered memory helpers, so that a framework adaptor needs no
 // CUDA runtime of its own: copy `bytes` device -> host (to_host = 1; the

@@ -296,6 +296,7 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
     const GeTable& x = tables[t];
     if (x.weights == nullptr) continue;
     const bool sequence = x.positions != nullptr;
+    const bool by_position = (x.flags & GE_ROWS_BY_POSITION) != 0;
     for (int64_t b = 0; b < x.batch; ++b) {
       int64_t lo, hi;
       ge_host::RowRange(x, b, errors, &lo, &hi);
@@ -307,7 +308,8 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
       }
       for (int64_t j = lo; j < hi; ++j) {
         float dw = 0.0f;
-        bool ok = ge_host::GoodId(x, x.ids[j]);
+        const bool good_id = by_position || ge_host::GoodId(x, x.ids[j]);
+        bool ok = good_id;
         const float* g = gb;
         if (sequence) {
           const int64_t p = x.positions[j];
@@ -318,9 +320,9 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
             g = gb + p * dim;
           }
         }
-        if (!ge_host::GoodId(x, x.ids[j])) ++errors[GE_BAD_IDS];
+        if (!good_id) ++errors[GE_BAD_IDS];
         if (ok) {
-          const float* e = x.table + x.ids[j] * dim;
+          const float* e = x.table + (by_position ? j : x.ids[j]) * dim;
           const float eg = ge_host::Dot(e, g, dim) *
                            ge_math::ClipFactor(ge_host::Dot(e, e, dim),
                                                max_norm);
@@ -330,6 +332,38 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
         }
         x.weight_grad[j] = dw;
       }
+    }
+  }
+  return GE_OK;
+}
+
+int ge_clip_grads(const GeTable* tables, int num_tables, int64_t dim,
+                  float max_norm, void* scratch, size_t scratch_bytes,
+                  unsigned long long* errors, void* /*stream*/) {
+  ge_core::GroupPlan plan;
+  const int status = ge_core::CheckClipGrads(tables, num_tables, dim,
+                                             max_norm, errors, &plan);
+  if (status != GE_OK) return status;
+  if (scratch == nullptr ||
+      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+    return GE_ERR_SCRATCH;
+  }
+  std::vector<float> g(dim);
+  for (int t = 0; t < num_tables; ++t) {
+    const GeTable& x = tables[t];
+    for (int64_t j = 0; j < x.nnz; ++j) {
+      // Through a copy: `out` may be `grad`.
+      memcpy(g.data(), x.grad + j * x.grad_stride, sizeof(float) * dim);
+      float* out = x.out + j * x.out_stride;
+      if (!ge_host::GoodId(x, x.ids[j])) {
+        ++errors[GE_BAD_IDS];
+        std::fill(out, out + dim, 0.0f);
+        continue;
+      }
+      const float* e = x.table + x.ids[j] * dim;
+      const ge_math::ClipGrad cg = ge_math::ClipGradOf(
+          ge_host::Dot(e, e, dim), ge_host::Dot(e, g.data(), dim), max_norm);
+      for (int64_t d = 0; d < dim; ++d) out[d] = cg.a * (g[d] - e[d] * cg.b);
     }
   }
   return GE_OK;

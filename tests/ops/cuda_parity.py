@@ -152,13 +152,18 @@ def oracle_grad_sums(x, grad, max_norm):
             else:
                 g = grad[b] * w * _scale(x, lo, hi)
             sums[i] = sums.get(i, 0.0) + g.astype(np.float64)
-    if max_norm >= 0:
-        for i, g in sums.items():
-            e = x.table[i].astype(np.float64)
-            n = np.linalg.norm(e)
-            if n >= max_norm and n > 0:
-                sums[i] = (max_norm / n) * (g - e * (e @ g) / (n * n))
-    return sums
+    return {i: oracle_clip_grad(x.table[i], g, max_norm)
+            for i, g in sums.items()}
+
+
+def oracle_clip_grad(e, g, max_norm):
+    """The gradient g of clip(e) taken back to e (stock's: the identity
+    below the norm)."""
+    e = e.astype(np.float64)
+    n = np.linalg.norm(e)
+    if max_norm < 0 or n < max_norm or n == 0:
+        return g
+    return (max_norm / n) * (g - e * (e @ g) / (n * n))
 
 
 def oracle_weight_grads(x, grad, max_norm):
@@ -308,6 +313,61 @@ def case_sequence(ctx, dim, weighted, max_norm):
     equal("error counts", call.error_counts(), (0, 0))
 
 
+def case_weight_grads_by_position(ctx, dim, sequence, max_norm):
+    """ge_weight_grads reading a snapshot of the ids' rows (row j for id
+    j, GE_ROWS_BY_POSITION) gives what it gives reading the table."""
+    rng = np.random.default_rng(150 + dim + 2 * sequence)
+    tables = make_tables(rng, SEQ_SPECS if sequence else SPECS, dim,
+                         weighted=True, sequence=sequence)
+    call = cc.GroupCall(ctx.core, ctx.mem, tables, max_norm=max_norm)
+    got = call.lookup()
+    grads = _grads_like(rng, got)
+    call.set_grads(grads)
+    pooled = None if sequence else [o.astype(np.float32) for o in got]
+    for t, dw in enumerate(call.weight_grads(pooled, by_position=True)):
+        close(f"table {t} weight grads by position", dw,
+              oracle_weight_grads(tables[t], grads[t], max_norm),
+              rtol=1e-4, atol=1e-4)
+    # The descriptors read the tables again afterwards.
+    for t, dw in enumerate(call.weight_grads(pooled)):
+        close(f"table {t} weight grads", dw,
+              oracle_weight_grads(tables[t], grads[t], max_norm),
+              rtol=1e-4, atol=1e-4)
+    equal("error counts", call.error_counts(), (0, 0))
+
+
+def case_clip_grads(ctx, dim, in_place):
+    """ge_clip_grads: per-id gradient rows through the clip's backward,
+    rows above and below the norm, a zero row, and bad ids (counted,
+    zeros)."""
+    rng = np.random.default_rng(170 + dim + in_place)
+    max_norm = 2.0
+    tables = []
+    ids, grads = [], []
+    for vocab, n in ((40, 25), (5, 5), (300, 0), (64, 30)):
+        table = rng.normal(size=(vocab, dim)).astype(np.float32)
+        # Norms around the bound: some rows clip, some do not.
+        table *= rng.uniform(0.2, 3.0, (vocab, 1)).astype(np.float32) \
+            * max_norm / np.sqrt(dim)
+        table[0] = 0.0
+        tables.append(cc.TableBatch(table=table,
+                                    ids=np.zeros(0, np.int64)))
+        u = rng.permutation(vocab)[:n].astype(np.int64)
+        ids.append(u)
+        grads.append(rng.normal(size=(len(u), dim)).astype(np.float32))
+    ids[0][:2] = [-3, 40]  # bad ids
+    call = cc.GroupCall(ctx.core, ctx.mem, tables, max_norm=max_norm)
+    got = call.clip_grads(ids, grads, in_place=in_place)
+    for t, x in enumerate(tables):
+        want = np.zeros((len(ids[t]), dim))
+        for j, i in enumerate(ids[t]):
+            if 0 <= i < x.table.shape[0]:
+                want[j] = oracle_clip_grad(x.table[i], grads[t][j].astype(
+                    np.float64), max_norm)
+        close(f"table {t} clipped gradients", got[t], want)
+    equal("error counts", call.error_counts(), (2, 0))
+
+
 def case_optimizer(ctx, name, dim, max_norm):
     rng = np.random.default_rng(200 + dim + len(name))
     tables = make_tables(rng, SPECS, dim, weighted=True,
@@ -442,6 +502,18 @@ def case_arguments(ctx):
     for name, fn in cases.items():
         equal(name, fn(), want[name])
     bad = cc.GeTable.from_buffer_copy(call.descs[0])
+    bad.flags = cc.ROWS_BY_POSITION  # only ge_weight_grads reads it
+    one = (cc.GeTable * 1)(bad)
+    equal("rows by position in a lookup", lib.ge_lookup_pooled(
+        one, 1, 8, -1.0, m.ptr(call.lookup_scratch),
+        m.count(call.lookup_scratch), m.ptr(call.errors), m.stream), -1)
+    bad = cc.GeTable.from_buffer_copy(call.descs[0])
+    bad.grad, bad.grad_stride = bad.out, bad.out_stride
+    one = (cc.GeTable * 1)(bad)
+    equal("clip grads with row_splits", lib.ge_clip_grads(
+        one, 1, 8, 0.5, m.ptr(call.lookup_scratch),
+        m.count(call.lookup_scratch), m.ptr(call.errors), m.stream), -1)
+    bad = cc.GeTable.from_buffer_copy(call.descs[0])
     bad.combiner = 7
     one = (cc.GeTable * 1)(bad)
     equal("bad combiner", lib.ge_lookup_pooled(
@@ -550,6 +622,16 @@ def all_cases(quick=False):
         cases.append((f"sparse_apply_duplicates_d{dim}",
                       lambda c, d=dim: case_sparse_apply_duplicates(c, d)))
         cases.append((f"bad_ids_d{dim}", lambda c, d=dim: case_bad_ids(c, d)))
+        for sequence in (False, True):
+            cases.append((f"weight_grads_by_position_d{dim}"
+                          f"_{'sequence' if sequence else 'pooled'}",
+                          lambda c, d=dim, q=sequence:
+                          case_weight_grads_by_position(c, d, q, 0.8)))
+        for in_place in (False, True):
+            cases.append((f"clip_grads_d{dim}"
+                          f"_{'in_place' if in_place else 'copy'}",
+                          lambda c, d=dim, p=in_place:
+                          case_clip_grads(c, d, p)))
         cases.append((f"bad_layout_d{dim}",
                       lambda c, d=dim: case_bad_layout(c, d)))
     for dim in ((16, 7) if quick else (16, 64, 3, 200)):
