@@ -8,6 +8,8 @@ CuPy or torch memory, and CPU-only CI drives the host stand-in
 * `EvTable(core, memory, ...)`: one table's arrays, allocated through a
   memory adapter of `cuda_core` (`HostMemory`, `CupyMemory`,
   `TorchMemory`), and every call of the C interface on it.
+* `EvGroup(tables)`: the find-or-insert of several features over several
+  tables in one call (one probe, one sort, one insert launch).
 """
 
 import ctypes
@@ -58,6 +60,18 @@ class GeEvEvicted(ctypes.Structure):
     ]
 
 
+class GeEvBatch(ctypes.Structure):
+    """`GeEvBatch` of the C header."""
+    _fields_ = [
+        ("table", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("keys", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("out_slots", ctypes.c_void_p),
+    ]
+
+
 class TableError(RuntimeError):
     """A table call refused its arguments or failed to launch."""
 
@@ -68,6 +82,7 @@ def _typed(lib):
         return lib
     t = ctypes.POINTER(GeEvTable)
     e = ctypes.POINTER(GeEvEvicted)
+    b = ctypes.POINTER(GeEvBatch)
     vp, i64, f32, c_int = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
                            ctypes.c_int)
     size = ctypes.c_size_t
@@ -83,6 +98,9 @@ def _typed(lib):
         "ge_ev_evict": (c_int, [t, i64, i64, f32, e, vp, vp]),
         "ge_ev_size": (c_int, [t, vp, vp]),
         "ge_ev_export_scratch_bytes": (size, [t]),
+        "ge_ev_group_scratch_bytes": (size, [t, c_int, b, c_int]),
+        "ge_ev_find_or_insert_group": (c_int, [t, c_int, b, c_int, i64, e,
+                                               vp, size, vp, vp]),
         "ge_ev_export": (c_int, [t, vp, vp, vp, vp, vp, i64, vp, vp, size,
                                  vp]),
     }
@@ -337,3 +355,63 @@ class EvTable:
         if out["slots"] is not None:
             result["slots"] = m.get(out["slots"])[:, :n]
         return result
+
+
+class EvGroup:
+    """Several `EvTable`s of one memory, looked up together.
+
+    Args:
+        tables: distinct `EvTable`s (features that share a table name its
+            index more than once in the batches).
+    """
+
+    def __init__(self, tables):
+        self.tables = list(tables)
+        self.m = self.tables[0].m
+        self.lib = self.tables[0].lib
+        self.descs = (GeEvTable * len(self.tables))(
+            *[t.desc for t in self.tables])
+        self.counters_array = self.m.zeros((len(COUNTERS),), np.uint64)
+        self._scratch = None
+
+    def counters(self) -> Dict[str, int]:
+        """The group calls' device counters."""
+        values = self.m.get(self.counters_array).astype(np.uint64)
+        return dict(zip(COUNTERS, (int(v) for v in values)))
+
+    def launch_find_or_insert(self, batches, step):
+        """ge_ev_find_or_insert_group on device arrays (no
+        synchronisation). `batches`: (table index, keys, out or None,
+        out_slots or None) per feature."""
+        m = self.m
+        descs = (GeEvBatch * len(batches))()
+        for d, (table, keys, out, out_slots) in zip(descs, batches):
+            d.table = table
+            d.keys = m.ptr(keys)
+            d.n = m.count(keys)
+            d.out = m.ptr(out)
+            d.out_slots = m.ptr(out_slots)
+        nt, nb = len(self.tables), len(batches)
+        need = self.lib.ge_ev_group_scratch_bytes(self.descs, nt, descs, nb)
+        if self._scratch is None or m.count(self._scratch) < need:
+            self._scratch = m.empty((max(int(need), 1),), np.uint8)
+        status = self.lib.ge_ev_find_or_insert_group(
+            self.descs, nt, descs, nb, int(step), None,
+            m.ptr(self._scratch), m.count(self._scratch),
+            m.ptr(self.counters_array), m.stream)
+        self.tables[0].check("ge_ev_find_or_insert_group", status)
+
+    def find_or_insert(self, batches, step):
+        """The same on numpy keys: `batches` is (table index, keys) per
+        feature; returns (rows, slots) per feature as numpy."""
+        m = self.m
+        calls, outs = [], []
+        for table, keys in batches:
+            keys = np.asarray(keys, np.int64)
+            out = m.empty((keys.size, self.tables[table].dim), np.float32)
+            slots = m.empty((keys.size,), np.int64)
+            calls.append((table, m.put(keys), out, slots))
+            outs.append((out, slots))
+        self.launch_find_or_insert(calls, step)
+        m.sync()
+        return [(m.get(o), m.get(s)) for o, s in outs]

@@ -8,10 +8,12 @@ Runs on the GPU machine (torch, no TensorFlow) with the core built by
   lookup launch, one backward-apply launch), as `bench.py` times it;
 * `ev_step`: the same step on 26 GPU EV tables (`ops/cuda/ev_table.h`)
   holding every key of their table (filled before timing, load factor
-  about 0.6): a find-or-insert per table turns the batch's keys into
-  slots, then the same pooled lookup and backward-apply run on the EV
-  values and accumulator with those slots as ids;
-* `ev_find_or_insert`: the 26 find-or-inserts alone.
+  about 0.6): ONE group find-or-insert turns the batch's keys of all 26
+  tables into slots, then the same pooled lookup and backward-apply run
+  on the EV values and accumulator with those slots as ids;
+* `ev_find_or_insert`: the group find-or-insert alone;
+* `ev_step_per_table` / `ev_find_or_insert_per_table`: the same with one
+  find-or-insert call per table (26 probes, sorts and inserts).
 
 An EV's default rows are the plain table's rows (key k starts as row
 k), so before timing the script checks that the two steps agree: the
@@ -140,8 +142,15 @@ def run(dev, core, dim, batch_size, cap, steps, id_batches):
         ev_slots[i], b.splits, [ev.desc.slots for ev in evs], out, grad,
         dim) for i, b in enumerate(batches)]
     counter = iter(range(1, 1 << 40))
+    group = et.EvGroup(evs)
 
     def ev_lookups(i):
+        b = batches[i % 2]
+        group.launch_find_or_insert(
+            [(t, arr(b.ids[t]), None, arr(ev_slots[i % 2][t]))
+             for t in range(k)], next(counter))
+
+    def ev_lookups_per_table(i):
         s = next(counter)
         b = batches[i % 2]
         for t in range(k):
@@ -150,6 +159,10 @@ def run(dev, core, dim, batch_size, cap, steps, id_batches):
 
     def ev_step(i):
         ev_lookups(i)
+        step_with(edescs[i % 2])
+
+    def ev_step_per_table(i):
+        ev_lookups_per_table(i)
         step_with(edescs[i % 2])
 
     def plain_step(i):
@@ -187,6 +200,9 @@ def run(dev, core, dim, batch_size, cap, steps, id_batches):
     result["plain_step_ms"] = dev.timed(plain_step, 3, steps)
     result["ev_step_ms"] = dev.timed(ev_step, 3, steps)
     result["ev_find_or_insert_ms"] = dev.timed(ev_lookups, 3, steps)
+    result["ev_step_per_table_ms"] = dev.timed(ev_step_per_table, 3, steps)
+    result["ev_find_or_insert_per_table_ms"] = dev.timed(
+        ev_lookups_per_table, 3, steps)
     result["ev_step_vs_plain_step"] = (result["ev_step_ms"][0] /
                                        result["plain_step_ms"][0])
     return result

@@ -128,6 +128,37 @@ int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
                          size_t scratch_bytes, unsigned long long* counters,
                          void* stream);
 
+// One feature's keys of a group call: which table (an index into the
+// call's `tables`; features sharing a table name the same one), its n
+// keys, and where its rows [n, dim of the table] and slots [n] go (either
+// may be NULL).
+typedef struct GeEvBatch {
+  int32_t table;
+  int32_t reserved;
+  const int64_t* keys;
+  int64_t n;
+  float* out;
+  int64_t* out_slots;
+} GeEvBatch;
+
+// Scratch of ge_ev_find_or_insert_group for these batches.
+GE_API
+size_t ge_ev_group_scratch_bytes(const GeEvTable* tables, int num_tables,
+                                 const GeEvBatch* batches, int num_batches);
+
+// ge_ev_find_or_insert for every feature of a group at once: ONE probe,
+// ONE sort and ONE insert launch for all tables (a training step's EV
+// lookups), with the semantics of calling ge_ev_find_or_insert once per
+// distinct table on the concatenation of its features' keys in batch
+// order. `tables` must be distinct tables; `evicted` is NULL or one
+// GeEvEvicted per table (an entry with count NULL drops that table's).
+GE_API
+int ge_ev_find_or_insert_group(const GeEvTable* tables, int num_tables,
+                               const GeEvBatch* batches, int num_batches,
+                               int64_t step, const GeEvEvicted* evicted,
+                               void* scratch, size_t scratch_bytes,
+                               unsigned long long* counters, void* stream);
+
 // Import of n DISTINCT keys with all their state: rows [n, dim], slots
 // [num_slots, n, dim] (NULL: slot_inits), freq, version [n] (NULL: 0,
 // max(step, 0)); keys present are overwritten, absent ones inserted

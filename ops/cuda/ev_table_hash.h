@@ -131,6 +131,51 @@ inline size_t TableBytes(int64_t num_buckets, int64_t dim, int num_slots) {
   return cap * (8 + 1 + 16 + 4 * static_cast<size_t>(dim) * (1 + num_slots));
 }
 
+// Host checks of a group call: distinct valid tables (their buckets are
+// numbered one after the other in uint32, one more for "no insert"),
+// batches naming one of them, at most kMaxKeys keys in all. Fills the
+// occurrence prefix `occ_base` [num_batches + 1] and bucket prefix
+// `bucket_base` [num_tables + 1].
+inline int CheckGroup(const GeEvTable* tables, int num_tables,
+                      const GeEvBatch* batches, int num_batches,
+                      const GeEvEvicted* evicted, int64_t* occ_base,
+                      int64_t* bucket_base) {
+  if (tables == nullptr || batches == nullptr || num_tables < 1 ||
+      num_batches < 1) {
+    return GE_ERR_ARGUMENT;
+  }
+  bucket_base[0] = 0;
+  for (int t = 0; t < num_tables; ++t) {
+    const int s = CheckTable(&tables[t]);
+    if (s != GE_OK) return s;
+    for (int u = 0; u < t; ++u) {
+      if (tables[u].keys == tables[t].keys) return GE_ERR_ARGUMENT;
+    }
+    bucket_base[t + 1] = bucket_base[t] + tables[t].num_buckets;
+    if (bucket_base[t + 1] > kMaxBuckets) return GE_ERR_TOO_LARGE;
+  }
+  occ_base[0] = 0;
+  for (int b = 0; b < num_batches; ++b) {
+    const GeEvBatch& x = batches[b];
+    if (x.table < 0 || x.table >= num_tables || x.n < 0 ||
+        (x.n > 0 && x.keys == nullptr)) {
+      return GE_ERR_ARGUMENT;
+    }
+    occ_base[b + 1] = occ_base[b] + x.n;
+    if (occ_base[b + 1] > kMaxKeys) return GE_ERR_TOO_LARGE;
+  }
+  for (int t = 0; evicted != nullptr && t < num_tables; ++t) {
+    if (evicted[t].count == nullptr) continue;
+    int64_t n = 0;  // every key of the table's batches may evict one
+    for (int b = 0; b < num_batches; ++b) {
+      if (batches[b].table == t) n += batches[b].n;
+    }
+    const int s = CheckEvicted(&tables[t], &evicted[t], n);
+    if (s != GE_OK) return s;
+  }
+  return GE_OK;
+}
+
 inline int64_t Capacity(const GeEvTable* t) {
   return t->num_buckets * GE_EV_BUCKET;
 }

@@ -126,87 +126,119 @@ int64_t Place(const GeEvTable& t, int64_t base, int64_t now,
   return Evict(t, best, ev, counters) ? best : -1;
 }
 
-int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
-           int64_t step, float* out, int64_t* out_slots,
-           const GeEvEvicted* evicted, const ImportRows& in, void* scratch,
-           size_t scratch_bytes, unsigned long long* counters) {
-  int status = ge_ev::CheckBatch(table, keys, n);
-  if (status != GE_OK) return status;
-  status = ge_ev::CheckEvicted(table, evicted, n);
+// A group call (a single-table call is a group of one): the probe over
+// every occurrence, then the missing keys by call-wide bucket number and
+// occurrence, then (training) the counts.
+int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
+           int nb, int64_t step, const GeEvEvicted* evicted,
+           const ImportRows& in, void* scratch, size_t scratch_bytes,
+           unsigned long long* counters) {
+  std::vector<int64_t> occ_base(nb + 1 > 0 ? nb + 1 : 1);
+  std::vector<int64_t> bucket_base(nt + 1 > 0 ? nt + 1 : 1);
+  const int status = ge_ev::CheckGroup(tables, nt, batches, nb, evicted,
+                                       occ_base.data(), bucket_base.data());
   if (status != GE_OK) return status;
   if (counters == nullptr) return GE_ERR_ARGUMENT;
+  const int64_t n = occ_base[nb];
   if (n == 0) return GE_OK;
-  if (scratch == nullptr || scratch_bytes < ge_ev_scratch_bytes(table, n)) {
+  if (scratch == nullptr ||
+      scratch_bytes < ge_ev_group_scratch_bytes(tables, nt, batches, nb)) {
     return GE_ERR_SCRATCH;
   }
-  const GeEvTable& t = *table;
   const int64_t now = step < 0 ? 0 : step;
+  struct Occ {
+    const GeEvBatch* batch;
+    int64_t jl;
+    const GeEvTable* table;
+    int64_t key;
+    float* out;
+  };
+  std::vector<Occ> occ(n);
   std::vector<int64_t> slot(n, -1);
-  // (bucket, occurrence) of each missing key, in the sort's order.
+  for (int b = 0; b < nb; ++b) {
+    const GeEvBatch& x = batches[b];
+    const GeEvTable& t = tables[x.table];
+    for (int64_t jl = 0; jl < x.n; ++jl) {
+      occ[occ_base[b] + jl] = {&x, jl, &t, x.keys[jl],
+                               x.out != nullptr && !in.on
+                                   ? x.out + jl * t.dim
+                                   : nullptr};
+    }
+  }
+  auto evicted_of = [&](const GeEvTable* t) -> const GeEvEvicted* {
+    if (evicted == nullptr) return nullptr;
+    const GeEvEvicted& e = evicted[t - tables];
+    return e.count != nullptr ? &e : nullptr;
+  };
+  // (call-wide bucket, occurrence) of each missing key, in the sort's
+  // order.
   std::vector<std::pair<int64_t, int64_t>> missing;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t key = keys[j];
-    if (key == GE_EV_EMPTY_KEY) {
+    const Occ& o = occ[j];
+    const GeEvTable& t = *o.table;
+    if (o.key == GE_EV_EMPTY_KEY) {
       ++counters[GE_EV_BAD_KEYS];
+      if (o.out != nullptr) AbsentRow(t, o.key, o.out);
       continue;
     }
-    const int64_t s = Find(t, key);
+    const int64_t s = Find(t, o.key);
     slot[j] = s;
     if (s < 0) {
       missing.emplace_back(
-          BucketOf(Mix(static_cast<uint64_t>(key)), t.num_buckets), j);
+          bucket_base[o.table - tables] +
+              BucketOf(Mix(static_cast<uint64_t>(o.key)), t.num_buckets),
+          j);
       continue;
     }
     if (in.on) {
-      WriteEntry(t, s, key, j, now, in);
+      WriteEntry(t, s, o.key, o.jl, now, in);
       continue;
     }
     int64_t* version = ge_ev::VersionOf(t.meta, s);
     *version = std::max(*version, now);
-    if (out == nullptr) continue;
+    if (o.out == nullptr) continue;
     if (Admitted(*ge_ev::FreqOf(t.meta, s), t.filter_freq)) {
-      CopyRow(out + j * t.dim, t.values + s * t.dim, t.dim);
+      CopyRow(o.out, t.values + s * t.dim, t.dim);
     } else {
-      std::fill(out + j * t.dim, out + (j + 1) * t.dim, t.no_permission);
+      std::fill(o.out, o.out + t.dim, t.no_permission);
     }
   }
   std::sort(missing.begin(), missing.end());
   for (const auto& m : missing) {
     const int64_t j = m.second;
-    const int64_t key = keys[j];
-    int64_t s = Find(t, key);  // a duplicate inserted just before
+    const Occ& o = occ[j];
+    const GeEvTable& t = *o.table;
+    int64_t s = Find(t, o.key);  // a repeat inserted just before
     if (s < 0) {
-      s = Place(t, m.first * GE_EV_BUCKET, now, evicted, counters);
+      const int64_t base =
+          (m.first - bucket_base[o.table - tables]) * GE_EV_BUCKET;
+      s = Place(t, base, now, evicted_of(o.table), counters);
       if (s >= 0) {
-        WriteEntry(t, s, key, j, now, in);
-        t.keys[s] = key;
-        t.digests[s] = DigestOf(Mix(static_cast<uint64_t>(key)));
+        WriteEntry(t, s, o.key, o.jl, now, in);
+        t.keys[s] = o.key;
+        t.digests[s] = DigestOf(Mix(static_cast<uint64_t>(o.key)));
         ++counters[GE_EV_INSERTED];
       }
     }
     slot[j] = s;
-    if (out != nullptr && !in.on) {
+    if (o.out != nullptr) {
       if (s >= 0 && t.filter_freq <= 0) {
-        CopyRow(out + j * t.dim, t.values + s * t.dim, t.dim);
+        CopyRow(o.out, t.values + s * t.dim, t.dim);
       } else {
-        AbsentRow(t, key, out + j * t.dim);
+        AbsentRow(t, o.key, o.out);
       }
     }
-  }
-  if (in.on) {
-    for (int64_t j = 0; j < n; ++j) {
-      if (slot[j] >= 0 && in.version != nullptr) {
-        *ge_ev::VersionOf(t.meta, slot[j]) = in.version[j];
-      }
-    }
-    return GE_OK;
   }
   for (int64_t j = 0; j < n; ++j) {
-    if (keys[j] == GE_EV_EMPTY_KEY && out != nullptr) {
-      AbsentRow(t, keys[j], out + j * t.dim);
+    const Occ& o = occ[j];
+    if (in.on) {
+      if (slot[j] >= 0 && in.version != nullptr) {
+        *ge_ev::VersionOf(o.table->meta, slot[j]) = in.version[o.jl];
+      }
+      continue;
     }
-    if (slot[j] >= 0) ++*ge_ev::FreqOf(t.meta, slot[j]);
-    if (out_slots != nullptr) out_slots[j] = slot[j];
+    if (slot[j] >= 0) ++*ge_ev::FreqOf(o.table->meta, slot[j]);
+    if (o.batch->out_slots != nullptr) o.batch->out_slots[o.jl] = slot[j];
   }
   return GE_OK;
 }
@@ -236,10 +268,35 @@ int ge_ev_init(const GeEvTable* table, void* stream) {
 }
 
 size_t ge_ev_scratch_bytes(const GeEvTable* table, int64_t n) {
-  (void)table;
-  if (n < 0 || n > ge_ev::kMaxKeys) return 0;
-  // What the CUDA layout takes besides the sort's temporary storage.
-  return static_cast<size_t>(n) * 24 + 1024;
+  const GeEvBatch batch{0, 0, nullptr, n, nullptr, nullptr};
+  if (n < 0) return 0;
+  return ge_ev_group_scratch_bytes(table, 1, &batch, 1);
+}
+
+size_t ge_ev_group_scratch_bytes(const GeEvTable* tables, int num_tables,
+                                 const GeEvBatch* batches, int num_batches) {
+  (void)tables;
+  if (batches == nullptr || num_tables < 1 || num_batches < 1) return 0;
+  int64_t n = 0;
+  for (int b = 0; b < num_batches; ++b) {
+    n += batches[b].n > 0 ? batches[b].n : 0;
+  }
+  if (n > ge_ev::kMaxKeys) return 0;
+  // What the CUDA layout takes besides the sort's temporary storage (the
+  // stand-in asks as much, so that callers size the scratch alike).
+  return static_cast<size_t>(n) * 24 + 1024 +
+         static_cast<size_t>(num_tables + num_batches) * 256;
+}
+
+int ge_ev_find_or_insert_group(const GeEvTable* tables, int num_tables,
+                               const GeEvBatch* batches, int num_batches,
+                               int64_t step, const GeEvEvicted* evicted,
+                               void* scratch, size_t scratch_bytes,
+                               unsigned long long* counters, void* stream) {
+  (void)stream;
+  const ImportRows none{false, nullptr, nullptr, nullptr, nullptr, 0};
+  return Upsert(tables, num_tables, batches, num_batches, step, evicted,
+                none, scratch, scratch_bytes, counters);
 }
 
 int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
@@ -274,8 +331,9 @@ int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
                          void* stream) {
   (void)stream;
   const ImportRows none{false, nullptr, nullptr, nullptr, nullptr, n};
-  return Upsert(table, keys, n, step, out, out_slots, evicted,
-                none, scratch, scratch_bytes, counters);
+  const GeEvBatch batch{0, 0, keys, n, out, out_slots};
+  return Upsert(table, 1, &batch, 1, step, evicted, none, scratch,
+                scratch_bytes, counters);
 }
 
 int ge_ev_insert(const GeEvTable* table, const int64_t* keys, int64_t n,
@@ -287,8 +345,9 @@ int ge_ev_insert(const GeEvTable* table, const int64_t* keys, int64_t n,
   (void)stream;
   if (n > 0 && rows == nullptr) return GE_ERR_ARGUMENT;
   const ImportRows in{true, rows, slots, freq, version, n};
-  return Upsert(table, keys, n, step, nullptr, nullptr, evicted,
-                in, scratch, scratch_bytes, counters);
+  const GeEvBatch batch{0, 0, keys, n, nullptr, nullptr};
+  return Upsert(table, 1, &batch, 1, step, evicted, in, scratch,
+                scratch_bytes, counters);
 }
 
 int ge_ev_evict(const GeEvTable* table, int64_t step, int64_t steps_to_live,

@@ -10,7 +10,10 @@
 // keys in turn (a warp alone writes its bucket in the launch: no locks,
 // no lost insert, no key stored twice; repeats of a new key are found in
 // the warp's copy of the bucket's digests), writing their rows. With a
-// CounterFilter a fourth counts the hits once every read is done.
+// CounterFilter a fourth counts the hits once every read is done. A
+// group call does the same for several tables at once: occurrences and
+// buckets are numbered across its tables, so it is still one probe, one
+// sort and one insert launch.
 
 #include <cuda_runtime.h>
 
@@ -18,6 +21,7 @@
 #include <cooperative_groups.h>
 #include <cub/cub.cuh>
 #include <initializer_list>
+#include <vector>
 
 #include "ev_table_hash.h"
 
@@ -88,6 +92,21 @@ __device__ __forceinline__ int64_t TileFind(const GeEvTable& t, bool active,
   const int src = tile * kTile + (hits ? __ffs(hits) - 1 : 0);
   const int64_t s = __shfl_sync(kAll, found, src);
   return hits ? s : -1;
+}
+
+// The segment of a prefix array [0 = base[0], ..., base[n]] holding x.
+__device__ __forceinline__ int FindSegment(const int64_t* base, int n,
+                                           int64_t x) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (base[mid] <= x) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
 }
 
 struct Tile {
@@ -178,60 +197,97 @@ __device__ __forceinline__ void WriteEntry(const GeEvTable& t, int64_t s,
   }
 }
 
-// Probe of a find-or-insert / insert: found keys are stamped (training)
-// or overwritten (import) and their rows read; a missing key leaves its
-// bucket in `bucket_of` (others `none`) for the insert. Without a
-// filter the read does not depend on freq, so hits are counted here;
-// with one, CountHitsKernel counts them once every read is done.
+// A group call as the kernels see it (descriptors in the scratch): every
+// feature's occurrences numbered one after the other (`occ_base`), every
+// table's buckets too (`bucket_base`), so that one probe, one sort and
+// one insert launch serve all tables. A single-table call is a group of
+// one.
+struct Group {
+  const GeEvTable* tables;     // [nt]
+  const GeEvBatch* batches;    // [nb]
+  const GeEvEvicted* evicted;  // [nt]; count NULL: dropped
+  const int64_t* occ_base;     // [nb + 1]
+  const int64_t* bucket_base;  // [nt + 1]
+  int nt, nb;
+  int64_t n;                   // occurrences in all
+  int64_t now;                 // max(step, 0)
+  uint32_t none;               // the bucket number of "found / bad"
+  int64_t* slot_scratch;       // [n]: slots of batches without out_slots
+  ImportRows in;               // imports: one table, one batch
+  unsigned long long* counters;
+  bool vec4;
+};
+
+// Occurrence j of the call: its batch, its index in the batch.
+struct Occurrence {
+  const GeEvBatch* batch;
+  int64_t jl;
+};
+__device__ __forceinline__ Occurrence Locate(const Group& g, int64_t j) {
+  const int b = g.nb == 1 ? 0 : FindSegment(g.occ_base, g.nb, j);
+  return {&g.batches[b], j - g.occ_base[b]};
+}
+__device__ __forceinline__ int64_t* SlotRef(const Group& g, int64_t j,
+                                            const Occurrence& o) {
+  return o.batch->out_slots != nullptr ? o.batch->out_slots + o.jl
+                                       : g.slot_scratch + j;
+}
+
+// Probe of every occurrence: found keys are stamped (training) or
+// overwritten (import) and their rows read; a missing key leaves its
+// call-wide bucket number in `bucket_of` (others `none`) for the insert.
+// Without a filter the read does not depend on freq, so hits are counted
+// here; with one, CountHitsKernel counts them once every read is done.
 __global__ void __launch_bounds__(kBlock)
-    ProbeKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
-                int64_t now, float* out, int64_t* slot_of,
-                uint32_t* bucket_of, int32_t* index_of, uint32_t none,
-                ImportRows in, unsigned long long* counters, bool vec4) {
+    ProbeKernel(Group g, uint32_t* bucket_of, int32_t* index_of) {
   const Tile me = MyTile();
-  const bool active = me.j < n;
-  const int64_t key = active ? keys[me.j] : 0;
+  const bool active = me.j < g.n;
+  const Occurrence o = active ? Locate(g, me.j) : Occurrence{g.batches, 0};
+  const int tn = o.batch->table;
+  const GeEvTable& t = g.tables[tn];
+  const int64_t key = active ? o.batch->keys[o.jl] : 0;
   const bool bad = key == GE_EV_EMPTY_KEY;
   const uint64_t h = Mix(static_cast<uint64_t>(key));
   const int64_t s = TileFind(t, active && !bad, key, h, me.lane, me.tile);
   if (!active) return;
+  float* out = o.batch->out != nullptr && !g.in.on
+                   ? o.batch->out + o.jl * t.dim
+                   : nullptr;
   if (me.lane == 0) {
-    slot_of[me.j] = s;
+    *SlotRef(g, me.j, o) = s;
     index_of[me.j] = static_cast<int32_t>(me.j);
-    bucket_of[me.j] = (s >= 0 || bad)
-                          ? none
-                          : static_cast<uint32_t>(
-                                BucketOf(h, t.num_buckets));
-    if (bad) Count(counters, GE_EV_BAD_KEYS);
+    bucket_of[me.j] =
+        (s >= 0 || bad)
+            ? g.none
+            : static_cast<uint32_t>(g.bucket_base[tn] +
+                                    BucketOf(h, t.num_buckets));
+    if (bad) Count(g.counters, GE_EV_BAD_KEYS);
   }
   if (bad) {
-    if (out != nullptr && !in.on) {
-      AbsentRow(t, key, out + me.j * t.dim, me.lane, vec4);
-    }
+    if (out != nullptr) AbsentRow(t, key, out, me.lane, g.vec4);
     return;
   }
   if (s < 0) return;
-  if (in.on) {
-    WriteEntry(t, s, key, me.j, now, in, me.lane, kTile, vec4);
+  if (g.in.on) {
+    WriteEntry(t, s, key, o.jl, g.now, g.in, me.lane, kTile, g.vec4);
     return;
   }
   int64_t* meta = t.meta + 2 * s;
   const longlong2 fv = *reinterpret_cast<const longlong2*>(meta);
   if (me.lane == 0) {
     // Repeats of the key store the same version: the race is benign.
-    if (fv.y < now) meta[1] = now;
+    if (fv.y < g.now) meta[1] = g.now;
     if (t.filter_freq <= 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(meta), 1ull);
     }
   }
   if (out == nullptr) return;
-  float* dst = out + me.j * t.dim;
   // The freq read above is from before this call counted (a repeat's
   // count may race it, but then there is no filter and it is not used).
   if (Admitted(fv.x, t.filter_freq)) {
-    CopyRow(dst, t.values + s * t.dim, t.dim, me.lane, kTile, vec4);
+    CopyRow(out, t.values + s * t.dim, t.dim, me.lane, kTile, g.vec4);
   } else {
-    FillRow(dst, t.no_permission, t.dim, me.lane, kTile);
+    FillRow(out, t.no_permission, t.dim, me.lane, kTile);
   }
 }
 
@@ -305,39 +361,31 @@ __device__ __forceinline__ void NewKeyRow(const GeEvTable& t, int64_t s,
   }
 }
 
-struct InsertCall {
-  GeEvTable t;
-  const int64_t* keys;
-  int64_t n;
-  const uint32_t* bucket_sorted;
-  const int32_t* index_sorted;
-  int64_t now;
-  int64_t* slot_of;
-  float* out;  // training rows (NULL: none, or an import)
-  GeEvEvicted ev;
-  bool has_ev;
-  ImportRows in;
-  unsigned long long* counters;
-  bool vec4;
-};
-
-// The missing keys of bucket b, sorted entries [e, ...), inserted in
-// turn by one tile of 8 lanes. The tile keeps the bucket's digests (16 a
-// lane: slots 16l .. 16l + 15), so it finds free slots and the keys it
-// inserted earlier in the run without reading keys.
-__device__ void InsertRun(const Lanes& tile, const InsertCall& c, int64_t e,
-                          uint32_t b) {
-  const GeEvTable& t = c.t;
+// The missing keys of call-wide bucket gb, sorted entries [e, ...),
+// inserted in turn by one tile of 8 lanes. The tile keeps the bucket's
+// digests (16 a lane: slots 16l .. 16l + 15), so it finds free slots and
+// the keys it inserted earlier in the run without reading keys.
+__device__ void InsertRun(const Lanes& tile, const Group& g,
+                          const uint32_t* bucket_sorted,
+                          const int32_t* index_sorted, int64_t e,
+                          uint32_t gb) {
   const int lane = tile.thread_rank();
-  const int64_t base = static_cast<int64_t>(b) * GE_EV_BUCKET;
+  const int tn = g.nt == 1 ? 0 : FindSegment(g.bucket_base, g.nt, gb);
+  const GeEvTable& t = g.tables[tn];
+  const GeEvEvicted& ev = g.evicted[tn];
+  const int64_t base = (gb - g.bucket_base[tn]) * GE_EV_BUCKET;
   const int64_t cap = t.num_buckets * GE_EV_BUCKET;
   uint4 dg = reinterpret_cast<const uint4*>(t.digests + base)[lane];
-  for (; e < c.n && c.bucket_sorted[e] == b; ++e) {
-    const int64_t j = c.index_sorted[e];
-    const int64_t key = c.keys[j];
+  for (; e < g.n && bucket_sorted[e] == gb; ++e) {
+    const int64_t j = index_sorted[e];
+    const Occurrence o = Locate(g, j);
+    const int64_t key = o.batch->keys[o.jl];
     const uint64_t h = Mix(static_cast<uint64_t>(key));
     const unsigned d = DigestOf(h);
-    float* dst = c.out != nullptr ? c.out + j * t.dim : nullptr;
+    float* dst = o.batch->out != nullptr && !g.in.on
+                     ? o.batch->out + o.jl * t.dim
+                     : nullptr;
+    int64_t* slot = SlotRef(g, j, o);
     // A repeat of a key this tile inserted earlier in the run.
     int found = -1;
     const unsigned want = d * 0x01010101u;
@@ -356,10 +404,10 @@ __device__ void InsertRun(const Lanes& tile, const InsertCall& c, int64_t e,
     if (hits != 0) {
       const int64_t s = base + tile.shfl(found, __ffs(hits) - 1);
       if (lane == 0) {
-        c.slot_of[j] = s;
-        if (!c.in.on) ++*ge_ev::FreqOf(t.meta, s);  // this tile's key
+        *slot = s;
+        if (!g.in.on) ++*ge_ev::FreqOf(t.meta, s);  // this tile's key
       }
-      if (dst != nullptr) NewKeyRow(t, s, dst, lane, c.vec4);
+      if (dst != nullptr) NewKeyRow(t, s, dst, lane, g.vec4);
       continue;
     }
     // The lowest free slot (digest 0), else the policy's victim.
@@ -370,100 +418,108 @@ __device__ void InsertRun(const Lanes& tile, const InsertCall& c, int64_t e,
       const int src = __ffs(frees) - 1;
       q = 16 * src + tile.shfl(mine, src);
     } else {
-      q = Victim(tile, t, base, c.now);
+      q = Victim(tile, t, base, g.now);
       bool room = q >= 0;
       int64_t a = 0;
-      if (room && c.has_ev) {
+      if (room && ev.count != nullptr) {
         unsigned long long at = 0;
-        if (lane == 0) at = atomicAdd(c.ev.count, 1ull);
+        if (lane == 0) at = atomicAdd(ev.count, 1ull);
         at = tile.shfl(at, 0);
-        room = at < static_cast<unsigned long long>(c.ev.capacity);
+        room = at < static_cast<unsigned long long>(ev.capacity);
         a = static_cast<int64_t>(at);
       }
       if (!room) {  // every key pinned, or nowhere to put the victim
         if (lane == 0) {
-          c.slot_of[j] = -1;
-          Count(c.counters, GE_EV_FULL);
+          *slot = -1;
+          Count(g.counters, GE_EV_FULL);
         }
-        if (dst != nullptr) AbsentRow(t, key, dst, lane, c.vec4);
+        if (dst != nullptr) AbsentRow(t, key, dst, lane, g.vec4);
         continue;
       }
       const int64_t victim = base + q;
-      if (c.has_ev) {
+      if (ev.count != nullptr) {
         if (lane == 0) {
-          c.ev.keys[a] = t.keys[victim];
-          c.ev.freq[a] = *ge_ev::FreqOf(t.meta, victim);
-          c.ev.version[a] = *ge_ev::VersionOf(t.meta, victim);
+          ev.keys[a] = t.keys[victim];
+          ev.freq[a] = *ge_ev::FreqOf(t.meta, victim);
+          ev.version[a] = *ge_ev::VersionOf(t.meta, victim);
         }
-        CopyRow(c.ev.values + a * t.dim, t.values + victim * t.dim, t.dim,
-                lane, kTile, c.vec4);
+        CopyRow(ev.values + a * t.dim, t.values + victim * t.dim, t.dim,
+                lane, kTile, g.vec4);
         for (int sl = 0; sl < t.num_slots; ++sl) {
-          CopyRow(c.ev.slots + (sl * c.ev.capacity + a) * t.dim,
+          CopyRow(ev.slots + (sl * ev.capacity + a) * t.dim,
                   t.slots + (sl * cap + victim) * t.dim, t.dim, lane, kTile,
-                  c.vec4);
+                  g.vec4);
         }
         tile.sync();
       }
-      if (lane == 0) Count(c.counters, GE_EV_EVICTED);
+      if (lane == 0) Count(g.counters, GE_EV_EVICTED);
     }
     const int64_t s = base + q;
-    WriteEntry(t, s, key, j, c.now, c.in, lane, kTile, c.vec4);
+    WriteEntry(t, s, key, o.jl, g.now, g.in, lane, kTile, g.vec4);
     if (lane == 0) {
       t.keys[s] = key;
       t.digests[s] = static_cast<uint8_t>(d);
-      if (!c.in.on) *ge_ev::FreqOf(t.meta, s) = 1;  // this occurrence
-      c.slot_of[j] = s;
-      Count(c.counters, GE_EV_INSERTED);
+      if (!g.in.on) *ge_ev::FreqOf(t.meta, s) = 1;  // this occurrence
+      *slot = s;
+      Count(g.counters, GE_EV_INSERTED);
     }
     if (lane == q / 16) SetByte(&dg, q % 16, d);
     tile.sync();
-    if (dst != nullptr) NewKeyRow(t, s, dst, lane, c.vec4);
+    if (dst != nullptr) NewKeyRow(t, s, dst, lane, g.vec4);
   }
 }
+
+// Resident blocks per SM the insert asks for (caps its registers: 4 ->
+// 64 with 96 bytes of spills, 3 -> 80 with 24).
+#ifndef GE_EV_INSERT_MIN_BLOCKS
+#define GE_EV_INSERT_MIN_BLOCKS 3
+#endif
 
 // Tiles walk the sorted entries 8 at a time; a run belongs to the tile
 // whose chunk holds its first entry. The sort puts `none` last, so a
 // chunk that starts with it ends the walk.
-__global__ void __launch_bounds__(kBlock, 4) InsertKernel(InsertCall c,
-                                                          uint32_t none) {
+__global__ void __launch_bounds__(kBlock, GE_EV_INSERT_MIN_BLOCKS)
+    InsertKernel(Group g, const uint32_t* __restrict__ bucket_sorted,
+                 const int32_t* __restrict__ index_sorted) {
   const Lanes tile = cg::tiled_partition<kTile>(cg::this_thread_block());
   const int lane = tile.thread_rank();
   const int64_t tiles = gridDim.x * static_cast<int64_t>(kBlock / kTile);
   for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) +
                     threadIdx.x) / kTile;
-       w * kTile < c.n; w += tiles) {
+       w * kTile < g.n; w += tiles) {
     const int64_t e = w * kTile + lane;
-    const uint32_t b = e < c.n ? c.bucket_sorted[e] : none;
-    if (tile.shfl(b, 0) == none) return;
-    const bool start =
-        b != none && (e == 0 || c.bucket_sorted[e - 1] != b);
+    const uint32_t b = e < g.n ? bucket_sorted[e] : g.none;
+    if (tile.shfl(b, 0) == g.none) return;
+    const bool start = b != g.none && (e == 0 || bucket_sorted[e - 1] != b);
     for (unsigned starts = tile.ballot(start); starts != 0;
          starts &= starts - 1) {
       const int l = __ffs(starts) - 1;
-      InsertRun(tile, c, w * kTile + l, tile.shfl(b, l));
+      InsertRun(tile, g, bucket_sorted, index_sorted, w * kTile + l,
+                tile.shfl(b, l));
     }
   }
 }
 
 // With a filter: the hits are counted once every read is done.
 __global__ void __launch_bounds__(kBlock)
-    CountHitsKernel(GeEvTable t, int64_t n, const int64_t* slot_of,
-                    const uint32_t* bucket_of, uint32_t none) {
+    CountHitsKernel(Group g, const uint32_t* bucket_of) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) +
                     threadIdx.x;
-  if (j >= n || bucket_of[j] != none || slot_of[j] < 0) return;
+  if (j >= g.n || bucket_of[j] != g.none) return;
+  const Occurrence o = Locate(g, j);
+  const int64_t s = *SlotRef(g, j, o);
+  if (s < 0) return;
   atomicAdd(reinterpret_cast<unsigned long long*>(
-                ge_ev::FreqOf(t.meta, slot_of[j])), 1ull);
+                ge_ev::FreqOf(g.tables[o.batch->table].meta, s)), 1ull);
 }
 
 // An import's keys get their own versions once nothing can evict them.
-__global__ void __launch_bounds__(kBlock)
-    ImportVersionsKernel(GeEvTable t, int64_t n, const int64_t* slot_of,
-                         const int64_t* version) {
+__global__ void __launch_bounds__(kBlock) ImportVersionsKernel(Group g) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) +
                     threadIdx.x;
-  if (j >= n || slot_of[j] < 0) return;
-  *ge_ev::VersionOf(t.meta, slot_of[j]) = version[j];
+  if (j >= g.n) return;
+  const int64_t s = g.slot_scratch[j];
+  if (s >= 0) *ge_ev::VersionOf(g.tables[0].meta, s) = g.in.version[j];
 }
 
 __global__ void InitKernel(GeEvTable t, int64_t cap) {
@@ -571,14 +627,19 @@ int Launched() { return static_cast<int>(cudaGetLastError()); }
 
 int64_t Blocks(int64_t threads) { return (threads + kBlock - 1) / kBlock; }
 
-// Sort key bits: buckets < num_buckets, plus `none` = num_buckets.
-int SortBits(int64_t num_buckets) {
+// Sort key bits: buckets < total, plus `none` = total.
+int SortBits(int64_t total_buckets) {
   int bits = 1;
-  while ((int64_t{1} << bits) <= num_buckets) ++bits;
+  while ((int64_t{1} << bits) <= total_buckets) ++bits;
   return bits;
 }
 
-struct InsertScratch {
+// The scratch of a group call: descriptors, then the sort's arrays.
+struct GroupScratch {
+  GeEvTable* tables;
+  GeEvBatch* batches;
+  GeEvEvicted* evicted;
+  int64_t *occ_base, *bucket_base;
   uint32_t *bucket_of, *bucket_sorted;
   int32_t *index_of, *index_sorted;
   int64_t* slot_of;
@@ -587,9 +648,14 @@ struct InsertScratch {
   size_t total;
 };
 
-InsertScratch Layout(void* base, int64_t n) {
+GroupScratch Layout(void* base, int nt, int nb, int64_t n) {
   ge_core::ScratchLayout layout(base);
-  InsertScratch s;
+  GroupScratch s;
+  s.tables = layout.Take<GeEvTable>(nt);
+  s.batches = layout.Take<GeEvBatch>(nb);
+  s.evicted = layout.Take<GeEvEvicted>(nt);
+  s.occ_base = layout.Take<int64_t>(nb + 1);
+  s.bucket_base = layout.Take<int64_t>(nt + 1);
   s.bucket_of = layout.Take<uint32_t>(n);
   s.bucket_sorted = layout.Take<uint32_t>(n);
   s.index_of = layout.Take<int32_t>(n);
@@ -604,60 +670,84 @@ InsertScratch Layout(void* base, int64_t n) {
   return s;
 }
 
-// The probe, sort, insert (and, training, finish) of n keys.
-int Upsert(const GeEvTable* table, const int64_t* keys, int64_t n,
-           int64_t step, float* out, int64_t* out_slots,
-           const GeEvEvicted* evicted, const ImportRows& in, void* scratch,
-           size_t scratch_bytes, unsigned long long* counters,
-           void* stream) {
-  int status = ge_ev::CheckBatch(table, keys, n);
-  if (status != GE_OK) return status;
-  status = ge_ev::CheckEvicted(table, evicted, n);
+int64_t TotalKeys(const GeEvBatch* batches, int nb) {
+  int64_t n = 0;
+  for (int b = 0; b < nb; ++b) n += batches[b].n > 0 ? batches[b].n : 0;
+  return n;
+}
+
+// The probe, sort, insert (and, with a filter, count) of a group call;
+// `in` (an import) only with one table and one batch.
+int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
+           int nb, int64_t step, const GeEvEvicted* evicted,
+           const ImportRows& in, void* scratch, size_t scratch_bytes,
+           unsigned long long* counters, void* stream) {
+  std::vector<int64_t> occ_base(nb + 1 > 0 ? nb + 1 : 1);
+  std::vector<int64_t> bucket_base(nt + 1 > 0 ? nt + 1 : 1);
+  const int status = ge_ev::CheckGroup(tables, nt, batches, nb, evicted,
+                                       occ_base.data(), bucket_base.data());
   if (status != GE_OK) return status;
   if (counters == nullptr) return GE_ERR_ARGUMENT;
+  const int64_t n = occ_base[nb];
   if (n == 0) return GE_OK;
-  if (scratch == nullptr || scratch_bytes < ge_ev_scratch_bytes(table, n)) {
+  if (scratch == nullptr ||
+      scratch_bytes < Layout(nullptr, nt, nb, n).total) {
     return GE_ERR_SCRATCH;
   }
-  const GeEvTable& t = *table;
-  InsertScratch s = Layout(scratch, n);
+  // The descriptors go up in ONE copy (pageable memory is staged at
+  // once, so the host vector may go when it returns).
+  const GroupScratch measure = Layout(nullptr, nt, nb, n);
+  const size_t head = reinterpret_cast<size_t>(measure.bucket_of);
+  std::vector<char> host(head);
+  GroupScratch h = Layout(host.data(), nt, nb, n);
+  for (int t = 0; t < nt; ++t) {
+    h.tables[t] = tables[t];
+    h.evicted[t] = evicted != nullptr ? evicted[t] : GeEvEvicted{};
+  }
+  for (int b = 0; b < nb; ++b) h.batches[b] = batches[b];
+  std::copy(occ_base.begin(), occ_base.end(), h.occ_base);
+  std::copy(bucket_base.begin(), bucket_base.end(), h.bucket_base);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const uint32_t none = static_cast<uint32_t>(t.num_buckets);
-  const bool vec4 = Vec4(t, {out, in.rows, in.slots, evicted ? evicted->values
-                                                             : nullptr,
-                             evicted ? evicted->slots : nullptr});
-  const int64_t now = step < 0 ? 0 : step;
-  // Slots go straight to the caller's array when there is one.
-  int64_t* slot_of = out_slots != nullptr ? out_slots : s.slot_of;
-  ProbeKernel<<<Blocks(n * kTile), kBlock, 0, st>>>(
-      t, keys, n, now, out, slot_of, s.bucket_of, s.index_of, none, in,
-      counters, vec4);
-  if (int e = Launched()) return e;
-  cudaError_t e = cub::DeviceRadixSort::SortPairs(
-      s.sort_temp, s.sort_bytes, s.bucket_of, s.bucket_sorted, s.index_of,
-      s.index_sorted, static_cast<int>(n), 0, SortBits(t.num_buckets), st);
+  cudaError_t e = cudaMemcpyAsync(scratch, host.data(), head,
+                                  cudaMemcpyHostToDevice, st);
   if (e != cudaSuccess) return static_cast<int>(e);
-  InsertCall call{t, keys, n, s.bucket_sorted, s.index_sorted, now,
-                  slot_of, in.on ? nullptr : out, GeEvEvicted{},
-                  evicted != nullptr, in, counters, vec4};
-  if (evicted) call.ev = *evicted;
+  GroupScratch s = Layout(scratch, nt, nb, n);
+  bool vec4 = in.rows == nullptr || Aligned(in.rows);
+  vec4 = vec4 && (in.slots == nullptr || Aligned(in.slots));
+  for (int t = 0; t < nt; ++t) {
+    vec4 = vec4 && Vec4(tables[t], {evicted ? evicted[t].values : nullptr,
+                                    evicted ? evicted[t].slots : nullptr});
+  }
+  for (int b = 0; b < nb; ++b) vec4 = vec4 && Aligned(batches[b].out);
+  Group g{s.tables, s.batches, s.evicted, s.occ_base, s.bucket_base,
+          nt, nb, n, step < 0 ? 0 : step,
+          static_cast<uint32_t>(bucket_base[nt]), s.slot_of, in, counters,
+          vec4};
+  ProbeKernel<<<Blocks(n * kTile), kBlock, 0, st>>>(g, s.bucket_of,
+                                                    s.index_of);
+  if (int e1 = Launched()) return e1;
+  e = cub::DeviceRadixSort::SortPairs(
+      s.sort_temp, s.sort_bytes, s.bucket_of, s.bucket_sorted, s.index_of,
+      s.index_sorted, static_cast<int>(n), 0, SortBits(bucket_base[nt]), st);
+  if (e != cudaSuccess) return static_cast<int>(e);
   // Enough tiles to keep the GPU busy; each walks chunks of 8 entries
   // (measured on an H200: one warp per 32 entries, 80 registers, left
   // the insert latency-bound at 0.46 ms for 400k new keys).
   const int64_t tiles = (n + kTile - 1) / kTile;
   const int64_t blocks = std::min<int64_t>(
       (tiles + kBlock / kTile - 1) / (kBlock / kTile), 8192);
-  InsertKernel<<<blocks, kBlock, 0, st>>>(call, none);
+  InsertKernel<<<blocks, kBlock, 0, st>>>(g, s.bucket_sorted,
+                                          s.index_sorted);
   if (int e2 = Launched()) return e2;
   if (in.on) {
     if (in.version == nullptr) return GE_OK;
-    ImportVersionsKernel<<<Blocks(n), kBlock, 0, st>>>(t, n, slot_of,
-                                                       in.version);
+    ImportVersionsKernel<<<Blocks(n), kBlock, 0, st>>>(g);
     return Launched();
   }
-  if (t.filter_freq <= 0) return GE_OK;
-  CountHitsKernel<<<Blocks(n), kBlock, 0, st>>>(t, n, slot_of, s.bucket_of,
-                                                none);
+  bool filtered = false;
+  for (int t = 0; t < nt; ++t) filtered = filtered || tables[t].filter_freq > 0;
+  if (!filtered) return GE_OK;
+  CountHitsKernel<<<Blocks(n), kBlock, 0, st>>>(g, s.bucket_of);
   return Launched();
 }
 
@@ -687,7 +777,26 @@ int ge_ev_init(const GeEvTable* table, void* stream) {
 size_t ge_ev_scratch_bytes(const GeEvTable* table, int64_t n) {
   (void)table;
   if (n < 0 || n > ge_ev::kMaxKeys) return 0;
-  return Layout(nullptr, n).total;
+  return Layout(nullptr, 1, 1, n).total;
+}
+
+size_t ge_ev_group_scratch_bytes(const GeEvTable* tables, int num_tables,
+                                 const GeEvBatch* batches, int num_batches) {
+  (void)tables;
+  if (batches == nullptr || num_tables < 1 || num_batches < 1) return 0;
+  const int64_t n = TotalKeys(batches, num_batches);
+  if (n > ge_ev::kMaxKeys) return 0;
+  return Layout(nullptr, num_tables, num_batches, n).total;
+}
+
+int ge_ev_find_or_insert_group(const GeEvTable* tables, int num_tables,
+                               const GeEvBatch* batches, int num_batches,
+                               int64_t step, const GeEvEvicted* evicted,
+                               void* scratch, size_t scratch_bytes,
+                               unsigned long long* counters, void* stream) {
+  const ImportRows none{false, nullptr, nullptr, nullptr, nullptr, 0};
+  return Upsert(tables, num_tables, batches, num_batches, step, evicted,
+                none, scratch, scratch_bytes, counters, stream);
 }
 
 int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
@@ -704,13 +813,15 @@ int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
 }
 
 int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
-                         int64_t n, int64_t step, float* out, int64_t* out_slots,
+                         int64_t n, int64_t step, float* out,
+                         int64_t* out_slots,
                          const GeEvEvicted* evicted, void* scratch,
                          size_t scratch_bytes, unsigned long long* counters,
                          void* stream) {
   const ImportRows none{false, nullptr, nullptr, nullptr, nullptr, n};
-  return Upsert(table, keys, n, step, out, out_slots, evicted,
-                none, scratch, scratch_bytes, counters, stream);
+  const GeEvBatch batch{0, 0, keys, n, out, out_slots};
+  return Upsert(table, 1, &batch, 1, step, evicted, none, scratch,
+                scratch_bytes, counters, stream);
 }
 
 int ge_ev_insert(const GeEvTable* table, const int64_t* keys, int64_t n,
@@ -721,8 +832,9 @@ int ge_ev_insert(const GeEvTable* table, const int64_t* keys, int64_t n,
                  void* stream) {
   if (n > 0 && rows == nullptr) return GE_ERR_ARGUMENT;
   const ImportRows in{true, rows, slots, freq, version, n};
-  return Upsert(table, keys, n, step, nullptr, nullptr, evicted,
-                in, scratch, scratch_bytes, counters, stream);
+  const GeEvBatch batch{0, 0, keys, n, nullptr, nullptr};
+  return Upsert(table, 1, &batch, 1, step, evicted, in, scratch,
+                scratch_bytes, counters, stream);
 }
 
 int ge_ev_evict(const GeEvTable* table, int64_t step, int64_t steps_to_live,

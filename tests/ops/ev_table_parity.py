@@ -515,6 +515,40 @@ def case_stress(ctx, batches, n, seed):
             check_state(table, model, f"stress {b}")
 
 
+def case_group(ctx, seed):
+    """Three features over two tables (one shared by two features, one
+    filtered, LRU and LFU) in one group call per step: every feature's
+    rows and slots, and each table's state, are those of the model fed
+    each table's keys in batch order."""
+    rng = np.random.default_rng(seed)
+    t0, m0 = ctx.pair(2, 4, 1, policy="lru", seed=seed)
+    t1, m1 = ctx.pair(2, 8, 0, policy="lfu", filter_freq=2,
+                      no_permission=0.25, seed=seed + 1)
+    group = et.EvGroup([t0, t1])
+    models = [m0, m1]
+    for step in range(8):
+        keys = [keys_of(rng, 90, 500), keys_of(rng, 60, 300),
+                keys_of(rng, 70, 500)]
+        owner = [0, 1, 0]
+        got = group.find_or_insert(list(zip(owner, keys)), step)
+        for t, model in enumerate(models):
+            mine = [f for f in range(3) if owner[f] == t]
+            cat = np.concatenate([keys[f] for f in mine])
+            rows, stored, _, _ = model.find_or_insert(cat, step)
+            start = 0
+            for f in mine:
+                end = start + len(keys[f])
+                what = f"group step {step} feature {f}"
+                _same(what + " rows", got[f][0], rows[start:end])
+                check_slots(keys[f], got[f][1], stored[start:end], model,
+                            what)
+                start = end
+    check_state(t0, m0, "group table 0")
+    check_state(t1, m1, "group table 1")
+    if group.counters()["evicted"] == 0:
+        raise Failure("group: nothing was evicted")
+
+
 def all_cases(quick=False):
     """(name, callable(ctx)) of every case."""
     cases = []
@@ -531,6 +565,7 @@ def all_cases(quick=False):
     cases.append(("rule_eviction", lambda c: case_rule_eviction(c, 11)))
     cases.append(("export_import", lambda c: case_export_import(c, 13)))
     cases.append(("bad_keys", lambda c: case_bad_keys(c, 17)))
+    cases.append(("group", lambda c: case_group(c, 23)))
     cases.append(("refusals", lambda c: case_refusals(c, 19)))
     for seed in (1, 2):
         cases.append((f"stress_{seed}",
