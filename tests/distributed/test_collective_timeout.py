@@ -214,9 +214,14 @@ def test_stranger_records_in_a_real_job(tmp_path):
         # most it can take from the job (1 GiB read whole: seconds).
         assert cpu <= 0.1 * interval, stats
         assert wall < interval, stats
-        # Median step times, attacked vs under the same traffic to keys
-        # nobody reads.
-        assert median <= 1.1 * stats["control"][1], stats
+        # Attacked vs under the same traffic to keys nobody reads: the
+        # process's CPU time per step (the watchdog thread's work lands
+        # there) within 10%; the wall-clock median, which on a shared
+        # 2-core machine swings with other processes (up to 3x from one
+        # second to the next was seen), only against a gross stall, such
+        # as a step waiting for a round that reads a whole record.
+        assert step_cpu <= 1.1 * stats["control"][2], stats
+        assert median <= 1.5 * stats["control"][1], stats
         growth = int(re.search(rf"worker {rank} attack rss growth (\d+)",
                                out).group(1))
         print(f"worker {rank}: {stats}, attack rss growth {growth}")
