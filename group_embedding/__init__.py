@@ -31,7 +31,7 @@ from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
 from group_embedding.packed_ids import PackedIds
 from group_embedding.packed_ids import pack_ids
-from group_embedding.saved_model_export import export_saved_model
+from group_embedding.export.saved_model import export_saved_model
 from group_embedding.deeprec_checkpoint import restore_deeprec_checkpoint
 from group_embedding.distributed.checkpoint import latest_checkpoint
 from group_embedding.distributed.export import export_from_checkpoint

@@ -75,8 +75,8 @@ def group_gather(variables: Sequence, keys: List[tf.Tensor],
     """
     if save_context.in_save_context():
         # A SavedModel is being written: read the EVs' frozen snapshots
-        # (stock ops; see ev_snapshot).
-        from group_embedding.ops import ev_snapshot
+        # (stock ops; see group_embedding/export/ev_snapshot.py).
+        from group_embedding.export import ev_snapshot
         return ev_snapshot.frozen_gather(variables, keys)
     for v in variables:
         # Lets the tapes (and the function being traced, for later calls

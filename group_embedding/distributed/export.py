@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from group_embedding.distributed import checkpoint
 from group_embedding.distributed import strategy
-from group_embedding.saved_model_export import export_saved_model
+from group_embedding.export.saved_model import export_saved_model
 
 
 def export_from_checkpoint(checkpoint_path: str, tables: Mapping[str, Any],

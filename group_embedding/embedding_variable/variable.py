@@ -372,10 +372,10 @@ class EmbeddingVariable(tf.Module):
 
     # --- checkpointing -------------------------------------------------
     def _serialize_to_tensors(self):
-        from group_embedding.ops import ev_snapshot
+        from group_embedding.export import ev_snapshot
         if ev_snapshot.writing_saved_model():
             # A SavedModel holds the EV as its stock-TF snapshot
-            # (ops/ev_snapshot.py): no storage op may enter its graph,
+            # (export/ev_snapshot.py): no storage op may enter its graph,
             # and its checkpoint holds no copy of the table.
             if not ev_snapshot.freezing():
                 # The save now writes its checkpoint, whose object graph
@@ -395,7 +395,7 @@ class EmbeddingVariable(tf.Module):
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         children = super()._trackable_children(save_type, **kwargs)
         if save_type == "savedmodel":
-            from group_embedding.ops import ev_snapshot
+            from group_embedding.export import ev_snapshot
             if ev_snapshot.freezing():
                 # What the SavedModel's lookups read (stock TF variables).
                 children = dict(children, serving_snapshot=ev_snapshot.

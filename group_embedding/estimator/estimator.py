@@ -23,11 +23,12 @@ import tensorflow.compat.v1 as _v1
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.training import BroadcastVariablesHook
 from group_embedding.distributed import worker_checkpoints
-from group_embedding.estimator import saved_model_writer
 from group_embedding.estimator.estimator_spec import EstimatorSpec
+from group_embedding.estimator.export import PredictOutput
 from group_embedding.estimator.export import ServingInputReceiver
 from group_embedding.estimator.mode_keys import ModeKeys
 from group_embedding.estimator.run_config import RunConfig
+from group_embedding.export import frozen_graph
 
 LOSS_METRIC_KEY = "loss"
 GLOBAL_STEP_KEY = "global_step"
@@ -516,7 +517,7 @@ class Estimator:
                 "gathered).")
         path = self._require_checkpoint(checkpoint_path)
         graph = self._new_graph()
-        with graph.as_default(), saved_model_writer.pure_tf_lookups():
+        with graph.as_default(), frozen_graph.pure_tf_lookups():
             receiver = serving_input_receiver_fn()
             if not isinstance(receiver, ServingInputReceiver):
                 raise TypeError(
@@ -527,17 +528,38 @@ class Estimator:
             if list(features) == ["feature"]:
                 features = features["feature"]
             spec = self._call_model_fn(features, None, ModeKeys.PREDICT)
-            outputs = saved_model_writer.signature_outputs(
+            outputs = _signature_outputs(
                 spec.export_outputs, spec.predictions)
             saver = self._saver(spec)
             fetches = [t for outs in outputs.values() for t in outs.values()]
             with _v1.Session(config=self._config.session_config) as session:
                 saver.restore(session, path)
-                frozen = saved_model_writer.freeze(graph, session, fetches)
+                frozen = frozen_graph.freeze(graph, session, fetches)
             inits = [op.name for op in graph.get_collection(
                 _v1.GraphKeys.TABLE_INITIALIZERS)]
-        return saved_model_writer.write(
+        return frozen_graph.write(
             frozen, {k: t.name for k, t in receiver.receiver_tensors.items()},
             {name: {k: t.name for k, t in outs.items()}
              for name, outs in outputs.items()}, inits, export_dir_base,
             as_text)
+
+
+def _signature_outputs(export_outputs, predictions
+                       ) -> Dict[str, Dict[str, tf.Tensor]]:
+    """Signature name -> output name -> tensor.
+
+    Raises:
+        TypeError: an export output is not a `PredictOutput`.
+    """
+    if not export_outputs:
+        export_outputs = {frozen_graph.DEFAULT_SIGNATURE:
+                          PredictOutput(predictions)}
+    out = {}
+    for name, output in export_outputs.items():
+        if not isinstance(output, PredictOutput):
+            raise TypeError(
+                f"`export_outputs['{name}']` must be an "
+                "estimator.export.PredictOutput, got "
+                f"{type(output).__name__}.")
+        out[name] = output.outputs
+    return out

@@ -17,7 +17,9 @@ While `tf.saved_model.save` runs (`model.export`, `tf.saved_model.save`,
 `ge.export_saved_model`), `ev_storage.group_gather` reads snapshots taken
 at that save instead of the storage (see `frozen_gather`), and the kernel
 library reports itself unavailable so that every lookup traces its pure-TF
-path. This module is imported only then, or by the exporters.
+path. The storage (ops/ev_storage.py) and `EmbeddingVariable`'s SavedModel
+hooks import it only then (a user's own `tf.saved_model.save` freezes too);
+TF1 graphs get the same snapshots as constants (frozen_graph.py).
 """
 
 import contextlib

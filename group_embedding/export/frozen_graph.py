@@ -1,34 +1,39 @@
-"""Writes an inference graph as a SavedModel that plain TF serves.
+"""A TF1 inference graph frozen into stock TF and written as a SavedModel.
 
-The graph built by `model_fn` in PREDICT mode is restored from a
-checkpoint, its EmbeddingVariable reads are replaced by stock-TF snapshots
-(`ev_snapshot`), and its variables are folded into constants
-(`convert_variables_to_constants`, which also drops every op the outputs
-do not need, e.g. the EV storage). The result, with the snapshot tables'
-initializer as `main_op`, is written with the TF1 `SavedModelBuilder`.
+The graph (an Estimator's `model_fn` in PREDICT mode, or any session's
+graph given to `ge.export_saved_model(None, ..., session=)`) is restored
+from a checkpoint, its EmbeddingVariable reads are replaced by stock-TF
+snapshots (`replace_ev_gathers`, constants from `ev_snapshot`), and its
+variables are folded into constants (`convert_variables_to_constants`,
+which also drops every op the outputs do not need, e.g. the EV storage).
+The result, with the snapshot tables' initializer as `main_op`, is written
+with the TF1 `SavedModelBuilder`.
 """
 
 import contextlib
 import os
 import time
-from typing import Dict
+from typing import List
 
 import tensorflow as tf
 
-from group_embedding.estimator import ev_snapshot
-from group_embedding.estimator.export import PredictOutput
+from group_embedding.embedding_variable.variable import EmbeddingVariable
+from group_embedding.export import ev_snapshot
 from group_embedding.ops import kernel_library
+from group_embedding.ops import op_names
 
 _v1 = tf.compat.v1
 DEFAULT_SIGNATURE = "serving_default"
+EV_GATHER_OPS = op_names.with_alias("GroupEmbeddingEVGather")
 _KERNELS_ENV = "GROUP_EMBEDDING_KERNELS"
 
 
 @contextlib.contextmanager
 def pure_tf_lookups():
     """Builds lookups on the pure-TF path (read on every lookup): EV rows
-    then come from `GroupEmbeddingEVGather`, which `ev_snapshot` replaces, and
-    plain tables from stock gathers instead of the C++ fused op."""
+    then come from `GroupEmbeddingEVGather`, which `replace_ev_gathers`
+    replaces, and plain tables from stock gathers instead of the C++
+    fused op."""
     previous = os.environ.get(_KERNELS_ENV)
     os.environ[_KERNELS_ENV] = "tf"
     try:
@@ -40,32 +45,70 @@ def pure_tf_lookups():
             os.environ[_KERNELS_ENV] = previous
 
 
-def signature_outputs(export_outputs, predictions
-                      ) -> Dict[str, Dict[str, tf.Tensor]]:
-    """Signature name -> output name -> tensor.
-
-    Raises:
-        TypeError: an export output is not a `PredictOutput`.
-    """
-    if not export_outputs:
-        export_outputs = {DEFAULT_SIGNATURE: PredictOutput(predictions)}
-    out = {}
-    for name, output in export_outputs.items():
-        if not isinstance(output, PredictOutput):
-            raise TypeError(
-                f"`export_outputs['{name}']` must be an "
-                "estimator.export.PredictOutput, got "
-                f"{type(output).__name__}.")
-        out[name] = output.outputs
-    return out
-
-
 def is_library_op(op_type: str) -> bool:
     """Whether `op_type` is an op of this library (plain TF lacks it)."""
     module = kernel_library.library()
     # The loaded op module has one CamelCase wrapper per op it registers.
     return module is not None and op_type[:1].isupper() and callable(
         getattr(module, op_type, None)) and op_type not in dir(tf.raw_ops)
+
+
+def snapshot_of(ev: EmbeddingVariable,
+                session) -> ev_snapshot.EmbeddingSnapshot:
+    """Reads `ev` in `session` and builds its snapshot (constants) in the
+    current graph."""
+    keys, values, _, freqs = session.run(ev.export())
+    defaults = session.run(ev.default_values)
+    return ev_snapshot.from_arrays(ev, keys, values, freqs, defaults,
+                                   as_variables=False)
+
+
+def replace_ev_gathers(graph: tf.Graph, session) -> int:
+    """Makes every consumer of an `GroupEmbeddingEVGather` op read snapshots.
+
+    Args:
+        graph: the inference graph (built with `training=False` lookups on
+            the pure-TF path, `GROUP_EMBEDDING_KERNELS=tf`, so that EV rows
+            come from `GroupEmbeddingEVGather`).
+        session: a session of `graph` holding the restored EVs.
+
+    Returns:
+        The number of ops replaced.
+
+    Raises:
+        ValueError: an op reads an EV that is not in the graph's
+            SAVEABLE_OBJECTS collection.
+    """
+    evs = {ev.handle.name: ev for ev in graph.get_collection(
+        tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
+        if isinstance(ev, EmbeddingVariable)}
+    snapshots = {}
+    gathers: List[tf.Operation] = [op for op in graph.get_operations()
+                                   if op.type in EV_GATHER_OPS]
+    with graph.as_default():
+        for op in gathers:
+            k = (len(op.inputs) - 1) // 3  # handles, keys, defaults, flag
+            parts = []
+            for handle, keys in zip(op.inputs[:k], op.inputs[k:2 * k]):
+                ev = evs.get(handle.name)
+                if ev is None:
+                    raise ValueError(
+                        f"Op '{op.name}' reads the EmbeddingVariable "
+                        f"handle '{handle.name}', which is not in the "
+                        "graph's SAVEABLE_OBJECTS collection.")
+                if ev.name not in snapshots:
+                    with tf.compat.v1.name_scope("ev_snapshot"):
+                        snapshots[ev.name] = snapshot_of(ev, session)
+                with tf.compat.v1.name_scope(op.name + "_snapshot"):
+                    parts.append(snapshots[ev.name].lookup(keys))
+            rows = parts[0] if k == 1 else tf.concat(parts, 0)
+            output = op.outputs[0]
+            for consumer in list(output.consumers()):
+                for i, tensor in enumerate(consumer.inputs):
+                    if tensor is output:
+                        # No public API rewires an existing op's input.
+                        consumer._update_input(i, rows)  # noqa: SLF001
+    return len(gathers)
 
 
 def freeze(graph: tf.Graph, session, fetches) -> tf.compat.v1.GraphDef:
@@ -83,7 +126,7 @@ def freeze(graph: tf.Graph, session, fetches) -> tf.compat.v1.GraphDef:
         NotImplementedError: an op of this library is still needed (e.g.
             a collective lookup), so plain TF could not load the result.
     """
-    ev_snapshot.replace_ev_gathers(graph, session)
+    replace_ev_gathers(graph, session)
     keep = sorted({t.op.name for t in fetches} | {
         op.name for op in graph.get_collection(
             _v1.GraphKeys.TABLE_INITIALIZERS)})

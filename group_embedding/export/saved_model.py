@@ -2,12 +2,12 @@
 
 TF2 objects (Keras models, `tf.Module`s) go through `tf.saved_model.save`,
 which freezes every EmbeddingVariable it meets into stock TF ops
-(ops/ev_snapshot.py); `model.export()` does the same. This function saves
+(ev_snapshot.py); `model.export()` does the same. This function saves
 a Keras model with endpoints typed by its inputs (keras_serving.py: ragged
 and sparse inputs stay so), checks that the written graph needs no op of
 this library, and frees the snapshots afterwards. TF1 graphs are frozen
-from a session (`estimator/saved_model_writer.py`, what
-`Estimator.export_saved_model` writes).
+from a session (frozen_graph.py, what `Estimator.export_saved_model`
+writes).
 """
 
 import os
@@ -20,8 +20,9 @@ import keras
 import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
-from group_embedding import keras_serving
-from group_embedding.ops import ev_snapshot
+from group_embedding.export import ev_snapshot
+from group_embedding.export import frozen_graph
+from group_embedding.export import keras_serving
 
 
 def export_saved_model(obj, export_dir: str, signatures=None,
@@ -105,12 +106,11 @@ def export_saved_model(obj, export_dir: str, signatures=None,
     if obj is not None or not inputs or not outputs:
         raise ValueError("A TF1 export takes obj=None, a session and "
                          "non-empty `inputs` and `outputs` dicts.")
-    from group_embedding.estimator import saved_model_writer
-    frozen = saved_model_writer.freeze(
+    frozen = frozen_graph.freeze(
         session.graph, session, list(outputs.values()))
-    saved_model_writer.write_to(
+    frozen_graph.write_to(
         frozen, {k: t.name for k, t in inputs.items()},
-        {saved_model_writer.DEFAULT_SIGNATURE:
+        {frozen_graph.DEFAULT_SIGNATURE:
          {k: t.name for k, t in outputs.items()}}, [], export_dir)
     return export_dir
 
@@ -125,9 +125,7 @@ def _check_stock_ops(export_dir: str):
         used.update(n.op for n in meta.graph_def.node)
         for function in meta.graph_def.library.function:
             used.update(n.op for n in function.node_def)
-    from group_embedding.estimator import saved_model_writer
-    leftover = sorted(op for op in used
-                      if saved_model_writer.is_library_op(op))
+    leftover = sorted(op for op in used if frozen_graph.is_library_op(op))
     if leftover:
         shutil.rmtree(export_dir, ignore_errors=True)
         raise NotImplementedError(_LIBRARY_OPS_MESSAGE.format(

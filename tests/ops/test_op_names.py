@@ -29,7 +29,7 @@ def _lib():
 
 def _op_defs(lib):
     """The OpDefs of the ops the library registers: its module has one
-    CamelCase wrapper per op (as saved_model_writer.is_library_op reads
+    CamelCase wrapper per op (as frozen_graph.is_library_op reads
     it), none of them a stock op."""
     names = [n for n in dir(lib) if n[:1].isupper() and callable(
         getattr(lib, n)) and n not in dir(tf.raw_ops)

@@ -1,6 +1,7 @@
 """The package's import graph, read from the sources (no import runs):
 no cycle anywhere, and the lookup core never imports the distributed layer
-(README, Layout: the few places that know about collective mode)."""
+(README, Layout: the few places that know about collective mode), not even
+through another module or a package's `__init__`."""
 
 import ast
 import os
@@ -15,10 +16,13 @@ FOLDERS = {"group_embedding": "group_embedding",
            "ops": "group_embedding.ops"}
 # Modules that may import group_embedding.distributed: the package's
 # public namespace, the DeepRec name table (it installs the distributed
-# API under DeepRec's names), and the estimator (a training harness that
-# runs collective jobs).
+# API under DeepRec's names) and its public alias, and the estimator (a
+# training harness that runs collective jobs). No other module may reach
+# distributed, directly or through one of these.
 MAY_IMPORT_DISTRIBUTED = ("group_embedding", "group_embedding.compat",
+                          "group_embedding.deeprec.compat",
                           "group_embedding.estimator")
+ROOT_PACKAGE = "group_embedding"
 
 
 def _modules():
@@ -124,6 +128,80 @@ def test_core_never_imports_the_distributed_layer(graph):
                     for a in MAY_IMPORT_DISTRIBUTED if a != "group_embedding")
         and m != "group_embedding")
     assert not offenders, offenders
+
+
+def _with_package_edges(graph):
+    """`graph` plus the edges Python adds: importing `a.b.c` runs the
+    `__init__` of `a.b` too. The root package is left out, as a parent and
+    as a target: importing any module runs it, and it is the public
+    namespace (it imports everything)."""
+    out = {}
+    for m, deps in graph.items():
+        targets = set(deps) - {ROOT_PACKAGE}
+        for n in deps:
+            parent = n.rpartition(".")[0]
+            while parent and parent != ROOT_PACKAGE:
+                if parent in graph and parent != m:
+                    targets.add(parent)
+                parent = parent.rpartition(".")[0]
+        out[m] = targets
+    return out
+
+
+def _chain_to(graph, start, is_target):
+    """The shortest import chain from `start` to a module `is_target`
+    accepts, as a list of modules, or None (breadth first)."""
+    previous = {start: None}
+    queue = [start]
+    while queue:
+        m = queue.pop(0)
+        for n in sorted(graph.get(m, ())):
+            if n in previous:
+                continue
+            previous[n] = m
+            if is_target(n):
+                chain = [n]
+                while previous[chain[-1]] is not None:
+                    chain.append(previous[chain[-1]])
+                return chain[::-1]
+            queue.append(n)
+    return None
+
+
+def _is_distributed(m):
+    return m == "group_embedding.distributed" or m.startswith(
+        "group_embedding.distributed.")
+
+
+def _may_import_distributed(m):
+    return _is_distributed(m) or any(
+        m == a or (a != ROOT_PACKAGE and m.startswith(a + "."))
+        for a in MAY_IMPORT_DISTRIBUTED)
+
+
+def test_nothing_else_reaches_the_distributed_layer(graph):
+    # Through any chain of imports, package `__init__`s included: an
+    # exporter that imports an estimator module runs the estimator
+    # package, which imports distributed.
+    full = _with_package_edges(graph)
+    chains = [_chain_to(full, m, _is_distributed) for m in sorted(full)
+              if not _may_import_distributed(m)]
+    chains = [" -> ".join(c) for c in chains if c]
+    assert not chains, "\n".join(chains)
+
+
+def test_the_chain_finder_sees_package_inits():
+    # The check above must be able to fail on a package `__init__` edge.
+    graph = {"group_embedding.export.a": {"group_embedding.estimator.w"},
+             "group_embedding.estimator.w": set(),
+             "group_embedding.estimator": {"group_embedding.estimator.e"},
+             "group_embedding.estimator.e": {
+                 "group_embedding.distributed.s"},
+             "group_embedding.distributed.s": set()}
+    assert _chain_to(_with_package_edges(graph),
+                     "group_embedding.export.a", _is_distributed) == [
+        "group_embedding.export.a", "group_embedding.estimator",
+        "group_embedding.estimator.e", "group_embedding.distributed.s"]
 
 
 def test_import_loads_neither_the_estimator_nor_horovod():

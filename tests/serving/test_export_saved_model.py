@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
-from group_embedding.ops import ev_snapshot
+from group_embedding.export import ev_snapshot
 
 from test_keras_export import ev_pending_keys
 from test_keras_export import pending_keys
