@@ -495,6 +495,20 @@ def case_refusals(ctx, seed):
             table._keep["counters"]), ctx.memory.stream)
     if status != -2:
         raise Failure(f"small scratch accepted ({status})")
+    # A group naming one table twice (its buckets would be written by two
+    # tiles at once), or a batch naming a table the call does not have.
+    twice = (et.GeEvTable * 2)(table.desc, table.desc)
+    batch = (et.GeEvBatch * 1)()
+    batch[0].table, batch[0].keys, batch[0].n = 0, ctx.memory.ptr(keys), 10
+    big = ctx.memory.empty((1 << 16,), np.uint8)
+    for descs, nt, which, why in ((twice, 2, 0, "the same table twice"),
+                                  (twice, 1, 1, "table 1 of 1")):
+        batch[0].table = which
+        status = table.lib.ge_ev_find_or_insert_group(
+            descs, nt, batch, 1, 0, None, ctx.memory.ptr(big), 1 << 16,
+            ctx.memory.ptr(table._keep["counters"]), ctx.memory.stream)
+        if status != -1:
+            raise Failure(f"a group with {why} accepted ({status})")
 
 
 def case_stress(ctx, batches, n, seed):
