@@ -10,10 +10,12 @@ type again.
 """
 
 import dataclasses
+import warnings
 from typing import Any
 from typing import Dict
 from typing import List
 from typing import Sequence
+from typing import Set
 from typing import Tuple
 
 import tensorflow as tf
@@ -106,30 +108,48 @@ def _group_key(table: Any) -> Tuple:
     return (int(table.shape[-1]), table.dtype, table_kind(table))
 
 
-def kernel_eligible(tables: Sequence[Any], max_norm: Any,
-                    feats: Sequence[FeatureIds]) -> bool:
+def kernel_eligible(tables: Sequence[Any], max_norm: Any) -> bool:
     """Whether the variable lookup kernels (CPU, or CUDA with a GPU) can
     serve these plain variables.
 
     With a GPU, the lookup ops run where the tables live: on the GPU
-    through the GPU kernels when they are loaded, else the pure-TF path
-    (whose ops TF has GPU kernels for). The backward of weighted tables
-    and of max_norm reads the tables in ops with CPU kernels only
-    (GroupEmbeddingTableSnapshot, GroupEmbeddingClipGrad), which cannot
-    take a GPU variable: those groups take the pure-TF path there.
+    through the GPU kernels when they are loaded (every mode, weighted or
+    not, with or without `max_norm`: the backward's clip, snapshot and
+    weight-gradient ops have GPU kernels too), else the pure-TF path
+    (whose ops TF has GPU kernels for). Both kernels take float32 tables
+    and a `max_norm` that is a number >= 0.
     """
     if lookup_kernels.kernel_max_norm(max_norm) is None:
         return False
-    if gpu_kernel_library.gpu_present() and (
-            not gpu_kernel_library.use_gpu_kernels()
-            or max_norm is not None
-            or any(f.weights is not None for f in feats)):
+    if (gpu_kernel_library.gpu_present()
+            and not gpu_kernel_library.use_gpu_kernels()):
         return False
-    return all(isinstance(t, tf.Variable) and t.dtype == tf.float32
-               for t in tables)
+    return all(is_kernel_dtype(t) for t in tables)
 
 
-def _backend(kind: str, tables, feats, call: LookupCall) -> str:
+def is_kernel_dtype(table: Any) -> bool:
+    """Whether the kernels take this table: a float32 `tf.Variable`."""
+    return isinstance(table, tf.Variable) and table.dtype == tf.float32
+
+
+_warned_groups: Set[Tuple[str, ...]] = set()
+
+
+def _warn_pure_tf_on_gpu(names: Sequence[str], tables: Sequence[Any]):
+    """One warning per group (per process) whose tables the GPU kernels
+    cannot take because of their dtype, naming its tables."""
+    key = tuple(names)
+    if key in _warned_groups:
+        return
+    _warned_groups.add(key)
+    dtypes = sorted({t.dtype.name for t in tables if not is_kernel_dtype(t)})
+    warnings.warn(
+        f"group-embedding: the group of tables {', '.join(key)} runs the "
+        f"pure-TF path on the GPU: the GPU kernels take float32 tables, "
+        f"got {', '.join(dtypes)}.", RuntimeWarning, stacklevel=3)
+
+
+def _backend(kind: str, tables, feats, names, call: LookupCall) -> str:
     if kind == SHARDED:
         return COLLECTIVE
     if kind == EV:
@@ -143,7 +163,12 @@ def _backend(kind: str, tables, feats, call: LookupCall) -> str:
             return CPU_KERNELS
         return TF_OPS
     if (kernel_library.load() is None
-            or not kernel_eligible(tables, call.max_norm, feats)):
+            or not kernel_eligible(tables, call.max_norm)):
+        if (gpu_kernel_library.gpu_present()
+                and lookup_kernels.kernel_max_norm(call.max_norm) is not None
+                and not all(is_kernel_dtype(t) for t in tables)
+                and gpu_kernel_library.use_gpu_kernels()):
+            _warn_pure_tf_on_gpu(names, tables)
         return TF_OPS
     return GPU_KERNELS if gpu_kernel_library.gpu_present() else CPU_KERNELS
 
@@ -188,11 +213,11 @@ def group_tables(tables: Sequence[Any], feats: Sequence[FeatureIds],
             part = tuple(members[s:s + params_num_per_group])
             g_tables = tuple(tables[i] for i in part)
             g_feats = tuple(feats[i] for i in part)
+            g_names = tuple(names[i] for i in part)
             groups.append(TableGroup(
-                members=part, tables=g_tables, feats=g_feats,
-                names=tuple(names[i] for i in part),
+                members=part, tables=g_tables, feats=g_feats, names=g_names,
                 combiners=tuple(combiners[i] for i in part), kind=kind,
-                backend=_backend(kind, g_tables, g_feats, call)))
+                backend=_backend(kind, g_tables, g_feats, g_names, call)))
     return groups
 
 

@@ -109,7 +109,7 @@ def sources_digest(capabilities=None):
         with open(os.path.join(CUDA_DIR, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
     # The CPU kernels' headers the adaptor includes.
-    for name in ("pooling.h", "table_access.h"):
+    for name in ("pooling.h", "table_access.h", "op_checks.h"):
         with open(os.path.join(kernel_library._KERNEL_DIR, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]

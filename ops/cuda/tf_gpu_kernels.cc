@@ -4,9 +4,13 @@
 // takes TF's stream and calls the core; the arithmetic is all in the core.
 //
 // Registered for the ops of ops/kernels/ (which define them) on
-// DEVICE_GPU, in a library of their own (_group_embedding_gpu_ops.so)
-// loaded only when TF sees a GPU: a GPU registration must not take the
-// CPU kernels down in a TF without GPU support.
+// DEVICE_GPU: every plain-variable lookup (pooled, concatenated,
+// sequence; weighted or not; max_norm or not), its backward, and the ops
+// the gradient functions add for weights and max_norm (the clip's
+// backward, the table snapshot, the weight gradients), in a library of
+// their own (_group_embedding_gpu_ops.so) loaded only when TF sees a GPU:
+// a GPU registration must not take the CPU kernels down in a TF without
+// GPU support.
 //
 // Built with -DGE_ADAPTOR_ON_HOST, the same code registers on DEVICE_CPU
 // under the kernel label "ge_host_core" and calls the core's host
@@ -24,6 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -205,6 +210,45 @@ struct RaggedInputs {
   }
 };
 
+// A group's core call that has no scratch but its descriptors (the
+// lookups, ge_weight_grads, ge_clip_grads): zeroes the error counters,
+// calls `core`, then reads the counts (CheckCounters).
+template <typename Core>
+Status CallCore(OpKernelContext* ctx, const std::string& what, Core core,
+                std::vector<GeTable>* descs, int64_t dim, float max_norm,
+                const std::vector<std::string>& names,
+                const std::vector<const Tensor*>& ids,
+                const std::vector<int64_t>& vocabs) {
+  void* stream = StreamOf(ctx);
+  const int k = static_cast<int>(descs->size());
+  Tensor scratch_t, counters_t;
+  void *scratch = nullptr, *counters = nullptr;
+  const size_t bytes = ge_lookup_scratch_bytes(k);
+  TF_RETURN_IF_ERROR(Temp(ctx, bytes, &scratch_t, &scratch));
+  TF_RETURN_IF_ERROR(Temp(ctx, 16, &counters_t, &counters));
+  TF_RETURN_IF_ERROR(CoreStatus("zeroing the error counts",
+                                ge_zero_async(counters, 16, stream)));
+  TF_RETURN_IF_ERROR(CoreStatus(
+      what, core(descs->data(), k, dim, max_norm, scratch, bytes,
+                 static_cast<unsigned long long*>(counters), stream)));
+  return CheckCounters(ctx, stream, counters, names, ids, vocabs);
+}
+
+// Checks that `table` is a float32 [vocab, dim] matrix, of the call's dim
+// when one is known (*dim >= 0); sets *dim.
+Status CheckTable(const std::string& name, const Tensor& table,
+                  int64_t* dim) {
+  if (table.dtype() != DT_FLOAT || table.dims() != 2 ||
+      (*dim >= 0 && table.dim_size(1) != *dim)) {
+    return InvalidArgument(name, ": expected a float32 [vocab, dim] table "
+                           "of the group's dim, got ",
+                           ::tensorflow::DataTypeString(table.dtype()), " ",
+                           table.shape().DebugString(), ".");
+  }
+  *dim = table.dim_size(1);
+  return Status();
+}
+
 enum class Layout { kPerTable, kConcat, kSequence };
 
 Layout LayoutOf(const std::string& op) {
@@ -301,26 +345,11 @@ class LookupOp : public OpKernel {
         d.out_stride = dim_;
       }
     }
-    void* stream = StreamOf(ctx);
-    Tensor scratch_t, counters_t;
-    void *scratch = nullptr, *counters = nullptr;
-    const size_t bytes = ge_lookup_scratch_bytes(k);
-    OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
-    OP_REQUIRES_OK(ctx, Temp(ctx, 16, &counters_t, &counters));
-    OP_REQUIRES_OK(ctx, CoreStatus("zeroing the error counts",
-                                   ge_zero_async(counters, 16, stream)));
-    const int code =
-        sequence
-            ? ge_lookup_sequence(descs.data(), k, dim_, max_norm_, scratch,
-                                 bytes, static_cast<unsigned long long*>(
-                                            counters), stream)
-            : ge_lookup_pooled(descs.data(), k, dim_, max_norm_, scratch,
-                               bytes,
-                               static_cast<unsigned long long*>(counters),
-                               stream);
-    OP_REQUIRES_OK(ctx, CoreStatus(name(), code));
-    OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names_,
-                                      id_tensors, vocabs));
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(),
+                                 sequence ? ge_lookup_sequence
+                                          : ge_lookup_pooled,
+                                 &descs, dim_, max_norm_, names_, id_tensors,
+                                 vocabs));
   }
 
  private:
@@ -458,6 +487,211 @@ class LookupGradOp : public OpKernel {
   int64_t dim_;
 };
 
+// GroupEmbeddingClipGrad: the max_norm clip's backward of each table's
+// per-id gradients, with the rows read from the tables (one core call).
+class ClipGradOp : public OpKernel {
+ public:
+  explicit ClipGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList uniq, grads;
+    OP_REQUIRES_OK(ctx, ctx->input_list("unique_ids", &uniq));
+    OP_REQUIRES_OK(ctx, ctx->input_list("id_grads", &grads));
+    const int k = uniq.size();
+    LockedTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    std::vector<GeTable> descs(k);
+    std::vector<std::string> names(k);
+    std::vector<const Tensor*> id_tensors(k);
+    std::vector<int64_t> vocabs(k);
+    int64_t dim = -1;
+    for (int t = 0; t < k; ++t) {
+      names[t] = absl::StrCat("table ", t);
+      const Tensor* table = locked.vars()[t]->tensor();
+      OP_REQUIRES_OK(ctx, CheckTable(names[t], *table, &dim));
+      OP_REQUIRES(ctx, uniq[t].dims() == 1,
+                  InvalidArgument(names[t], ": unique_ids must be a vector, "
+                                  "got shape ",
+                                  uniq[t].shape().DebugString()));
+      const int64_t u = uniq[t].NumElements();
+      OP_REQUIRES_OK(ctx, CheckMatrix(names[t] + ": id_grads", grads[t], u,
+                                      dim));
+      // The incoming gradients are dead after this op: the core rewrites
+      // them in place when TF lets us.
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
+                              {2 * k + t}, t, grads[t].shape(), &o));
+      GeTable& d = descs[t];
+      std::memset(&d, 0, sizeof(d));
+      d.table = DataOr<float>(*table);
+      d.vocab = table->dim_size(0);
+      d.ids = DataOr<int64_t>(uniq[t]);
+      d.nnz = d.batch = u;
+      d.grad = DataOr<float>(grads[t]);
+      d.grad_stride = dim;
+      d.out = DataOr<float>(*o);
+      d.out_stride = dim;
+      id_tensors[t] = &uniq[t];
+      vocabs[t] = d.vocab;
+    }
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_clip_grads, &descs, dim,
+                                 max_norm_, names, id_tensors, vocabs));
+  }
+
+ private:
+  float max_norm_;
+};
+
+// GroupEmbeddingTableSnapshot, as the CPU kernel: the table itself
+// (aliased) unless the variable is in copy-on-read mode, then the rows of
+// `ids` gathered by position (a pooled "lookup" of one id per row).
+class TableSnapshotOp : public OpKernel {
+ public:
+  explicit TableSnapshotOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    RefCountPtr<Var> var;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
+    const Tensor& ids = ctx->input(1);
+    OP_REQUIRES(ctx, ids.dims() == 1,
+                InvalidArgument(name_, ": ids must be a vector, got shape ",
+                                ids.shape().DebugString(), "."));
+    ::tensorflow::tf_shared_lock lock(*var->mu());
+    const Tensor* table = var->tensor();
+    int64_t dim = -1;
+    OP_REQUIRES_OK(ctx, CheckTable(name_, *table, &dim));
+    Tensor* flag = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &flag));
+    const bool by_position = var->copy_on_read_mode.load();
+    flag->scalar<bool>()() = by_position;
+    if (!by_position) {
+      ctx->set_output(0, *table);
+      return;
+    }
+    const int64_t n = ids.NumElements();
+    Tensor* rows = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim}),
+                                             &rows));
+    if (n == 0) return;
+    std::vector<GeTable> descs(1);
+    GeTable& d = descs[0];
+    std::memset(&d, 0, sizeof(d));
+    d.table = DataOr<float>(*table);
+    d.vocab = table->dim_size(0);
+    d.ids = DataOr<int64_t>(ids);
+    d.nnz = d.batch = n;  // no splits: one id per output row
+    d.combiner = GE_SUM;
+    d.out = DataOr<float>(*rows);
+    d.out_stride = dim;
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_lookup_pooled, &descs, dim,
+                                 -1.0f, {name_}, {&ids}, {d.vocab}));
+  }
+
+ private:
+  std::string name_;
+};
+
+// GroupEmbedding(Sequence)WeightGrad(FromSnapshots): d loss / d weights
+// of the weighted tables of a group, one core call for all of them, the
+// rows read from the variables or from GroupEmbeddingTableSnapshot's
+// outputs (by position: row j for id j). Unweighted tables get an empty
+// output, as on the CPU.
+class WeightGradOp : public OpKernel {
+ public:
+  explicit WeightGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx),
+        layout_(LayoutOf(ctx->def().op())),
+        snapshots_(ctx->def().op().find("FromSnapshots") !=
+                   std::string::npos) {
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+    if (layout_ != Layout::kSequence) {
+      OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const bool sequence = layout_ == Layout::kSequence;
+    RaggedInputs in;
+    OP_REQUIRES_OK(ctx, in.Read(ctx, sequence));
+    OpInputList grads, pooled;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    if (!sequence) OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
+    OpOutputList out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
+    const int k = in.ids.size();
+    OP_REQUIRES(ctx, sequence || static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
+    LockedTables locked;
+    if (!snapshots_) OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    std::vector<GeTable> descs;
+    std::vector<std::string> names;
+    std::vector<const Tensor*> id_tensors;
+    std::vector<int64_t> vocabs;
+    int64_t dim = -1;
+    for (int t = 0; t < k; ++t) {
+      const std::string name = absl::StrCat("table ", t);
+      GeTable d;
+      OP_REQUIRES_OK(ctx, in.Describe(t, name, &d));
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, out.allocate(t, in.weights[t].shape(), &o));
+      if (d.weights == nullptr) continue;
+      const Tensor* table =
+          snapshots_ ? &ctx->input(t) : locked.vars()[t]->tensor();
+      bool by_position = false;
+      if (snapshots_) {
+        const Tensor& flag = ctx->input(k + t);
+        OP_REQUIRES(ctx, flag.dims() == 0,
+                    InvalidArgument(name, ": by_position must be a bool "
+                                    "scalar, got shape ",
+                                    flag.shape().DebugString(), "."));
+        by_position = flag.scalar<bool>()();
+      }
+      OP_REQUIRES_OK(ctx, CheckTable(name, *table, &dim));
+      OP_REQUIRES(ctx, !by_position || table->dim_size(0) == d.nnz,
+                  InvalidArgument(name, ": the snapshot has ",
+                                  table->dim_size(0), " rows for ", d.nnz,
+                                  " ids."));
+      d.table = DataOr<float>(*table);
+      d.vocab = table->dim_size(0);
+      d.flags = by_position ? GE_ROWS_BY_POSITION : 0;
+      d.weight_grad = DataOr<float>(*o);
+      if (sequence) {
+        OP_REQUIRES_OK(ctx, CheckSequenceGrad(name, grads[t], d.batch, dim,
+                                              &d.seq_len));
+        d.grad_stride = d.seq_len * dim;
+      } else {
+        OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], d.batch,
+                                        dim));
+        OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t],
+                                        d.batch, dim));
+        d.pooled = DataOr<float>(pooled[t]);
+        d.grad_stride = dim;
+        d.combiner = combiners_[t];
+      }
+      d.grad = DataOr<float>(grads[t]);
+      descs.push_back(d);
+      names.push_back(name);
+      id_tensors.push_back(&in.ids[t]);
+      // A snapshot by position was range-checked when taken.
+      vocabs.push_back(by_position ? std::numeric_limits<int64_t>::max()
+                                   : d.vocab);
+    }
+    if (descs.empty()) return;
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_weight_grads, &descs, dim,
+                                 max_norm_, names, id_tensors, vocabs));
+  }
+
+ private:
+  const Layout layout_;
+  const bool snapshots_;
+  std::vector<int32_t> combiners_;
+  float max_norm_;
+};
+
 #ifdef GE_ADAPTOR_ON_HOST
 #define GE_KERNEL(op) \
   Name(op).Device(::tensorflow::DEVICE_CPU).Label("ge_host_core")
@@ -482,6 +716,23 @@ REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingConcatLookupGrad"),
                         LookupGradOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingSequenceLookupGrad"),
                         LookupGradOp);
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingClipGrad"), ClipGradOp);
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingTableSnapshot")
+                            .HostMemory("by_position"),
+                        TableSnapshotOp);
+// The snapshot forms are what the gradient functions build; the forms
+// that read the variables are kept for graphs saved before
+// (weight_grad_ops.cc).
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingWeightGradFromSnapshots")
+                            .HostMemory("by_position"),
+                        WeightGradOp);
+REGISTER_KERNEL_BUILDER(
+    GE_KERNEL("GroupEmbeddingSequenceWeightGradFromSnapshots")
+        .HostMemory("by_position"),
+    WeightGradOp);
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingWeightGrad"), WeightGradOp);
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingSequenceWeightGrad"),
+                        WeightGradOp);
 
 }  // namespace
 }  // namespace gpu_kernels

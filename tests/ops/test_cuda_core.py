@@ -26,6 +26,7 @@ import tensorflow as tf
 
 import cuda_parity
 from group_embedding.ops import gpu_kernel_library
+from group_embedding.lookup import group_embedding_lookup_sparse
 from group_embedding.ops import kernel_library
 
 cc = cuda_parity.cc
@@ -270,16 +271,20 @@ def host_adaptor(tmp_path_factory):
     return _cpu_lib()
 
 
-def _both(fn):
-    """fn() run as a graph with the CPU kernels and with the adaptor."""
-    plain = tf.function(fn)()
-
+def _on_adaptor(fn, ops=LABELLED):
+    """fn() run as a graph with the adaptor's kernels of `ops`."""
     @tf.function
     def labelled():
         graph = tf.compat.v1.get_default_graph()
-        with graph._kernel_label_map({op: "ge_host_core" for op in LABELLED}):
+        with graph._kernel_label_map({op: "ge_host_core" for op in ops}):
             return fn()
-    return plain, labelled()
+    return labelled()
+
+
+def _both(fn, ops=LABELLED):
+    """fn() run as a graph with the CPU kernels and with the adaptor's
+    kernels of `ops`."""
+    return tf.function(fn)(), _on_adaptor(fn, ops)
 
 
 def test_adaptor_runs_through_tf(host_adaptor):
@@ -367,6 +372,185 @@ def test_adaptor_names_the_table_of_a_bad_id(host_adaptor):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"items: id 7 is out of range \[0, 5\)"):
         _both(lookup)
+
+
+# -- every lookup variant through the adaptor (issue 35.1) --------------------
+# The ops a training step builds, forward and backward, for which the
+# adaptor registers kernels.
+STEP_OPS = LABELLED + ("GroupEmbeddingClipGrad", "GroupEmbeddingTableSnapshot",
+                       "GroupEmbeddingWeightGradFromSnapshots",
+                       "GroupEmbeddingSequenceWeightGradFromSnapshots")
+
+
+def _step_inputs(seed, sequence):
+    """Three dim-8 tables of one group, their ragged ids and weights, and
+    a gradient for each output; the same for every path."""
+    rng = np.random.default_rng(seed)
+    batch = 6
+    tables, ids, weights = [], [], []
+    for vocab in (20, 7, 30):
+        lengths = rng.integers(0, 4, batch)
+        splits = np.concatenate([[0], np.cumsum(lengths)])
+        # Rows well above and below the max_norm bound (1.5).
+        tables.append((rng.normal(size=(vocab, 8)) * rng.uniform(
+            0.1, 1.2, (vocab, 1))).astype(np.float32))
+        ids.append((rng.integers(0, vocab, splits[-1]), splits))
+        weights.append(rng.uniform(0.2, 2.0, splits[-1]).astype(np.float32))
+    return rng, tables, ids, weights
+
+
+def _train_step(lib_mode, monkeypatch, seed, mode, weighted, max_norm,
+                labelled, copy_on_read=False):
+    """Outputs, table gradients (dense) and weight gradients of one
+    grouped lookup, traced with `GROUP_EMBEDDING_KERNELS=lib_mode`, its
+    training-step ops on the adaptor's kernels when `labelled`; also the
+    set of op types that got the adaptor's label."""
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", lib_mode)
+    sequence = mode == "sequence"
+    rng, arrays, ids, weights = _step_inputs(seed, sequence)
+    tables = [tf.Variable(a) for a in arrays]
+    if copy_on_read:
+        # A sparse read puts a variable in copy-on-read mode: the snapshot
+        # then copies the ids' rows (by position).
+        for t in tables:
+            tf.gather(t, [0])
+    weight_values = [tf.constant(w) for w in weights]
+    combiners = ["sum", "mean", "sqrtn"]
+
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(weight_values)
+            sp_ids = [tf.RaggedTensor.from_row_splits(v, s)
+                      for v, s in ids]
+            sp_weights = ([tf.RaggedTensor.from_row_splits(w, s)
+                           for w, (_, s) in zip(weight_values, ids)]
+                          if weighted else None)
+            out = group_embedding_lookup_sparse(
+                tables, sp_ids, combiners, sp_weights,
+                is_sequence=sequence, concat_outputs=mode == "concat",
+                max_norm=max_norm)
+            outs = [out] if mode == "concat" else out
+            loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + float(i)))
+                             for i, o in enumerate(outs)])
+        table_grads, weight_grads = tape.gradient(
+            loss, (tables, weight_values))
+        return (outs, [tf.convert_to_tensor(g) for g in table_grads],
+                weight_grads if weighted else [])
+
+    @tf.function
+    def traced():
+        if not labelled:
+            return step()
+        graph = tf.compat.v1.get_default_graph()
+        with graph._kernel_label_map({op: "ge_host_core"
+                                      for op in STEP_OPS}):
+            return step()
+
+    result = traced()
+    graph = traced.get_concrete_function().graph
+    on_adaptor = {op.type for op in graph.get_operations()
+                  if op.type in STEP_OPS
+                  and op.node_def.attr["_kernel"].s == b"ge_host_core"}
+    return result, on_adaptor
+
+
+def _assert_same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5,
+                                   atol=2e-5, err_msg=f"{what} {i}")
+
+
+@pytest.mark.parametrize("mode", ["pooled", "concat", "sequence"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("max_norm", [None, 1.5])
+def test_training_step_on_the_adaptor_matches_cpu_kernels_and_stock_tf(
+        host_adaptor, monkeypatch, mode, weighted, max_norm):
+    """The whole step (forward, table and weight gradients) of every
+    variant, with the adaptor's kernels, equals the C++ CPU kernels' and
+    the pure-TF (stock ops) path's."""
+    seed = 40 + weighted + (max_norm is not None) * 2
+    (out, tg, wg), used = _train_step("auto", monkeypatch, seed, mode,
+                                      weighted, max_norm, labelled=True)
+    (c_out, c_tg, c_wg), _ = _train_step("auto", monkeypatch, seed, mode,
+                                         weighted, max_norm, labelled=False)
+    (s_out, s_tg, s_wg), _ = _train_step("tf", monkeypatch, seed, mode,
+                                         weighted, max_norm, labelled=False)
+    forward = {"pooled": "GroupEmbeddingPooledLookup",
+               "concat": "GroupEmbeddingConcatLookup",
+               "sequence": "GroupEmbeddingSequenceLookup"}[mode]
+    want_ops = {forward, forward + "Grad"}
+    if max_norm is not None:
+        want_ops.add("GroupEmbeddingClipGrad")
+    if weighted:
+        want_ops |= {"GroupEmbeddingTableSnapshot",
+                     "GroupEmbedding" + ("Sequence" if mode == "sequence"
+                                         else "")
+                     + "WeightGradFromSnapshots"}
+    assert used == want_ops
+    for name, got, cpu, stock in (("output", out, c_out, s_out),
+                                  ("table gradient", tg, c_tg, s_tg),
+                                  ("weight gradient", wg, c_wg, s_wg)):
+        _assert_same(got, cpu, f"{name} vs the CPU kernels")
+        _assert_same(got, stock, f"{name} vs stock TF")
+    if weighted:
+        assert any(np.abs(np.asarray(w)).max() > 0 for w in wg)
+
+
+@pytest.mark.parametrize("mode", ["pooled", "sequence"])
+def test_weight_gradients_from_a_copy_on_read_snapshot(host_adaptor,
+                                                       monkeypatch, mode):
+    """Variables in copy-on-read mode: the adaptor's snapshot copies the
+    ids' rows and its weight gradient reads them by position."""
+    (out, tg, wg), used = _train_step("auto", monkeypatch, 50, mode, True,
+                                      1.5, labelled=True, copy_on_read=True)
+    (s_out, s_tg, s_wg), _ = _train_step("tf", monkeypatch, 50, mode, True,
+                                         1.5, labelled=False)
+    assert "GroupEmbeddingTableSnapshot" in used
+    _assert_same(wg, s_wg, "weight gradient vs stock TF")
+    _assert_same(tg, s_tg, "table gradient vs stock TF")
+
+
+def test_adaptor_clip_and_snapshot_name_the_table_of_a_bad_id(host_adaptor):
+    lib = host_adaptor
+    table = tf.Variable(np.ones((5, 4), np.float32))
+    tf.gather(table, [0])  # copy-on-read: the snapshot gathers rows
+
+    def clip():
+        return lib.group_embedding_clip_grad(
+            tables=[table.handle, table.handle],
+            unique_ids=[np.array([1], np.int64), np.array([0, 9], np.int64)],
+            id_grads=[np.ones((1, 4), np.float32),
+                      np.ones((2, 4), np.float32)], max_norm=0.5)
+
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"table 1: id 9 is out of range \[0, 5\)"):
+        _on_adaptor(clip, ("GroupEmbeddingClipGrad",))
+
+    def snapshot():
+        return lib.group_embedding_table_snapshot(
+            table=table.handle, ids=np.array([2, -1], np.int64),
+            table_name="items")
+
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"items: id -1 is out of range \[0, 5\)"):
+        _on_adaptor(snapshot, ("GroupEmbeddingTableSnapshot",))
+
+
+def test_adaptor_weight_grad_checks_the_snapshot_rows(host_adaptor):
+    lib = host_adaptor
+
+    def weight_grad():
+        return lib.group_embedding_weight_grad_from_snapshots(
+            tables=[np.ones((3, 4), np.float32)], by_position=[True],
+            ids=[np.array([0, 1], np.int64)],
+            row_splits=[np.array([0, 2], np.int64)],
+            weights=[np.ones(2, np.float32)],
+            grads=[np.ones((1, 4), np.float32)],
+            pooled=[np.ones((1, 4), np.float32)], combiners=["mean"])
+
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="the snapshot has 3 rows for 2 ids"):
+        _on_adaptor(weight_grad, ("GroupEmbeddingWeightGradFromSnapshots",))
 
 
 # -- the GPU TF wheel (documented run, not every CI run) ----------------------
