@@ -23,8 +23,9 @@
 // * the backward ops have no table input, so ids are bounded by 2^40
 //   there (the forward checked them against the tables);
 // * bad ids and row_splits are counted on the device; the op waits for
-//   the stream to read the counts, and on an error reads the ids back to
-//   name the table and the id, as the CPU kernels do.
+//   the stream to read the counts (the backward: with its distinct id
+//   counts, one wait), and on an error reads the ids back to name the
+//   table and the id, as the CPU kernels do.
 
 #include <cstdint>
 #include <cstring>
@@ -452,15 +453,15 @@ class LookupGradOp : public OpKernel {
         descs.data(), k, dim_, -1.0f, scratch, bytes, uids, ugrads,
         offsets_t.flat<int64_t>().data(),
         static_cast<unsigned long long*>(counters), stream)));
+    // The distinct id counts come back with the error counts: one wait.
+    std::vector<int64_t> offsets(k + 1);
+    int code = ge_copy_async(offsets.data(), offsets_t.flat<int64_t>().data(),
+                             sizeof(int64_t) * (k + 1), 1, stream);
+    OP_REQUIRES_OK(ctx, CoreStatus("reading the distinct id counts", code));
     OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names,
                                       id_tensors,
                                       std::vector<int64_t>(k,
                                                            kBackwardVocab)));
-    std::vector<int64_t> offsets(k + 1);
-    int code = ge_copy_async(offsets.data(), offsets_t.flat<int64_t>().data(),
-                             sizeof(int64_t) * (k + 1), 1, stream);
-    if (code == GE_OK) code = ge_synchronize(stream);
-    OP_REQUIRES_OK(ctx, CoreStatus("reading the distinct id counts", code));
     OpOutputList uniq_out, grad_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
