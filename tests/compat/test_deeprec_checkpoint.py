@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
-from group_embedding import deeprec_checkpoint
+from group_embedding.deeprec import checkpoint as deeprec_checkpoint
 
 DATA = os.path.join(os.path.dirname(__file__), "deeprec_checkpoints")
 FEATURES = ["user_ev", "item_ev"]

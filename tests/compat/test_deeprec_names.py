@@ -122,7 +122,7 @@ def _optimizer_options():
 
 def test_do_op_fusion_is_a_logged_no_op_and_the_session_runs(
         compat, caplog, monkeypatch):
-    from group_embedding import runtime_features
+    from group_embedding.deeprec import runtime_features
 
     monkeypatch.setitem(runtime_features._state, "op_fusion_warned", False)
     config = V1.ConfigProto()

@@ -20,7 +20,7 @@ FOLDERS = {"group_embedding": "group_embedding",
 # training harness that runs collective jobs). No other module may reach
 # distributed, directly or through one of these.
 MAY_IMPORT_DISTRIBUTED = ("group_embedding", "group_embedding.compat",
-                          "group_embedding.deeprec.compat",
+                          "group_embedding.deeprec.name_table",
                           "group_embedding.estimator")
 ROOT_PACKAGE = "group_embedding"
 

@@ -17,8 +17,8 @@ has nothing to add), so that a scope takes effect with the stock names:
   columns computed by stock code, outputs sorted by column name.
 
 The stock functions these fall back to are captured when this module is
-first imported; `group_embedding.compat` imports it before it installs
-anything, so they are TF's own.
+first imported; `name_table` (`group_embedding.compat`) imports it before
+it installs anything, so they are TF's own.
 
 Note: DeepRec's `embedding_column` builds its table itself; ours returns a
 column description whose table `input_layer` creates, with the same
