@@ -1,7 +1,7 @@
 """Build logic of group-embedding; the metadata is in pyproject.toml.
 
-`feature_column/` and `ops/` live at the top of the repository (the design
-card's layout) and are mapped to `group_embedding.feature_column` and
+`feature_column/` and `ops/` live at the top of the repository (README.md,
+Layout) and are mapped to `group_embedding.feature_column` and
 `group_embedding.ops` with `package_dir`.
 
 The C++ kernels are compiled by `build_ext` against the TensorFlow of the

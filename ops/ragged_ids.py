@@ -127,9 +127,8 @@ def from_packed(values, row_splits, offsets, batch, weights,
 
 
 def _unpack_tf(values, row_splits, offsets, batch, weights, num_features):
-    """`GroupEmbeddingUnpackIds` in TF ops: the same checks in one assert, and
-    one
-    split of the values (features and the gaps between them)."""
+    """`GroupEmbeddingUnpackIds` in TF ops: the same checks in one assert,
+    and one split of the values (features and the gaps between them)."""
     width = tf.shape(row_splits, out_type=tf.int64)[1]
     fits_width = (batch >= 0) & (batch < width)
     # Clamped, so that a batch past the splits fails the check below
