@@ -645,6 +645,7 @@ struct GroupScratch {
   int64_t* slot_of;
   void* sort_temp;
   size_t sort_bytes;
+  size_t head;   // bytes of the descriptor blocks (uploaded at once)
   size_t total;
 };
 
@@ -656,6 +657,7 @@ GroupScratch Layout(void* base, int nt, int nb, int64_t n) {
   s.evicted = layout.Take<GeEvEvicted>(nt);
   s.occ_base = layout.Take<int64_t>(nb + 1);
   s.bucket_base = layout.Take<int64_t>(nt + 1);
+  s.head = layout.used();
   s.bucket_of = layout.Take<uint32_t>(n);
   s.bucket_sorted = layout.Take<uint32_t>(n);
   s.index_of = layout.Take<int32_t>(n);
@@ -696,8 +698,7 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
   }
   // The descriptors go up in ONE copy (pageable memory is staged at
   // once, so the host vector may go when it returns).
-  const GroupScratch measure = Layout(nullptr, nt, nb, n);
-  const size_t head = reinterpret_cast<size_t>(measure.bucket_of);
+  const size_t head = Layout(nullptr, nt, nb, n).head;
   std::vector<char> host(head);
   GroupScratch h = Layout(host.data(), nt, nb, n);
   for (int t = 0; t < nt; ++t) {
