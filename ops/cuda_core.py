@@ -75,6 +75,24 @@ class GeOptimizerConfig(ctypes.Structure):
     ]
 
 
+def load_sibling(filename: str):
+    """Another framework-neutral module of `ops/` (e.g. `ev_table_core.py`)
+    loaded by path, as this one is on the GPU machine (no TF there, so the
+    `group_embedding` package cannot be imported); loaded once."""
+    import importlib.util
+    import os
+    import sys
+    name = "_ge_" + os.path.splitext(filename)[0]
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                            filename)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 class CoreError(RuntimeError):
     """A core call refused its arguments or failed to launch."""
 

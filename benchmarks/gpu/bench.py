@@ -27,7 +27,6 @@ Writes JSON (`--json`): ms per step, GB/s, the ratios, the checks.
 
 import argparse
 import ctypes
-import importlib.util
 import json
 import os
 import sys
@@ -42,16 +41,7 @@ sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
 import criteo_like  # noqa: E402
 
 
-def _load_cuda_core():
-    path = os.path.join(_REPO, "ops", "cuda_core.py")
-    spec = importlib.util.spec_from_file_location("_ge_cuda_core", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cc = _load_cuda_core()
+from bindings import cc  # noqa: E402
 LR = 0.01
 EPS = 1e-10
 

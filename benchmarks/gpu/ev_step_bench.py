@@ -26,33 +26,16 @@ ev_step / plain_step (issue 34 asks for <= 2), the checks.
 
 import argparse
 import ctypes
-import importlib.util
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
+import bench  # benchmarks/gpu/bench.py (it puts benchmarks/ on the path)
+import criteo_like
+from bindings import cc, et
 
-import criteo_like  # noqa: E402
-
-
-def _load(name, relpath):
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(_REPO, *relpath.split("/")))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cc = _load("_ge_cuda_core", "ops/cuda_core.py")
-et = _load("_ge_ev_table_core", "ops/ev_table_core.py")
-bench = _load("_ge_gpu_bench", "benchmarks/gpu/bench.py")
 LR, EPS = bench.LR, bench.EPS
 
 

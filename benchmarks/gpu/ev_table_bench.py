@@ -27,29 +27,13 @@ Usage:
 """
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-
-
-def _load(name, relpath):
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(_REPO, *relpath.split("/")))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cc = _load("_ge_cuda_core", "ops/cuda_core.py")
-et = _load("_ge_ev_table_core", "ops/ev_table_core.py")
+from bindings import cc, et
 
 
 def timed(cp, fn, reps=15, warmup=3):

@@ -12,29 +12,15 @@ one `find_or_insert` of the same keys, and one of 60% stored and 40% new
 keys (HKV's Config B mix, at a smaller capacity).
 """
 
-import importlib.util
-import os
 import sys
 
 import numpy as np
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-
-
-def _load(name, relpath):
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(_REPO, *relpath.split("/")))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from bindings import cc, et
 
 
 def main():
     import cupy as cp
-    cc = _load("_ge_cuda_core", "ops/cuda_core.py")
-    et = _load("_ge_ev_table_core", "ops/ev_table_core.py")
     core = cc.Core(sys.argv[1])
     table = et.EvTable(core, cc.CupyMemory(), 1 << 17, 32,
                        np.zeros((1, 32), np.float32))

@@ -21,30 +21,17 @@ Usage as a script:
 """
 
 import argparse
-import importlib.util
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(os.path.dirname(_HERE))
+import cuda_parity  # beside this file: the core's bindings, loaded by path
 
 
-def _load(name, relpath):
-    """A module of `ops/` loaded by path (no TF on the GPU machine)."""
-    path = os.path.join(_REPO, *relpath.split("/"))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cc = _load("_ge_cuda_core", "ops/cuda_core.py")
-et = _load("_ge_ev_table_core", "ops/ev_table_core.py")
+cc = cuda_parity.cc
+et = cc.load_sibling("ev_table_core.py")
 BUCKET = et.BUCKET
 MASK64 = (1 << 64) - 1
 
