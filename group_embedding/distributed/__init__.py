@@ -1,6 +1,7 @@
 """Collective (model-parallel) training over Horovod.
 
-`strategy` starts Horovod and knows the world; `sharded_variable` splits
+`strategy` starts Horovod and holds its state (this worker's rank and
+the size: `group_embedding.model_parallel.world`); `sharded_variable` splits
 tables over workers; `collective_lookup` routes ids to their owners and
 rows back; `training` reduces gradients and broadcasts dense weights;
 `sharding_plan` chooses replicated, table-wise or row-sharded tables;

@@ -59,6 +59,7 @@ import tensorflow as tf
 
 from group_embedding import lookup_plan
 from group_embedding.distributed import incremental_checkpoint as incremental
+from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import shard_rows
@@ -242,7 +243,7 @@ def save_tables(directory: str, tables: Dict[str, object], step: int, *,
             finish (manifest, renames); `latest` still names a complete
             checkpoint. The error names the failure on this worker.
     """
-    rank, size = distributed_strategy.world()
+    rank, size = model_parallel.world()
     evs = {n: t for n, t in tables.items() if _is_ev(t)}
     base = _plan(directory, evs, size, full_every)
     covered = {}
@@ -578,7 +579,7 @@ def restore_tables(path: str, tables: Dict[str, object]):
     """
     if os.path.exists(os.path.join(path, LATEST)):
         path = latest_checkpoint(path)
-    rank, size = distributed_strategy.world()
+    rank, size = model_parallel.world()
     chain = _chain(path)
     shards = _replay(chain)
     for name, table in tables.items():

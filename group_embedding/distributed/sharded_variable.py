@@ -22,6 +22,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from group_embedding.distributed import sharding_plan
+from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 
 PARTITION_STRATEGIES = sharding_plan.ROW_PARTITIONS
@@ -206,7 +207,7 @@ def resolve_partition(name, vocab_size, embedding_dim, dtype=tf.float32,
                          f"contradicts `placement={placement!r}`; pass one.")
     if placement is None and replicate is not None:
         placement = "replicate" if replicate else "row"
-    rank, size = distributed_strategy.world()
+    rank, size = model_parallel.world()
     nbytes = vocab_size * embedding_dim * tf.as_dtype(dtype).size
     planned = distributed_strategy.planned_placement(name)
     if planned is not None and planned[1] != nbytes:
@@ -282,7 +283,7 @@ def collective_table(name, vocab_size, embedding_dim, initializer,
         A `ShardedVariable` around the created shard, or the created
         `[V, D]` variable when the table stays replicated.
     """
-    rank, size = distributed_strategy.world()
+    rank, size = model_parallel.world()
     partition = resolve_partition(name, vocab_size, embedding_dim)
     rows = (np.arange(vocab_size, dtype=np.int64) if partition is None
             else shard_rows(vocab_size, partition, size, rank))
@@ -349,7 +350,7 @@ def get_embedding_table(name: str, vocab_size: int, embedding_dim: int,
     if vocab_size < 1 or embedding_dim < 1:
         raise ValueError(f"Table {name!r}: `vocab_size` and `embedding_dim` "
                          f"must be >= 1, got {vocab_size}, {embedding_dim}.")
-    rank, size = distributed_strategy.world()
+    rank, size = model_parallel.world()
     partition = resolve_partition(name, vocab_size, embedding_dim, dtype,
                                   partition_strategy, replicate, placement)
     if partition is None:

@@ -116,14 +116,6 @@ def horovod():
     return _state["collectives"]
 
 
-def world():
-    """(rank, size) of this worker; (0, 1) outside collective mode."""
-    if not is_collective():
-        return 0, 1
-    hvd = _state["hvd"]
-    return hvd.rank(), hvd.size()
-
-
 # Keras variables by id: Keras may swap the tf.Variable behind one after
 # it was registered (deferred creation during a model's first call).
 _keras_shards: "weakref.WeakValueDictionary[int, Any]" = (

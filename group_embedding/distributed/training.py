@@ -17,6 +17,7 @@ from typing import Any, List, Sequence
 import keras
 import tensorflow as tf
 
+from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import transport
 from group_embedding.embedding_variable.keras_variable import (
@@ -143,7 +144,7 @@ def broadcast_variables(variables: Sequence[Any],
     keys must start from the same rows whichever worker owns them); its
     keys stay where they are.
     """
-    if distributed_strategy.world()[1] == 1:
+    if model_parallel.world()[1] == 1:
         return  # one worker (or none): nothing to copy
     hvd = distributed_strategy.horovod()
     dense = []

@@ -32,7 +32,7 @@ from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.platform import gfile
 from tensorflow.python.training import saver as saver_lib
 
-from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding import model_parallel
 
 WORKER_DIR = "worker-{}"
 _WORKER_DIR_RE = re.compile(r"worker-(\d+)")
@@ -56,12 +56,6 @@ def _is_worker_dir(directory: str, rank: int) -> bool:
     # them) are not moved a second time.
     return os.path.basename(os.path.normpath(directory)) == \
         WORKER_DIR.format(rank)
-
-
-def _world():
-    if not distributed_strategy.is_collective():
-        return 0, 1
-    return distributed_strategy.world()
 
 
 def _chief_dir(directory: str, rank: int) -> str:
@@ -90,7 +84,7 @@ def check_layout(directory: str) -> None:
             checkpoints differ, a worker lacks one the chief has, or the
             directory holds checkpoints of more workers than are running.
     """
-    rank, size = _world()
+    rank, size = model_parallel.world()
     if size == 1:
         return
     chief = _chief_dir(directory, rank)
@@ -131,7 +125,7 @@ def _latest_names(chief: str, size: int) -> Dict[int, Optional[str]]:
 
 
 def _get_checkpoint_state(checkpoint_dir, latest_filename=None):
-    rank, size = _world()
+    rank, size = model_parallel.world()
     if size > 1:
         check_layout(checkpoint_dir)
         checkpoint_dir = worker_dir(checkpoint_dir, rank)
@@ -140,7 +134,7 @@ def _get_checkpoint_state(checkpoint_dir, latest_filename=None):
 
 
 def _save(self, sess, save_path, *args, **kwargs):
-    rank, size = _world()
+    rank, size = model_parallel.world()
     if size > 1 and save_path:
         directory = worker_dir(os.path.dirname(save_path) or ".", rank)
         gfile.MakeDirs(directory)
@@ -149,7 +143,7 @@ def _save(self, sess, save_path, *args, **kwargs):
 
 
 def _restore(self, sess, save_path):
-    rank, size = _world()
+    rank, size = model_parallel.world()
     if size > 1 and save_path:
         directory = os.path.dirname(save_path) or "."
         mine = os.path.join(worker_dir(directory, rank),

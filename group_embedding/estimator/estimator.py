@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow.compat.v1 as _v1
 
+from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.training import BroadcastVariablesHook
 from group_embedding.distributed import worker_checkpoints
@@ -189,7 +190,7 @@ class Estimator:
     def checkpoint_dir(self) -> str:
         """Where this worker's checkpoints go: `model_dir`, or
         `model_dir/worker-R` for collective worker R > 0."""
-        rank, _ = distributed_strategy.world()
+        rank, _ = model_parallel.world()
         return worker_checkpoints.worker_dir(self._model_dir, rank)
 
     def latest_checkpoint(self) -> Optional[str]:

@@ -4,7 +4,7 @@ import dataclasses
 from typing import Any
 from typing import Optional
 
-from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding import model_parallel
 
 DEFAULT_SAVE_CHECKPOINTS_SECS = 600
 
@@ -79,14 +79,14 @@ class RunConfig:
     @property
     def is_chief(self) -> bool:
         """True on Horovod worker 0 (and outside collective mode)."""
-        return distributed_strategy.world()[0] == 0
+        return model_parallel.world()[0] == 0
 
     @property
     def task_id(self) -> int:
         """This worker's Horovod rank (0 outside collective mode)."""
-        return distributed_strategy.world()[0]
+        return model_parallel.world()[0]
 
     @property
     def num_worker_replicas(self) -> int:
         """The number of Horovod workers (1 outside collective mode)."""
-        return distributed_strategy.world()[1]
+        return model_parallel.world()[1]

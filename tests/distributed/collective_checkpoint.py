@@ -23,7 +23,7 @@ import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
 from group_embedding.distributed import checkpoint as sharded_checkpoint  # noqa: E402
-from group_embedding.distributed import strategy as distributed_strategy  # noqa: E402
+from group_embedding import model_parallel  # noqa: E402
 
 # (vocab, dim, partition); the tiny one stays replicated; "table": whole
 # on the last worker (at 2 workers rank 1, at 3 rank 2, at 1 rank 0), so
@@ -42,7 +42,7 @@ def placement_args(name, partition, size):
 
 
 def build(seed_offset):
-    size = distributed_strategy.world()[1]
+    size = model_parallel.world()[1]
     tables = {name: ge.get_embedding_table(
                   name, v, d, seed=seed_offset + i,
                   **placement_args(name, p, size))

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import group_embedding as ge
 from group_embedding.distributed import checkpoint as checkpoint_lib
-from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding import model_parallel
 from tests.group_embedding import ev_cases
 
 DIM = 3
@@ -85,7 +85,7 @@ def _crash_on_call(monkeypatch, n):
 def _save_as(monkeypatch, rank, size, directory, tables, step, token):
     """Runs `save_tables` as worker `rank` of `size` (same token)."""
     with monkeypatch.context() as m:
-        m.setattr(distributed_strategy, "world", lambda: (rank, size))
+        m.setattr(model_parallel, "world", lambda: (rank, size))
         m.setattr(checkpoint_lib, "_save_token", lambda: token,
                   raising=False)
         return ge.save_tables(directory, tables, step)

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import group_embedding as ge
 from group_embedding.distributed import sharding_plan
+from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import resolve_partition
@@ -162,9 +163,9 @@ class PlacementArgumentTest(tf.test.TestCase):
             3, 500, {"planned": (50, 4), "big": (1000, 4), "small": (5, 4)},
             1.0)
         saved = dict(distributed_strategy._state)
-        world = distributed_strategy.world
+        world = model_parallel.world
         distributed_strategy._state["placement"] = settings
-        distributed_strategy.world = lambda: (0, 3)
+        model_parallel.world = lambda: (0, 3)
         distributed_strategy.table_wise_loads(3)[:] = [0, 0, 0]
         try:
             self.assertEqual(settings["plan"]["planned"], ("table:0", 800))
@@ -196,7 +197,7 @@ class PlacementArgumentTest(tf.test.TestCase):
                                                     r"3, but there are 3"):
                 resolve_partition("x", 10, 4, placement="table:3")
         finally:
-            distributed_strategy.world = world
+            model_parallel.world = world
             distributed_strategy._state.update(saved)
 
     def test_strategy_arguments_fail_before_horovod(self):

@@ -7,6 +7,7 @@ collective_* scripts beside this file.
 import pytest
 
 import group_embedding as ge
+from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 
 
@@ -19,7 +20,7 @@ def test_unknown_strategy_fails_before_starting_horovod(strategy):
 
 
 def test_outside_collective_mode_is_single_worker():
-    assert distributed_strategy.world() == (0, 1)
+    assert model_parallel.world() == (0, 1)
     with pytest.raises(RuntimeError, match="enable_distributed_strategy"):
         distributed_strategy.horovod()
     # Without collective mode tables are plain, whole variables.
