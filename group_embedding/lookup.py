@@ -299,15 +299,6 @@ def _grouped_lookup(params, sp_ids, combiners, sp_weights, call: LookupCall,
                               params_num_per_group)
 
 
-def _one_id_rows(ids):
-    # Each id becomes a one-id row of a ragged batch pooled with "sum":
-    # pooling is then the identity and the fused path serves dense lookups.
-    flat = tf.reshape(ids, [-1])
-    return tf.RaggedTensor.from_row_splits(
-        flat, tf.range(tf.size(flat, out_type=tf.int64) + 1),
-        validate=False)
-
-
 def group_embedding_lookup(params: Sequence[Any], ids: Sequence[Any],
                            partition_strategy: str = "mod",
                            name: Optional[str] = None, *,
@@ -349,7 +340,7 @@ def group_embedding_lookup(params: Sequence[Any], ids: Sequence[Any],
                             f"{x.dtype.name}.")
         dense.append(x)
     params, ragged, combiners, weights = lookup_inputs.check_lists(
-        params, [_one_id_rows(x) for x in dense], "sum", None,
+        params, [ragged_ids.one_id_rows(x) for x in dense], "sum", None,
         partition_strategy, sys.maxsize, ids_argument="ids")
     with tf.name_scope(name or "group_embedding_lookup"):
         call = LookupCall(mode=lookup_plan.POOLED, training=training,

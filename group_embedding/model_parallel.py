@@ -15,6 +15,9 @@ from typing import Callable
 from typing import Optional
 from typing import Tuple
 
+import numpy as np
+import tensorflow as tf
+
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
@@ -61,3 +64,22 @@ def world() -> Tuple[int, int]:
     """(rank, size) of this worker; (0, 1) outside collective mode."""
     r = runtime()
     return (0, 1) if r is None else (r.rank, r.size)
+
+
+def key_owner(keys: Any, size: int) -> Any:
+    """The worker that owns each EmbeddingVariable key: key mod N.
+
+    The one owner rule: the collective lookup routes a key to this worker,
+    the checkpoints restore it there, and an EV refuses other keys.
+
+    Args:
+        keys: integer keys, a numpy array (checkpoint files) or a tensor.
+        size: N, the number of workers (> 0).
+
+    Returns:
+        The owner ranks, same type and shape as `keys`; floor modulo, so
+        negative keys map into [0, N) too.
+    """
+    if isinstance(keys, np.ndarray):
+        return np.mod(keys, size)
+    return tf.math.floormod(keys, size)

@@ -62,6 +62,25 @@ def row_ids(feat: FeatureIds) -> tf.Tensor:
                                                out_type=tf.int64)
 
 
+def one_id_rows(ids: tf.Tensor) -> tf.RaggedTensor:
+    """`ids` of any shape as a ragged batch of one-id rows (row-major).
+
+    Pooled with "sum", each row is then its one id's table row: this is
+    how the fused pooled lookup serves dense lookups (a plain gather,
+    `max_norm` honoured by the same kernel).
+
+    Args:
+        ids: integer tensor of any shape S.
+
+    Returns:
+        A `[prod(S), (1)]` RaggedTensor with int64 row splits.
+    """
+    flat = tf.reshape(ids, [-1])
+    return tf.RaggedTensor.from_row_splits(
+        flat, tf.range(tf.size(flat, out_type=tf.int64) + 1),
+        validate=False)
+
+
 def _float_weights(weights):
     return None if weights is None else tf.cast(weights, tf.float32)
 

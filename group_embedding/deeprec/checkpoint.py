@@ -388,7 +388,7 @@ class _Restore:
         rank, size = model_parallel.world()
         if size == 1:
             return
-        mine = np.mod(self.keys, size) == rank
+        mine = model_parallel.key_owner(self.keys, size) == rank
         admitted = mine[:self.num_admitted]
         self._values = self._values[admitted]
         self.num_admitted = int(admitted.sum())

@@ -29,6 +29,7 @@ from tensorflow.python.ops import embedding_ops
 
 from group_embedding import lookup
 from group_embedding.embedding_variable.variable import EmbeddingVariable
+from group_embedding.ops import ragged_ids
 
 
 def as_embedding_variable(params, argument: str = "params"
@@ -65,14 +66,6 @@ def as_embedding_variable(params, argument: str = "params"
     return evs[0]
 
 
-def _one_id_rows(flat_ids):
-    # One id per row, pooled with "sum": the pooled lookup then returns
-    # each id's row, and `max_norm` is honoured by the same kernel.
-    n = tf.size(flat_ids, out_type=tf.int64)
-    return tf.RaggedTensor.from_row_splits(flat_ids, tf.range(n + 1),
-                                           validate=False)
-
-
 def _rows(ev: EmbeddingVariable, ids, max_norm, partition_strategy,
           argument: str):
     """Rows of `ev` for `ids` of shape S: returns `S + [D]`, ragged where
@@ -83,7 +76,7 @@ def _rows(ev: EmbeddingVariable, ids, max_norm, partition_strategy,
     ids = tf.convert_to_tensor(ids)
     ev.check_keys(ids, argument)
     (flat,) = lookup.group_embedding_lookup_sparse(
-        [ev], [_one_id_rows(tf.reshape(ids, [-1]))], "sum",
+        [ev], [ragged_ids.one_id_rows(ids)], "sum",
         partition_strategy=partition_strategy, max_norm=max_norm)
     out = tf.reshape(flat, tf.concat([tf.shape(ids), [ev.embedding_dim]], 0))
     out.set_shape(ids.shape.concatenate([ev.embedding_dim]))

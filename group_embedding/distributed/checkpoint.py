@@ -538,7 +538,7 @@ def _restore_ev(name, table, shards, rank, size):
         if f"{name}/keys" not in shard:
             continue
         keys = shard[f"{name}/keys"]
-        mine = np.mod(keys, size) == rank
+        mine = model_parallel.key_owner(keys, size) == rank
         for f in fields:
             parts[f].append(shard[f"{name}/{f}"][mine])
         meta = shard

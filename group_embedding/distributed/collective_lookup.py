@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import tensorflow as tf
 
+from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import transport
 from group_embedding import lookup
@@ -34,6 +35,7 @@ from group_embedding.ops import collective_routing
 from group_embedding.ops import ev_storage
 from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import lookup_tf
+from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.distributed.sharded_variable import ShardedVariable
 
@@ -112,7 +114,7 @@ def _check_received(tables, received, received_splits, names, rank, size,
     name = tf.gather(tf.constant(list(names)),
                      tf.where(bad_slot, tf.zeros_like(slot), slot))
     if is_ev:
-        owner = tf.math.floormod(ids, size)
+        owner = model_parallel.key_owner(ids, size)
         bad_count = ~bad_slot & ((count < 1) | (count > _MAX_COUNT))
         checks.append(_first_failure(bad_count, [
             name, ": worker ", sender, " sent key ", ids, " with count ",
@@ -148,12 +150,6 @@ def _check_received(tables, received, received_splits, names, rank, size,
     return checks
 
 
-def _one_id_rows(ids: tf.Tensor, name: str) -> FeatureIds:
-    # A ragged batch of one-id rows: "sum" pooling is then a plain gather.
-    splits = tf.range(tf.size(ids, out_type=tf.int64) + 1)
-    return FeatureIds(ids, splits, None, None, None, name)
-
-
 def check_partition(tables, partition_strategy, names):
     for t, n in zip(tables, names):
         # EV keys are always owned by key mod N, and a table-wise table by
@@ -186,7 +182,8 @@ def _route_ev(tables, feats, size):
     routes = []
     for f in feats:
         u, slot, count = tf.unique_with_counts(f.values, out_idx=tf.int64)
-        routes.append((u, slot, tf.math.floormod(u, size), u, count))
+        routes.append((u, slot, model_parallel.key_owner(u, size), u,
+                       count))
     return routes
 
 
@@ -194,7 +191,8 @@ def _owner_rows_sharded(tables, parts, counts, names, training):
     del counts, training  # one id, one row; nothing is counted
     return lookup.lookup_feature_ids(
         [t.shard_variable for t in tables],
-        [_one_id_rows(p, n) for p, n in zip(parts, names)],
+        [ragged_ids.from_ragged(ragged_ids.one_id_rows(p), None, n)
+         for p, n in zip(parts, names)],
         ["sum"] * len(tables), [f"{n} (local shard)" for n in names],
         LookupCall(mode=lookup_plan.POOLED))
 

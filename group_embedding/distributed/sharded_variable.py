@@ -143,7 +143,7 @@ class ShardedVariable(tf.Module):
         if self.owner_rank is not None:
             return tf.fill(tf.shape(ids), tf.cast(self.owner_rank, ids.dtype))
         if self.partition_strategy == "mod":
-            return ids % self.num_shards
+            return model_parallel.key_owner(ids, self.num_shards)
         return ids // self.rows_per_shard()
 
     def local_row(self, ids: tf.Tensor) -> tf.Tensor:

@@ -476,7 +476,7 @@ class EmbeddingVariable(tf.Module):
         rank, size = model_parallel.world()
         if size == 1:
             return []
-        foreign = tf.not_equal(tf.math.floormod(keys, size), rank)
+        foreign = tf.not_equal(model_parallel.key_owner(keys, size), rank)
         return self._refuse_keys(
             keys, foreign, f"this is worker {rank} of {size}, which owns "
             f"the keys k with k mod {size} == {rank}, but the checkpoint "
