@@ -19,7 +19,6 @@ from typing import List
 from typing import Mapping
 from typing import Sequence
 
-import keras
 import tensorflow as tf
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
@@ -27,6 +26,7 @@ from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column import partitioned_table
 from group_embedding.feature_column import sparse_ids
 from group_embedding.lookup import group_embedding_lookup_sparse
+from group_embedding.ops import tf_variables
 
 # Stock dense columns that would create their own tables: the grouped
 # lookup cannot see them, so they are rejected with a pointer to ours.
@@ -132,8 +132,7 @@ def _check_scopes(columns: Sequence[columns_lib.EmbeddingColumn]) -> None:
 
 
 def _stock_lookup(table, ids, weights, column) -> tf.Tensor:
-    if isinstance(table, keras.Variable):
-        table = table.value
+    table = tf_variables.to_tf_variable(table)
     # A PartitionedVariable is read as stock does ("div" over its shards).
     return tf.nn.safe_embedding_lookup_sparse(
         table, ids, weights, combiner=column.combiner,

@@ -10,11 +10,11 @@ from typing import Any
 from typing import List
 from typing import Optional
 
-import keras
 import tensorflow as tf
 
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
+from group_embedding.ops import tf_variables
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
 PARTITION_STRATEGIES = ("mod", "div")
@@ -26,8 +26,7 @@ def unwrap_table(param: Any, index: int) -> Any:
     Raises:
         TypeError: if `param` is not a variable.
     """
-    if isinstance(param, keras.Variable):
-        param = param.value
+    param = tf_variables.to_tf_variable(param)
     if getattr(param, "ge_table_kind", None) is not None:
         return param  # EmbeddingVariable, ShardedVariable
     if not isinstance(param, tf.Variable):

@@ -4,18 +4,11 @@ Duplicate indices are summed first, so every update equals the dense update
 with the densified gradient.
 """
 
-import keras
 import tensorflow as tf
 
 from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import kernel_library
-
-
-def _resource(variable):
-    # keras.Variable wraps a tf.Variable; the kernels want its handle.
-    if isinstance(variable, keras.Variable):
-        return variable.value
-    return variable
+from group_embedding.ops.tf_variables import to_tf_variable
 
 
 # Ops that keep a 1-D index tensor duplicate-free.
@@ -82,7 +75,7 @@ def has_fused_adagrad(variable) -> bool:
     """True if `adagrad` runs the C++ update on `variable`: kernels
     built, float32, CPU only (the op has no GPU kernel)."""
     return (kernel_library.load() is not None
-            and _resource(variable).dtype == tf.float32
+            and to_tf_variable(variable).dtype == tf.float32
             and not gpu_kernel_library.gpu_present())
 
 
@@ -99,7 +92,7 @@ def adagrad(variable, accum, lr, epsilon, indices, values):
         indices: `[n]` row indices, duplicates allowed.
         values: `[n, D]` gradient rows.
     """
-    var, acc = _resource(variable), _resource(accum)
+    var, acc = to_tf_variable(variable), to_tf_variable(accum)
     if has_fused_adagrad(var):
         return kernel_library.load().group_embedding_sparse_apply_adagrad(
             var=var.handle, accum=acc.handle, lr=tf.cast(lr, tf.float32),
@@ -120,7 +113,7 @@ def adagrad(variable, accum, lr, epsilon, indices, values):
 
 def sgd(variable, lr, indices, values):
     """`variable[i] -= lr * g` (scatter_sub adds duplicates)."""
-    var = _resource(variable)
+    var = to_tf_variable(variable)
     return var.scatter_sub(tf.IndexedSlices(
         lr * tf.cast(values, var.dtype), indices))
 
@@ -131,7 +124,7 @@ def lazy_adam(variable, m, v, alpha, beta_1, beta_2, epsilon, indices,
 
     `alpha` is the bias-corrected rate `lr * sqrt(1 - b2^t) / (1 - b1^t)`.
     """
-    var, m, v = _resource(variable), _resource(m), _resource(v)
+    var, m, v = to_tf_variable(variable), to_tf_variable(m), to_tf_variable(v)
     unique, g = dedup(checked_indices(indices, var),
                       tf.cast(values, var.dtype))
     m_rows = tf.gather(m, unique)
@@ -147,8 +140,8 @@ def lazy_adam(variable, m, v, alpha, beta_1, beta_2, epsilon, indices,
 def ftrl(variable, accum, linear, lr, l1, l2, l2_shrinkage, lr_power,
          indices, values):
     """TF's FTRL-proximal (ApplyFtrlV2) on the touched rows only."""
-    var, accum, linear = (_resource(variable), _resource(accum),
-                          _resource(linear))
+    var, accum, linear = (to_tf_variable(variable), to_tf_variable(accum),
+                          to_tf_variable(linear))
     unique, g = dedup(checked_indices(indices, var),
                       tf.cast(values, var.dtype))
     w = tf.gather(var, unique)

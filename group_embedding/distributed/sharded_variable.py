@@ -24,6 +24,7 @@ from tensorflow.python.eager import context
 from group_embedding.distributed import sharding_plan
 from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
+from group_embedding.ops import tf_variables
 
 PARTITION_STRATEGIES = sharding_plan.ROW_PARTITIONS
 # Rows per initialisation chunk: part of the initial values' definition
@@ -107,9 +108,7 @@ class ShardedVariable(tf.Module):
     @property
     def shard_variable(self) -> tf.Variable:
         """The `tf.Variable` of the shard (unwrapping a keras.Variable)."""
-        if isinstance(self.shard, keras.Variable):
-            return self.shard.value
-        return self.shard
+        return tf_variables.to_tf_variable(self.shard)
 
     @property
     def shape(self) -> tf.TensorShape:

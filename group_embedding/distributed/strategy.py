@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import keras
 
 from group_embedding.distributed import sharding_plan
+from group_embedding.ops import tf_variables
 
 SUPPORTED_STRATEGIES = ("collective",)
 
@@ -127,15 +128,15 @@ def register_shard(variable):
     shard (see `is_shard`)."""
     if isinstance(variable, keras.Variable):
         _keras_shards[id(variable)] = variable
-        variable = variable.value
+    variable = tf_variables.to_tf_variable(variable)
     _shard_refs[variable.ref()] = variable
 
 
 def is_shard(variable) -> bool:
     """True for the local shard of a model-parallel table."""
-    if isinstance(variable, keras.Variable):
-        if _keras_shards.get(id(variable)) is variable:
-            return True
-        variable = variable.value
+    if isinstance(variable, keras.Variable) and \
+            _keras_shards.get(id(variable)) is variable:
+        return True
+    variable = tf_variables.to_tf_variable(variable)
     ref = getattr(variable, "ref", None)
     return ref is not None and ref() in _shard_refs

@@ -24,6 +24,7 @@ from group_embedding.embedding_variable.keras_variable import (
     embedding_variable_of)
 from group_embedding.ops import collective_routing
 from group_embedding.ops import sparse_apply
+from group_embedding.ops import tf_variables
 
 
 @tf.autograph.experimental.do_not_convert
@@ -157,9 +158,7 @@ def broadcast_variables(variables: Sequence[Any],
         if ev is not None:
             dense.append(ev.default_values)
             continue
-        if isinstance(v, keras.Variable):
-            v = v.value
-        dense.append(v)
+        dense.append(tf_variables.to_tf_variable(v))
     if dense:
         hvd.broadcast_variables(dense, root_rank=root_rank)
 
