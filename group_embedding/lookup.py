@@ -31,6 +31,7 @@ from group_embedding.ops import lookup_tf
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.packed_ids import PackedIds
+from group_embedding.embedding_variable.variable import is_embedding_variable
 
 
 def group_embedding_lookup_sparse(
@@ -160,7 +161,7 @@ def _check_ev_keys(params, ids, argument):
     # EmbeddingVariables check their own key dtype, so that the error
     # names the variable (int64 keys into an int32 EV, float keys).
     for i, (p, x) in enumerate(zip(params, ids)):
-        if lookup_plan.table_kind(p) == lookup_plan.EV:
+        if is_embedding_variable(p):
             p.check_keys(x, f"{argument}[{i}]")
 
 
@@ -333,7 +334,7 @@ def group_embedding_lookup(params: Sequence[Any], ids: Sequence[Any],
                             f"{type(x).__name__} ids.")
         x = tf.convert_to_tensor(x)
         if isinstance(params, (list, tuple)) and i < len(params) \
-                and lookup_plan.table_kind(params[i]) == lookup_plan.EV:
+                and is_embedding_variable(params[i]):
             params[i].check_keys(x, f"ids[{i}]")
         if not x.dtype.is_integer:
             raise TypeError(f"`ids[{i}]` must hold int32 or int64 ids, got "

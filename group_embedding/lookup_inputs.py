@@ -15,6 +15,7 @@ import tensorflow as tf
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.ops import tf_variables
+from group_embedding import lookup_plan
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
 PARTITION_STRATEGIES = ("mod", "div")
@@ -27,7 +28,7 @@ def unwrap_table(param: Any, index: int) -> Any:
         TypeError: if `param` is not a variable.
     """
     param = tf_variables.to_tf_variable(param)
-    if getattr(param, "ge_table_kind", None) is not None:
+    if lookup_plan.table_kind(param) != lookup_plan.VARIABLE:
         return param  # EmbeddingVariable, ShardedVariable
     if not isinstance(param, tf.Variable):
         raise TypeError(

@@ -46,9 +46,9 @@ from group_embedding.embedding_variable.keras_variable import (
     embedding_variable_of)
 from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
-from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ev_storage
 from group_embedding.ops import op_names
+from group_embedding.embedding_variable.variable import is_embedding_variable
 
 _logger = logging.getLogger(__name__)
 
@@ -714,7 +714,7 @@ class Saver(saver_lib.Saver):
         evs, dense = {}, {}
         handles = set()
         for key, v in items:
-            if isinstance(v, EmbeddingVariable):
+            if is_embedding_variable(v):
                 if v.handle.name not in handles:
                     handles.add(v.handle.name)
                     evs[v.name] = v

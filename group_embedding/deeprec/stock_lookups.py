@@ -30,6 +30,7 @@ from tensorflow.python.ops import embedding_ops
 from group_embedding import lookup
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ragged_ids
+from group_embedding.embedding_variable.variable import is_embedding_variable
 
 
 def as_embedding_variable(params, argument: str = "params"
@@ -48,11 +49,11 @@ def as_embedding_variable(params, argument: str = "params"
             there are no EV partitions to combine).
         TypeError: a list mixing EVs with other tables.
     """
-    if isinstance(params, EmbeddingVariable):
+    if is_embedding_variable(params):
         return params
     if not isinstance(params, (list, tuple)):
         return None
-    evs = [p for p in params if isinstance(p, EmbeddingVariable)]
+    evs = [p for p in params if is_embedding_variable(p)]
     if not evs:
         return None
     if len(evs) != len(params):
@@ -140,7 +141,7 @@ def gather(params: Any, indices: Any, validate_indices: Any = None,
     Raises:
         ValueError: an EV with `axis` other than 0 or `batch_dims` != 0.
     """
-    if not isinstance(params, EmbeddingVariable):
+    if not is_embedding_variable(params):
         return array_ops.gather_v2(params, indices, validate_indices, axis,
                                    batch_dims, name)
     if axis not in (None, 0) or batch_dims != 0:
@@ -304,9 +305,9 @@ def safe_embedding_lookup_sparse(embedding_weights: Any, sparse_ids: Any,
 
 def _reads_ev(value) -> bool:
     # A one-element list of an EV is DeepRec's partitioned EV here.
-    return isinstance(value, EmbeddingVariable) or (
+    return is_embedding_variable(value) or (
         isinstance(value, (list, tuple)) and any(
-            isinstance(v, EmbeddingVariable) for v in value))
+            is_embedding_variable(v) for v in value))
 
 
 def ev_aware(stock: Callable, ours: Callable, first: str) -> Callable:

@@ -57,12 +57,12 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
-from group_embedding import lookup_plan
 from group_embedding.distributed import incremental_checkpoint as incremental
 from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import shard_rows
+from group_embedding.embedding_variable.variable import is_embedding_variable
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -154,10 +154,6 @@ def _remove_stale(directory: str, step: int, keep: str):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _is_ev(table) -> bool:
-    return lookup_plan.table_kind(table) == lookup_plan.EV
-
-
 def _to_numpy(tensor) -> np.ndarray:
     # String tensors come out as object arrays of bytes, which np.load
     # refuses without pickle; store them as fixed-width unicode.
@@ -170,7 +166,7 @@ def _to_numpy(tensor) -> np.ndarray:
 
 def _table_arrays(name, table, rank) -> Dict[str, np.ndarray]:
     """What this worker stores for one table (prefix `name/`)."""
-    if _is_ev(table):
+    if is_embedding_variable(table):
         # The EV's own checkpoint tensors: keys, values, freqs, versions,
         # slots (per key) and slot_names, slot_inits, step (per variable).
         arrays = {f"{name}/{f}": _to_numpy(t)
@@ -244,7 +240,7 @@ def save_tables(directory: str, tables: Dict[str, object], step: int, *,
             checkpoint. The error names the failure on this worker.
     """
     rank, size = model_parallel.world()
-    evs = {n: t for n, t in tables.items() if _is_ev(t)}
+    evs = {n: t for n, t in tables.items() if is_embedding_variable(t)}
     base = _plan(directory, evs, size, full_every)
     covered = {}
     # A fresh name per save: never reuse (or delete first) a folder that a
@@ -583,7 +579,7 @@ def restore_tables(path: str, tables: Dict[str, object]):
     chain = _chain(path)
     shards = _replay(chain)
     for name, table in tables.items():
-        if _is_ev(table):
+        if is_embedding_variable(table):
             owner_size = size if distributed_strategy.is_collective() else 1
             _restore_ev(name, table, shards, rank % owner_size, owner_size)
         else:
@@ -593,4 +589,4 @@ def restore_tables(path: str, tables: Dict[str, object]):
         incremental.record_restore(
             path, _sha256(os.path.join(path, MANIFEST)), manifest["depth"],
             manifest["num_shards"], size,
-            {n: t for n, t in tables.items() if _is_ev(t)})
+            {n: t for n, t in tables.items() if is_embedding_variable(t)})

@@ -38,6 +38,7 @@ from group_embedding.ops import lookup_tf
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.distributed.sharded_variable import ShardedVariable
+from group_embedding.embedding_variable.variable import is_embedding_variable
 
 # The exchanges (steps 2 and 4, and the gradient of 4) go over
 # `transport`'s peer sockets when they are connected, else Horovod.
@@ -229,7 +230,7 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
     hvd = distributed_strategy.horovod()
     size = hvd.size()
     k = len(tables)
-    is_ev = lookup_plan.table_kind(tables[0]) == lookup_plan.EV
+    is_ev = is_embedding_variable(tables[0])
     routes = (_route_ev(tables, feats, size) if is_ev
               else _route_sharded(tables, feats, names))
     slots, offset = [], tf.constant(0, tf.int64)

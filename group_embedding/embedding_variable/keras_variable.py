@@ -16,6 +16,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from group_embedding.embedding_variable.variable import EmbeddingVariable
+from group_embedding.embedding_variable.variable import is_embedding_variable
 
 
 class KerasEmbeddingVariable(keras.Variable):
@@ -59,7 +60,7 @@ class KerasEmbeddingVariable(keras.Variable):
 
     def __init__(self, embedding_variable: EmbeddingVariable,
                  name: Optional[str] = None):
-        if not isinstance(embedding_variable, EmbeddingVariable):
+        if not is_embedding_variable(embedding_variable):
             raise TypeError("KerasEmbeddingVariable wraps an "
                             "EmbeddingVariable, got "
                             f"{type(embedding_variable).__name__}.")
@@ -125,7 +126,7 @@ def _stock_optimizer_message(name: str) -> str:
 def embedding_variable_of(variable) -> Optional[EmbeddingVariable]:
     """The `EmbeddingVariable` behind `variable` (itself or a
     `KerasEmbeddingVariable`), or None for any other variable."""
-    if isinstance(variable, EmbeddingVariable):
+    if is_embedding_variable(variable):
         return variable
     if isinstance(variable, KerasEmbeddingVariable):
         return variable.embedding_variable

@@ -566,7 +566,7 @@ _EV_PROTO_NAME = "EmbeddingVariable"
 def _saveable_to_proto(item, export_scope=None):
     """SAVEABLE_OBJECTS exporter: EVs as a description, anything else by
     its node name, as TF exports it without a registered function."""
-    if isinstance(item, EmbeddingVariable):
+    if is_embedding_variable(item):
         return item._to_proto(export_scope)  # pylint: disable=protected-access
     if export_scope and not item.name.startswith(export_scope):
         return None
@@ -599,8 +599,13 @@ def _assign_true(var, value):
         return tf.constant(True)
 
 
-def is_embedding_variable(x) -> bool:
-    """True if `x` is an `EmbeddingVariable`."""
+def is_embedding_variable(x: object) -> bool:
+    """True if `x` is an `EmbeddingVariable`: the one way to ask.
+
+    A `KerasEmbeddingVariable` is not one (it stands for one in a Keras
+    layer; `keras_variable.embedding_variable_of` reaches the EV behind
+    it).
+    """
     return isinstance(x, EmbeddingVariable)
 
 

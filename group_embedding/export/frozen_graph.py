@@ -21,6 +21,7 @@ from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.export import ev_snapshot
 from group_embedding.ops import kernel_library
 from group_embedding.ops import op_names
+from group_embedding.embedding_variable.variable import is_embedding_variable
 
 _v1 = tf.compat.v1
 DEFAULT_SIGNATURE = "serving_default"
@@ -81,7 +82,7 @@ def replace_ev_gathers(graph: tf.Graph, session) -> int:
     """
     evs = {ev.handle.name: ev for ev in graph.get_collection(
         tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
-        if isinstance(ev, EmbeddingVariable)}
+        if is_embedding_variable(ev)}
     snapshots = {}
     gathers: List[tf.Operation] = [op for op in graph.get_operations()
                                    if op.type in EV_GATHER_OPS]

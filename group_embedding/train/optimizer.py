@@ -12,9 +12,9 @@ import tensorflow as tf
 import tensorflow.compat.v1 as _v1
 
 from group_embedding.embedding_variable.variable import EV_INIT_SLOT_OPS
-from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
+from group_embedding.embedding_variable.variable import is_embedding_variable
 
 
 
@@ -40,10 +40,10 @@ class _EVOptimizerMixin:
             var_list = (_v1.trainable_variables()
                         + [v for v in _v1.get_collection(
                             _v1.GraphKeys.SAVEABLE_OBJECTS)
-                           if isinstance(v, EmbeddingVariable)
+                           if is_embedding_variable(v)
                            and v.trainable])
         var_list = list(var_list)
-        if not any(isinstance(v, EmbeddingVariable) for v in var_list):
+        if not any(is_embedding_variable(v) for v in var_list):
             return super().compute_gradients(
                 loss, var_list, gate_gradients, aggregation_method,
                 colocate_gradients_with_ops, grad_loss)
@@ -63,9 +63,9 @@ class _EVOptimizerMixin:
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         pairs = list(grads_and_vars)
         evs = [(g, v) for g, v in pairs
-               if isinstance(v, EmbeddingVariable) and g is not None]
+               if is_embedding_variable(v) and g is not None]
         rest = [(g, v) for g, v in pairs
-                if not isinstance(v, EmbeddingVariable)]
+                if not is_embedding_variable(v)]
         if all(g is None for g, _ in rest):
             rest = []  # stock TF1 would raise "No gradients provided"
         if not evs:
