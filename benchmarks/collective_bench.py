@@ -30,9 +30,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import criteo_like  # noqa: E402
-
 import group_embedding as ge  # noqa: E402
+
+import criteo_like  # noqa: E402
 
 
 def local_slice(batch, rank, size):

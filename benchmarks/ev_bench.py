@@ -23,9 +23,9 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import criteo_like  # noqa: E402
-
 import group_embedding as ge  # noqa: E402
+
+import criteo_like  # noqa: E402
 
 
 def _make_step(tables, optimizer):

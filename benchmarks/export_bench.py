@@ -56,6 +56,7 @@ class PeakRss:
 
 def _filled_ev(keys, dim):
     import tensorflow as tf
+
     import group_embedding as ge
     ev = ge.get_embedding_variable("bench_ev", dim)
     chunk = 1 << 20
@@ -68,6 +69,7 @@ def _filled_ev(keys, dim):
 def phase(name, keys, dim, workdir):
     """Runs one phase in this process; returns its measurements."""
     import tensorflow as tf
+
     import group_embedding as ge
     out = {}
     if name == "dense_saved_model":

@@ -38,24 +38,25 @@ Usage::
 
 import argparse
 import contextlib
-import json
-import os
-import statistics
 import dataclasses
 import functools
+import json
+import os
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from typing import Optional
 
-# criteo_like is the sibling script module: `python
-# benchmarks/lookup_bench.py` puts this folder first on sys.path.
-import criteo_like
 import keras
 import numpy as np
 import tensorflow as tf
 
 import group_embedding as ge
+
+# criteo_like is the sibling script module: `python
+# benchmarks/lookup_bench.py` puts this folder first on sys.path.
+import criteo_like
 
 LEARNING_RATE = 0.01
 INITIAL_ACCUMULATOR = 0.1
@@ -424,9 +425,17 @@ class TBEVariant:
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            EmbeddingLocation, PoolingMode)
+            EmbeddingLocation,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            PoolingMode,
+        )
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+            ComputeDevice,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
         self.name, self.family, self.env, self.stock = (
             "fbgemm_tbe", "pooled", {}, False)
         self.steps_done = 0

@@ -250,6 +250,7 @@ def probe_peer_exchange(row_bytes, reps=30):
     """Latency (tiny exchange) and bandwidth (an exchange of `row_bytes`
     per peer) of the peer-socket transport, on the benchmark's cores."""
     import tensorflow as tf
+
     from group_embedding.distributed import transport
     size = transport.world_size()
     tiny = tf.zeros([size, 1])
@@ -283,9 +284,10 @@ def worker(args):
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     sys.path.insert(0, HERE)
-    import criteo_like
     import group_embedding as ge
     from group_embedding.distributed import transport
+
+    import criteo_like
 
     size = args.workers
     hvd = None

@@ -13,13 +13,13 @@ from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 from tensorflow.python.feature_column import serialization
 
 from group_embedding import model_parallel
-from group_embedding.embedding_variable.variable import get_embedding_variable
 from group_embedding.embedding_variable.keras_variable import (
-    KerasEmbeddingVariable)
+    KerasEmbeddingVariable,
+)
+from group_embedding.embedding_variable.variable import get_embedding_variable
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column import sparse_ids
-
 
 # What `save_own_variables` writes per EV (its checkpoint tensors).
 _EV_FIELDS = ("keys", "values", "freqs", "versions", "slot_names",

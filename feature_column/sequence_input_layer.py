@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import sparse_ids
+
 # By name: the package exports the function `input_layer`, which hides the
 # module of the same name as an attribute.
 from group_embedding.feature_column.input_layer import check_context

@@ -7,8 +7,23 @@ Users write `import group_embedding as ge`; everything public is listed in
 from group_embedding import feature_column
 from group_embedding import optimizers
 from group_embedding import train
-from group_embedding.embedding_variable.variable import EmbeddingVariable
-from group_embedding.embedding_variable.variable import get_embedding_variable
+from group_embedding.deeprec.checkpoint import restore_deeprec_checkpoint
+from group_embedding.deeprec.stock_lookups import embedding_lookup
+from group_embedding.deeprec.stock_lookups import embedding_lookup_sparse
+from group_embedding.deeprec.stock_lookups import gather
+from group_embedding.deeprec.stock_lookups import safe_embedding_lookup_sparse
+from group_embedding.distributed.checkpoint import latest_checkpoint
+from group_embedding.distributed.checkpoint import restore_tables
+from group_embedding.distributed.checkpoint import save_tables
+from group_embedding.distributed.enable import enable_distributed_strategy
+from group_embedding.distributed.export import export_from_checkpoint
+from group_embedding.distributed.sharded_variable import ShardedVariable
+from group_embedding.distributed.sharded_variable import get_embedding_table
+from group_embedding.distributed.training import BroadcastVariablesHook
+from group_embedding.distributed.training import DistributedGradientTape
+from group_embedding.distributed.training import DistributedOptimizer
+from group_embedding.distributed.training import allreduce_gradients
+from group_embedding.distributed.training import broadcast_variables
 from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
 from group_embedding.embedding_variable.options import EmbeddingVariableOption
@@ -17,28 +32,13 @@ from group_embedding.embedding_variable.options import InitializerOption
 from group_embedding.embedding_variable.options import L2WeightEvict
 from group_embedding.embedding_variable.options import StorageOption
 from group_embedding.embedding_variable.options import StorageType
-from group_embedding.distributed.enable import enable_distributed_strategy
-from group_embedding.distributed.training import BroadcastVariablesHook
-from group_embedding.distributed.training import DistributedGradientTape
-from group_embedding.distributed.training import DistributedOptimizer
-from group_embedding.distributed.training import allreduce_gradients
-from group_embedding.distributed.training import broadcast_variables
-from group_embedding.deeprec.stock_lookups import embedding_lookup
-from group_embedding.deeprec.stock_lookups import embedding_lookup_sparse
-from group_embedding.deeprec.stock_lookups import gather
-from group_embedding.deeprec.stock_lookups import safe_embedding_lookup_sparse
+from group_embedding.embedding_variable.variable import EmbeddingVariable
+from group_embedding.embedding_variable.variable import get_embedding_variable
+from group_embedding.export.saved_model import export_saved_model
 from group_embedding.lookup import group_embedding_lookup
 from group_embedding.lookup import group_embedding_lookup_sparse
 from group_embedding.packed_ids import PackedIds
 from group_embedding.packed_ids import pack_ids
-from group_embedding.export.saved_model import export_saved_model
-from group_embedding.deeprec.checkpoint import restore_deeprec_checkpoint
-from group_embedding.distributed.checkpoint import latest_checkpoint
-from group_embedding.distributed.export import export_from_checkpoint
-from group_embedding.distributed.checkpoint import restore_tables
-from group_embedding.distributed.checkpoint import save_tables
-from group_embedding.distributed.sharded_variable import ShardedVariable
-from group_embedding.distributed.sharded_variable import get_embedding_table
 
 __version__ = "0.1.0"
 

@@ -49,6 +49,7 @@ def main():
     """Prints the report; returns 0, or 1 if the kernels are unavailable."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
     import group_embedding  # pylint: disable=import-outside-toplevel
     from group_embedding.ops import gpu_kernel_library  # pylint: disable=import-outside-toplevel
     from group_embedding.ops import kernel_library  # pylint: disable=import-outside-toplevel

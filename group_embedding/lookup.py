@@ -24,6 +24,7 @@ import tensorflow as tf
 from group_embedding import lookup_inputs
 from group_embedding import lookup_plan
 from group_embedding import model_parallel
+from group_embedding.embedding_variable.variable import is_embedding_variable
 from group_embedding.lookup_plan import LookupCall
 from group_embedding.lookup_plan import TableGroup
 from group_embedding.ops import lookup_kernels
@@ -31,7 +32,6 @@ from group_embedding.ops import lookup_tf
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.packed_ids import PackedIds
-from group_embedding.embedding_variable.variable import is_embedding_variable
 
 
 def group_embedding_lookup_sparse(

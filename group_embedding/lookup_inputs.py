@@ -12,10 +12,10 @@ from typing import Optional
 
 import tensorflow as tf
 
-from group_embedding.ops import ragged_ids
-from group_embedding.ops.ragged_ids import FeatureIds
-from group_embedding.ops import tf_variables
 from group_embedding import lookup_plan
+from group_embedding.ops import ragged_ids
+from group_embedding.ops import tf_variables
+from group_embedding.ops.ragged_ids import FeatureIds
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
 PARTITION_STRATEGIES = ("mod", "div")

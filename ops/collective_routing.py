@@ -20,14 +20,18 @@ Every function here needs the C++ kernels (`library()` is not None).
 """
 
 import weakref
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Sequence
+from typing import Tuple
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from group_embedding.ops import kernel_library
-from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.ops import op_names
+from group_embedding.ops.ragged_ids import FeatureIds
 
 
 def library():

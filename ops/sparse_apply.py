@@ -10,7 +10,6 @@ from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import kernel_library
 from group_embedding.ops.tf_variables import to_tf_variable
 
-
 # Ops that keep a 1-D index tensor duplicate-free.
 _KEEPS_UNIQUE = ("Identity", "Reshape")
 

@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 export TF_CPP_MIN_LOG_LEVEL=2
-# Lint first (seconds): the package and the benchmarks, pyproject's rules.
-.venv/bin/ruff check group_embedding ops feature_column benchmarks
+# Lint first (seconds): the package, the benchmarks and the tests,
+# pyproject's rules (import order included).
+.venv/bin/ruff check group_embedding ops feature_column benchmarks tests
 # Types (about a minute): mypy on the package's installed layout.
 bash scripts/typecheck.sh
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"

@@ -43,12 +43,13 @@ from tensorflow.python.training import saver as saver_lib
 
 from group_embedding import model_parallel
 from group_embedding.embedding_variable.keras_variable import (
-    embedding_variable_of)
+    embedding_variable_of,
+)
 from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
+from group_embedding.embedding_variable.variable import is_embedding_variable
 from group_embedding.ops import ev_storage
 from group_embedding.ops import op_names
-from group_embedding.embedding_variable.variable import is_embedding_variable
 
 _logger = logging.getLogger(__name__)
 

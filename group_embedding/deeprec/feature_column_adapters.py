@@ -32,9 +32,10 @@ import tensorflow as tf
 
 from group_embedding.feature_column import column_lookup
 from group_embedding.feature_column import columns as columns_lib
-from group_embedding.feature_column.input_layer import \
-    input_layer as ge_input_layer
 from group_embedding.feature_column import scope as scope_lib
+from group_embedding.feature_column.input_layer import (
+    input_layer as ge_input_layer,
+)
 
 # TF's own functions, as found before anything replaced them.
 _STOCK_EMBEDDING_COLUMN = tf.feature_column.embedding_column

@@ -82,23 +82,25 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.framework import config as tf_framework_config
 
-from group_embedding.embedding_variable import variable as embedding_variable
-from group_embedding.embedding_variable import options
+from group_embedding import estimator as estimator_lib
 from group_embedding import lookup
 from group_embedding import train
 from group_embedding.deeprec import checkpoint as deeprec_checkpoint
 from group_embedding.deeprec import runtime_features
 from group_embedding.deeprec import stock_lookups
-from group_embedding.distributed.enable import enable_distributed_strategy
-from group_embedding import estimator as estimator_lib
-from group_embedding.feature_column import columns as columns_lib
 from group_embedding.deeprec.feature_column_adapters import embedding_column
 from group_embedding.deeprec.feature_column_adapters import input_layer
-from group_embedding.deeprec.feature_column_adapters import \
-    shared_embedding_columns
-from group_embedding.feature_column.sequence_input_layer import \
-    sequence_input_layer as ge_sequence_input_layer
+from group_embedding.deeprec.feature_column_adapters import (
+    shared_embedding_columns,
+)
+from group_embedding.distributed.enable import enable_distributed_strategy
+from group_embedding.embedding_variable import options
+from group_embedding.embedding_variable import variable as embedding_variable
+from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column import scope as scope_lib
+from group_embedding.feature_column.sequence_input_layer import (
+    sequence_input_layer as ge_sequence_input_layer,
+)
 
 _MISSING = object()
 _LOCK = threading.Lock()

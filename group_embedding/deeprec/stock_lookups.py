@@ -29,8 +29,8 @@ from tensorflow.python.ops import embedding_ops
 
 from group_embedding import lookup
 from group_embedding.embedding_variable.variable import EmbeddingVariable
-from group_embedding.ops import ragged_ids
 from group_embedding.embedding_variable.variable import is_embedding_variable
+from group_embedding.ops import ragged_ids
 
 
 def as_embedding_variable(params, argument: str = "params"

@@ -10,21 +10,21 @@ rows back; `training` reduces gradients and broadcasts dense weights;
 current step (`exchange_ids`, `use_exchanged_ids`).
 """
 
-from group_embedding.distributed.enable import enable_distributed_strategy
-from group_embedding.distributed.training import BroadcastVariablesHook
-from group_embedding.distributed.training import DistributedGradientTape
-from group_embedding.distributed.training import DistributedOptimizer
-from group_embedding.distributed.training import allreduce_gradients
-from group_embedding.distributed.training import broadcast_variables
 from group_embedding.distributed.checkpoint import latest_checkpoint
-from group_embedding.distributed.export import export_from_checkpoint
 from group_embedding.distributed.checkpoint import restore_tables
 from group_embedding.distributed.checkpoint import save_tables
+from group_embedding.distributed.enable import enable_distributed_strategy
+from group_embedding.distributed.export import export_from_checkpoint
 from group_embedding.distributed.pipeline import exchange_ids
 from group_embedding.distributed.pipeline import use_exchanged_ids
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import get_embedding_table
 from group_embedding.distributed.sharding_plan import plan_placements
+from group_embedding.distributed.training import BroadcastVariablesHook
+from group_embedding.distributed.training import DistributedGradientTape
+from group_embedding.distributed.training import DistributedOptimizer
+from group_embedding.distributed.training import allreduce_gradients
+from group_embedding.distributed.training import broadcast_variables
 
 __all__ = [
     "BroadcastVariablesHook",

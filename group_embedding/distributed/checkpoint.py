@@ -57,8 +57,8 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
-from group_embedding.distributed import incremental_checkpoint as incremental
 from group_embedding import model_parallel
+from group_embedding.distributed import incremental_checkpoint as incremental
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import shard_rows

@@ -20,15 +20,21 @@ the same numbers.
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any
+from typing import Dict
+from typing import Iterator
+from typing import List
+from typing import Optional
 
 import tensorflow as tf
 
+from group_embedding import lookup
+from group_embedding import lookup_plan
 from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import transport
-from group_embedding import lookup
-from group_embedding import lookup_plan
+from group_embedding.distributed.sharded_variable import ShardedVariable
+from group_embedding.embedding_variable.variable import is_embedding_variable
 from group_embedding.lookup_plan import LookupCall
 from group_embedding.lookup_plan import TableGroup
 from group_embedding.ops import collective_routing
@@ -37,8 +43,6 @@ from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import lookup_tf
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
-from group_embedding.distributed.sharded_variable import ShardedVariable
-from group_embedding.embedding_variable.variable import is_embedding_variable
 
 # The exchanges (steps 2 and 4, and the gradient of 4) go over
 # `transport`'s peer sockets when they are connected, else Horovod.

@@ -14,7 +14,9 @@ the core (`group_embedding.model_parallel`); `strategy` holds the state.
 """
 
 import warnings
-from typing import Any, Mapping, Optional
+from typing import Any
+from typing import Mapping
+from typing import Optional
 
 from group_embedding import model_parallel
 from group_embedding.distributed import collective_lookup

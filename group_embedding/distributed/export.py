@@ -7,7 +7,8 @@ builds the tables as the training script does restores all of them and
 exports with `ge.export_saved_model` (stock TF ops only).
 """
 
-from typing import Any, Mapping
+from typing import Any
+from typing import Mapping
 
 from group_embedding.distributed import checkpoint
 from group_embedding.distributed import strategy

@@ -22,7 +22,11 @@ EVs (to inspect or evaluate it) leaves the trainer's base alone.
 import dataclasses
 import os
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 import numpy as np
 

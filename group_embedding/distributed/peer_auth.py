@@ -33,7 +33,9 @@ import secrets
 import socket
 import struct
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable
+from typing import NamedTuple
+from typing import Optional
 
 SECRET_BYTES = 32
 NONCE_BYTES = 32

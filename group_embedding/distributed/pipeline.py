@@ -37,7 +37,9 @@ relying on it.
 
 import contextlib
 import sys
-from typing import Any, Dict, Iterator
+from typing import Any
+from typing import Dict
+from typing import Iterator
 
 import tensorflow as tf
 

@@ -21,8 +21,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-from group_embedding.distributed import sharding_plan
 from group_embedding import model_parallel
+from group_embedding.distributed import sharding_plan
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.ops import tf_variables
 

@@ -17,7 +17,12 @@ communicating.
 """
 
 import re
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict
+from typing import List
+from typing import Mapping
+from typing import Optional
+from typing import Tuple
+from typing import Union
 
 import numpy as np
 import tensorflow as tf

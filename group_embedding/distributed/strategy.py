@@ -11,7 +11,11 @@ slice of the global batch.
 """
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 import keras
 

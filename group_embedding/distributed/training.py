@@ -12,7 +12,9 @@ single-process step on the whole batch.
 - start: `ge.broadcast_variables(model.variables)` so dense weights agree.
 """
 
-from typing import Any, List, Sequence
+from typing import Any
+from typing import List
+from typing import Sequence
 
 import keras
 import tensorflow as tf
@@ -21,7 +23,8 @@ from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed import transport
 from group_embedding.embedding_variable.keras_variable import (
-    embedding_variable_of)
+    embedding_variable_of,
+)
 from group_embedding.ops import collective_routing
 from group_embedding.ops import sparse_apply
 from group_embedding.ops import tf_variables

@@ -63,7 +63,11 @@ import socket
 import threading
 import time
 import zlib
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 import tensorflow as tf
 

@@ -58,7 +58,12 @@ import time
 import traceback
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Union
 
 import tensorflow as tf
 from tensorflow.python.eager import record

@@ -26,7 +26,10 @@ EmbeddingVariables also refuse, at restore, keys another worker owns
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
 
 from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.platform import gfile

@@ -5,6 +5,9 @@ admission/eviction/initializer options, `keras_variable` the wrapper that
 lets Keras track and save an EV as a model weight.
 """
 
+from group_embedding.embedding_variable.keras_variable import (
+    KerasEmbeddingVariable,
+)
 from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
 from group_embedding.embedding_variable.options import EmbeddingVariableOption
@@ -13,8 +16,6 @@ from group_embedding.embedding_variable.options import InitializerOption
 from group_embedding.embedding_variable.options import L2WeightEvict
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.embedding_variable.variable import get_embedding_variable
-from group_embedding.embedding_variable.keras_variable import (
-    KerasEmbeddingVariable)
 
 __all__ = [
     "CBFFilter",

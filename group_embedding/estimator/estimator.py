@@ -22,8 +22,8 @@ import tensorflow.compat.v1 as _v1
 
 from group_embedding import model_parallel
 from group_embedding.distributed import strategy as distributed_strategy
-from group_embedding.distributed.training import BroadcastVariablesHook
 from group_embedding.distributed import worker_checkpoints
+from group_embedding.distributed.training import BroadcastVariablesHook
 from group_embedding.estimator.estimator_spec import EstimatorSpec
 from group_embedding.estimator.export import PredictOutput
 from group_embedding.estimator.export import ServingInputReceiver

@@ -6,8 +6,8 @@ from typing import Dict
 
 import tensorflow as tf
 
-from group_embedding.estimator.mode_keys import ModeKeys
 from group_embedding.estimator.mode_keys import SUPPORTED_MODES
+from group_embedding.estimator.mode_keys import ModeKeys
 
 _FIELDS = ("mode", "predictions", "loss", "train_op", "eval_metric_ops",
            "export_outputs", "training_chief_hooks", "training_hooks",

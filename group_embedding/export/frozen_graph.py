@@ -18,10 +18,10 @@ from typing import List
 import tensorflow as tf
 
 from group_embedding.embedding_variable.variable import EmbeddingVariable
+from group_embedding.embedding_variable.variable import is_embedding_variable
 from group_embedding.export import ev_snapshot
 from group_embedding.ops import kernel_library
 from group_embedding.ops import op_names
-from group_embedding.embedding_variable.variable import is_embedding_variable
 
 _v1 = tf.compat.v1
 DEFAULT_SIGNATURE = "serving_default"

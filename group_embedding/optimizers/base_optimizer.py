@@ -15,9 +15,10 @@ from typing import Tuple
 
 import tensorflow as tf
 
-from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.embedding_variable.keras_variable import (
-    embedding_variable_of)
+    embedding_variable_of,
+)
+from group_embedding.embedding_variable.variable import EmbeddingVariable
 
 # Keras options that the EV update path cannot honour.
 _UNSUPPORTED_WITH_EV = ("clipnorm", "clipvalue", "global_clipnorm",

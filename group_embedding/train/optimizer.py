@@ -12,10 +12,9 @@ import tensorflow as tf
 import tensorflow.compat.v1 as _v1
 
 from group_embedding.embedding_variable.variable import EV_INIT_SLOT_OPS
+from group_embedding.embedding_variable.variable import is_embedding_variable
 from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
-from group_embedding.embedding_variable.variable import is_embedding_variable
-
 
 
 class _EVOptimizerMixin:

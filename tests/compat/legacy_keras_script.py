@@ -47,5 +47,6 @@ with tf.train.MonitoredTrainingSession(save_summaries_steps=None,
                                        log_step_count_steps=None) as sess:
     while not sess.should_stop():
         losses.append(sess.run([loss, train_op])[0])
-print(f"keras {tf.keras.__version__ if hasattr(tf.keras, '__version__') else '?'}"
+version = getattr(tf.keras, "__version__", "?")
+print(f"keras {version}"
       f" losses {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps")

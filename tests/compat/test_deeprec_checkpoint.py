@@ -543,6 +543,7 @@ def test_keras_model_continues_as_deepray():
     restored through a dict {checkpoint name: EV} (the layer names its
     tables), trains on with `train_on_batch` to Deepray's losses."""
     import keras
+
     from group_embedding import feature_column as ge_fc
 
     exp = _expected("deepray_adam_part2")

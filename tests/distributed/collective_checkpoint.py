@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
-from group_embedding.distributed import checkpoint as sharded_checkpoint  # noqa: E402
 from group_embedding import model_parallel  # noqa: E402
+from group_embedding.distributed import checkpoint as sharded_checkpoint  # noqa: E402
 
 # (vocab, dim, partition); the tiny one stays replicated; "table": whole
 # on the last worker (at 2 workers rank 1, at 3 rank 2, at 1 rank 0), so

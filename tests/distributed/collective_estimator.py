@@ -18,11 +18,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 os.pardir, "estimator"))
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-import estimator_cases as cases  # noqa: E402
 import group_embedding as ge  # noqa: E402
 from group_embedding import estimator as ge_estimator  # noqa: E402
+
+import estimator_cases as cases  # noqa: E402
 
 
 def local_slice(features, labels, rank, size):

@@ -16,10 +16,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import collective_checkpoint as cc  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import collective_checkpoint as cc  # noqa: E402
 import group_embedding as ge  # noqa: E402
 
 

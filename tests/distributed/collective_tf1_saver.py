@@ -15,8 +15,8 @@ exactly its own rows (the oracle: what it recorded before the save).
 `foreign`: worker R restores the other worker's files, copied to a plain
 directory (`D-copy-of-...`): the EV must refuse the keys it does not own.
 `torn` (after the test removed `D/worker-1/checkpoint`, as if worker 1's
-last save had not completed): the restore must refuse on every worker, naming the workers'
-latest checkpoints.
+last save had not completed): the restore must refuse on every worker,
+naming the workers' latest checkpoints.
 Each worker prints one line starting with "ok:" when its checks pass.
 """
 

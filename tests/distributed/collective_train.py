@@ -7,7 +7,8 @@ the steps, the global loss of every step, every row of this worker's
 shards, every replicated table and every dense weight must equal the
 reference. Any mismatch raises, so horovodrun exits non-zero.
 
-    horovodrun -np 2 python collective_train.py --partition mod --optimizer adagrad
+    horovodrun -np 2 python collective_train.py --partition mod \
+        --optimizer adagrad
 
 `--placement table` places tables 0-2 whole on one worker each (explicit
 ranks, and "table" for the least-loaded one); `--placement plan` lets the
@@ -20,7 +21,6 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 

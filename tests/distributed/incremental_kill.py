@@ -18,12 +18,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from collective_incremental import state  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
 from group_embedding.distributed import checkpoint as checkpoint_lib  # noqa: E402
 from group_embedding.ops import ev_storage  # noqa: E402
-
-from collective_incremental import state  # noqa: E402
 
 DIM = 4
 SLOT = "adagrad/accumulator"

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
 
 import numpy as np

@@ -14,8 +14,9 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
-from group_embedding.distributed import checkpoint as checkpoint_lib
 from group_embedding import model_parallel
+from group_embedding.distributed import checkpoint as checkpoint_lib
+
 from tests.group_embedding import ev_cases
 
 DIM = 3

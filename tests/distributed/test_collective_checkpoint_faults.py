@@ -7,7 +7,6 @@ horovodrun exits non-zero if any fails.
 import time
 
 import pytest
-
 from test_collective_training import run_workers
 
 

@@ -8,10 +8,9 @@ import os
 import subprocess
 import sys
 
+import collective_checkpoint as cc
 import numpy as np
 import pytest
-
-import collective_checkpoint as cc
 from test_collective_training import run_workers
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -5,7 +5,6 @@ import glob
 
 import numpy as np
 import pytest
-
 from test_collective_training import run_workers
 
 

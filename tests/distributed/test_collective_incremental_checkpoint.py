@@ -5,7 +5,6 @@ horovodrun exits non-zero if any fails.
 """
 
 import pytest
-
 from test_collective_training import run_workers
 
 

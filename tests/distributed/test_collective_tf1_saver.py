@@ -6,7 +6,6 @@ checkpoint that not every worker completed."""
 import os
 
 import pytest
-
 from test_collective_training import run_workers
 
 

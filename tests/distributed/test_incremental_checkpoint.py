@@ -16,12 +16,11 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+from collective_incremental import state
 
 import group_embedding as ge
 from group_embedding.distributed import checkpoint as checkpoint_lib
 from group_embedding.ops import ev_storage
-
-from collective_incremental import state
 
 DIM = 4
 SLOT = "adagrad/accumulator"

@@ -23,6 +23,7 @@ from group_embedding.distributed import peer_auth
 from group_embedding.distributed import transport
 from group_embedding.ops import kernel_library
 from group_embedding.ops import peer_exchange
+
 from tests.distributed.test_collective_training import run_workers
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
-from group_embedding.distributed import sharding_plan
 from group_embedding import model_parallel
+from group_embedding.distributed import sharding_plan
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.distributed.sharded_variable import resolve_partition

@@ -31,7 +31,6 @@ import time
 
 import numpy as np
 import pytest
-
 import two_hosts
 from test_collective_training import run_workers
 
@@ -174,9 +173,10 @@ def _restore_at_one_worker(folder):
     checks every row against what the workers looked up when it was
     saved (collective_fault.py's `FOLDER.lookups/STEP.npy`)."""
     import tensorflow as tf
+    from collective_fault import DIM
+    from collective_fault import VOCAB
 
     import group_embedding as ge
-    from collective_fault import DIM, VOCAB
     from group_embedding.distributed import checkpoint
 
     path = checkpoint.latest_checkpoint(folder)

@@ -9,8 +9,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import estimator_cases as cases  # noqa: E402
 from group_embedding import estimator as ge_estimator  # noqa: E402
+
+import estimator_cases as cases  # noqa: E402
 
 Estimator = ge_estimator.Estimator
 RunConfig = ge_estimator.RunConfig

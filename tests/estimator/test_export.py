@@ -12,8 +12,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import estimator_cases as cases  # noqa: E402
 from group_embedding import estimator as ge_estimator  # noqa: E402
+
+import estimator_cases as cases  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 export = ge_estimator.export

@@ -25,9 +25,10 @@ import tensorflow as tf
 from tensorflow.python.feature_column import feature_column as fc_old
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
-import fc_cases
 import group_embedding as ge
 from group_embedding import feature_column as ge_fc
+
+import fc_cases
 from testing import COMBINERS
 from testing import assert_close
 from testing import op_counts

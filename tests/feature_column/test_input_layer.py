@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import fc_cases
 from group_embedding import feature_column as ge_fc
+
+import fc_cases
 from testing import COMBINERS
 from testing import assert_close
 from testing import op_counts

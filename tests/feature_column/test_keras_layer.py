@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 import tensorflow as tf
 
-import fc_cases
 from group_embedding import feature_column as ge_fc
+
+import fc_cases
 from testing import assert_close
 from testing import op_counts
 

@@ -6,10 +6,11 @@ import sys
 import pytest
 import tensorflow as tf
 
-import fc_cases
 from group_embedding import feature_column as ge_fc
 from group_embedding.feature_column import columns as columns_lib
 from group_embedding.feature_column import scope as scope_lib
+
+import fc_cases
 from testing import op_counts
 
 FC = tf.feature_column

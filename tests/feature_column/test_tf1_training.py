@@ -6,9 +6,10 @@ import pandas as pd
 import pytest
 import tensorflow as tf
 
-import fc_cases
 import group_embedding as ge
 from group_embedding import feature_column as ge_fc
+
+import fc_cases
 
 FC = tf.feature_column
 V1 = tf.compat.v1
@@ -188,7 +189,6 @@ def _stock_initial_table(name):
 
 
 def test_restored_values_equal_trained_values(tmp_path):
-    ckpt_dir = str(tmp_path / "ckpt")
     name = fc_cases.unique_name("tf1_eq")
     graph = tf.Graph()
     with graph.as_default():

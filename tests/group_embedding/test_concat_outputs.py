@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import group_embedding as ge
 from group_embedding.ops import kernel_library
+
 from testing import assert_close
 from testing import random_case
 from testing import stock_lookup

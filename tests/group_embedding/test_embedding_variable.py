@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ev_cases
 import group_embedding as ge
 from group_embedding.ops import ev_storage
+
+import ev_cases
 
 COMBINERS = ("sum", "mean", "sqrtn")
 

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ev_cases
 import group_embedding as ge
 from group_embedding.embedding_variable.variable import EV_INIT_VAR_OPS
 from group_embedding.ops import ev_storage
+
+import ev_cases
 
 DIM = 4
 

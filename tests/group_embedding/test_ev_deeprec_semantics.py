@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ev_cases
 import group_embedding as ge
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.ops import ev_storage
 from group_embedding.ops import kernel_library
+
+import ev_cases
 
 v1 = tf.compat.v1
 

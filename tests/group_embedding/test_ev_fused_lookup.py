@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ev_cases
 import group_embedding as ge
+
+import ev_cases
 
 FILTER = ge.EmbeddingVariableOption(
     filter_option=ge.CounterFilter(filter_freq=2),

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ev_cases
 import group_embedding as ge
 from group_embedding import feature_column as ge_fc
-from group_embedding.embedding_variable.keras_variable import KerasEmbeddingVariable
+from group_embedding.embedding_variable.keras_variable import (
+    KerasEmbeddingVariable,
+)
+
+import ev_cases
 
 KEYS = ev_cases.KEYS[:5]
 COMBINERS = {"user": "sum", "tags": "mean"}

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ev_cases
 import group_embedding as ge
+
+import ev_cases
 
 OPTIMIZERS = {
     "sgd": (lambda: ge.optimizers.SGD(0.1),

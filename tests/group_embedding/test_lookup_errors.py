@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
+
 from testing import random_case
 from testing import random_table
 

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
+
 from testing import assert_close
 from testing import op_counts
 from testing import random_case

@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
+
 from testing import assert_close
 from testing import random_feature
 from testing import stock_lookup

@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ev_cases
 import group_embedding as ge
-from group_embedding.embedding_variable.keras_variable import KerasEmbeddingVariable
+from group_embedding.embedding_variable.keras_variable import (
+    KerasEmbeddingVariable,
+)
+
+import ev_cases
 
 KEYS = tf.constant([3, -5, 2**40], tf.int64)
 GE_OPTIMIZERS = {"sgd": (ge.optimizers.SGD, keras.optimizers.SGD),

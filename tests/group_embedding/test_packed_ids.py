@@ -5,17 +5,18 @@ plain `tf.Variable` trained with `keras.optimizers.Adagrad` on stock
 lookups (backward + update), and numpy for sequences.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 import group_embedding as ge
 from group_embedding.ops import kernel_library
+
 from testing import assert_close
-from testing import to_dense
 from testing import random_case
 from testing import stock_lookup
+from testing import to_dense
 
 COMBINERS = ["sum", "mean", "sqrtn", "mean"]
 

@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import cuda_parity
-from group_embedding.ops import gpu_kernel_library
 from group_embedding.lookup import group_embedding_lookup_sparse
+from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import kernel_library
+
+import cuda_parity
 
 cc = cuda_parity.cc
 NVCC = gpu_kernel_library.find_nvcc()
@@ -301,6 +302,25 @@ def _both(fn, ops=LABELLED):
     return tf.function(fn)(), _on_adaptor(fn, ops)
 
 
+def _assert_padded_grads(got_ids, got_grads, want_ids, want_grads, ids,
+                         what):
+    """The adaptor's backward outputs of one table (a row per id: the
+    distinct ids ascending with their sums, then the table's own ids with
+    zero rows) against the CPU kernels' (distinct ids, first-occurrence
+    order): same sums per id once duplicates are added up."""
+    got_ids, got_grads = np.asarray(got_ids), np.asarray(got_grads)
+    want_ids = np.asarray(want_ids)
+    u = len(want_ids)
+    assert got_ids.shape == (len(ids),), what
+    order = np.argsort(want_ids)
+    np.testing.assert_array_equal(got_ids[:u], want_ids[order],
+                                  err_msg=what)
+    np.testing.assert_allclose(got_grads[:u], np.asarray(want_grads)[order],
+                               rtol=1e-6, atol=1e-6, err_msg=what)
+    assert set(got_ids[u:].tolist()) <= set(np.asarray(ids).tolist()), what
+    np.testing.assert_array_equal(got_grads[u:], 0.0, err_msg=what)
+
+
 def test_adaptor_runs_through_tf(host_adaptor):
     lib = host_adaptor
     rng, tables = _tables(11, 16, True, concat=True)
@@ -333,12 +353,8 @@ def test_adaptor_runs_through_tf(host_adaptor):
     np.testing.assert_allclose(got_c.numpy(), want_c.numpy(), rtol=1e-6,
                                atol=1e-6)
     for t in range(k):
-        order = np.argsort(want_i[t].numpy())
-        np.testing.assert_array_equal(got_i[t].numpy(),
-                                      want_i[t].numpy()[order])
-        np.testing.assert_allclose(got_g[t].numpy(),
-                                   want_g[t].numpy()[order], rtol=1e-6,
-                                   atol=1e-6)
+        _assert_padded_grads(got_i[t], got_g[t], want_i[t], want_g[t],
+                             tables[t].ids, f"table {t}")
 
     rng, seq = _tables(12, 8, False, sequence=True)
     seq_vars = [tf.Variable(x.table) for x in seq]
@@ -363,12 +379,8 @@ def test_adaptor_runs_through_tf(host_adaptor):
     for t in range(len(seq)):
         np.testing.assert_allclose(got_o[t].numpy(), want_o[t].numpy(),
                                    rtol=1e-6, atol=1e-6)
-        order = np.argsort(want_i[t].numpy())
-        np.testing.assert_array_equal(got_i[t].numpy(),
-                                      want_i[t].numpy()[order])
-        np.testing.assert_allclose(got_g[t].numpy(),
-                                   want_g[t].numpy()[order], rtol=1e-6,
-                                   atol=1e-6)
+        _assert_padded_grads(got_i[t], got_g[t], want_i[t], want_g[t],
+                             seq[t].ids, f"sequence table {t}")
 
 
 def test_adaptor_names_the_table_of_a_bad_id(host_adaptor):
@@ -525,32 +537,67 @@ def test_weight_gradients_from_a_copy_on_read_snapshot(host_adaptor,
 
 
 def test_backward_waits_for_the_stream_once(host_adaptor, synchronize_calls):
-    """Issue 35.3 in part: the backward reads its error and distinct id
-    counts after one wait (it took two)."""
+    """Issue 35.3: a backward built by hand waits once, to read its own
+    error counts (its outputs have a row per id: no distinct id count is
+    read back), and names the table of a bad id; built by a gradient
+    function (`ids_checked`: the forward checked the ids) it does not
+    wait at all."""
     lib = host_adaptor
     rng, tables = _tables(13, 8, False)
     grads = [rng.normal(size=(x.batch, 8)).astype(np.float32)
              for x in tables]
-    backward = tf.function(lambda: lib.group_embedding_pooled_lookup_grad(
-        grads=grads, ids=[x.ids for x in tables],
-        row_splits=[x.splits for x in tables],
-        weights=[tf.zeros([0]) for _ in tables],
-        combiners=[x.combiner for x in tables], embedding_dim=8))
-    _on_adaptor(backward.python_function)  # traced and run once
-    before = synchronize_calls()
-    _on_adaptor(backward.python_function)
-    assert synchronize_calls() - before == 1
+
+    def backward(ids_checked, ids=None):
+        return lib.group_embedding_pooled_lookup_grad(
+            grads=grads, ids=ids or [x.ids for x in tables],
+            row_splits=[x.splits for x in tables],
+            weights=[tf.zeros([0]) for _ in tables],
+            combiners=[x.combiner for x in tables], embedding_dim=8,
+            ids_checked=ids_checked)
+
+    for ids_checked, waits in ((False, 1), (True, 0)):
+        traced = tf.function(lambda c=ids_checked: backward(c))
+        _on_adaptor(traced.python_function)  # traced and run once
+        before = synchronize_calls()
+        _on_adaptor(traced.python_function)
+        assert synchronize_calls() - before == waits, ids_checked
+    bad = [x.ids.copy() for x in tables]
+    bad[2][0] = -3
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"table 2: id -3 is out of range"):
+        _on_adaptor(lambda: backward(False, bad))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35.3 is open: each op of the "
-                   "step still waits for its error counts (forward, "
-                   "backward, clip, weight gradients)")
-def test_training_step_waits_for_the_stream_at_most_once(
-        host_adaptor, monkeypatch, synchronize_calls):
-    _train_step("auto", monkeypatch, 60, "pooled", True, 1.5, labelled=True)
+# (mode, weighted, max_norm, copy_on_read): every kind of group a step
+# has, the snapshot copying rows in the last.
+STEP_VARIANTS = [("pooled", False, None, False), ("pooled", True, 1.5, False),
+                 ("concat", True, 1.5, False), ("sequence", False, None, False),
+                 ("sequence", True, 1.5, False), ("pooled", True, 1.5, True)]
+
+
+@pytest.mark.parametrize("mode,weighted,max_norm,copy_on_read",
+                         STEP_VARIANTS)
+def test_training_step_waits_for_the_stream_once(
+        host_adaptor, monkeypatch, synchronize_calls, mode, weighted,
+        max_norm, copy_on_read):
+    """Issue 35.3: the whole training step of a group (forward, backward,
+    clip, snapshot, weight gradients) waits for its stream once: the
+    forward reads its error counts; the ops its gradient function builds
+    take the forward's checked ids and do not wait. The results are those
+    of the CPU kernels (the second step is compared)."""
+    args = (monkeypatch, 60, mode, weighted, max_norm)
+    _train_step("auto", *args, labelled=True, copy_on_read=copy_on_read)
     before = synchronize_calls()
-    _train_step("auto", monkeypatch, 60, "pooled", True, 1.5, labelled=True)
-    assert synchronize_calls() - before <= 1
+    (out, tg, wg), used = _train_step("auto", *args, labelled=True,
+                                      copy_on_read=copy_on_read)
+    waits = synchronize_calls() - before
+    assert waits == 1, waits
+    assert any(op.endswith("LookupGrad") for op in used), used
+    (want_out, want_tg, want_wg), _ = _train_step(
+        "auto", *args, labelled=False, copy_on_read=copy_on_read)
+    _assert_same(out, want_out, "outputs")
+    _assert_same(tg, want_tg, "table gradients")
+    _assert_same(wg, want_wg, "weight gradients")
 
 
 def test_adaptor_clip_and_snapshot_name_the_table_of_a_bad_id(host_adaptor):

@@ -10,9 +10,9 @@ import tensorflow as tf
 from group_embedding import lookup
 from group_embedding import lookup_plan
 from group_embedding.lookup import group_embedding_lookup_sparse
-from group_embedding.packed_ids import pack_ids
 from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops.ragged_ids import FeatureIds
+from group_embedding.packed_ids import pack_ids
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import group_embedding as ge
 from group_embedding.ops import kernel_library
+
 from testing import stock_lookup
 
 _PRELUDE = """

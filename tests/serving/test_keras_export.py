@@ -23,7 +23,8 @@ import tensorflow as tf
 import group_embedding as ge
 from group_embedding import feature_column as ge_fc
 from group_embedding.embedding_variable.keras_variable import (
-    KerasEmbeddingVariable)
+    KerasEmbeddingVariable,
+)
 from group_embedding.export import ev_snapshot
 
 _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)),

@@ -16,10 +16,11 @@ _TUTORIALS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir,
                           "tutorials")
 sys.path.insert(0, os.path.abspath(_TUTORIALS))
 
-import data  # noqa: E402
 import deepfm_keras  # noqa: E402
 import deepfm_tf1  # noqa: E402
 import serving  # noqa: E402
+
+import data  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,7 @@ def test_deepfm_estimator_learns_resumes_and_serves(compat, monkeypatch,
     # test only (the module's own `import group_embedding.compat` is then
     # a no-op) and uninstalls it afterwards.
     import deepfm_estimator
+
     from group_embedding import estimator as ge_estimator
 
     # Each of the tutorial's train() calls gets a probe of how it starts.

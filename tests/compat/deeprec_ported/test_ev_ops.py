@@ -22,10 +22,10 @@ import group_embedding as ge
 from ported_util import REPEATED_IDS
 from ported_util import V1
 from ported_util import VOCAB
-from ported_util import ev_rows_initializer
 from ported_util import checkpoint_rows
 from ported_util import checkpoint_table
 from ported_util import double_sum
+from ported_util import ev_rows_initializer
 from ported_util import initialize
 from ported_util import make_optimizer
 from ported_util import ones

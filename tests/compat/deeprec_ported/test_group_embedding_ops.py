@@ -12,14 +12,15 @@ stock TF (embedding columns over identity columns).
 import numpy as np
 import pytest
 import tensorflow as tf
+
 # `config_pb2.StorageType` is DeepRec's; compat adds it (conftest.py).
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.feature_column import feature_column_v2 as fc_v2
 
 from ported_util import V1
 from ported_util import VOCAB
-from ported_util import ev_rows_initializer
 from ported_util import double_sum
+from ported_util import ev_rows_initializer
 from ported_util import initialize
 from ported_util import ones
 from ported_util import random_rows

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
+
 from testing import assert_close
 
 SHAPE = (6, 3)
