@@ -145,7 +145,8 @@ def group_embedding_lookup_sparse(
                                params_num_per_group, same_batch=True)
 
 
-def _check_packed(params, packed, sp_weights) -> PackedIds:
+def _check_packed(params: Sequence[Any], packed: PackedIds,
+                  sp_weights: Any) -> PackedIds:
     """Static checks of `PackedIds` ids against the tables."""
     if sp_weights is not None:
         raise ValueError("Packed `sp_ids` carry their weights: pass them to "
@@ -157,7 +158,8 @@ def _check_packed(params, packed, sp_weights) -> PackedIds:
     return packed
 
 
-def _check_ev_keys(params, ids, argument):
+def _check_ev_keys(params: Sequence[Any], ids: Sequence[Any],
+                   argument: str) -> None:
     # EmbeddingVariables check their own key dtype, so that the error
     # names the variable (int64 keys into an int32 EV, float keys).
     for i, (p, x) in enumerate(zip(params, ids)):
@@ -165,40 +167,44 @@ def _check_ev_keys(params, ids, argument):
             p.check_keys(x, f"{argument}[{i}]")
 
 
-def _collective(kind_fn: str) -> Callable:
-    def run(group: TableGroup, call: LookupCall):
+# One entry of the dispatch table: run(group, call) -> the group's outputs.
+_Run = Callable[[TableGroup, LookupCall], Any]
+
+
+def _collective(kind_fn: str) -> _Run:
+    def run(group: TableGroup, call: LookupCall) -> Any:
         runtime = model_parallel.runtime()
         return getattr(runtime, kind_fn)(group, call)
     return run
 
 
-def _concat_of(pooled: Callable) -> Callable:
+def _concat_of(pooled: _Run) -> _Run:
     # Concatenated outputs from per-table ones (backends without a
     # concatenating kernel).
     return lambda g, c: tf.concat(pooled(g, c), 1)
 
 
-def _variables_kernel_pooled(g, c):
+def _variables_kernel_pooled(g: TableGroup, c: LookupCall) -> Any:
     return lookup_kernels.pooled_variables(g.tables, g.feats, g.combiners,
                                            g.names, c.max_norm)
 
 
-def _variables_tf_pooled(g, c):
+def _variables_tf_pooled(g: TableGroup, c: LookupCall) -> Any:
     return lookup_tf.pooled_variables(g.tables, g.feats, g.combiners,
                                       g.names, c.max_norm)
 
 
-def _ev_kernel_pooled(g, c):
+def _ev_kernel_pooled(g: TableGroup, c: LookupCall) -> Any:
     return lookup_kernels.pooled_ev(g.tables, g.feats, g.combiners,
                                     c.training)
 
 
-def _ev_tf_pooled(g, c):
+def _ev_tf_pooled(g: TableGroup, c: LookupCall) -> Any:
     return lookup_tf.pooled_ev(g.tables, g.feats, g.combiners, c.max_norm,
                                c.training)
 
 
-def _variable_entries(backend) -> Dict[Tuple[str, str, str], Callable]:
+def _variable_entries(backend: str) -> Dict[Tuple[str, str, str], _Run]:
     key = (lookup_plan.VARIABLE, backend)
     return {
         key + (lookup_plan.POOLED,): _variables_kernel_pooled,
@@ -214,7 +220,7 @@ def _variable_entries(backend) -> Dict[Tuple[str, str, str], Callable]:
 # (kind, backend, mode) -> run(group, call): the only place a lookup's
 # path is chosen. The CPU and GPU kernels are the same TF ops (TF runs
 # the kernel of the device the tables live on).
-_DISPATCH: Dict[Tuple[str, str, str], Callable] = {
+_DISPATCH: Dict[Tuple[str, str, str], _Run] = {
     **_variable_entries(lookup_plan.CPU_KERNELS),
     **_variable_entries(lookup_plan.GPU_KERNELS),
     (lookup_plan.VARIABLE, lookup_plan.TF_OPS, lookup_plan.POOLED):
@@ -287,8 +293,10 @@ def lookup_feature_ids(tables: Sequence[Any], feats: Sequence[FeatureIds],
     return parts[0] if len(parts) == 1 else tf.concat(parts, 1)
 
 
-def _grouped_lookup(params, sp_ids, combiners, sp_weights, call: LookupCall,
-                    params_num_per_group, same_batch):
+def _grouped_lookup(params: Sequence[Any], sp_ids: Sequence[Any],
+                    combiners: Sequence[str], sp_weights: Any,
+                    call: LookupCall, params_num_per_group: int,
+                    same_batch: bool) -> Any:
     """Converts and checks the ids, then `lookup_feature_ids`."""
     tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
     names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]

@@ -9,6 +9,8 @@ import dataclasses
 from typing import Any
 from typing import List
 from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import tensorflow as tf
 
@@ -47,8 +49,10 @@ def table_name(param: Any, index: int) -> str:
     return f"params[{index}] ({name})" if name else f"params[{index}]"
 
 
-def check_lists(params, sp_ids, combiners, sp_weights, partition_strategy,
-                params_num_per_group, ids_argument="sp_ids"):
+def check_lists(params: Any, sp_ids: Any, combiners: Any, sp_weights: Any,
+                partition_strategy: str, params_num_per_group: int,
+                ids_argument: str = "sp_ids"
+                ) -> Tuple[List[Any], List[Any], List[Any], List[Any]]:
     """Checks the list arguments' lengths and the closed choices.
 
     Returns:
@@ -102,13 +106,13 @@ def check_lists(params, sp_ids, combiners, sp_weights, partition_strategy,
     return list(params), list(sp_ids), list(combiners), list(sp_weights)
 
 
-def _check_ids_dtype(ids_dtype, name):
+def _check_ids_dtype(ids_dtype: tf.DType, name: str) -> None:
     if not ids_dtype.is_integer:
         raise TypeError(f"`{name}` must hold int32 or int64 ids, got "
                         f"{ids_dtype.name}.")
 
 
-def _check_weights(weights, ids, name):
+def _check_weights(weights: Any, ids: Any, name: str) -> None:
     """Checks the kind and dtype of one weight tensor against its ids."""
     if weights is None:
         return
@@ -121,7 +125,7 @@ def _check_weights(weights, ids, name):
                         f"{weights.dtype.name}.")
 
 
-def to_feature_ids(sp_ids: List[Any], sp_weights: List[Any],
+def to_feature_ids(sp_ids: Sequence[Any], sp_weights: Sequence[Any],
                    need_positions: bool = False,
                    same_batch: bool = True) -> List[FeatureIds]:
     """Converts every id feature to `FeatureIds`, checking it on the way.
@@ -186,13 +190,15 @@ def to_feature_ids(sp_ids: List[Any], sp_weights: List[Any],
     return converted_all
 
 
-def _static_batch(ids):
+def _static_batch(ids: Any) -> Optional[int]:
     if isinstance(ids, tf.SparseTensor):
-        return tf.get_static_value(ids.dense_shape[0])
-    return tf.compat.dimension_value(ids.shape[0])
+        value = tf.get_static_value(ids.dense_shape[0])
+    else:
+        value = tf.compat.dimension_value(ids.shape[0])
+    return None if value is None else int(value)
 
 
-def _check_batch_sizes(sp_ids) -> bool:
+def _check_batch_sizes(sp_ids: Sequence[Any]) -> bool:
     """Rejects statically known batch sizes that differ between features.
 
     Returns:
@@ -228,7 +234,7 @@ def _assert_same_batch(feats: List[FeatureIds]) -> List[FeatureIds]:
     sizes = [ragged_ids.batch_size(f) for f in feats]
     same = tf.reduce_all(tf.equal(tf.stack(sizes[1:]), sizes[0]))
 
-    def _fail():
+    def _fail() -> tf.Tensor:
         checks = [tf.debugging.assert_equal(
             size, sizes[0],
             message=f"`{f.name}` has a different batch size than "

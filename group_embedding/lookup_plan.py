@@ -104,7 +104,7 @@ def _local_table(table: Any) -> Any:
     return table
 
 
-def _group_key(table: Any) -> Tuple:
+def _group_key(table: Any) -> Tuple[int, tf.DType, str]:
     return (int(table.shape[-1]), table.dtype, table_kind(table))
 
 
@@ -135,7 +135,8 @@ def is_kernel_dtype(table: Any) -> bool:
 _warned_groups: Set[Tuple[str, ...]] = set()
 
 
-def _warn_pure_tf_on_gpu(names: Sequence[str], tables: Sequence[Any]):
+def _warn_pure_tf_on_gpu(names: Sequence[str],
+                         tables: Sequence[Any]) -> None:
     """One warning per group (per process) whose tables the GPU kernels
     cannot take because of their dtype, naming its tables."""
     key = tuple(names)
@@ -149,7 +150,8 @@ def _warn_pure_tf_on_gpu(names: Sequence[str], tables: Sequence[Any]):
         f"got {', '.join(dtypes)}.", RuntimeWarning, stacklevel=3)
 
 
-def _backend(kind: str, tables, feats, names, call: LookupCall) -> str:
+def _backend(kind: str, tables: Sequence[Any], feats: Sequence[FeatureIds],
+             names: Sequence[str], call: LookupCall) -> str:
     if kind == SHARDED:
         return COLLECTIVE
     if kind == EV:
@@ -199,7 +201,7 @@ def group_tables(tables: Sequence[Any], feats: Sequence[FeatureIds],
     """
     tables = [_local_table(t) for t in tables]
     runtime = model_parallel.runtime()
-    by_key: Dict[Tuple, List[int]] = {}
+    by_key: Dict[Tuple[int, tf.DType, str], List[int]] = {}
     for i, t in enumerate(tables):
         if table_kind(t) == SHARDED and runtime is None:
             raise ValueError(

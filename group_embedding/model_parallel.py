@@ -12,6 +12,7 @@ column's table lives (`feature_column`), and which keys a worker owns
 import dataclasses
 from typing import Any
 from typing import Callable
+from typing import List
 from typing import Optional
 from typing import Tuple
 
@@ -42,7 +43,7 @@ class Runtime:
     collective_table: Callable[..., Any]
 
 
-_registered: list = []
+_registered: List[Runtime] = []
 
 
 def register(runtime_: Runtime) -> None:

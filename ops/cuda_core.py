@@ -87,6 +87,8 @@ def load_sibling(filename: str):
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                             filename)
         spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:  # not a Python source
+            raise ImportError(f"Cannot load {path} as a module.")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

@@ -228,7 +228,7 @@ def compile_tf_library(path, on_host=False, nvcc=None, capabilities=None,
     return path
 
 
-def gpu_present():
+def gpu_present() -> bool:
     """Whether TF sees a GPU; probed once per process.
 
     Logical devices, as placement sees them: a GPU hidden with
@@ -294,7 +294,7 @@ def unavailable_reason():
     return _state["error"]
 
 
-def use_gpu_kernels():
+def use_gpu_kernels() -> bool:
     """Whether GPU lookups of plain variables go to the GPU kernels.
 
     Raises:

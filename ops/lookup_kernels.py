@@ -19,8 +19,10 @@ these ops are in `lookup_gradients`.
 
 import math
 import numbers
+from typing import Any
 from typing import List
 from typing import Optional
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -56,7 +58,7 @@ def _watch(tables):
         resource_variable_ops.variable_accessed(t)
 
 
-def _kernel_weights(feats: List[FeatureIds]) -> List[tf.Tensor]:
+def _kernel_weights(feats: Sequence[FeatureIds]) -> List[tf.Tensor]:
     """Per-feature weights for the kernels; an empty tensor means none."""
     empty = tf.zeros([0], tf.float32)
     return [empty if f.weights is None else f.weights for f in feats]
@@ -102,7 +104,7 @@ def concat_variables(tables, feats, combiners, table_names,
         feats, combiners, table_names, max_norm)
 
 
-def _sequence_layout(feats: List[FeatureIds]) -> dict:
+def _sequence_layout(feats: Sequence[FeatureIds]) -> dict:
     """Where each id goes in the `[B, T, D]` outputs, as both sequence
     kernels take it: row splits, slots in the rows, padded lengths T."""
     return dict(row_splits=[f.row_splits for f in feats],
@@ -126,8 +128,8 @@ def sequence_variables(tables, feats, table_names,
         max_norm=kernel_max_norm(max_norm))
 
 
-def pooled_ev(variables, feats: List[FeatureIds], combiners,
-              training) -> List[tf.Tensor]:
+def pooled_ev(variables: Sequence[Any], feats: Sequence[FeatureIds],
+              combiners: Sequence[str], training: Any) -> List[tf.Tensor]:
     """`GroupEmbeddingEVLookup`: pooled `[B_i, D]` lookups of same-dim EVs.
 
     Row b of output i pools (with `combiners[i]` and the weights of `feats[i]`)
@@ -148,8 +150,8 @@ def pooled_ev(variables, feats: List[FeatureIds], combiners,
         embedding_dim=int(variables[0].embedding_dim))
 
 
-def sequence_ev(variables, feats: List[FeatureIds],
-                training) -> List[tf.Tensor]:
+def sequence_ev(variables: Sequence[Any], feats: Sequence[FeatureIds],
+                training: Any) -> List[tf.Tensor]:
     """`GroupEmbeddingEVSequenceLookup`: each key's row (as
     `GroupEmbeddingEVGather` reads it) written straight into its `[B, T, D]`
     slot; its gradient gives each variable its unique keys and their summed

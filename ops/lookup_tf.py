@@ -16,8 +16,10 @@ EmbeddingVariables (with `max_norm`, weighted sequences, or
 the same two functions.
 """
 
+from typing import Any
 from typing import List
 from typing import Optional
+from typing import Sequence
 
 import tensorflow as tf
 from tensorflow.python.eager import record
@@ -245,7 +247,9 @@ def _sorted_segment_sum(data, segments, batch):
     return padded
 
 
-def pooled_variables(tables, feats, combiners, table_names, max_norm):
+def pooled_variables(tables: Sequence[Any], feats: Sequence[FeatureIds],
+                     combiners: Sequence[str], table_names: Sequence[str],
+                     max_norm: Any) -> List[tf.Tensor]:
     """Pure-TF pooled lookup of a group of plain variables.
 
     Per table a unique, a gather and `_pool_table`, behind one fused
@@ -316,7 +320,9 @@ def _pool_in_place(table, ids, feat: FeatureIds, combiner: str):
                     weighted)
 
 
-def sequence_variables(tables, feats, table_names, max_norm):
+def sequence_variables(tables: Sequence[Any], feats: Sequence[FeatureIds],
+                       table_names: Sequence[str],
+                       max_norm: Any) -> List[tf.Tensor]:
     """Pure-TF `[B, T, D]` lookup of a group of plain variables.
 
     Per table, each id's (weighted) distinct row is summed into its slot
@@ -366,22 +372,25 @@ def gather_ev_rows(tables, feats, max_norm, training=True):
     return rows if max_norm is None else clip_rows(rows, max_norm)
 
 
-def pooled_ev(tables, feats, combiners, max_norm, training=True):
+def pooled_ev(tables: Sequence[Any], feats: Sequence[FeatureIds],
+              combiners: Sequence[str], max_norm: Any,
+              training: Any = True) -> List[tf.Tensor]:
     """Pooled `[B, D]` lookups of an EmbeddingVariable group: one gather,
     pooled in TF."""
     return pool_rows(gather_ev_rows(tables, feats, max_norm, training),
                      feats, combiners)
 
 
-def sequence_ev(tables, feats, max_norm, training=True):
+def sequence_ev(tables: Sequence[Any], feats: Sequence[FeatureIds],
+                max_norm: Any, training: Any = True) -> List[tf.Tensor]:
     """`[B, T, D]` lookups of an EmbeddingVariable group: one gather,
     placed in TF."""
     return sequence_rows(gather_ev_rows(tables, feats, max_norm, training),
                          feats)
 
 
-def pool_rows(rows: tf.Tensor, feats: List[FeatureIds],
-              combiners: List[str]) -> List[tf.Tensor]:
+def pool_rows(rows: tf.Tensor, feats: Sequence[FeatureIds],
+              combiners: Sequence[str]) -> List[tf.Tensor]:
     """Pools gathered rows `[sum nnz, D]` (features in order) to `[B, D]`s.
 
     ONE segment sum for all features (ids come grouped by row, features
@@ -405,7 +414,7 @@ def pool_rows(rows: tf.Tensor, feats: List[FeatureIds],
 
 
 def sequence_rows(rows: tf.Tensor,
-                  feats: List[FeatureIds]) -> List[tf.Tensor]:
+                  feats: Sequence[FeatureIds]) -> List[tf.Tensor]:
     """Places gathered rows `[sum nnz, D]` into `[B, T, D]` per feature.
 
     Each id's row is summed into its slot `row * T + position` of its
