@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ROWS_BY_POSITION = 1  # GeTable.flags
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 3}
@@ -128,8 +128,10 @@ class Core:
                      "ge_weight_grads", "ge_clip_grads"):
             getattr(lib, name).restype = c_int
             getattr(lib, name).argtypes = common + [vp, size, vp, vp]
-        lib.ge_backward.restype = c_int
-        lib.ge_backward.argtypes = common + [vp, size, vp, vp, vp, vp, vp]
+        for name in ("ge_backward", "ge_backward_padded"):
+            getattr(lib, name).restype = c_int
+            getattr(lib, name).argtypes = common + [vp, size, vp, vp, vp, vp,
+                                                    vp]
         lib.ge_backward_apply.restype = c_int
         lib.ge_backward_apply.argtypes = common + [
             ctypes.POINTER(GeOptimizerConfig), vp, size, vp, vp]
@@ -434,6 +436,28 @@ class GroupCall:
         ids, grads = m.get(uids), m.get(ugrads)
         return [(ids[off[t]:off[t + 1]], grads[off[t]:off[t + 1]])
                 for t in range(k)]
+
+    def backward_padded(self, fill_id=-7, fill_grad=123.0):
+        """ge_backward_padded into outputs filled with `fill_id` and
+        `fill_grad` first: per table (block ids [nnz], block grads
+        [nnz, dim], distinct id count u), numpy."""
+        m, k = self.mem, len(self.tables)
+        sizes = [len(x.ids) for x in self.tables]
+        total = max(sum(sizes), 1)
+        uids = m.put(np.full((total,), fill_id, np.int64))
+        ugrads = m.put(np.full((total, self.dim), fill_grad, np.float32))
+        offsets = m.empty((k + 1,), np.int64)
+        scratch = self._backward_scratch()
+        self._check("backward_padded", self.core.lib.ge_backward_padded(
+            self.descs, k, self.dim, self.max_norm, m.ptr(scratch),
+            m.count(scratch), m.ptr(uids), m.ptr(ugrads), m.ptr(offsets),
+            m.ptr(self.errors), m.stream))
+        m.sync()
+        off = m.get(offsets)
+        ids, grads = m.get(uids), m.get(ugrads)
+        start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        return [(ids[start[t]:start[t + 1]], grads[start[t]:start[t + 1]],
+                 int(off[t + 1] - off[t])) for t in range(k)]
 
     def optimizer_config(self, name, **hyper):
         """A `GeOptimizerConfig` for optimizer `name` (sgd, adagrad, adam,

@@ -5,6 +5,11 @@ unique ids (or EV keys) and their summed gradients, as IndexedSlices;
 the weights' gradients only when some table has weights; the max_norm
 clip's backward when the forward clipped. Inputs are sliced by position
 (the ops take K tables' inputs side by side).
+
+Every op built here takes the forward's ids (or distinct ids of them),
+which the forward checked against the same tables: `ids_checked=True`
+lets their GPU kernels skip the host wait that reading their error counts
+again would cost (issue 35.3; IdsCheckedAttr in ops/kernels/op_checks.h).
 """
 
 from typing import List
@@ -22,7 +27,7 @@ def _table_slices(lib, handles, uniq, sums, max_norm):
     if max_norm >= 0:
         sums = lib.group_embedding_clip_grad(
             tables=list(handles), unique_ids=list(uniq), id_grads=list(sums),
-            max_norm=max_norm)
+            max_norm=max_norm, ids_checked=True)
     return [tf.IndexedSlices(s, u, tf.raw_ops.VariableShape(
                 input=h, out_type=tf.int64))
             for s, u, h in zip(sums, uniq, handles)]
@@ -53,7 +58,8 @@ def _weight_grads(lib, handles, ids, weights, compute):
         if w.shape.as_list() == [0]:
             x = tf.zeros([0], tf.int64)
         r, p = lib.group_embedding_table_snapshot(table=h, ids=x,
-                                                  table_name=f"table {i}")
+                                                  table_name=f"table {i}",
+                                                  ids_checked=True)
         rows.append(r)
         by_position.append(p)
     return list(compute(rows, by_position))
@@ -84,7 +90,7 @@ def register():
         uniq, sums = grad_op(
             grads=grads[0] if concat else list(grads), ids=ids,
             row_splits=splits, weights=weights, combiners=combiners,
-            embedding_dim=op.get_attr("embedding_dim"))
+            embedding_dim=op.get_attr("embedding_dim"), ids_checked=True)
         max_norm = op.get_attr("max_norm")
         table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
 
@@ -101,7 +107,7 @@ def register():
                 row_splits=splits, weights=weights,
                 grads=per_table(list(grads)),
                 pooled=per_table(list(op.outputs)),
-                combiners=combiners, max_norm=max_norm))
+                combiners=combiners, max_norm=max_norm, ids_checked=True))
         return table_grads + [None] * (2 * k) + weight_grads
 
     op_names.register_gradient("GroupEmbeddingPooledLookup")(
@@ -119,7 +125,8 @@ def register():
         lib = kernel_library.library()
         uniq, sums = lib.group_embedding_sequence_lookup_grad(
             grads=grads, ids=ids, row_splits=splits, positions=positions,
-            weights=weights, embedding_dim=op.get_attr("embedding_dim"))
+            weights=weights, embedding_dim=op.get_attr("embedding_dim"),
+            ids_checked=True)
         max_norm = op.get_attr("max_norm")
         table_grads = _table_slices(lib, handles, uniq, sums, max_norm)
         weight_grads = _weight_grads(
@@ -128,7 +135,7 @@ def register():
             lib.group_embedding_sequence_weight_grad_from_snapshots(
                 tables=rows, by_position=by_position, ids=ids,
                 row_splits=splits, positions=positions, weights=weights,
-                grads=grads, max_norm=max_norm))
+                grads=grads, max_norm=max_norm, ids_checked=True))
         return table_grads + [None] * (4 * k) + weight_grads
 
     @op_names.register_gradient("GroupEmbeddingEVSequenceLookup")

@@ -145,6 +145,10 @@ struct SumTargets {
   const int64_t* offsets;
   int64_t* unique_ids;    // store mode
   float* unique_grads;    // store mode
+  // Store mode, ge_backward_padded: table t's distinct ids go to the
+  // block of its occurrences (occ_base[t] ..), not after the tables
+  // before it (offsets[t] ..).
+  bool padded;
   bool apply;
   GeOptimizerConfig optimizer;
   // Long runs: counters [long runs, chunks] (zeroed), each long run's
@@ -198,12 +202,20 @@ __device__ __forceinline__ void AddOccurrences(const GeTable& x,
   }
 }
 
+// The output row of distinct id u of table t (store mode).
+__device__ __forceinline__ int64_t SlotOf(const DeviceGroup& g,
+                                          const SumTargets& s, int t,
+                                          int64_t u) {
+  return s.padded ? g.occ_base[t] + (u - s.offsets[t]) : u;
+}
+
 // The end of a distinct id's sum: the max_norm clip's backward with the
-// table's row, then stored (IndexedSlices) or applied by the optimizer.
+// table's row, then stored (IndexedSlices) at output row `slot` or
+// applied by the optimizer.
 template <int VEC, int G, int CH>
 __device__ __forceinline__ void Finish(const DeviceGroup& g,
                                        const SumTargets& s, const GeTable& x,
-                                       int64_t u, int64_t id,
+                                       int64_t slot, int64_t id,
                                        const Lanes<G>& me,
                                        float (&acc)[CH][VEC]) {
   const int64_t dim = g.dim;
@@ -223,8 +235,8 @@ __device__ __forceinline__ void Finish(const DeviceGroup& g,
     }
   }
   if (!s.apply) {
-    if (me.lane == 0) s.unique_ids[u] = id;
-    StoreRow<VEC, G, CH>(s.unique_grads + u * dim, dim, me.lane, acc);
+    if (me.lane == 0) s.unique_ids[slot] = id;
+    StoreRow<VEC, G, CH>(s.unique_grads + slot * dim, dim, me.lane, acc);
     return;
   }
   float* slot0 = x.slot0 ? x.slot0 + id * dim : nullptr;
@@ -293,7 +305,7 @@ __global__ void __launch_bounds__(kBlock)
   const GeTable& x = g.tables[r.t];
   float acc[CH][VEC] = {};
   AddOccurrences<VEC, G, CH>(x, s, g.dim, me.lane, r.i0, r.i1, acc);
-  Finish<VEC, G, CH>(g, s, x, u, r.id, me, acc);
+  Finish<VEC, G, CH>(g, s, x, SlotOf(g, s, r.t, u), r.id, me, acc);
 }
 
 // One group per chunk of a long run: its partial sum.
@@ -355,7 +367,8 @@ __global__ void __launch_bounds__(kLongBlock)
   }
   if (q != 0) return;
   const Run r = RunOf(g, s, u);
-  Finish<VEC, G, CH>(g, s, g.tables[r.t], u, r.id, me, acc);
+  Finish<VEC, G, CH>(g, s, g.tables[r.t], SlotOf(g, s, r.t, u), r.id, me,
+                     acc);
 }
 
 // d loss / d w_j of the weighted tables: one group per example row.
@@ -543,7 +556,8 @@ int TakeBackwardBlocks(ge_core::ScratchLayout* layout, int n, int64_t occ,
 int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
              const GeOptimizerConfig* optimizer, void* scratch,
              size_t scratch_bytes, int64_t* unique_ids, float* unique_grads,
-             int64_t* offsets, unsigned long long* errors, void* stream) {
+             int64_t* offsets, unsigned long long* errors, void* stream,
+             bool padded) {
   ge_core::GroupPlan plan;
   int status = ge_core::CheckBackward(tables, n, dim, max_norm, optimizer,
                                      unique_ids, unique_grads, offsets,
@@ -601,7 +615,8 @@ int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
                       s);
   if (e != cudaSuccess) return static_cast<int>(e);
   SumTargets targets{blocks.keys_out, blocks.payload_out, blocks.run_start,
-                     offs, unique_ids, unique_grads, optimizer != nullptr,
+                     offs, unique_ids, unique_grads, padded,
+                     optimizer != nullptr,
                      optimizer ? *optimizer : GeOptimizerConfig{},
                      blocks.counters, blocks.long_run, blocks.long_first,
                      blocks.long_chunks, blocks.chunk_run, blocks.chunk_index,
@@ -652,7 +667,17 @@ int ge_backward(const GeTable* tables, int num_tables, int64_t dim,
                 unsigned long long* errors, void* stream) {
   return ge_cuda::Backward(tables, num_tables, dim, max_norm, nullptr,
                            scratch, scratch_bytes, unique_ids, unique_grads,
-                           offsets, errors, stream);
+                           offsets, errors, stream, false);
+}
+
+int ge_backward_padded(const GeTable* tables, int num_tables, int64_t dim,
+                       float max_norm, void* scratch, size_t scratch_bytes,
+                       int64_t* unique_ids, float* unique_grads,
+                       int64_t* offsets, unsigned long long* errors,
+                       void* stream) {
+  return ge_cuda::Backward(tables, num_tables, dim, max_norm, nullptr,
+                           scratch, scratch_bytes, unique_ids, unique_grads,
+                           offsets, errors, stream, true);
 }
 
 int ge_backward_apply(const GeTable* tables, int num_tables, int64_t dim,
@@ -662,7 +687,7 @@ int ge_backward_apply(const GeTable* tables, int num_tables, int64_t dim,
   if (optimizer == nullptr) return GE_ERR_ARGUMENT;
   return ge_cuda::Backward(tables, num_tables, dim, max_norm, optimizer,
                            scratch, scratch_bytes, nullptr, nullptr, nullptr,
-                           errors, stream);
+                           errors, stream, false);
 }
 
 int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,

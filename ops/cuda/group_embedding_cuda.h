@@ -31,7 +31,8 @@ extern "C" {
 #endif
 
 // 2: GeTable.flags (was reserved) and ge_clip_grads.
-#define GE_CUDA_ABI_VERSION 2
+// 3: ge_backward_padded.
+#define GE_CUDA_ABI_VERSION 3
 
 // The libraries are built with hidden visibility: only these functions
 // are exported (not cub's or the static CUDA runtime's symbols).
@@ -138,6 +139,22 @@ int ge_backward(const GeTable* tables, int num_tables, int64_t dim,
                 float max_norm, void* scratch, size_t scratch_bytes,
                 int64_t* unique_ids, float* unique_grads, int64_t* offsets,
                 unsigned long long* errors, void* stream);
+
+// ge_backward with outputs of a size known before the call, so that a
+// caller sizes its outputs without reading a count back from the device
+// (issue 35.3: a host wait each): table t's block is rows
+// [P_t, P_t + nnz_t) of unique_ids / unique_grads, P_t = the nnz of the
+// tables before t; its u_t distinct ids (ascending) and their sums are
+// the block's first u_t rows, its other rows are left as the caller
+// filled them (the TF adaptor: the table's own ids with zero gradients,
+// duplicates that add nothing to a consumer's sum). `offsets` is filled
+// as by ge_backward (u_t = offsets[t + 1] - offsets[t]).
+GE_API
+int ge_backward_padded(const GeTable* tables, int num_tables, int64_t dim,
+                       float max_norm, void* scratch, size_t scratch_bytes,
+                       int64_t* unique_ids, float* unique_grads,
+                       int64_t* offsets, unsigned long long* errors,
+                       void* stream);
 
 // The same deduplication and sums, then the optimizer applied to each
 // distinct row of each table (and its slots) in place, without writing

@@ -135,7 +135,8 @@ size_t BackwardScratch(int n, int64_t occurrences) {
 int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
              const GeOptimizerConfig* optimizer, void* scratch,
              size_t scratch_bytes, int64_t* unique_ids, float* unique_grads,
-             int64_t* offsets, unsigned long long* errors) {
+             int64_t* offsets, unsigned long long* errors,
+             bool padded = false) {
   GroupPlan plan;
   const int status = ge_core::CheckBackward(tables, n, dim, max_norm,
                                             optimizer, unique_ids,
@@ -220,8 +221,10 @@ int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
                               sum[d]);
       }
     } else {
-      unique_ids[u] = id;
-      memcpy(unique_grads + u * dim, sum.data(), sizeof(float) * dim);
+      // ge_backward_padded: in table t's block of its occurrences.
+      const int64_t slot = padded ? plan.occ_base[t] + (u - offsets[t]) : u;
+      unique_ids[slot] = id;
+      memcpy(unique_grads + slot * dim, sum.data(), sizeof(float) * dim);
     }
     ++u;
     i = k;
@@ -274,6 +277,16 @@ int ge_backward(const GeTable* tables, int num_tables, int64_t dim,
   return ge_host::Backward(tables, num_tables, dim, max_norm, nullptr,
                            scratch, scratch_bytes, unique_ids, unique_grads,
                            offsets, errors);
+}
+
+int ge_backward_padded(const GeTable* tables, int num_tables, int64_t dim,
+                       float max_norm, void* scratch, size_t scratch_bytes,
+                       int64_t* unique_ids, float* unique_grads,
+                       int64_t* offsets, unsigned long long* errors,
+                       void* /*stream*/) {
+  return ge_host::Backward(tables, num_tables, dim, max_norm, nullptr,
+                           scratch, scratch_bytes, unique_ids, unique_grads,
+                           offsets, errors, true);
 }
 
 int ge_backward_apply(const GeTable* tables, int num_tables, int64_t dim,

@@ -19,13 +19,15 @@
 //
 // Differences from the CPU kernels, by design:
 // * the backward returns each table's distinct ids in ascending order
-//   (the CPU kernels: first-occurrence order); IndexedSlices have no order;
+//   (the CPU kernels: first-occurrence order; IndexedSlices have no
+//   order), followed by rows of zeros (LookupGradOp): a row per id;
 // * the backward ops have no table input, so ids are bounded by 2^40
 //   there (the forward checked them against the tables);
 // * bad ids and row_splits are counted on the device; the op waits for
-//   the stream to read the counts (the backward: with its distinct id
-//   counts, one wait), and on an error reads the ids back to name the
-//   table and the id, as the CPU kernels do.
+//   the stream to read the counts (one wait), and on an error reads the
+//   ids back to name the table and the id, as the CPU kernels do. The
+//   ops a gradient function builds (`ids_checked`) do not wait: the
+//   forward of their step checked the same ids, so a step waits once.
 
 #include <cstdint>
 #include <cstring>
@@ -213,13 +215,17 @@ struct RaggedInputs {
 
 // A group's core call that has no scratch but its descriptors (the
 // lookups, ge_weight_grads, ge_clip_grads): zeroes the error counters,
-// calls `core`, then reads the counts (CheckCounters).
+// calls `core`, then reads the counts (CheckCounters), unless `checked`:
+// the ids are the forward's of the same step, which checked them (the
+// `ids_checked` attr, IdsCheckedAttr in op_checks.h), and reading the
+// counts again would be a host wait of its own. The core still counts
+// and skips a bad id then (it never reads outside a table).
 template <typename Core>
 Status CallCore(OpKernelContext* ctx, const std::string& what, Core core,
                 std::vector<GeTable>* descs, int64_t dim, float max_norm,
                 const std::vector<std::string>& names,
                 const std::vector<const Tensor*>& ids,
-                const std::vector<int64_t>& vocabs) {
+                const std::vector<int64_t>& vocabs, bool checked = false) {
   void* stream = StreamOf(ctx);
   const int k = static_cast<int>(descs->size());
   Tensor scratch_t, counters_t;
@@ -232,6 +238,7 @@ Status CallCore(OpKernelContext* ctx, const std::string& what, Core core,
   TF_RETURN_IF_ERROR(CoreStatus(
       what, core(descs->data(), k, dim, max_norm, scratch, bytes,
                  static_cast<unsigned long long*>(counters), stream)));
+  if (checked) return Status();
   return CheckCounters(ctx, stream, counters, names, ids, vocabs);
 }
 
@@ -362,13 +369,20 @@ class LookupOp : public OpKernel {
 };
 
 // The backward ops: distinct ids and summed gradient rows per table, from
-// one core call; the outputs are sized once the device has counted the
-// distinct ids.
+// one core call (ge_backward_padded). Each table's outputs have a row per
+// id, known before the call, so no count is read back from the device:
+// its distinct ids (ascending) and their sums come first, the other rows
+// are the table's own ids with zero gradients, duplicates that add
+// nothing to what an IndexedSlices consumer sums (densifying, Keras'
+// scatter updates, ops/sparse_apply.py's dedup). With `ids_checked` (the
+// gradient function's: the forward checked these ids and row_splits) the
+// op does not wait for its stream at all (issue 35.3).
 class LookupGradOp : public OpKernel {
  public:
   explicit LookupGradOp(OpKernelConstruction* ctx)
       : OpKernel(ctx), layout_(LayoutOf(ctx->def().op())) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, IdsCheckedAttr(ctx, &ids_checked_));
     if (layout_ != Layout::kSequence) {
       OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
     }
@@ -445,47 +459,60 @@ class LookupGradOp : public OpKernel {
                             &ugrads_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({k + 1}),
                                            &offsets_t));
-    OP_REQUIRES_OK(ctx, CoreStatus("zeroing the error counts",
-                                   ge_zero_async(counters, 16, stream)));
     int64_t* uids = uids_t.flat<int64_t>().data();
     float* ugrads = ugrads_t.flat<float>().data();
-    OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_backward(
+    // The fill of the rows past each table's distinct ids: its own ids
+    // (block t starts after the ids of the tables before it), zero rows.
+    int code = ge_zero_async(counters, 16, stream);
+    if (code == GE_OK) {
+      code = ge_zero_async(ugrads, sizeof(float) * (total + 1) * dim_,
+                           stream);
+    }
+    for (int64_t t = 0, start = 0; t < k && code == GE_OK; ++t) {
+      const int64_t n = descs[t].nnz;
+      if (n > 0) {
+        code = ge_copy_async(uids + start, descs[t].ids,
+                             sizeof(int64_t) * n, 0, stream);
+      }
+      start += n;
+    }
+    OP_REQUIRES_OK(ctx, CoreStatus("filling the gradient outputs", code));
+    OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_backward_padded(
         descs.data(), k, dim_, -1.0f, scratch, bytes, uids, ugrads,
         offsets_t.flat<int64_t>().data(),
         static_cast<unsigned long long*>(counters), stream)));
-    // The distinct id counts come back with the error counts: one wait.
-    std::vector<int64_t> offsets(k + 1);
-    int code = ge_copy_async(offsets.data(), offsets_t.flat<int64_t>().data(),
-                             sizeof(int64_t) * (k + 1), 1, stream);
-    OP_REQUIRES_OK(ctx, CoreStatus("reading the distinct id counts", code));
+    OpOutputList uniq_out, grad_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
+    for (int64_t t = 0, start = 0; t < k; ++t) {
+      const int64_t n = descs[t].nnz;
+      Tensor *oi = nullptr, *og = nullptr;
+      OP_REQUIRES_OK(ctx, uniq_out.allocate(t, TensorShape({n}), &oi));
+      OP_REQUIRES_OK(ctx, grad_out.allocate(t, TensorShape({n, dim_}), &og));
+      if (n > 0) {
+        code = ge_copy_async(DataOr<int64_t>(*oi), uids + start,
+                             sizeof(int64_t) * n, 0, stream);
+        if (code == GE_OK && dim_ > 0) {
+          code = ge_copy_async(DataOr<float>(*og), ugrads + start * dim_,
+                               sizeof(float) * n * dim_, 0, stream);
+        }
+        OP_REQUIRES_OK(ctx, CoreStatus("copying the gradients", code));
+      }
+      start += n;
+    }
+    if (ids_checked_) return;
+    // Built by hand: the op checks its own ids and row_splits (one wait).
     OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names,
                                       id_tensors,
                                       std::vector<int64_t>(k,
                                                            kBackwardVocab)));
-    OpOutputList uniq_out, grad_out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("unique_ids", &uniq_out));
-    OP_REQUIRES_OK(ctx, ctx->output_list("id_grads", &grad_out));
-    for (int t = 0; t < k; ++t) {
-      const int64_t u = offsets[t + 1] - offsets[t];
-      OP_REQUIRES(ctx, u >= 0 && offsets[t + 1] <= total,
-                  Internal("distinct id offsets out of range."));
-      Tensor *oi = nullptr, *og = nullptr;
-      OP_REQUIRES_OK(ctx, uniq_out.allocate(t, TensorShape({u}), &oi));
-      OP_REQUIRES_OK(ctx, grad_out.allocate(t, TensorShape({u, dim_}), &og));
-      code = ge_copy_async(DataOr<int64_t>(*oi), uids + offsets[t],
-                           sizeof(int64_t) * u, 0, stream);
-      if (code == GE_OK) {
-        code = ge_copy_async(DataOr<float>(*og), ugrads + offsets[t] * dim_,
-                             sizeof(float) * u * dim_, 0, stream);
-      }
-      OP_REQUIRES_OK(ctx, CoreStatus("copying the gradients", code));
-    }
   }
 
  private:
   const Layout layout_;
   std::vector<int32_t> combiners_;
   int64_t dim_;
+  bool ids_checked_;
 };
 
 // GroupEmbeddingClipGrad: the max_norm clip's backward of each table's
@@ -494,6 +521,7 @@ class ClipGradOp : public OpKernel {
  public:
   explicit ClipGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+    OP_REQUIRES_OK(ctx, IdsCheckedAttr(ctx, &ids_checked_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -538,11 +566,13 @@ class ClipGradOp : public OpKernel {
       vocabs[t] = d.vocab;
     }
     OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_clip_grads, &descs, dim,
-                                 max_norm_, names, id_tensors, vocabs));
+                                 max_norm_, names, id_tensors, vocabs,
+                                 ids_checked_));
   }
 
  private:
   float max_norm_;
+  bool ids_checked_;
 };
 
 // GroupEmbeddingTableSnapshot, as the CPU kernel: the table itself
@@ -552,6 +582,7 @@ class TableSnapshotOp : public OpKernel {
  public:
   explicit TableSnapshotOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &name_));
+    OP_REQUIRES_OK(ctx, IdsCheckedAttr(ctx, &ids_checked_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -589,11 +620,13 @@ class TableSnapshotOp : public OpKernel {
     d.out = DataOr<float>(*rows);
     d.out_stride = dim;
     OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_lookup_pooled, &descs, dim,
-                                 -1.0f, {name_}, {&ids}, {d.vocab}));
+                                 -1.0f, {name_}, {&ids}, {d.vocab},
+                                 ids_checked_));
   }
 
  private:
   std::string name_;
+  bool ids_checked_;
 };
 
 // GroupEmbedding(Sequence)WeightGrad(FromSnapshots): d loss / d weights
@@ -609,6 +642,7 @@ class WeightGradOp : public OpKernel {
         snapshots_(ctx->def().op().find("FromSnapshots") !=
                    std::string::npos) {
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+    OP_REQUIRES_OK(ctx, IdsCheckedAttr(ctx, &ids_checked_));
     if (layout_ != Layout::kSequence) {
       OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
     }
@@ -683,7 +717,8 @@ class WeightGradOp : public OpKernel {
     }
     if (descs.empty()) return;
     OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_weight_grads, &descs, dim,
-                                 max_norm_, names, id_tensors, vocabs));
+                                 max_norm_, names, id_tensors, vocabs,
+                                 ids_checked_));
   }
 
  private:
@@ -691,6 +726,7 @@ class WeightGradOp : public OpKernel {
   const bool snapshots_;
   std::vector<int32_t> combiners_;
   float max_norm_;
+  bool ids_checked_;
 };
 
 #ifdef GE_ADAPTOR_ON_HOST

@@ -34,6 +34,8 @@ REGISTER_OP("GroupEmbeddingClipGrad")
     .Output("clipped_grads: num_tables * float")
     .Attr("num_tables: int >= 1")
     .Attr("max_norm: float")
+    // ids_checked: see IdsCheckedAttr (op_checks.h).
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));

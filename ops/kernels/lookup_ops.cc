@@ -223,6 +223,8 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("num_tables: int >= 1")
     .Attr("combiners: list(string)")
     .Attr("embedding_dim: int >= 0")
+    // ids_checked: see IdsCheckedAttr (op_checks.h).
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
@@ -246,6 +248,8 @@ REGISTER_OP("GroupEmbeddingConcatLookupGrad")
     .Attr("num_tables: int >= 1")
     .Attr("combiners: list(string)")
     .Attr("embedding_dim: int >= 0")
+    // ids_checked: see IdsCheckedAttr (op_checks.h).
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;

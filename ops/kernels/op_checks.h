@@ -48,6 +48,24 @@ inline Status GetMaxNorm(::tensorflow::OpKernelConstruction* ctx,
   return Status();
 }
 
+// The `ids_checked` attr of the ops a lookup's gradient function builds
+// (its backward, the clip's backward, the table snapshot, the weight
+// gradients): true when their ids, row_splits and positions are those of
+// the forward lookup of the same step (or distinct ids of them), which
+// checked them against the same tables and raised the error naming the
+// table. The GPU kernels then do not wait for their stream to read their
+// error counts again (issue 35.3: one host wait per training step, the
+// forward's); the CPU kernels check anyway (their checks cost no wait).
+// Default false: an op built by hand checks its own input.
+inline Status IdsCheckedAttr(::tensorflow::OpKernelConstruction* ctx,
+                             bool* checked) {
+  if (!ctx->HasAttr("ids_checked")) {
+    *checked = false;
+    return Status();
+  }
+  return ctx->GetAttr("ids_checked", checked);
+}
+
 // The data of each tensor of an input list (null for an empty one, which
 // is how unweighted tables pass their weights), taken once before the
 // parallel loops: `Tensor::flat()` checks the dtype at every call, and

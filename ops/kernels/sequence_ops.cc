@@ -160,6 +160,8 @@ REGISTER_OP("GroupEmbeddingSequenceLookupGrad")
     .Output("id_grads: num_tables * float")
     .Attr("num_tables: int >= 1")
     .Attr("embedding_dim: int >= 0")
+    // ids_checked: see IdsCheckedAttr (op_checks.h).
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;

@@ -72,6 +72,8 @@ REGISTER_OP("GroupEmbeddingWeightGradFromSnapshots")
     .Attr("num_tables: int >= 1")
     .Attr("combiners: list(string)")
     .Attr("max_norm: float = -1")
+    // ids_checked: see IdsCheckedAttr (op_checks.h).
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
@@ -96,6 +98,8 @@ REGISTER_OP("GroupEmbeddingTableSnapshot")
     .Output("rows: float")
     .Output("by_position: bool")
     .Attr("table_name: string")
+    // ids_checked: see IdsCheckedAttr (op_checks.h).
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
@@ -268,6 +272,8 @@ REGISTER_OP("GroupEmbeddingSequenceWeightGradFromSnapshots")
     .Output("weight_grads: num_tables * float")
     .Attr("num_tables: int >= 1")
     .Attr("max_norm: float = -1")
+    // ids_checked: see IdsCheckedAttr (op_checks.h).
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));

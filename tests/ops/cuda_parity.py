@@ -595,6 +595,47 @@ def case_long_runs(ctx, dim, max_norm):
         close(f"table {t} accumulator", acc, want_a, rtol=1e-4, atol=1e-4)
 
 
+def case_backward_padded(ctx, dim, max_norm):
+    """ge_backward_padded: each table's distinct ids and sums (as
+    ge_backward's, oracle) at the start of the block of its occurrences,
+    the block's other rows untouched (the caller's fill), an empty table's
+    block empty; tables with long runs and with every id distinct."""
+    rng = np.random.default_rng(900 + dim)
+    tables = make_tables(rng, SPECS, dim, weighted=True)
+    counts = {3: 40, 4: 1, 5: 33}
+    ids = rng.permutation(np.concatenate(
+        [np.full(c, i) for i, c in counts.items()])).astype(np.int64)
+    splits = np.array([0, 30, 30, len(ids)], np.int64)
+    tables.append(cc.TableBatch(
+        table=rng.normal(size=(9, dim)).astype(np.float32), ids=ids,
+        splits=splits, combiner="mean"))
+    tables.append(cc.TableBatch(
+        table=rng.normal(size=(50, dim)).astype(np.float32),
+        ids=rng.permutation(50)[:20].astype(np.int64),
+        splits=np.arange(21, dtype=np.int64), combiner="sum"))
+    tables.append(cc.TableBatch(
+        table=rng.normal(size=(4, dim)).astype(np.float32),
+        ids=np.zeros(0, np.int64), splits=np.zeros(3, np.int64),
+        combiner="sum"))
+    call = cc.GroupCall(ctx.core, ctx.mem, tables, max_norm=max_norm)
+    grads = _grads_like(rng, call.lookup())
+    call.set_grads(grads)
+    for t, (got_ids, g, u) in enumerate(call.backward_padded()):
+        want = oracle_grad_sums(tables[t], grads[t], max_norm)
+        n = len(tables[t].ids)
+        equal(f"table {t} block rows", (len(got_ids), len(g)), (n, n))
+        equal(f"table {t} distinct id count", u, len(want))
+        equal(f"table {t} distinct ids", list(got_ids[:u]), sorted(want))
+        if u:
+            close(f"table {t} gradient sums", g[:u],
+                  np.stack([want[i] for i in got_ids[:u]]), rtol=1e-4,
+                  atol=1e-4)
+        equal(f"table {t} fill ids kept", list(got_ids[u:]), [-7] * (n - u))
+        equal(f"table {t} fill grads kept", bool(np.all(g[u:] == 123.0)),
+              True)
+    equal("error counts", call.error_counts(), (0, 0))
+
+
 def all_cases(quick=False):
     """(name, fn(ctx)) of every case; `quick`: a small subset (the
     sanitizer runs)."""
@@ -634,6 +675,10 @@ def all_cases(quick=False):
                           case_clip_grads(c, d, p)))
         cases.append((f"bad_layout_d{dim}",
                       lambda c, d=dim: case_bad_layout(c, d)))
+        for max_norm in (-1.0, 0.8):
+            cases.append((f"backward_padded_d{dim}_mn{max_norm}",
+                          lambda c, d=dim, m=max_norm:
+                          case_backward_padded(c, d, m)))
     for dim in ((16, 7) if quick else (16, 64, 3, 200)):
         for max_norm in (-1.0, 0.8):
             cases.append((f"long_runs_d{dim}_mn{max_norm}",
