@@ -108,8 +108,9 @@ def sources_digest(capabilities=None):
     for name in sorted(os.listdir(CUDA_DIR)):
         with open(os.path.join(CUDA_DIR, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
-    # The CPU kernels' headers the adaptor includes.
-    for name in ("pooling.h", "table_access.h", "op_checks.h"):
+    # The CPU kernels' headers the adaptor and the core include.
+    for name in ("pooling.h", "table_access.h", "op_checks.h",
+                 "hash_mix.h"):
         with open(os.path.join(kernel_library._KERNEL_DIR, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]

@@ -14,19 +14,13 @@
 #include "core_checks.h"
 #include "embedding_math.h"
 #include "ev_table.h"
+#include "../kernels/hash_mix.h"
 
 namespace ge_ev {
 
-// The CPU kernels' mixer (ops/kernels/id_map.h Mix): a bijection of
-// uint64, so distinct keys never share a hash.
-GE_HD uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
+// Keys hash with the CPU kernels' one mixer (a bijection of uint64, so
+// distinct keys never share a hash).
+using group_embedding::Mix;
 
 // Bucket from the high half, digest from the low byte: independent bits,
 // so the keys of one bucket still spread over 255 digests. Digest 0 is

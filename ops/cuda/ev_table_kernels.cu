@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ev_table_hash.h"
+#include "group_rows.cuh"
 
 namespace ge_cuda_ev {
 namespace {
@@ -32,6 +33,7 @@ using ge_ev::Admitted;
 using ge_ev::BucketOf;
 using ge_ev::DefaultRow;
 using ge_ev::DigestOf;
+using ge_cuda::FindSegment;
 using ge_ev::Mix;
 
 constexpr int kTile = 8;    // lanes per key in the probes
@@ -92,21 +94,6 @@ __device__ __forceinline__ int64_t TileFind(const GeEvTable& t, bool active,
   const int src = tile * kTile + (hits ? __ffs(hits) - 1 : 0);
   const int64_t s = __shfl_sync(kAll, found, src);
   return hits ? s : -1;
-}
-
-// The segment of a prefix array [0 = base[0], ..., base[n]] holding x.
-__device__ __forceinline__ int FindSegment(const int64_t* base, int n,
-                                           int64_t x) {
-  int lo = 0, hi = n;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (base[mid] <= x) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
 }
 
 struct Tile {

@@ -80,7 +80,7 @@ constexpr uint32_t kEmpty = 0xffffffffu;
 // instead of wrapping onto row 0.
 constexpr int64_t kMaxRows = int64_t{0xfffffffe};
 
-// Keys hash with the kernels' one mixer, group_embedding::Mix (id_map.h).
+// Keys hash with the kernels' one mixer, group_embedding::Mix (hash_mix.h).
 
 // Rows of `width` Ts in chunks (see kFirstChunkShift): a row's address
 // never changes once allocated.

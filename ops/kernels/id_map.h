@@ -21,22 +21,10 @@
 #include <utility>
 #include <vector>
 
+#include "hash_mix.h"
 #include "tensorflow/core/platform/mutex.h"
 
 namespace group_embedding {
-
-// The 64-bit finaliser of MurmurHash3: ids that differ in any bit land in
-// unrelated buckets (sequential ids, ids that share their low bits).
-// EmbeddingVariable storage hashes with it too (ev_storage.h): its counting
-// Bloom filter's positions derive from it, so it must never change.
-inline uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
 
 // Open-addressing id -> slot map; slots are dense, in first-occurrence
 // order. The buckets start small and double as ids arrive: sized for the
