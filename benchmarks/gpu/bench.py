@@ -39,9 +39,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(
 sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
 
 import criteo_like  # noqa: E402
-
-
 from bindings import cc  # noqa: E402
+
 LR = 0.01
 EPS = 1e-10
 

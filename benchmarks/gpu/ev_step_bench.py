@@ -34,7 +34,8 @@ import numpy as np
 
 import bench  # benchmarks/gpu/bench.py (it puts benchmarks/ on the path)
 import criteo_like
-from bindings import cc, et
+from bindings import cc
+from bindings import et
 
 LR, EPS = bench.LR, bench.EPS
 

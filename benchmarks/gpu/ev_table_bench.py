@@ -33,7 +33,8 @@ import time
 
 import numpy as np
 
-from bindings import cc, et
+from bindings import cc
+from bindings import et
 
 
 def timed(cp, fn, reps=15, warmup=3):

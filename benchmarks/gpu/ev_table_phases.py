@@ -16,7 +16,8 @@ import sys
 
 import numpy as np
 
-from bindings import cc, et
+from bindings import cc
+from bindings import et
 
 
 def main():

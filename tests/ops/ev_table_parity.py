@@ -29,7 +29,6 @@ import numpy as np
 
 import cuda_parity  # beside this file: the core's bindings, loaded by path
 
-
 cc = cuda_parity.cc
 et = cc.load_sibling("ev_table_core.py")
 BUCKET = et.BUCKET

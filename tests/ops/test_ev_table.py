@@ -11,8 +11,9 @@
 
 import pytest
 
-import ev_table_parity
 from group_embedding.ops import gpu_kernel_library
+
+import ev_table_parity
 
 
 @pytest.fixture(scope="module")
