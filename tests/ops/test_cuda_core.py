@@ -600,6 +600,78 @@ def test_training_step_waits_for_the_stream_once(
     _assert_same(wg, want_wg, "weight gradients")
 
 
+def _optimizer_step(monkeypatch, labelled, make_optimizer, mode):
+    """Tables after two steps of `make_optimizer()` applying the
+    IndexedSlices of a weighted max_norm group (the adaptor's when
+    `labelled`, a row per id with zero rows past the distinct ids; else
+    the CPU kernels', distinct ids only)."""
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
+    sequence = mode == "sequence"
+    _, arrays, ids, weights = _step_inputs(70, sequence)
+    tables = [tf.Variable(a) for a in arrays]
+    optimizer = make_optimizer()
+    optimizer.build(tables)
+
+    def step():
+        sp_ids = [tf.RaggedTensor.from_row_splits(v, s) for v, s in ids]
+        sp_weights = [tf.RaggedTensor.from_row_splits(w, s)
+                      for w, (_, s) in zip(weights, ids)]
+        with tf.GradientTape() as tape:
+            out = group_embedding_lookup_sparse(
+                tables, sp_ids, ["sum", "mean", "sqrtn"], sp_weights,
+                is_sequence=sequence, max_norm=1.5)
+            loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + float(i)))
+                             for i, o in enumerate(out)])
+        grads = tape.gradient(loss, tables)
+        assert all(isinstance(g, tf.IndexedSlices) for g in grads)
+        optimizer.apply_gradients(zip(grads, tables))
+        return [(tf.size(g.indices), tf.size(tf.unique(g.indices)[0]))
+                for g in grads]
+
+    @tf.function
+    def traced():
+        if not labelled:
+            return step()
+        graph = tf.compat.v1.get_default_graph()
+        with graph._kernel_label_map({op: "ge_host_core"
+                                      for op in STEP_OPS}):
+            return step()
+
+    traced()
+    rows = traced()
+    return [t.numpy() for t in tables], [(int(n), int(u)) for n, u in rows]
+
+
+@pytest.mark.parametrize("name", ["ge_sgd", "ge_adagrad", "ge_adam",
+                                  "ge_ftrl", "keras_adagrad", "keras_adam"])
+@pytest.mark.parametrize("mode", ["pooled", "sequence"])
+def test_optimizers_apply_the_padded_backward_as_the_cpu_kernels(
+        host_adaptor, monkeypatch, name, mode):
+    """The backward's rows past the distinct ids (the table's own ids,
+    zero gradients) change no optimizer's update: two steps of each
+    optimizer end with the tables the CPU kernels' gradients give."""
+    import keras
+
+    import group_embedding as ge
+    make = {"ge_sgd": lambda: ge.optimizers.SGD(0.1),
+            "ge_adagrad": lambda: ge.optimizers.Adagrad(0.1),
+            "ge_adam": lambda: ge.optimizers.Adam(0.05),
+            "ge_ftrl": lambda: ge.optimizers.Ftrl(0.1),
+            "keras_adagrad": lambda: keras.optimizers.Adagrad(0.1),
+            "keras_adam": lambda: keras.optimizers.Adam(0.05)}[name]
+    got, got_rows = _optimizer_step(monkeypatch, True, make, mode)
+    want, want_rows = _optimizer_step(monkeypatch, False, make, mode)
+    _, start, ids, _ = _step_inputs(70, mode == "sequence")
+    # The adaptor's rows: one per id, some of them padding.
+    assert got_rows == [(len(v), u) for (v, _), (_, u) in zip(ids, want_rows)]
+    assert any(n > u for n, u in got_rows)
+    assert all(n == u for n, u in want_rows)
+    for t, (g, w, s0) in enumerate(zip(got, want, start)):
+        assert np.abs(w - s0).max() > 1e-4, f"table {t} did not move"
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name} table {t}")
+
+
 def test_adaptor_clip_and_snapshot_name_the_table_of_a_bad_id(host_adaptor):
     lib = host_adaptor
     table = tf.Variable(np.ones((5, 4), np.float32))
