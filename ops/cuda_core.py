@@ -418,46 +418,43 @@ class GroupCall:
             self._bwd_scratch = self.mem.empty((size,), np.uint8)
         return self._bwd_scratch
 
-    def backward(self):
-        """Distinct ids and summed gradients per table:
-        a list of (ids [u], grads [u, dim]) numpy pairs."""
+    def _run_backward(self, name, uids, ugrads):
+        """Calls ge_backward or ge_backward_padded (`name`) into the
+        device arrays `uids` and `ugrads`; (offsets, ids, grads), numpy."""
         m, k = self.mem, len(self.tables)
-        total = max(sum(len(x.ids) for x in self.tables), 1)
-        uids = m.empty((total,), np.int64)
-        ugrads = m.empty((total, self.dim), np.float32)
         offsets = m.empty((k + 1,), np.int64)
         scratch = self._backward_scratch()
-        self._check("backward", self.core.lib.ge_backward(
+        self._check(name, getattr(self.core.lib, "ge_" + name)(
             self.descs, k, self.dim, self.max_norm, m.ptr(scratch),
             m.count(scratch), m.ptr(uids), m.ptr(ugrads), m.ptr(offsets),
             m.ptr(self.errors), m.stream))
         m.sync()
-        off = m.get(offsets)
-        ids, grads = m.get(uids), m.get(ugrads)
+        return m.get(offsets), m.get(uids), m.get(ugrads)
+
+    def backward(self):
+        """Distinct ids and summed gradients per table:
+        a list of (ids [u], grads [u, dim]) numpy pairs."""
+        m = self.mem
+        total = max(sum(len(x.ids) for x in self.tables), 1)
+        off, ids, grads = self._run_backward(
+            "backward", m.empty((total,), np.int64),
+            m.empty((total, self.dim), np.float32))
         return [(ids[off[t]:off[t + 1]], grads[off[t]:off[t + 1]])
-                for t in range(k)]
+                for t in range(len(self.tables))]
 
     def backward_padded(self, fill_id=-7, fill_grad=123.0):
         """ge_backward_padded into outputs filled with `fill_id` and
         `fill_grad` first: per table (block ids [nnz], block grads
         [nnz, dim], distinct id count u), numpy."""
-        m, k = self.mem, len(self.tables)
+        m = self.mem
         sizes = [len(x.ids) for x in self.tables]
         total = max(sum(sizes), 1)
-        uids = m.put(np.full((total,), fill_id, np.int64))
-        ugrads = m.put(np.full((total, self.dim), fill_grad, np.float32))
-        offsets = m.empty((k + 1,), np.int64)
-        scratch = self._backward_scratch()
-        self._check("backward_padded", self.core.lib.ge_backward_padded(
-            self.descs, k, self.dim, self.max_norm, m.ptr(scratch),
-            m.count(scratch), m.ptr(uids), m.ptr(ugrads), m.ptr(offsets),
-            m.ptr(self.errors), m.stream))
-        m.sync()
-        off = m.get(offsets)
-        ids, grads = m.get(uids), m.get(ugrads)
+        off, ids, grads = self._run_backward(
+            "backward_padded", m.put(np.full((total,), fill_id, np.int64)),
+            m.put(np.full((total, self.dim), fill_grad, np.float32)))
         start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         return [(ids[start[t]:start[t + 1]], grads[start[t]:start[t + 1]],
-                 int(off[t + 1] - off[t])) for t in range(k)]
+                 int(off[t + 1] - off[t])) for t in range(len(sizes))]
 
     def optimizer_config(self, name, **hyper):
         """A `GeOptimizerConfig` for optimizer `name` (sgd, adagrad, adam,

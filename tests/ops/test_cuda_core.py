@@ -425,6 +425,20 @@ def _step_inputs(seed, sequence):
     return rng, tables, ids, weights
 
 
+def _step_function(step, labelled):
+    """step() as a tf.function, its training-step ops on the adaptor's
+    kernels when `labelled`."""
+    @tf.function
+    def traced():
+        if not labelled:
+            return step()
+        graph = tf.compat.v1.get_default_graph()
+        with graph._kernel_label_map({op: "ge_host_core"
+                                      for op in STEP_OPS}):
+            return step()
+    return traced
+
+
 def _train_step(lib_mode, monkeypatch, seed, mode, weighted, max_norm,
                 labelled, copy_on_read=False):
     """Outputs, table gradients (dense) and weight gradients of one
@@ -463,14 +477,7 @@ def _train_step(lib_mode, monkeypatch, seed, mode, weighted, max_norm,
         return (outs, [tf.convert_to_tensor(g) for g in table_grads],
                 weight_grads if weighted else [])
 
-    @tf.function
-    def traced():
-        if not labelled:
-            return step()
-        graph = tf.compat.v1.get_default_graph()
-        with graph._kernel_label_map({op: "ge_host_core"
-                                      for op in STEP_OPS}):
-            return step()
+    traced = _step_function(step, labelled)
 
     result = traced()
     graph = traced.get_concrete_function().graph
@@ -628,14 +635,7 @@ def _optimizer_step(monkeypatch, labelled, make_optimizer, mode):
         return [(tf.size(g.indices), tf.size(tf.unique(g.indices)[0]))
                 for g in grads]
 
-    @tf.function
-    def traced():
-        if not labelled:
-            return step()
-        graph = tf.compat.v1.get_default_graph()
-        with graph._kernel_label_map({op: "ge_host_core"
-                                      for op in STEP_OPS}):
-            return step()
+    traced = _step_function(step, labelled)
 
     traced()
     rows = traced()
