@@ -487,17 +487,20 @@ __global__ void __launch_bounds__(kBlock, GE_EV_INSERT_MIN_BLOCKS)
   }
 }
 
-// With a filter: the hits are counted once every read is done.
+// The hits of filtered tables, counted once every read is done (a group
+// may mix filtered and unfiltered tables).
 __global__ void __launch_bounds__(kBlock)
     CountHitsKernel(Group g, const uint32_t* bucket_of) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) +
                     threadIdx.x;
   if (j >= g.n || bucket_of[j] != g.none) return;
   const Occurrence o = Locate(g, j);
+  const GeEvTable& t = g.tables[o.batch->table];
+  // A table without a filter counted its hits in the probe.
   const int64_t s = *SlotRef(g, j, o);
-  if (s < 0) return;
-  atomicAdd(reinterpret_cast<unsigned long long*>(
-                ge_ev::FreqOf(g.tables[o.batch->table].meta, s)), 1ull);
+  if (s < 0 || t.filter_freq <= 0) return;
+  atomicAdd(reinterpret_cast<unsigned long long*>(ge_ev::FreqOf(t.meta, s)),
+            1ull);
 }
 
 // An import's keys get their own versions once nothing can evict them.
