@@ -170,6 +170,36 @@ inline int CheckGroup(const GeEvTable* tables, int num_tables,
   return GE_OK;
 }
 
+// The host checks of ge_ev_init (it needs only the keys and digests),
+// ge_ev_evict and ge_ev_export, shared by the CUDA table and its stand-in.
+inline int CheckInit(const GeEvTable* t) {
+  if (t == nullptr || t->keys == nullptr || t->digests == nullptr ||
+      !IsPowerOfTwo(t->num_buckets) || t->num_buckets > kMaxBuckets) {
+    return GE_ERR_ARGUMENT;
+  }
+  return GE_OK;
+}
+inline int CheckEvict(const GeEvTable* t, const GeEvEvicted* evicted,
+                      const unsigned long long* counters,
+                      int64_t steps_to_live) {
+  const int s = CheckTable(t);
+  if (s != GE_OK) return s;
+  if (CheckEvicted(t, evicted, 0) != GE_OK || counters == nullptr ||
+      steps_to_live < 0) {
+    return GE_ERR_ARGUMENT;
+  }
+  return GE_OK;
+}
+inline int CheckExport(const GeEvTable* t, const int64_t* keys,
+                       int64_t capacity, const unsigned long long* count) {
+  const int s = CheckTable(t);
+  if (s != GE_OK) return s;
+  if (count == nullptr || capacity < 0 || (capacity > 0 && keys == nullptr)) {
+    return GE_ERR_ARGUMENT;
+  }
+  return GE_OK;
+}
+
 inline int64_t Capacity(const GeEvTable* t) {
   return t->num_buckets * GE_EV_BUCKET;
 }

@@ -256,11 +256,8 @@ size_t ge_ev_table_bytes(int64_t num_buckets, int64_t dim, int num_slots) {
 
 int ge_ev_init(const GeEvTable* table, void* stream) {
   (void)stream;
-  if (table == nullptr || table->keys == nullptr ||
-      table->digests == nullptr || !ge_ev::IsPowerOfTwo(table->num_buckets) ||
-      table->num_buckets > ge_ev::kMaxBuckets) {
-    return GE_ERR_ARGUMENT;
-  }
+  const int status = ge_ev::CheckInit(table);
+  if (status != GE_OK) return status;
   const int64_t cap = ge_ev::Capacity(table);
   std::fill(table->keys, table->keys + cap, GE_EV_EMPTY_KEY);
   memset(table->digests, 0, cap);
@@ -354,12 +351,9 @@ int ge_ev_evict(const GeEvTable* table, int64_t step, int64_t steps_to_live,
                 float l2_threshold, const GeEvEvicted* evicted,
                 unsigned long long* counters, void* stream) {
   (void)stream;
-  int status = ge_ev::CheckTable(table);
+  const int status =
+      ge_ev::CheckEvict(table, evicted, counters, steps_to_live);
   if (status != GE_OK) return status;
-  status = ge_ev::CheckEvicted(table, evicted, 0);
-  if (status != GE_OK || counters == nullptr || steps_to_live < 0) {
-    return GE_ERR_ARGUMENT;
-  }
   if (steps_to_live == 0 && !(l2_threshold >= 0.0f)) return GE_OK;
   const GeEvTable& t = *table;
   const int64_t now = step < 0 ? 0 : step;
@@ -405,11 +399,8 @@ int ge_ev_export(const GeEvTable* table, int64_t* keys, float* values,
                  int64_t capacity, unsigned long long* count, void* scratch,
                  size_t scratch_bytes, void* stream) {
   (void)stream;
-  const int status = ge_ev::CheckTable(table);
+  const int status = ge_ev::CheckExport(table, keys, capacity, count);
   if (status != GE_OK) return status;
-  if (count == nullptr || capacity < 0 || (capacity > 0 && keys == nullptr)) {
-    return GE_ERR_ARGUMENT;
-  }
   if (scratch == nullptr ||
       scratch_bytes < ge_ev_export_scratch_bytes(table)) {
     return GE_ERR_SCRATCH;

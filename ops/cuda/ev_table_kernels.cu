@@ -624,6 +624,28 @@ int SortBits(int64_t total_buckets) {
   return bits;
 }
 
+// The scratch of an export: live keys per bucket, their prefix sums, the
+// scan's temporary storage.
+struct ExportScratch {
+  int64_t *counts, *first;
+  void* scan_temp;
+  size_t scan_bytes;
+  size_t total;
+};
+
+ExportScratch TakeExportScratch(void* base, int64_t nb) {
+  ge_core::ScratchLayout layout(base);
+  ExportScratch x;
+  x.counts = layout.Take<int64_t>(nb);
+  x.first = layout.Take<int64_t>(nb);
+  x.scan_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, x.scan_bytes, x.counts, x.first,
+                                static_cast<int>(nb));
+  x.scan_temp = layout.Take<char>(static_cast<int64_t>(x.scan_bytes));
+  x.total = layout.used();
+  return x;
+}
+
 // The scratch of a group call: descriptors, then the sort's arrays.
 struct GroupScratch {
   GeEvTable* tables;
@@ -754,11 +776,8 @@ size_t ge_ev_table_bytes(int64_t num_buckets, int64_t dim, int num_slots) {
 }
 
 int ge_ev_init(const GeEvTable* table, void* stream) {
-  if (table == nullptr || table->keys == nullptr ||
-      table->digests == nullptr || !ge_ev::IsPowerOfTwo(table->num_buckets) ||
-      table->num_buckets > ge_ev::kMaxBuckets) {
-    return GE_ERR_ARGUMENT;
-  }
+  const int status = ge_ev::CheckInit(table);
+  if (status != GE_OK) return status;
   const int64_t cap = ge_ev::Capacity(table);
   InitKernel<<<Blocks(cap), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(
       *table, cap);
@@ -831,12 +850,9 @@ int ge_ev_insert(const GeEvTable* table, const int64_t* keys, int64_t n,
 int ge_ev_evict(const GeEvTable* table, int64_t step, int64_t steps_to_live,
                 float l2_threshold, const GeEvEvicted* evicted,
                 unsigned long long* counters, void* stream) {
-  int status = ge_ev::CheckTable(table);
+  const int status =
+      ge_ev::CheckEvict(table, evicted, counters, steps_to_live);
   if (status != GE_OK) return status;
-  status = ge_ev::CheckEvicted(table, evicted, 0);
-  if (status != GE_OK || counters == nullptr || steps_to_live < 0) {
-    return GE_ERR_ARGUMENT;
-  }
   if (steps_to_live == 0 && !(l2_threshold >= 0.0f)) return GE_OK;
   const int64_t cap = ge_ev::Capacity(table);
   GeEvEvicted ev{};
@@ -859,46 +875,29 @@ int ge_ev_size(const GeEvTable* table, unsigned long long* count,
 
 size_t ge_ev_export_scratch_bytes(const GeEvTable* table) {
   if (ge_ev::CheckTable(table) != GE_OK) return 0;
-  const int64_t nb = table->num_buckets;
-  ge_core::ScratchLayout layout(nullptr);
-  int64_t* counts = layout.Take<int64_t>(nb);
-  int64_t* first = layout.Take<int64_t>(nb);
-  size_t scan_bytes = 0;
-  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, counts, first,
-                                static_cast<int>(nb));
-  layout.Take<char>(static_cast<int64_t>(scan_bytes));
-  return layout.used();
+  return TakeExportScratch(nullptr, table->num_buckets).total;
 }
 
 int ge_ev_export(const GeEvTable* table, int64_t* keys, float* values,
                  float* slots, int64_t* freq, int64_t* version,
                  int64_t capacity, unsigned long long* count, void* scratch,
                  size_t scratch_bytes, void* stream) {
-  const int status = ge_ev::CheckTable(table);
+  const int status = ge_ev::CheckExport(table, keys, capacity, count);
   if (status != GE_OK) return status;
-  if (count == nullptr || capacity < 0 || (capacity > 0 && keys == nullptr)) {
-    return GE_ERR_ARGUMENT;
-  }
   if (scratch == nullptr ||
       scratch_bytes < ge_ev_export_scratch_bytes(table)) {
     return GE_ERR_SCRATCH;
   }
   const int64_t nb = table->num_buckets;
-  ge_core::ScratchLayout layout(scratch);
-  int64_t* counts = layout.Take<int64_t>(nb);
-  int64_t* first = layout.Take<int64_t>(nb);
-  size_t scan_bytes = 0;
-  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, counts, first,
-                                static_cast<int>(nb));
-  void* scan_temp = layout.Take<char>(static_cast<int64_t>(scan_bytes));
+  ExportScratch x = TakeExportScratch(scratch, nb);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  CountKernel<<<nb, GE_EV_BUCKET, 0, st>>>(*table, counts, count);
+  CountKernel<<<nb, GE_EV_BUCKET, 0, st>>>(*table, x.counts, count);
   if (int e = Launched()) return e;
   cudaError_t e = cub::DeviceScan::ExclusiveSum(
-      scan_temp, scan_bytes, counts, first, static_cast<int>(nb), st);
+      x.scan_temp, x.scan_bytes, x.counts, x.first, static_cast<int>(nb), st);
   if (e != cudaSuccess) return static_cast<int>(e);
   if (capacity == 0) return GE_OK;
-  ExportKernel<<<nb, GE_EV_BUCKET, 0, st>>>(*table, first, keys, values,
+  ExportKernel<<<nb, GE_EV_BUCKET, 0, st>>>(*table, x.first, keys, values,
                                             slots, freq, version, capacity);
   return Launched();
 }

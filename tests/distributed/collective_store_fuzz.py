@@ -31,15 +31,9 @@ import tensorflow as tf  # noqa: E402
 import group_embedding as ge  # noqa: E402
 from group_embedding.distributed import watchdog  # noqa: E402
 
+from process_memory import status_bytes  # noqa: E402
+
 PHASES = ("control", "attack")
-
-
-def _memory(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/self/status")
 
 
 def _time_watchdog_rounds(phase, rounds):
@@ -94,7 +88,7 @@ def main():
                   os.path.join(folder, "store"))
     steps = {p: [] for p in PHASES}
     step_cpu = {p: 0.0 for p in PHASES}
-    growth, before = 0, _memory("VmRSS")
+    growth, before = 0, status_bytes("VmRSS")
     for i in range(10**9):
         try:
             with open(os.path.join(folder, "phase")) as f:
@@ -104,9 +98,9 @@ def main():
         if now == "attack" and phase[0] != "attack":
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS
-            before = _memory("VmRSS")
+            before = status_bytes("VmRSS")
         if phase[0] == "attack" and now != "attack":
-            growth = max(growth, _memory("VmHWM") - before)
+            growth = max(growth, status_bytes("VmHWM") - before)
         if now in PHASES:
             phase[0] = now
         # Every 10 steps the workers agree whether to stop (one Horovod

@@ -39,6 +39,8 @@ import tensorflow as tf
 import group_embedding as ge
 from group_embedding.distributed import transport
 
+from process_memory import status_bytes
+
 
 def check_parity(hvd):
     rank, size = hvd.rank(), hvd.size()
@@ -197,25 +199,17 @@ def report_dropped():
         print(f"dropped: {line}", flush=True)
 
 
-def _memory(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/self/status")
-
-
 def _peak_growth(run):
     """(peak RSS growth in bytes while `run()` ran, its error or None)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
-    before = _memory("VmRSS")
+    before = status_bytes("VmRSS")
     error = None
     try:
         run()
     except tf.errors.OpError as e:
         error = e
-    return _memory("VmHWM") - before, error
+    return status_bytes("VmHWM") - before, error
 
 
 def amplify(hvd):
