@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from group_embedding.ops import backward_apply
 from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
@@ -59,6 +60,13 @@ class Adagrad(BaseOptimizer, keras.optimizers.Optimizer):
         ev_storage.apply_adagrad(variable.handle, gradient.indices,
                                  gradient.values, self._ev_step(),
                                  learning_rate, self.epsilon, EV_ACCUMULATOR)
+
+    def _fused_rule(self):
+        return backward_apply.Rule(
+            "adagrad",
+            lambda v: [self._accumulators[self._get_variable_index(v)]],
+            backward_apply.hyper(lr=self._get_current_learning_rate(),
+                                 epsilon=self.epsilon))
 
     def update_step(self, gradient, variable, learning_rate):
         accum = self._accumulators[self._get_variable_index(variable)]

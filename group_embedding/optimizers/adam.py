@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from group_embedding.ops import backward_apply
 from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
@@ -49,6 +50,18 @@ class Adam(BaseOptimizer, keras.optimizers.Adam):
                               gradient.values, self._ev_step(),
                               self._alpha(learning_rate), self.beta_1,
                               self.beta_2, self.epsilon, list(EV_SLOTS))
+
+    def _fused_rule(self):
+        if self.amsgrad:
+            return None  # update_step names the variable it refuses
+
+        def slots(v):
+            i = self._get_variable_index(v)
+            return [self._momentums[i], self._velocities[i]]
+
+        return backward_apply.Rule("adam", slots, backward_apply.hyper(
+            lr=self._alpha(self._get_current_learning_rate()),
+            epsilon=self.epsilon, beta_1=self.beta_1, beta_2=self.beta_2))
 
     def update_step(self, gradient, variable, learning_rate):
         if not isinstance(gradient, tf.IndexedSlices):

@@ -11,6 +11,7 @@ import warnings
 from typing import Any
 from typing import Dict
 from typing import List
+from typing import Optional
 from typing import Tuple
 
 import tensorflow as tf
@@ -19,6 +20,7 @@ from group_embedding.embedding_variable.keras_variable import (
     embedding_variable_of,
 )
 from group_embedding.embedding_variable.variable import EmbeddingVariable
+from group_embedding.ops import backward_apply
 
 # Keras options that the EV update path cannot honour.
 _UNSUPPORTED_WITH_EV = ("clipnorm", "clipvalue", "global_clipnorm",
@@ -89,7 +91,16 @@ class BaseOptimizer:
         # the KerasEmbeddingVariable that stands for them in the layer.
         evs = [embedding_variable_of(v) for v in variables]
         if all(ev is None for ev in evs):
-            return super().apply(grads, variables)
+            left = self._apply_fused(list(zip(grads, variables)))
+            if len(left) == len(grads):
+                return super().apply(grads, variables)
+            if any(g is not None for g, _ in left):
+                return super().apply([g for g, _ in left],
+                                     [v for _, v in left])
+            # Every gradient went to the fused ops; the stock apply would
+            # return without counting the step.
+            self.iterations.assign_add(1)
+            return None
         if all(g is None for g in grads):
             # Stock Keras refuses this for any variable; without it an EV
             # would silently stay unchanged while `iterations` advances.
@@ -115,12 +126,47 @@ class BaseOptimizer:
                     f"keyed by key, got {type(g).__name__}.")
             self._ensure_ev_slots(ev)
             self._ev_update_step(g, ev, lr)
+        rest = self._apply_fused(rest)
         # The stock apply refuses all-None gradients, but the EVs were
         # updated: then only warn (above), as it does for some Nones.
-        if rest_has_gradients:
+        if any(g is not None for g, _ in rest):
             return super().apply([g for g, _ in rest], [v for _, v in rest])
         self.iterations.assign_add(1)
         return None
+
+    def _fused_rule(self) -> Optional[backward_apply.Rule]:
+        """How this step's sparse updates map onto the core's fused
+        backward-apply (ops/backward_apply.py), or None: the optimizer's
+        own update for every variable. Called once the optimizer is
+        built."""
+        return None
+
+    def _apply_fused(self, pairs):
+        """Applies the lookup groups the GPU kernels can fuse (backward
+        and update in one op per group, ops/backward_apply.py); returns
+        the (gradient, variable) pairs left for the per-variable update.
+
+        Not with the Keras options that act on the gradients or the
+        variables between the backward and the update (the EV path's
+        list), nor for variables with a constraint.
+        """
+        if (tf.executing_eagerly()
+                or not any(isinstance(g, tf.IndexedSlices) for g, _ in pairs)
+                or any(getattr(self, o, None) not in (None, False, 0)
+                       for o in _UNSUPPORTED_WITH_EV)):
+            return pairs
+        candidates = [(g, v) for g, v in pairs
+                      if isinstance(g, tf.IndexedSlices)
+                      and getattr(v, "constraint", None) is None
+                      and not getattr(v, "overwrite_with_gradient", False)]
+        if not self.built:
+            self.build([v for _, v in pairs])
+        rule = self._fused_rule()
+        if rule is None:
+            return pairs
+        left = {id(v) for _, v in backward_apply.fuse(candidates, rule)}
+        fused = {id(v) for _, v in candidates} - left
+        return [(g, v) for g, v in pairs if id(v) not in fused]
 
     def _ev_step(self) -> tf.Tensor:
         return tf.cast(self.iterations, tf.int64)

@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from group_embedding.ops import backward_apply
 from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
@@ -36,6 +37,18 @@ class Ftrl(BaseOptimizer, keras.optimizers.Ftrl):
             self._ev_step(), lr, self.l1_regularization_strength,
             self._l2(lr), self.l2_shrinkage_regularization_strength,
             self.learning_rate_power, list(EV_SLOTS))
+
+    def _fused_rule(self):
+        lr = tf.cast(self._get_current_learning_rate(), tf.float32)
+
+        def slots(v):
+            i = self._get_variable_index(v)
+            return [self._accumulators[i], self._linears[i]]
+
+        return backward_apply.Rule("ftrl", slots, backward_apply.hyper(
+            lr=lr, l1=self.l1_regularization_strength, l2=self._l2(lr),
+            l2_shrinkage=self.l2_shrinkage_regularization_strength,
+            lr_power=self.learning_rate_power))
 
     def update_step(self, gradient, variable, learning_rate):
         if not isinstance(gradient, tf.IndexedSlices):

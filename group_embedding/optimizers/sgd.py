@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from group_embedding.ops import backward_apply
 from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
@@ -30,6 +31,13 @@ class SGD(BaseOptimizer, keras.optimizers.SGD):
         ev_storage.apply_sgd(variable.handle, gradient.indices,
                              gradient.values, self._ev_step(),
                              learning_rate)
+
+    def _fused_rule(self):
+        if self.momentum != 0:
+            return None
+        return backward_apply.Rule(
+            "sgd", lambda variable: [],
+            backward_apply.hyper(lr=self._get_current_learning_rate()))
 
     def update_step(self, gradient, variable, learning_rate):
         if isinstance(gradient, tf.IndexedSlices) and self.momentum == 0:

@@ -23,6 +23,9 @@ namespace ge_host {
 
 // ge_synchronize calls so far (ge_host_synchronize_calls).
 std::atomic<long long> synchronize_calls{0};
+// ge_backward / ge_backward_padded calls so far: gradients written out
+// (ge_host_backward_calls).
+std::atomic<long long> backward_calls{0};
 
 namespace {
 
@@ -274,6 +277,7 @@ int ge_backward(const GeTable* tables, int num_tables, int64_t dim,
                 float max_norm, void* scratch, size_t scratch_bytes,
                 int64_t* unique_ids, float* unique_grads, int64_t* offsets,
                 unsigned long long* errors, void* /*stream*/) {
+  ge_host::backward_calls.fetch_add(1, std::memory_order_relaxed);
   return ge_host::Backward(tables, num_tables, dim, max_norm, nullptr,
                            scratch, scratch_bytes, unique_ids, unique_grads,
                            offsets, errors);
@@ -284,6 +288,7 @@ int ge_backward_padded(const GeTable* tables, int num_tables, int64_t dim,
                        int64_t* unique_ids, float* unique_grads,
                        int64_t* offsets, unsigned long long* errors,
                        void* /*stream*/) {
+  ge_host::backward_calls.fetch_add(1, std::memory_order_relaxed);
   return ge_host::Backward(tables, num_tables, dim, max_norm, nullptr,
                            scratch, scratch_bytes, unique_ids, unique_grads,
                            offsets, errors, true);
@@ -409,6 +414,13 @@ int ge_synchronize(void* /*stream*/) {
 GE_API
 long long ge_host_synchronize_calls(void) {
   return ge_host::synchronize_calls.load(std::memory_order_relaxed);
+}
+
+// Test hook, as above: how many backward calls wrote gradients out (the
+// fused backward-apply writes none).
+GE_API
+long long ge_host_backward_calls(void) {
+  return ge_host::backward_calls.load(std::memory_order_relaxed);
 }
 
 int ge_abi_version(void) { return GE_CUDA_ABI_VERSION; }

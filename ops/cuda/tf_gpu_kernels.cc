@@ -29,9 +29,11 @@
 //   ops a gradient function builds (`ids_checked`) do not wait: the
 //   forward of their step checked the same ids, so a step waits once.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -515,6 +517,201 @@ class LookupGradOp : public OpKernel {
   bool ids_checked_;
 };
 
+// GroupEmbeddingBackwardApply (ops/kernels/backward_apply_op.cc): the
+// group's backward and optimizer step in one core call
+// (ge_backward_apply): per table, its distinct ids' gradients summed and
+// applied to the table and its slots in place; no gradient is written
+// anywhere and the group is sorted once (issue 35.2).
+class BackwardApplyOp : public OpKernel {
+ public:
+  explicit BackwardApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string layout, optimizer;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("layout", &layout));
+    layout_ = layout == "concat"     ? Layout::kConcat
+              : layout == "sequence" ? Layout::kSequence
+                                     : Layout::kPerTable;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+    OP_REQUIRES_OK(ctx, IdsCheckedAttr(ctx, &ids_checked_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer));
+    // The attr's values as GeOptimizer, and each one's slots per table.
+    static const struct {
+      const char* name;
+      int32_t kind;
+      int slots;
+    } kOptimizers[] = {{"sgd", GE_OPT_SGD, 0},
+                       {"adagrad", GE_OPT_ADAGRAD, 1},
+                       {"adam", GE_OPT_ADAM, 2},
+                       {"ftrl", GE_OPT_FTRL, 2}};
+    for (const auto& o : kOptimizers) {
+      if (optimizer == o.name) {
+        kind_ = o.kind;
+        slots_per_table_ = o.slots;
+      }
+    }
+    if (layout_ != Layout::kSequence) {
+      OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const bool sequence = layout_ == Layout::kSequence;
+    RaggedInputs in;
+    OP_REQUIRES_OK(ctx, in.Read(ctx, sequence));
+    const int k = in.ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(names_.size()) == k &&
+                         (sequence || static_cast<int>(combiners_.size()) == k),
+                InvalidArgument("table_names/combiners must have ", k,
+                                " entries."));
+    OpInputList grads, slots;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("slots", &slots));
+    OP_REQUIRES(ctx, slots.size() == slots_per_table_ * k,
+                InvalidArgument(name(), ": the optimizer has ",
+                                slots_per_table_, " slots per table, got ",
+                                slots.size(), " slot variables for ", k,
+                                " tables."));
+    OP_REQUIRES(ctx, grads.size() == (layout_ == Layout::kConcat ? 1 : k),
+                InvalidArgument(name(), ": got ", grads.size(),
+                                " gradients for ", k, " tables."));
+    const Tensor* hyper = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->input("hyper", &hyper));
+    OP_REQUIRES(ctx, hyper->dims() == 1 && hyper->NumElements() == 8,
+                InvalidArgument(name(), ": hyper must have 8 values, got "
+                                "shape ", hyper->shape().DebugString()));
+    const float* h = hyper->flat<float>().data();
+    GeOptimizerConfig config = {kind_, 0,    h[0], h[1], h[2],
+                                h[3],  h[4], h[5], h[6], h[7]};
+
+    // Tables and slots: inputs 0 .. k - 1, then k .. k + slots - 1.
+    const int nv = k + slots.size();
+    std::vector<RefCountPtr<Var>> refs(nv);
+    for (int i = 0; i < nv; ++i) {
+      OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(
+                              ctx, ::tensorflow::HandleFromInput(ctx, i),
+                              &refs[i]));
+    }
+    // The core applies each table once per call: a table named twice
+    // (or a slot that is also a table) would be updated twice.
+    std::vector<Var*> order(nv);
+    for (int i = 0; i < nv; ++i) order[i] = refs[i].get();
+    std::sort(order.begin(), order.end());
+    OP_REQUIRES(ctx, std::adjacent_find(order.begin(), order.end()) ==
+                         order.end(),
+                InvalidArgument(name(), ": a variable is passed twice "
+                                "(tables: ", absl::StrJoin(names_, ", "),
+                                ")."));
+    // Exclusive locks in address order (TF's order for several variables).
+    std::vector<std::unique_ptr<::tensorflow::mutex_lock>> locks;
+    for (Var* v : order) {
+      locks.push_back(std::make_unique<::tensorflow::mutex_lock>(*v->mu()));
+    }
+    void* stream = StreamOf(ctx);
+    std::vector<float*> data(nv);
+    for (int i = 0; i < nv; ++i) {
+      const std::string& owner = names_[i < k ? i : (i - k) % k];
+      Tensor* t = refs[i]->tensor();
+      const Tensor* table = refs[i < k ? i : (i - k) % k]->tensor();
+      OP_REQUIRES(ctx, t->dtype() == DT_FLOAT && t->dims() == 2 &&
+                           t->dim_size(1) == dim_ &&
+                           t->dim_size(0) == table->dim_size(0),
+                  InvalidArgument(owner, i < k ? "" : " (slot)",
+                                  ": expected a float32 [vocab, ", dim_,
+                                  "] variable, got ",
+                                  t->shape().DebugString()));
+      // Written in place: a buffer still shared with an earlier read's
+      // tensor gets a copy first (copy on write), so that read keeps
+      // its values.
+      if (!t->RefCountIsOne()) {
+        Tensor copy;
+        OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_FLOAT, t->shape(), &copy));
+        if (t->NumElements() > 0) {
+          OP_REQUIRES_OK(ctx, CoreStatus(
+                                  "copying a shared table",
+                                  ge_copy_async(DataOr<float>(copy),
+                                                DataOr<float>(*t),
+                                                t->TotalBytes(), 0, stream)));
+        }
+        *t = copy;
+      }
+      data[i] = DataOr<float>(*t);
+    }
+    std::vector<GeTable> descs(k);
+    std::vector<const Tensor*> id_tensors(k);
+    std::vector<int64_t> vocabs(k);
+    for (int t = 0; t < k; ++t) {
+      GeTable& d = descs[t];
+      OP_REQUIRES_OK(ctx, in.Describe(t, names_[t], &d));
+      const int64_t batch = d.batch;
+      d.table = data[t];
+      d.vocab = refs[t]->tensor()->dim_size(0);
+      d.slot0 = slots_per_table_ > 0 ? data[k + t] : nullptr;
+      d.slot1 = slots_per_table_ > 1 ? data[2 * k + t] : nullptr;
+      id_tensors[t] = &in.ids[t];
+      vocabs[t] = d.vocab;
+      if (layout_ == Layout::kConcat) {
+        const Tensor& g = grads[0];
+        OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == batch &&
+                             g.dim_size(1) == k * dim_,
+                    InvalidArgument(names_[t], ": grads must be [", batch,
+                                    ", ", k * dim_, "], got ",
+                                    g.shape().DebugString()));
+        float* base = DataOr<float>(g);
+        d.grad = base ? base + t * dim_ : nullptr;
+        d.grad_stride = k * dim_;
+        d.combiner = combiners_[t];
+      } else if (sequence) {
+        const Tensor& g = grads[t];
+        OP_REQUIRES(ctx, g.dims() == 3 && g.dim_size(0) == batch &&
+                             g.dim_size(2) == dim_,
+                    InvalidArgument(names_[t], ": grads must be [", batch,
+                                    ", T, ", dim_, "], got ",
+                                    g.shape().DebugString()));
+        d.seq_len = g.dim_size(1);
+        d.grad = DataOr<float>(g);
+        d.grad_stride = d.seq_len * dim_;
+      } else {
+        const Tensor& g = grads[t];
+        OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == batch &&
+                             g.dim_size(1) == dim_,
+                    InvalidArgument(names_[t], ": grads must be [", batch,
+                                    ", ", dim_, "], got ",
+                                    g.shape().DebugString()));
+        d.grad = DataOr<float>(g);
+        d.grad_stride = dim_;
+        d.combiner = combiners_[t];
+      }
+    }
+    const size_t bytes = ge_backward_scratch_bytes(descs.data(), k, dim_);
+    OP_REQUIRES(ctx, bytes > 0,
+                InvalidArgument("the CUDA core refused the backward's "
+                                "arguments."));
+    Tensor scratch_t, counters_t;
+    void *scratch = nullptr, *counters = nullptr;
+    OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
+    OP_REQUIRES_OK(ctx, Temp(ctx, 16, &counters_t, &counters));
+    OP_REQUIRES_OK(ctx, CoreStatus("zeroing the error counts",
+                                   ge_zero_async(counters, 16, stream)));
+    OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_backward_apply(
+        descs.data(), k, dim_, max_norm_, &config, scratch, bytes,
+        static_cast<unsigned long long*>(counters), stream)));
+    if (ids_checked_) return;
+    OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names_,
+                                      id_tensors, vocabs));
+  }
+
+ private:
+  Layout layout_;
+  std::vector<std::string> names_;
+  std::vector<int32_t> combiners_;
+  int64_t dim_;
+  float max_norm_;
+  bool ids_checked_;
+  int32_t kind_ = GE_OPT_SGD;  // the op def allows only the four
+  int slots_per_table_ = 0;
+};
+
 // GroupEmbeddingClipGrad: the max_norm clip's backward of each table's
 // per-id gradients, with the rows read from the tables (one core call).
 class ClipGradOp : public OpKernel {
@@ -754,6 +951,9 @@ REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingConcatLookupGrad"),
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingSequenceLookupGrad"),
                         LookupGradOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingClipGrad"), ClipGradOp);
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingBackwardApply")
+                            .HostMemory("hyper"),
+                        BackwardApplyOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingTableSnapshot")
                             .HostMemory("by_position"),
                         TableSnapshotOp);

@@ -704,6 +704,152 @@ def test_optimizers_apply_the_padded_backward_as_the_cpu_kernels(
                                    err_msg=f"{name} table {t}")
 
 
+@pytest.fixture
+def backward_calls(host_adaptor):
+    """ge_backward(_padded) calls so far: gradients written out."""
+    lib = ctypes.CDLL(_ADAPTOR["path"])
+    lib.ge_host_backward_calls.restype = ctypes.c_longlong
+    return lib.ge_host_backward_calls
+
+
+# The fused path's ops: the training step's and the backward-apply.
+FUSED_OPS = STEP_OPS + ("GroupEmbeddingBackwardApply",)
+
+
+def _fused_step(monkeypatch, ops, make_optimizer, mode, weighted, max_norm):
+    """Tables and slots after two `ge.optimizers` steps of one group with
+    `ops` on the adaptor's kernels (none: the CPU kernels), and the op
+    types of the traced step."""
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
+    sequence = mode == "sequence"
+    _, arrays, ids, weights = _step_inputs(90, sequence)
+    tables = [tf.Variable(a) for a in arrays]
+    optimizer = make_optimizer()
+    optimizer.build(tables)
+    combiners = ["sum", "mean", "sqrtn"]
+
+    def step():
+        sp_ids = [tf.RaggedTensor.from_row_splits(v, s) for v, s in ids]
+        sp_weights = ([tf.RaggedTensor.from_row_splits(w, s)
+                       for w, (_, s) in zip(weights, ids)]
+                      if weighted else None)
+        with tf.GradientTape() as tape:
+            out = group_embedding_lookup_sparse(
+                tables, sp_ids, combiners, sp_weights, is_sequence=sequence,
+                concat_outputs=mode == "concat", max_norm=max_norm)
+            outs = [out] if mode == "concat" else out
+            loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + float(i)))
+                             for i, o in enumerate(outs)])
+        optimizer.apply_gradients(zip(tape.gradient(loss, tables), tables))
+
+    @tf.function
+    def traced():
+        graph = tf.compat.v1.get_default_graph()
+        with graph._kernel_label_map({op: "ge_host_core" for op in ops}):
+            step()
+
+    traced()
+    traced()
+    types = {op.type for op in traced.get_concrete_function().graph
+             .get_operations()}
+    slots = [v.numpy() for v in optimizer.variables
+             if len(v.shape) == 2]
+    return [t.numpy() for t in tables], slots, types
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam", "ftrl"])
+@pytest.mark.parametrize("mode,weighted,max_norm",
+                         [("pooled", False, None), ("pooled", True, None),
+                          ("concat", True, None), ("sequence", True, None),
+                          ("pooled", True, 1.5)])
+def test_optimizers_fuse_the_backward_and_the_update_on_the_gpu_kernels(
+        host_adaptor, monkeypatch, backward_calls, name, mode, weighted,
+        max_norm):
+    """Issue 35.2: on the adaptor's kernels `ge.optimizers` update a
+    group's plain tables with ONE GroupEmbeddingBackwardApply (the core's
+    fused backward-apply): no gradient is written out (the host
+    stand-in's backward is never called), and tables and slots equal
+    those of the CPU kernels' IndexedSlices and the optimizer's own
+    sparse update. A max_norm group is not fused (see
+    backward_apply.fuse), with the same results."""
+    import group_embedding as ge
+    make = {"sgd": lambda: ge.optimizers.SGD(0.1),
+            "adagrad": lambda: ge.optimizers.Adagrad(0.1),
+            "adam": lambda: ge.optimizers.Adam(0.05),
+            "ftrl": lambda: ge.optimizers.Ftrl(
+                0.1, l1_regularization_strength=0.01,
+                l2_regularization_strength=0.02,
+                l2_shrinkage_regularization_strength=0.01)}[name]
+    args = (make, mode, weighted, max_norm)
+    before = backward_calls()
+    got, got_slots, types = _fused_step(monkeypatch, FUSED_OPS, *args)
+    if max_norm is None:
+        assert backward_calls() == before, "a gradient was written out"
+        assert "GroupEmbeddingBackwardApply" in types
+    else:
+        # The clip's backward reads the tables, so TF would run it and
+        # the gradient op before the update anyway: not fused.
+        assert backward_calls() > before
+        assert "GroupEmbeddingBackwardApply" not in types
+    want, want_slots, want_types = _fused_step(monkeypatch, (), *args)
+    assert "GroupEmbeddingBackwardApply" not in want_types
+    _, start, _, _ = _step_inputs(90, mode == "sequence")
+    for t, (g, w, s0) in enumerate(zip(got, want, start)):
+        assert np.abs(w - s0).max() > 1e-4, f"table {t} did not move"
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name} table {t}")
+    assert len(got_slots) == len(want_slots)
+    for i, (g, w) in enumerate(zip(got_slots, want_slots)):
+        # FTRL's linear slot takes differences of powers (powf against
+        # tf.pow): a few float32 roundings apart.
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6,
+                                   err_msg=f"{name} slot {i}")
+
+
+def test_fused_update_leaves_a_changed_gradient_to_the_optimizer(
+        host_adaptor, monkeypatch, backward_calls):
+    """A gradient changed between the backward and the update (here
+    scaled) is not the lookup's any more: the group keeps the gradient op
+    and the optimizer's own update, with the same result as the CPU
+    kernels."""
+    import group_embedding as ge
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
+    _, arrays, ids, _ = _step_inputs(91, False)
+
+    def run(ops):
+        tables = [tf.Variable(a) for a in arrays]
+        optimizer = ge.optimizers.Adagrad(0.1)
+        optimizer.build(tables)
+
+        @tf.function
+        def traced():
+            graph = tf.compat.v1.get_default_graph()
+            with graph._kernel_label_map({op: "ge_host_core"
+                                          for op in ops}):
+                sp_ids = [tf.RaggedTensor.from_row_splits(v, s)
+                          for v, s in ids]
+                with tf.GradientTape() as tape:
+                    out = group_embedding_lookup_sparse(
+                        tables, sp_ids, ["sum", "mean", "sqrtn"])
+                    loss = tf.add_n([tf.reduce_sum(o * o) for o in out])
+                grads = [tf.IndexedSlices(g.values * 0.5, g.indices,
+                                          g.dense_shape)
+                         for g in tape.gradient(loss, tables)]
+                optimizer.apply_gradients(zip(grads, tables))
+
+        traced()
+        types = {op.type for op in traced.get_concrete_function().graph
+                 .get_operations()}
+        return [t.numpy() for t in tables], types
+
+    before = backward_calls()
+    got, types = run(FUSED_OPS)
+    assert backward_calls() > before
+    assert "GroupEmbeddingBackwardApply" not in types
+    want, _ = run(())
+    _assert_same(got, want, "table")
+
+
 def test_adaptor_clip_and_snapshot_name_the_table_of_a_bad_id(host_adaptor):
     lib = host_adaptor
     table = tf.Variable(np.ones((5, 4), np.float32))

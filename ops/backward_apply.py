@@ -1,0 +1,204 @@
+"""The fused backward-apply of a group on the GPU kernels (issue 35.2).
+
+A plain table's gradient from the grouped lookup is IndexedSlices built by
+the group's gradient op (`GroupEmbedding*LookupGrad`, see
+`lookup_gradients`): the table's distinct ids and their summed rows,
+written to memory, then read again and sorted again by the optimizer's
+sparse update. On the GPU kernels the core does better in one call
+(`ge_backward_apply`): the group's ids sorted once, each distinct id's
+gradient summed in registers and applied to the table and its slots in
+place.
+
+`fuse()` takes the (gradient, variable) pairs of one optimizer step, finds
+each group whose every table's gradient comes straight from such an op,
+and builds ONE
+`GroupEmbeddingBackwardApply` per group from the gradient op's own inputs
+(the lookup outputs' gradients, ids, row_splits, weights). The gradient
+op is then left without a consumer and pruned from the step's function:
+no IndexedSlices are materialised.
+
+Only a traced step (`tf.function`, `model.fit`) has ops to follow. Eager
+gradients, a table that two lookups read (its gradient is a sum of two),
+a gradient changed on its way (scaled, clipped), `max_norm` groups (see
+`fuse`) and tables whose lookup did not run on the GPU kernels keep the
+optimizer's own sparse update.
+"""
+
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import NamedTuple
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+
+import tensorflow as tf
+
+from group_embedding.ops import gpu_kernel_library
+from group_embedding.ops import kernel_library
+from group_embedding.ops import op_names
+from group_embedding.ops.tf_variables import to_tf_variable
+
+# Gradient op type -> the layout of its `grads` input.
+_LAYOUTS = {name: layout
+            for op, layout in (("GroupEmbeddingPooledLookupGrad", "pooled"),
+                               ("GroupEmbeddingConcatLookupGrad", "concat"),
+                               ("GroupEmbeddingSequenceLookupGrad",
+                                "sequence"))
+            for name in op_names.with_alias(op)}
+_CLIP = "GroupEmbeddingClipGrad"
+APPLY_OP = "GroupEmbeddingBackwardApply"
+# The kernel label of the adaptor's host stand-in (tests on CPU machines).
+HOST_LABEL = b"ge_host_core"
+OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
+
+
+class Rule(NamedTuple):
+    """How an optimizer's sparse update maps onto the core's.
+
+    optimizer: one of OPTIMIZERS.
+    slots: variable -> its slot variables, in the core's order (Adagrad:
+        accumulator; Adam: m, v; FTRL: accumulator, linear; SGD: none).
+    hyper: this step's hyperparameters, from `hyper()`.
+    """
+
+    optimizer: str
+    slots: Any
+    hyper: Any
+
+
+def hyper(lr=0.0, epsilon=0.0, beta_1=0.0, beta_2=0.0, l1=0.0, l2=0.0,
+          l2_shrinkage=0.0, lr_power=0.0):
+    """The fused op's `hyper` input: a float32 vector of the 8 values.
+
+    Args:
+        lr: the learning rate (Adam: its bias-corrected step size).
+        epsilon: Adagrad's (under the root) or Adam's (outside it).
+        beta_1, beta_2: Adam's decay rates.
+        l1, l2, l2_shrinkage, lr_power: TF's FtrlV2 arguments (l2 with
+            Keras' `beta` folded in).
+    Each a float or a scalar tensor.
+    """
+    return tf.stack([tf.cast(x, tf.float32) for x in (
+        lr, epsilon, beta_1, beta_2, l1, l2, l2_shrinkage, lr_power)])
+
+
+class _Source(NamedTuple):
+    """Where a table's IndexedSlices come from."""
+
+    op: Any              # the group's gradient op
+    table: int           # the table's position in the group
+    clip: Optional[Any]  # the clip op between them, if the lookup clipped
+
+
+def _source(grad) -> Optional[_Source]:
+    """The gradient op that made `grad`, untouched, else None."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return None
+    ids, values = grad.indices, grad.values
+    if not hasattr(ids, "op") or ids.op.type not in _LAYOUTS:
+        return None
+    op = ids.op
+    k = op.get_attr("num_tables")
+    t = ids.value_index
+    sums = op.outputs[k + t]
+    if values is sums:
+        return _Source(op, t, None)
+    clip = getattr(values, "op", None)
+    if clip is None or clip.type != _CLIP:
+        return None
+    kc, tc = clip.get_attr("num_tables"), values.value_index
+    if clip.inputs[kc + tc] is ids and clip.inputs[2 * kc + tc] is sums:
+        return _Source(op, t, clip)
+    return None
+
+
+def _on_gpu_kernels(op, variables: Sequence[Any]) -> bool:
+    """Whether the group's ops run on the adaptor's kernels: the GPU
+    kernels with every table on a GPU, or (tests on CPU machines) the
+    host stand-in's label on the gradient op and on the op to build."""
+    if _label(op) == HOST_LABEL:
+        graph = tf.compat.v1.get_default_graph()
+        labels = getattr(graph, "_op_to_kernel_label_map", {})
+        return labels.get(APPLY_OP) == HOST_LABEL.decode()
+    if not (gpu_kernel_library.gpu_present()
+            and gpu_kernel_library.use_gpu_kernels()):
+        return False
+    return all(tf.DeviceSpec.from_string(to_tf_variable(v).device)
+               .device_type == "GPU" for v in variables)
+
+
+def _label(op) -> Optional[bytes]:
+    try:
+        return op.get_attr("_kernel")
+    except ValueError:
+        return None
+
+
+def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
+         ) -> List[Tuple[Any, Any]]:
+    """Applies every whole group of `pairs` through the core in one op.
+
+    Args:
+        pairs: (gradient, variable) pairs of one optimizer step.
+        rule: the optimizer's mapping (`Rule`).
+
+    Returns:
+        The pairs left for the optimizer's own update: every pair of a
+        group that could not be fused, and every other pair, in order.
+    """
+    if tf.executing_eagerly() or rule.optimizer not in OPTIMIZERS:
+        return list(pairs)
+    groups: Dict[Any, Dict[int, Tuple[int, _Source, Any]]] = {}
+    for i, (grad, var) in enumerate(pairs):
+        src = _source(grad)
+        if src is not None:
+            groups.setdefault(src.op, {})
+            # A table twice in a group: TF would have summed its two
+            # gradients (no longer straight from the op); never fused.
+            groups[src.op].setdefault(src.table, (i, src, var))
+    fused = set()
+    for op, tables in groups.items():
+        k = op.get_attr("num_tables")
+        if sorted(tables) != list(range(k)):
+            continue  # some table's gradient went elsewhere
+        entries = [tables[t] for t in range(k)]
+        variables = [var for _, _, var in entries]
+        # A max_norm group's gradients pass the clip's backward, which
+        # reads the tables: TF orders that read before any update of the
+        # tables, so it and the gradient op would run anyway (the fused
+        # op would only add work). It keeps the optimizer's update.
+        if (any(src.clip is not None for _, src, _ in entries)
+                or op.get_attr("embedding_dim") < 1
+                or not _on_gpu_kernels(op, variables)):
+            continue
+        _build(op, variables, rule)
+        fused.update(i for i, _, _ in entries)
+    return [p for i, p in enumerate(pairs) if i not in fused]
+
+
+def _build(op, variables, rule: Rule) -> None:
+    """One GroupEmbeddingBackwardApply from gradient op `op`'s inputs."""
+    layout = _LAYOUTS[op.type]
+    k = op.get_attr("num_tables")
+    inputs = list(op.inputs)
+    num_grads = 1 if layout == "concat" else k
+    grads, rest = inputs[:num_grads], inputs[num_grads:]
+    ids, splits = rest[:k], rest[k:2 * k]
+    positions = rest[2 * k:3 * k] if layout == "sequence" else []
+    weights = rest[-k:]
+    tables = [to_tf_variable(v) for v in variables]
+    per_table = [[to_tf_variable(s) for s in rule.slots(v)]
+                 for v in variables]
+    slots = [s[j] for j in range(len(per_table[0])) for s in per_table]
+    combiners = ([] if layout == "sequence" else
+                 [c.decode() if isinstance(c, bytes) else c
+                  for c in op.get_attr("combiners")])
+    lib = kernel_library.library()
+    lib.group_embedding_backward_apply(
+        tables=[t.handle for t in tables], slots=[s.handle for s in slots],
+        grads=grads, ids=ids, row_splits=splits, positions=positions,
+        weights=weights, hyper=rule.hyper, layout=layout,
+        optimizer=rule.optimizer, combiners=combiners,
+        embedding_dim=op.get_attr("embedding_dim"),
+        table_names=[t.name for t in tables], ids_checked=True)
