@@ -110,7 +110,7 @@ def sources_digest(capabilities=None):
             digest.update(name.encode() + b"\0" + f.read())
     # The CPU kernels' headers the adaptor and the core include.
     for name in ("pooling.h", "table_access.h", "op_checks.h",
-                 "hash_mix.h"):
+                 "hash_mix.h", "combiner_math.h"):
         with open(os.path.join(kernel_library._KERNEL_DIR, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]

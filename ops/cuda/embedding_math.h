@@ -2,71 +2,30 @@
 #define GROUP_EMBEDDING_OPS_CUDA_EMBEDDING_MATH_H_
 
 // Per-row and per-element arithmetic of the CUDA core, compiled for the
-// device (lookup_kernels.cu) and for the host stand-in (host_core.cc), so
-// that both compute exactly the same formulas. They restate those of the
-// CPU kernels (ops/kernels/pooling.h, ev_apply_ops.cc): the parity tests
+// device (lookup_kernels.cu, backward_kernels.cu) and for the host
+// stand-in (host_core.cc). The combiner and clip formulas are the CPU
+// kernels' own (../kernels/combiner_math.h, host and device clean); the
+// optimizer rules restate ops/kernels/ev_apply_ops.cc. The parity tests
 // compare all three.
 
 #include <math.h>
 #include <stdint.h>
 
 #include "group_embedding_cuda.h"
+#include "../kernels/combiner_math.h"  // defines GE_HD
 
-#if defined(__CUDACC__)
-#define GE_HD __host__ __device__ __forceinline__
-#else
-#define GE_HD inline
-#endif
+static_assert(GE_SUM == group_embedding::kSum &&
+                  GE_MEAN == group_embedding::kMean &&
+                  GE_SQRTN == group_embedding::kSqrtn,
+              "GeCombiner must number the combiners as combiner_math.h");
 
 namespace ge_math {
 
-// Combiner factor of a row from its id count and weight sums (double, as
-// the CPU kernel sums them): 1 for sum, 0 for an empty row (stock would
-// divide 0 by 0; we return zeros).
-GE_HD float RowScale(int combiner, bool weighted, int64_t count,
-                     double wsum, double w2sum) {
-  if (combiner == GE_SUM || count == 0) return 1.0f;
-  double s;
-  if (!weighted) {
-    s = static_cast<double>(count);
-    if (combiner == GE_SQRTN) s = sqrt(s);
-  } else {
-    s = combiner == GE_MEAN ? wsum : sqrt(w2sum);
-  }
-  return s == 0.0 ? 0.0f : static_cast<float>(1.0 / s);
-}
-
-// max_norm clip of a row with squared norm `ss`: the factor
-// c / max(|e|, c); 1 when clipping is off (c < 0).
-GE_HD float ClipFactor(float ss, float max_norm) {
-  if (max_norm < 0.0f) return 1.0f;
-  return max_norm / fmaxf(sqrtf(ss), max_norm);
-}
-
-// Backward of the clip for row e (squared norm ss) and gradient g
-// (eg = e.g): g' = a * (g - e * b). Below the norm the clip is the
-// identity (a = 1, b = 0), as stock's Maximum gradient gives.
-struct ClipGrad {
-  float a, b;
-};
-GE_HD ClipGrad ClipGradOf(float ss, float eg, float max_norm) {
-  const float n = sqrtf(ss);
-  if (max_norm < 0.0f || !(n >= max_norm) || n == 0.0f) return {1.0f, 0.0f};
-  return {max_norm / n, eg / ss};
-}
-
-// d loss / d w_j of a pooled row: eg = clip(e_j).g_b, pg = pooled_b.g_b.
-GE_HD float WeightGrad(int combiner, float eg, float pg, float w,
-                       float scale) {
-  switch (combiner) {
-    case GE_MEAN:
-      return (eg - pg) * scale;
-    case GE_SQRTN:
-      return (eg - pg * w * scale) * scale;
-    default:
-      return eg;
-  }
-}
+using group_embedding::ClipFactor;
+using group_embedding::ClipGrad;
+using group_embedding::ClipGradOf;
+using group_embedding::RowScale;
+using group_embedding::WeightGrad;
 
 // x^(-lr_power), with the usual -0.5 as a square root (as TF's FTRL).
 GE_HD float FtrlPow(float x, float lr_power) {

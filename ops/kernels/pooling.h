@@ -4,10 +4,12 @@
 // The pooling arithmetic of every CPU lookup kernel, in one place so that
 // the plain-variable (lookup_ops.cc), EmbeddingVariable (ev_lookup_ops.cc)
 // and collective (collective_ops.cc) kernels give bitwise the same pooled
-// rows: combiner scales, max_norm clipping and its backward, the one
-// static-width dispatcher, the weight gradient, the pooling core below, a
-// template over where a row comes from, and its backward, the one
-// gradient loop, a template over where an id's gradient slot is.
+// rows: max_norm clipping of a row and its backward, the one static-width
+// dispatcher, the weight gradient, the pooling core below, a template over
+// where a row comes from, and its backward, the one gradient loop, a
+// template over where an id's gradient slot is. The per-row formulas
+// (combiner scale, clip factor, clip backward, weight gradient) are those
+// of combiner_math.h, which the CUDA core compiles too.
 
 #include <algorithm>
 #include <atomic>
@@ -19,11 +21,10 @@
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "combiner_math.h"
 #include "op_checks.h"
 
 namespace group_embedding {
-
-enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
 
 inline Status ParseCombiners(const std::vector<std::string>& names,
                              std::vector<Combiner>* out) {
@@ -42,43 +43,21 @@ inline Status ParseCombiners(const std::vector<std::string>& names,
   return Status();
 }
 
-// Factor applied to every id of a row so that the pooled row equals
-// stock tf.nn.embedding_lookup_sparse; 0 for an empty row (stock would
-// divide 0 by 0, we return zeros).
-inline float RowScale(Combiner c, const float* w, int64_t begin,
-                      int64_t end) {
-  if (c == kSum || end == begin) return 1.0f;
-  double s = 0.0;
-  if (w == nullptr) {
-    s = static_cast<double>(end - begin);
-    if (c == kSqrtn) s = std::sqrt(s);
-  } else if (c == kMean) {
-    for (int64_t j = begin; j < end; ++j) s += w[j];
-  } else {
-    for (int64_t j = begin; j < end; ++j) s += double(w[j]) * w[j];
-    s = std::sqrt(s);
-  }
-  return s == 0.0 ? 0.0f : static_cast<float>(1.0 / s);
-}
-
-// max_norm clipping, as stock embedding_lookup(max_norm=c) applies it to
-// each looked-up row e before pooling (clip_by_norm):
-//   clip(e) = e * c / max(|e|, c)
-// Returns that factor c / max(|e|, c); 1 when clipping is off (c < 0).
-// float32 sums of squares, as stock's reduce_sum.
+// max_norm clipping of row e (`dim` floats) before pooling, as stock
+// embedding_lookup(max_norm=c): the factor c / max(|e|, c) of ClipFactor
+// (combiner_math.h); 1 when clipping is off (c < 0). float32 sums of
+// squares, as stock's reduce_sum.
 inline float ClipFactor(const float* row, int64_t dim, float max_norm) {
   if (max_norm < 0.0f) return 1.0f;
   float ss = 0.0f;
   for (int64_t d = 0; d < dim; ++d) ss += row[d] * row[d];
-  return max_norm / std::max(std::sqrt(ss), max_norm);
+  return ClipFactor(ss, max_norm);
 }
 
 // Backward of the clip for one row e with incoming gradient g (the sum of
-// its occurrences' gradients: the clip is linear in g), differentiating
-// as stock does through e * c / maximum(|e|, c). TF's Maximum gradient
-// goes to |e| when |e| >= c, so there
-//   g' = (c / n) * (g - e * (e.g) / n^2),  n = |e|,
-// and below it the clip is the identity (g' = g). Rewrites g in place.
+// its occurrences' gradients: the clip is linear in g), as ClipGradOf
+// (combiner_math.h) differentiates it. Rewrites g in place; left as it
+// is where the backward is the identity.
 inline void ClipGradRow(const float* e, int64_t dim, float max_norm,
                         float* g) {
   if (max_norm < 0.0f) return;
@@ -87,12 +66,9 @@ inline void ClipGradRow(const float* e, int64_t dim, float max_norm,
     ss += e[d] * e[d];
     eg += e[d] * g[d];
   }
-  const float n = std::sqrt(ss);
-  // A zero row (n = 0 < c) takes the identity branch, as stock's.
-  if (!(n >= max_norm) || n == 0.0f) return;
-  const float a = max_norm / n;
-  const float b = eg / ss;
-  for (int64_t d = 0; d < dim; ++d) g[d] = a * (g[d] - e[d] * b);
+  if (ClipGradIsIdentity(std::sqrt(ss), max_norm)) return;
+  const ClipGrad cg = ClipGradOf(ss, eg, max_norm);
+  for (int64_t d = 0; d < dim; ++d) g[d] = cg.a * (g[d] - e[d] * cg.b);
 }
 
 // Issues prefetches for every cache line of a `dim`-float row. Lookups
@@ -380,7 +356,8 @@ inline int64_t ScatterIdGrads(const GradTable<Grads>& p, const Slots& slots,
 //   d/dw_j = (e_j.g_b - pooled_b.g_b * dn_b/dw_j) / n_b
 // With max_norm >= 0, e_j is the clipped row (as pooled), and so is the
 // row it multiplies here. A sequence (kSum, SequenceGrads, `pooled`
-// nullptr) gives d/dw_j = clip(e_j).g[b, p_j].
+// nullptr) gives d/dw_j = clip(e_j).g[b, p_j]. Weighted tables only
+// (`p.weights` not null).
 template <typename Grads, typename RowOf>
 void WeightGradRows(const GradTable<Grads>& p, int64_t dim,
                     const float* pooled, RowOf row_of, float* dw,
@@ -402,17 +379,7 @@ void WeightGradRows(const GradTable<Grads>& p, int64_t dim,
       float eg = 0.0f;
       for (int64_t d = 0; d < dim; ++d) eg += row[d] * gj[d];
       eg *= ClipFactor(row, dim, max_norm);
-      switch (c) {
-        case kSum:
-          dw[j] = eg;
-          break;
-        case kMean:
-          dw[j] = (eg - pg) * scale;
-          break;
-        case kSqrtn:
-          dw[j] = (eg - pg * w[j] * scale) * scale;
-          break;
-      }
+      dw[j] = WeightGrad(c, eg, pg, w[j], scale);
     }
   }
 }
