@@ -20,7 +20,7 @@ no IndexedSlices are materialised.
 Only a traced step (`tf.function`, `model.fit`) has ops to follow. Eager
 gradients, a table that two lookups read (its gradient is a sum of two),
 a gradient changed on its way (scaled, clipped), `max_norm` groups (see
-`fuse`) and tables whose lookup did not run on the GPU kernels keep the
+`_source`) and tables whose lookup did not run on the GPU kernels keep the
 optimizer's own sparse update.
 """
 
@@ -46,7 +46,6 @@ _LAYOUTS = {name: layout
                                ("GroupEmbeddingSequenceLookupGrad",
                                 "sequence"))
             for name in op_names.with_alias(op)}
-_CLIP = "GroupEmbeddingClipGrad"
 APPLY_OP = "GroupEmbeddingBackwardApply"
 # The kernel label of the adaptor's host stand-in (tests on CPU machines).
 HOST_LABEL = b"ge_host_core"
@@ -86,31 +85,37 @@ def hyper(lr=0.0, epsilon=0.0, beta_1=0.0, beta_2=0.0, l1=0.0, l2=0.0,
 class _Source(NamedTuple):
     """Where a table's IndexedSlices come from."""
 
-    op: Any              # the group's gradient op
-    table: int           # the table's position in the group
-    clip: Optional[Any]  # the clip op between them, if the lookup clipped
+    op: Any     # the group's gradient op
+    table: int  # the table's position in the group
+
+
+def _through_identities(t):
+    """`t` past the Identity ops that TF1's gradient gating inserts."""
+    for _ in range(8):
+        if getattr(t, "op", None) is None or t.op.type != "Identity":
+            break
+        t = t.op.inputs[0]
+    return t
 
 
 def _source(grad) -> Optional[_Source]:
     """The gradient op that made `grad`, untouched, else None."""
     if not isinstance(grad, tf.IndexedSlices):
         return None
-    ids, values = grad.indices, grad.values
+    ids = _through_identities(grad.indices)
+    values = _through_identities(grad.values)
     if not hasattr(ids, "op") or ids.op.type not in _LAYOUTS:
         return None
     op = ids.op
     k = op.get_attr("num_tables")
     t = ids.value_index
-    sums = op.outputs[k + t]
-    if values is sums:
-        return _Source(op, t, None)
-    clip = getattr(values, "op", None)
-    if clip is None or clip.type != _CLIP:
+    # Only the sums themselves: a max_norm group's pass the clip's
+    # backward, which reads the tables; TF orders that read before any
+    # update of the tables, so it and the gradient op would run anyway
+    # (a fused op would only add work). It keeps the optimizer's update.
+    if getattr(values, "op", None) is not op or values.value_index != k + t:
         return None
-    kc, tc = clip.get_attr("num_tables"), values.value_index
-    if clip.inputs[kc + tc] is ids and clip.inputs[2 * kc + tc] is sums:
-        return _Source(op, t, clip)
-    return None
+    return _Source(op, t)
 
 
 def _on_gpu_kernels(op, variables: Sequence[Any]) -> bool:
@@ -136,7 +141,7 @@ def _label(op) -> Optional[bytes]:
 
 
 def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
-         ) -> List[Tuple[Any, Any]]:
+         ) -> Tuple[List[Tuple[Any, Any]], List[Any]]:
     """Applies every whole group of `pairs` through the core in one op.
 
     Args:
@@ -144,11 +149,12 @@ def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
         rule: the optimizer's mapping (`Rule`).
 
     Returns:
-        The pairs left for the optimizer's own update: every pair of a
-        group that could not be fused, and every other pair, in order.
+        (left, ops): the pairs left for the optimizer's own update (every
+        pair of a group that could not be fused, and every other pair, in
+        order), and the fused ops built, for a TF1 train op to group.
     """
     if tf.executing_eagerly() or rule.optimizer not in OPTIMIZERS:
-        return list(pairs)
+        return list(pairs), []
     groups: Dict[Any, Dict[int, Tuple[int, _Source, Any]]] = {}
     for i, (grad, var) in enumerate(pairs):
         src = _source(grad)
@@ -158,27 +164,24 @@ def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
             # gradients (no longer straight from the op); never fused.
             groups[src.op].setdefault(src.table, (i, src, var))
     fused = set()
+    built = []
     for op, tables in groups.items():
         k = op.get_attr("num_tables")
         if sorted(tables) != list(range(k)):
             continue  # some table's gradient went elsewhere
         entries = [tables[t] for t in range(k)]
         variables = [var for _, _, var in entries]
-        # A max_norm group's gradients pass the clip's backward, which
-        # reads the tables: TF orders that read before any update of the
-        # tables, so it and the gradient op would run anyway (the fused
-        # op would only add work). It keeps the optimizer's update.
-        if (any(src.clip is not None for _, src, _ in entries)
-                or op.get_attr("embedding_dim") < 1
+        if (op.get_attr("embedding_dim") < 1
                 or not _on_gpu_kernels(op, variables)):
             continue
-        _build(op, variables, rule)
+        built.append(_build(op, variables, rule))
         fused.update(i for i, _, _ in entries)
-    return [p for i, p in enumerate(pairs) if i not in fused]
+    return [p for i, p in enumerate(pairs) if i not in fused], built
 
 
-def _build(op, variables, rule: Rule) -> None:
-    """One GroupEmbeddingBackwardApply from gradient op `op`'s inputs."""
+def _build(op, variables, rule: Rule):
+    """One GroupEmbeddingBackwardApply from gradient op `op`'s inputs
+    (returns the op)."""
     layout = _LAYOUTS[op.type]
     k = op.get_attr("num_tables")
     inputs = list(op.inputs)
@@ -195,7 +198,7 @@ def _build(op, variables, rule: Rule) -> None:
                  [c.decode() if isinstance(c, bytes) else c
                   for c in op.get_attr("combiners")])
     lib = kernel_library.library()
-    lib.group_embedding_backward_apply(
+    return lib.group_embedding_backward_apply(
         tables=[t.handle for t in tables], slots=[s.handle for s in slots],
         grads=grads, ids=ids, row_splits=splits, positions=positions,
         weights=weights, hyper=rule.hyper, layout=layout,

@@ -164,7 +164,7 @@ class BaseOptimizer:
         rule = self._fused_rule()
         if rule is None:
             return pairs
-        left = {id(v) for _, v in backward_apply.fuse(candidates, rule)}
+        left = {id(v) for _, v in backward_apply.fuse(candidates, rule)[0]}
         fused = {id(v) for _, v in candidates} - left
         return [(g, v) for g, v in pairs if id(v) not in fused]
 

@@ -13,6 +13,7 @@ import tensorflow.compat.v1 as _v1
 
 from group_embedding.embedding_variable.variable import EV_INIT_SLOT_OPS
 from group_embedding.embedding_variable.variable import is_embedding_variable
+from group_embedding.ops import backward_apply
 from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 
@@ -67,14 +68,17 @@ class _EVOptimizerMixin:
                 if not is_embedding_variable(v)]
         if all(g is None for g, _ in rest):
             rest = []  # stock TF1 would raise "No gradients provided"
-        if not evs:
+        rest, fused = self._fuse_plain(rest)
+        if fused and all(g is None for g, _ in rest):
+            rest = []
+        if not evs and not fused:
             return super().apply_gradients(rest, global_step, name)
         step = global_step
         if step is None:
             step = _v1.train.get_global_step()
         step = tf.constant(0, tf.int64) if step is None else \
             tf.cast(tf.convert_to_tensor(step), tf.int64)
-        ev_ops = []
+        ev_ops = list(fused)
         with tf.name_scope(name or self.get_name()):
             for g, v in evs:
                 if not isinstance(g, tf.IndexedSlices):
@@ -98,6 +102,31 @@ class _EVOptimizerMixin:
                     return tf.group(*done)
                 return _v1.assign_add(global_step, 1)
 
+    def _fused_rule(self):
+        """How plain tables' sparse updates map onto the core's fused
+        backward-apply (ops/backward_apply.py), or None. Called once the
+        slots exist."""
+        return None
+
+    def _fuse_plain(self, pairs):
+        """Applies the lookup groups the GPU kernels can fuse (backward
+        and update in one op per group); returns (pairs left, fused ops).
+        """
+        candidates = [(g, v) for g, v in pairs
+                      if isinstance(g, tf.IndexedSlices)]
+        if tf.executing_eagerly() or not candidates:
+            return pairs, []
+        rule = self._fused_rule()
+        if rule is None:
+            return pairs, []
+        # The slots the stock apply would create (get-or-make: it finds
+        # them made).
+        with tf.init_scope():
+            self._create_slots([v for _, v in candidates])
+        left, fused = backward_apply.fuse(candidates, rule)
+        done = {id(v) for _, v in candidates} - {id(v) for _, v in left}
+        return [(g, v) for g, v in pairs if id(v) not in done], fused
+
     def _ev_learning_rate(self):
         # Stock TF1 Adam calls it `_lr`, the others `_learning_rate`.
         lr = getattr(self, "_learning_rate", None)
@@ -114,6 +143,11 @@ class GradientDescentOptimizer(_EVOptimizerMixin,
     def _ev_apply(self, grad, ev, step):
         return ev_storage.apply_sgd(ev.handle, grad.indices, grad.values,
                                     step, self._ev_learning_rate())
+
+    def _fused_rule(self):
+        return backward_apply.Rule(
+            "sgd", lambda v: [],
+            backward_apply.hyper(lr=self._ev_learning_rate()))
 
 
 class AdagradOptimizer(_EVOptimizerMixin, _v1.train.AdagradOptimizer):
@@ -148,6 +182,11 @@ class AdagradOptimizer(_EVOptimizerMixin, _v1.train.AdagradOptimizer):
         return ev_storage.apply_adagrad(ev.handle, grad.indices, grad.values,
                                         step, self._ev_learning_rate(), 0.0,
                                         "adagrad/accumulator")
+
+    def _fused_rule(self):
+        return backward_apply.Rule(
+            "adagrad", lambda v: [self.get_slot(v, "accumulator")],
+            backward_apply.hyper(lr=self._ev_learning_rate()))
 
 
 class AdamOptimizer(_EVOptimizerMixin, _v1.train.AdamOptimizer):
@@ -210,11 +249,25 @@ class FtrlOptimizer(_EVOptimizerMixin, _v1.train.FtrlOptimizer):
         return [("ftrl/accumulator", self._initial_accumulator_value),
                 ("ftrl/linear", 0.0)]
 
-    def _ev_apply(self, grad, ev, step):
-        lr = self._ev_learning_rate()
+    def _l2(self, lr):
         l2 = self._l2_regularization_strength
         if self._beta is not None:
             l2 = l2 + self._beta / (2.0 * lr)
+        return l2
+
+    def _fused_rule(self):
+        lr = self._ev_learning_rate()
+        return backward_apply.Rule(
+            "ftrl",
+            lambda v: [self.get_slot(v, "accum"), self.get_slot(v, "linear")],
+            backward_apply.hyper(
+                lr=lr, l1=self._l1_regularization_strength, l2=self._l2(lr),
+                l2_shrinkage=self._l2_shrinkage_regularization_strength,
+                lr_power=self._learning_rate_power))
+
+    def _ev_apply(self, grad, ev, step):
+        lr = self._ev_learning_rate()
+        l2 = self._l2(lr)
         return ev_storage.apply_ftrl(
             ev.handle, grad.indices, grad.values, step, lr,
             self._l1_regularization_strength, l2,

@@ -806,6 +806,71 @@ def test_optimizers_fuse_the_backward_and_the_update_on_the_gpu_kernels(
                                    err_msg=f"{name} slot {i}")
 
 
+def _tf1_step(ops, make_optimizer, mode):
+    """Tables and slots after two TF1 `ge.train` steps of one weighted
+    group (a graph and a session), `ops` on the adaptor's kernels; and
+    the op types of the graph."""
+    sequence = mode == "sequence"
+    _, arrays, ids, weights = _step_inputs(92, sequence)
+    graph = tf.Graph()
+    with graph.as_default(), graph._kernel_label_map(
+            {op: "ge_host_core" for op in ops}):
+        tables = [tf.compat.v1.get_variable(
+            f"t{i}", initializer=a, use_resource=True)
+            for i, a in enumerate(arrays)]
+        sp_ids = [tf.RaggedTensor.from_row_splits(v, s) for v, s in ids]
+        sp_weights = [tf.RaggedTensor.from_row_splits(w, s)
+                      for w, (_, s) in zip(weights, ids)]
+        out = group_embedding_lookup_sparse(
+            tables, sp_ids, ["sum", "mean", "sqrtn"], sp_weights,
+            is_sequence=sequence, concat_outputs=mode == "concat")
+        outs = [out] if mode == "concat" else out
+        loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + float(i)))
+                         for i, o in enumerate(outs)])
+        optimizer = make_optimizer()
+        train = optimizer.minimize(loss, var_list=tables)
+        slots = [optimizer.get_slot(t, n) for t in tables
+                 for n in optimizer.get_slot_names()]
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+            sess.run(train)
+            got = sess.run(tables), sess.run(slots)
+    return got, {op.type for op in graph.get_operations()}
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "ftrl"])
+@pytest.mark.parametrize("mode", ["pooled", "concat", "sequence"])
+def test_tf1_optimizers_fuse_the_backward_and_the_update_on_the_gpu_kernels(
+        host_adaptor, monkeypatch, backward_calls, name, mode):
+    """Issue 35.2, `ge.train` (TF1 graphs): the same fused op for SGD,
+    Adagrad and FTRL (TF1's Adam decays m and v of every row, which the
+    core's lazy Adam does not: it keeps the stock update), with the
+    results of the CPU kernels' path and no gradient written out."""
+    import group_embedding as ge
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
+    make = {"sgd": lambda: ge.train.GradientDescentOptimizer(0.1),
+            "adagrad": lambda: ge.train.AdagradOptimizer(0.1),
+            "ftrl": lambda: ge.train.FtrlOptimizer(
+                0.1, l1_regularization_strength=0.01,
+                l2_regularization_strength=0.02,
+                l2_shrinkage_regularization_strength=0.01)}[name]
+    before = backward_calls()
+    (got, got_slots), types = _tf1_step(FUSED_OPS, make, mode)
+    assert backward_calls() == before, "a gradient was written out"
+    assert "GroupEmbeddingBackwardApply" in types
+    (want, want_slots), want_types = _tf1_step((), make, mode)
+    assert "GroupEmbeddingBackwardApply" not in want_types
+    _, start, _, _ = _step_inputs(92, mode == "sequence")
+    for t, (g, w, s0) in enumerate(zip(got, want, start)):
+        assert np.abs(w - s0).max() > 1e-4, f"table {t} did not move"
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name} table {t}")
+    for i, (g, w) in enumerate(zip(got_slots, want_slots)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6,
+                                   err_msg=f"{name} slot {i}")
+
+
 def test_fused_update_leaves_a_changed_gradient_to_the_optimizer(
         host_adaptor, monkeypatch, backward_calls):
     """A gradient changed between the backward and the update (here
