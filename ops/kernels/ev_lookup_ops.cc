@@ -89,31 +89,38 @@ Status CheckGroupMember(const EVStorage* ev, int64_t dim,
   return Status();
 }
 
-// The checked inputs shared by the lookup and its weight gradient.
-struct GroupInputs {
+// The variables of inputs [0, k) of a group op (`refs` hold them), each
+// checked against the group's dim and its "default_values" input.
+struct GroupEVs {
   std::vector<RefCountPtr<EVStorage>> refs;
   std::vector<EVStorage*> evs;
-  OpInputList keys, splits, weights, defaults;
+  OpInputList defaults;
 };
 
-Status ReadGroupInputs(OpKernelContext* ctx, int64_t dim, GroupInputs* in) {
-  TF_RETURN_IF_ERROR(ctx->input_list("keys", &in->keys));
-  TF_RETURN_IF_ERROR(ctx->input_list("row_splits", &in->splits));
-  TF_RETURN_IF_ERROR(ctx->input_list("weights", &in->weights));
-  TF_RETURN_IF_ERROR(ctx->input_list("default_values", &in->defaults));
-  const int k = in->keys.size();
-  in->refs.resize(k);
-  in->evs.resize(k);
+Status ReadGroupEVs(OpKernelContext* ctx, int64_t dim, GroupEVs* g) {
+  TF_RETURN_IF_ERROR(ctx->input_list("default_values", &g->defaults));
+  const int k = g->defaults.size();
+  g->refs.resize(k);
+  g->evs.resize(k);
   for (int t = 0; t < k; ++t) {
-    TF_RETURN_IF_ERROR(GetEV(ctx, t, &in->refs[t]));
-    EVStorage* ev = in->refs[t].get();
-    in->evs[t] = ev;
-    const std::string& name = ev->config().name;
-    TF_RETURN_IF_ERROR(CheckGroupMember(ev, dim, in->defaults[t]));
-    TF_RETURN_IF_ERROR(CheckRagged(name, in->keys[t], in->splits[t],
-                                   in->weights[t], -1, "keys"));
+    TF_RETURN_IF_ERROR(GetEV(ctx, t, &g->refs[t]));
+    g->evs[t] = g->refs[t].get();
+    TF_RETURN_IF_ERROR(CheckGroupMember(g->evs[t], dim, g->defaults[t]));
   }
   return Status();
+}
+
+// The checked inputs of a ragged group op over EVs: its variables, and
+// its keys' ragged lists (ReadRaggedGroup's `lists`), errors naming each
+// table after its variable.
+struct GroupInputs : RaggedGroup, GroupEVs {};
+
+Status ReadGroupInputs(OpKernelContext* ctx, int64_t dim, unsigned lists,
+                       GroupInputs* in) {
+  TF_RETURN_IF_ERROR(ReadGroupEVs(ctx, dim, in));
+  return ReadRaggedGroup(
+      ctx, "keys", lists, dim,
+      [in](int t) { return in->evs[t]->config().name; }, in);
 }
 
 // Points `out[j]` at the row key j reads, as GroupEmbeddingEVGather would copy
@@ -261,8 +268,8 @@ class EVLookupOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     GroupInputs in;
-    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, &in));
-    const int k = in.keys.size();
+    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, kWithWeights, &in));
+    const int k = in.size();
     OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries."));
     bool training = false;
@@ -272,8 +279,8 @@ class EVLookupOp : public OpKernel {
     std::vector<int64_t> offset(k + 1, 0), first_row(k + 1, 0);
     std::vector<std::vector<float>> no_permission(k);
     for (int t = 0; t < k; ++t) {
-      offset[t + 1] = offset[t] + in.keys[t].NumElements();
-      first_row[t + 1] = first_row[t] + in.splits[t].NumElements() - 1;
+      offset[t + 1] = offset[t] + in.nnz(t);
+      first_row[t + 1] = first_row[t] + in.batch(t);
       no_permission[t].assign(dim, in.evs[t]->config().no_permission);
     }
     OpOutputList out;
@@ -284,9 +291,7 @@ class EVLookupOp : public OpKernel {
       const int64_t batch = first_row[t + 1] - first_row[t];
       OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim}), &o));
       pooled[t].splits = in.splits[t].flat<int64_t>().data();
-      pooled[t].weights = in.weights[t].NumElements()
-                              ? in.weights[t].flat<float>().data()
-                              : nullptr;
+      pooled[t].weights = in.weight_data(t);
       pooled[t].nnz = offset[t + 1] - offset[t];
       pooled[t].dim = dim;
       pooled[t].combiner = combiners_[t];
@@ -296,7 +301,7 @@ class EVLookupOp : public OpKernel {
 
     EVGroupLocks locks(in.evs, training);
     std::vector<const float*> rows(offset[k]);
-    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, in.evs, in.keys, in.defaults,
+    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, in.evs, in.ids, in.defaults,
                                      locks.distinct(), training, offset,
                                      no_permission, rows.data()));
     const int64_t total_rows = first_row[k];
@@ -360,47 +365,29 @@ class EVSequenceLookupOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList keys, splits, positions, max_lens, defaults;
-    OP_REQUIRES_OK(ctx, ctx->input_list("keys", &keys));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
-    OP_REQUIRES_OK(ctx, ctx->input_list("max_lens", &max_lens));
-    OP_REQUIRES_OK(ctx, ctx->input_list("default_values", &defaults));
-    const int k = keys.size();
+    GroupInputs in;
+    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, kWithMaxLens, &in));
+    const int k = in.size();
     bool training = false;
     OP_REQUIRES_OK(ctx, ReadTraining(ctx, 6 * k, &training));
     const int64_t dim = dim_;
-    std::vector<RefCountPtr<EVStorage>> refs(k);
-    std::vector<EVStorage*> evs(k);
-    std::vector<int64_t> offset(k + 1, 0), first_row(k + 1, 0), lens(k);
+    std::vector<int64_t> offset(k + 1, 0), first_row(k + 1, 0);
     std::vector<std::vector<float>> no_permission(k);
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("sequences", &out));
     std::vector<float*> outs(k);
-    const Tensor no_weights(tensorflow::DT_FLOAT, TensorShape({0}));
     for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, GetEV(ctx, t, &refs[t]));
-      evs[t] = refs[t].get();
-      const std::string& name = evs[t]->config().name;
-      OP_REQUIRES_OK(ctx, CheckGroupMember(evs[t], dim, defaults[t]));
-      OP_REQUIRES_OK(ctx, CheckRagged(name, keys[t], splits[t], no_weights,
-                                      -1, "keys"));
-      const int64_t nnz = keys[t].NumElements();
-      const int64_t batch = splits[t].NumElements() - 1;
-      TensorShape shape;
-      OP_REQUIRES_OK(ctx, SequenceShape(name, max_lens[t], positions[t], nnz,
-                                        batch, dim, &lens[t], &shape));
       Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, out.allocate(t, shape, &o));
+      OP_REQUIRES_OK(ctx, out.allocate(t, in.sequence_shapes[t], &o));
       outs[t] = o->flat<float>().data();
-      offset[t + 1] = offset[t] + nnz;
-      first_row[t + 1] = first_row[t] + batch;
-      no_permission[t].assign(dim, evs[t]->config().no_permission);
+      offset[t + 1] = offset[t] + in.nnz(t);
+      first_row[t + 1] = first_row[t] + in.batch(t);
+      no_permission[t].assign(dim, in.evs[t]->config().no_permission);
     }
 
-    EVGroupLocks locks(evs, training);
+    EVGroupLocks locks(in.evs, training);
     std::vector<const float*> rows(offset[k]);
-    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, evs, keys, defaults,
+    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, in.evs, in.ids, in.defaults,
                                      locks.distinct(), training, offset,
                                      no_permission, rows.data()));
     const int64_t total_rows = first_row[k];
@@ -409,13 +396,13 @@ class EVSequenceLookupOp : public OpKernel {
     int64_t total_slots = 0;
     std::vector<SequenceTable<ResolvedRows>> tables(k);
     for (int t = 0; t < k; ++t) {
-      total_slots += (first_row[t + 1] - first_row[t]) * lens[t];
+      total_slots += in.batch(t) * in.lens[t];
       tables[t] = {{rows.data() + offset[t]},
-                   splits[t].flat<int64_t>().data(),
-                   positions[t].flat<int64_t>().data(),
+                   in.splits[t].flat<int64_t>().data(),
+                   in.positions[t].flat<int64_t>().data(),
                    /*weights=*/nullptr,
-                   offset[t + 1] - offset[t],
-                   lens[t],
+                   in.nnz(t),
+                   in.lens[t],
                    outs[t]};
     }
     ScatterSequences(ctx, tables, first_row, dim, /*max_norm=*/-1.0f,
@@ -471,19 +458,19 @@ class EVWeightGradOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     GroupInputs in;
-    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, &in));
+    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, kWithWeights, &in));
     OpInputList grads, pooled;
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
     OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
-    const int k = in.keys.size();
+    const int k = in.size();
     const int64_t dim = dim_;
     OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries."));
     for (int t = 0; t < k; ++t) {
       const std::string& name = in.evs[t]->config().name;
-      const int64_t batch = in.splits[t].NumElements() - 1;
+      const int64_t batch = in.batch(t);
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], batch, dim));
       OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
                                       dim));
@@ -493,12 +480,12 @@ class EVWeightGradOp : public OpKernel {
       OP_REQUIRES_OK(ctx, out.allocate(t, in.weights[t].shape(), &o));
       if (in.weights[t].NumElements() == 0) continue;
       EVStorage* ev = in.evs[t];
-      const int64_t nnz = in.keys[t].NumElements();
+      const int64_t nnz = in.nnz(t);
       std::vector<const float*> rows(nnz);
       const std::vector<float> no_permission(dim, ev->config().no_permission);
       {
         tensorflow::tf_shared_lock lock(*ev->mu());
-        OP_REQUIRES_OK(ctx, ResolveKeys(ev, in.keys[t].flat<int64_t>().data(),
+        OP_REQUIRES_OK(ctx, ResolveKeys(ev, in.ids[t].flat<int64_t>().data(),
                                         nnz, in.defaults[t],
                                         /*training=*/false,
                                         no_permission.data(), rows.data()));
@@ -513,8 +500,7 @@ class EVWeightGradOp : public OpKernel {
                   float* dw) const {
     const auto table =
         MakeGradTable(PooledGrads{grads.flat<float>().data(), dim_},
-                      in.splits[t], in.weights[t], in.keys[t].NumElements(),
-                      combiners_[t]);
+                      in.splits[t], in.weights[t], in.nnz(t), combiners_[t]);
     WeightGradRows(table, dim_, pooled.flat<float>().data(),
                    [&rows](int64_t j) { return rows[j]; }, dw);
   }
@@ -561,21 +547,19 @@ class EVGatherOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList keys, defaults;
+    GroupEVs g;
+    OP_REQUIRES_OK(ctx, ReadGroupEVs(ctx, dim_, &g));
+    const std::vector<EVStorage*>& evs = g.evs;
+    OpInputList keys;
     OP_REQUIRES_OK(ctx, ctx->input_list("keys", &keys));
-    OP_REQUIRES_OK(ctx, ctx->input_list("default_values", &defaults));
     const int k = keys.size();
     bool training = false;
     OP_REQUIRES_OK(ctx, ReadTraining(ctx, 3 * k, &training));
     const int64_t dim = dim_;
-    std::vector<RefCountPtr<EVStorage>> refs(k);
-    std::vector<EVStorage*> evs(k);
     std::vector<int64_t> offset(k + 1, 0);
     std::vector<std::vector<float>> no_permission(k);
     for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, GetEV(ctx, t, &refs[t]));
-      evs[t] = refs[t].get();
-      OP_REQUIRES_OK(ctx, CheckGroupMember(evs[t], dim, defaults[t]));
+      // Not ragged: keys alone.
       OP_REQUIRES(ctx, keys[t].dims() == 1,
                   InvalidArgument(evs[t]->config().name,
                                   ": keys must be a vector, got shape ",
@@ -590,7 +574,7 @@ class EVGatherOp : public OpKernel {
 
     EVGroupLocks locks(evs, training);
     std::vector<const float*> rows(offset[k]);
-    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, evs, keys, defaults,
+    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, evs, keys, g.defaults,
                                      locks.distinct(), training, offset,
                                      no_permission, rows.data()));
     // Copy while the locks still pin the rows (no lock in the work items).

@@ -104,19 +104,22 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &table_names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &num_tables_));
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList ids, splits, weights;
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    const int k = ids.size();
+    const int k = num_tables_;
     OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k &&
                          static_cast<int>(table_names_.size()) == k,
                 InvalidArgument("combiners/table_names must have ", k,
                                 " entries."));
+    // Ids are range-checked by the (parallel) pooling below, before any
+    // row is read: a serial pass over every id cost ~15% of the op.
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedGroup(
+                            ctx, "ids", kWithWeights, dim_,
+                            [this](int t) { return table_names_[t]; }, &in));
 
     LockedTables locked;
     OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
@@ -124,9 +127,9 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
 
     // Tables may have different batch sizes (dense lookups of any shape);
     // `first_row[t]` numbers the output rows of all tables consecutively.
-    std::vector<const float*> tables(k);
     std::vector<int64_t> vocabs(k);
     std::vector<int64_t> first_row(k + 1, 0);
+    std::vector<PooledTable<TableRows>> pooled(k);
     int64_t total_nnz = 0;
     for (int t = 0; t < k; ++t) {
       const Tensor* table = vars[t]->tensor();
@@ -136,30 +139,20 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
                                   ": expected a float32 [vocab, ", dim_,
                                   "] table, got ",
                                   table->shape().DebugString()));
-      // Ids are range-checked by the (parallel) pooling below, before any
-      // row is read: a serial pass over every id cost ~15% of the op.
-      OP_REQUIRES_OK(ctx, CheckRagged(table_names_[t], ids[t], splits[t],
-                                      weights[t], /*vocab=*/-1));
-      first_row[t + 1] = first_row[t] + splits[t].NumElements() - 1;
-      total_nnz += ids[t].NumElements();
-      tables[t] = table->flat<float>().data();
+      first_row[t + 1] = first_row[t] + in.batch(t);
+      total_nnz += in.nnz(t);
       vocabs[t] = table->dim_size(0);
-    }
-
-    std::vector<PooledTable<TableRows>> pooled(k);
-    for (int t = 0; t < k; ++t) {
-      pooled[t].rows = {tables[t], ids[t].flat<int64_t>().data(),
+      pooled[t].rows = {table->flat<float>().data(),
+                        in.ids[t].flat<int64_t>().data(),
                         static_cast<uint64_t>(vocabs[t]), dim_};
-      pooled[t].splits = splits[t].flat<int64_t>().data();
-      pooled[t].weights = weights[t].NumElements()
-                              ? weights[t].flat<float>().data()
-                              : nullptr;
-      pooled[t].nnz = ids[t].NumElements();
+      pooled[t].splits = in.splits[t].flat<int64_t>().data();
+      pooled[t].weights = in.weight_data(t);
+      pooled[t].nnz = in.nnz(t);
       pooled[t].dim = dim_;
       pooled[t].combiner = combiners_[t];
     }
     if (concat_) {
-      OP_REQUIRES_OK(ctx, CheckSameBatch(table_names_, splits));
+      OP_REQUIRES_OK(ctx, CheckSameBatch(table_names_, in.splits));
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               0, TensorShape({first_row[1], k * dim_}), &o));
@@ -189,7 +182,7 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
       const int t = bad.table;
       const int64_t j = bad.pos;
       ctx->SetStatus(InvalidArgument(
-          table_names_[t], ": id ", ids[t].flat<int64_t>()(j),
+          table_names_[t], ": id ", in.ids[t].flat<int64_t>()(j),
           " is out of range [0, ", vocabs[t], ") for this table."));
     }
   }
@@ -199,6 +192,7 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
   std::vector<Combiner> combiners_;
   std::vector<std::string> table_names_;
   int64_t dim_;
+  int num_tables_;
   float max_norm_;
 };
 
@@ -273,25 +267,18 @@ class GroupEmbeddingPooledLookupGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList ids, splits, weights;
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    const int k = ids.size();
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedGroup(ctx, "ids", kWithWeights, dim_, &in));
+    const int k = in.size();
     OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries, got ",
                                 combiners_.size(), "."));
-    for (int t = 0; t < k; ++t) {
-      OP_REQUIRES_OK(ctx, CheckRagged(absl::StrCat("table ", t), ids[t],
-                                      splits[t], weights[t], /*vocab=*/-1));
-    }
     // Per table, where its gradient rows are (read only here).
     std::vector<PooledGrads> grad_rows(k);
     if (concat_) {
-      OP_REQUIRES_OK(ctx, CheckSameBatch({}, splits));
+      OP_REQUIRES_OK(ctx, CheckSameBatch({}, in.splits));
       const Tensor& g = ctx->input(0);
-      OP_REQUIRES_OK(ctx, CheckMatrix("grads", g,
-                                      splits[0].NumElements() - 1, k * dim_));
+      OP_REQUIRES_OK(ctx, CheckMatrix("grads", g, in.batch(0), k * dim_));
       for (int t = 0; t < k; ++t) {
         grad_rows[t] = {g.flat<float>().data() + t * dim_, k * dim_};
       }
@@ -300,14 +287,13 @@ class GroupEmbeddingPooledLookupGradOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
       for (int t = 0; t < k; ++t) {
         OP_REQUIRES_OK(ctx, CheckMatrix(absl::StrCat("table ", t, ": grads"),
-                                        grads[t], splits[t].NumElements() - 1,
-                                        dim_));
+                                        grads[t], in.batch(t), dim_));
         grad_rows[t] = {grads[t].flat<float>().data(), dim_};
       }
     }
-    OP_REQUIRES_OK(ctx, SumIdGradsOfTables(ctx, ids, dim_, [&](int t) {
-                     return MakeGradTable(grad_rows[t], splits[t], weights[t],
-                                          ids[t].NumElements(),
+    OP_REQUIRES_OK(ctx, SumIdGradsOfTables(ctx, in.ids, dim_, [&](int t) {
+                     return MakeGradTable(grad_rows[t], in.splits[t],
+                                          in.weights[t], in.nnz(t),
                                           combiners_[t]);
                    }));
   }

@@ -267,6 +267,89 @@ inline Status CheckSequenceGrad(const std::string& name, const Tensor& grads,
   return Status();
 }
 
+// The ragged id inputs of a group op, one tensor per table in each list,
+// read and checked once by ReadRaggedGroup. Lists the op does not have
+// stay empty.
+struct RaggedGroup {
+  ::tensorflow::OpInputList ids;        // [nnz] ("ids", or "keys" of EVs)
+  ::tensorflow::OpInputList splits;     // [batch + 1], 0 .. nnz
+  ::tensorflow::OpInputList weights;    // [nnz], or [0]: unweighted
+  ::tensorflow::OpInputList positions;  // [nnz] column of each id
+  ::tensorflow::OpInputList max_lens;   // scalar padded length T
+  // With max_lens: each table's T and its [batch, T, dim] output shape.
+  std::vector<int64_t> lens;
+  std::vector<TensorShape> sequence_shapes;
+
+  int size() const { return ids.size(); }
+  int64_t nnz(int t) const { return ids[t].NumElements(); }
+  int64_t batch(int t) const { return splits[t].NumElements() - 1; }
+  // Table t's weights: an empty tensor (unweighted) for an op without.
+  const Tensor& weights_of(int t) const {
+    static const Tensor* const kNone =
+        new Tensor(::tensorflow::DT_FLOAT, TensorShape({0}));
+    return weights.size() ? weights[t] : *kNone;
+  }
+  // Its data, nullptr when unweighted (how the pooling reads weights).
+  const float* weight_data(int t) const {
+    const Tensor& w = weights_of(t);
+    return w.NumElements() ? w.flat<float>().data() : nullptr;
+  }
+};
+
+// Which lists ReadRaggedGroup reads besides ids and row_splits.
+enum RaggedLists : unsigned {
+  kWithWeights = 1,    // "weights"
+  kWithPositions = 2,  // "positions", checked by the caller (its T comes
+                       // from elsewhere, e.g. the gradient's shape)
+  kWithMaxLens = 4,    // "positions" and "max_lens", checked here
+};
+
+// Reads a group op's ragged inputs: lists `ids_arg` ("ids", or "keys"
+// for EmbeddingVariables) and "row_splits", plus those `lists` names, and
+// checks every table's before any is read: ids, row_splits and weights
+// (CheckRagged; ids are not range-checked here, `vocab` is the caller's),
+// positions and max_lens with kWithMaxLens (SequenceShape: T >= 0, every
+// position in [0, T), the output size within int64). Errors name table t
+// as `name_of(t)`.
+template <typename NameOf>
+Status ReadRaggedGroup(::tensorflow::OpKernelContext* ctx,
+                       const char* ids_arg, unsigned lists, int64_t dim,
+                       NameOf&& name_of, RaggedGroup* g) {
+  TF_RETURN_IF_ERROR(ctx->input_list(ids_arg, &g->ids));
+  TF_RETURN_IF_ERROR(ctx->input_list("row_splits", &g->splits));
+  if (lists & kWithWeights) {
+    TF_RETURN_IF_ERROR(ctx->input_list("weights", &g->weights));
+  }
+  if (lists & (kWithPositions | kWithMaxLens)) {
+    TF_RETURN_IF_ERROR(ctx->input_list("positions", &g->positions));
+  }
+  if (lists & kWithMaxLens) {
+    TF_RETURN_IF_ERROR(ctx->input_list("max_lens", &g->max_lens));
+  }
+  const int k = g->size();
+  g->lens.assign(k, 0);
+  g->sequence_shapes.assign(k, TensorShape());
+  for (int t = 0; t < k; ++t) {
+    const std::string name = name_of(t);
+    TF_RETURN_IF_ERROR(CheckRagged(name, g->ids[t], g->splits[t],
+                                   g->weights_of(t), /*vocab=*/-1, ids_arg));
+    if (lists & kWithMaxLens) {
+      TF_RETURN_IF_ERROR(SequenceShape(name, g->max_lens[t], g->positions[t],
+                                       g->nnz(t), g->batch(t), dim,
+                                       &g->lens[t], &g->sequence_shapes[t]));
+    }
+  }
+  return Status();
+}
+
+// ReadRaggedGroup naming table t "table t" (ops without table names).
+inline Status ReadRaggedGroup(::tensorflow::OpKernelContext* ctx,
+                              const char* ids_arg, unsigned lists,
+                              int64_t dim, RaggedGroup* g) {
+  return ReadRaggedGroup(ctx, ids_arg, lists, dim,
+                         [](int t) { return absl::StrCat("table ", t); }, g);
+}
+
 }  // namespace group_embedding
 
 #endif  // GROUP_EMBEDDING_OPS_KERNELS_OP_CHECKS_H_

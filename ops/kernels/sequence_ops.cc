@@ -63,31 +63,28 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
       : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &table_names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &num_tables_));
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList ids, splits, positions, max_lens, weights;
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
-    OP_REQUIRES_OK(ctx, ctx->input_list("max_lens", &max_lens));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    const int k = ids.size();
+    const int k = num_tables_;
     OP_REQUIRES(ctx, static_cast<int>(table_names_.size()) == k,
                 InvalidArgument("table_names must have ", k, " entries, got ",
                                 table_names_.size(), "."));
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedGroup(
+                            ctx, "ids", kWithWeights | kWithMaxLens, dim_,
+                            [this](int t) { return table_names_[t]; }, &in));
     LockedTables locked;
     OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
     const std::vector<Var*>& vars = locked.vars();
 
-    std::vector<const float*> tables(k);
-    std::vector<int64_t> lens(k);
     std::vector<int64_t> first_row(k + 1, 0);
     int64_t total_nnz = 0, total_slots = 0;
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("sequences", &out));
-    std::vector<float*> outs(k);
+    std::vector<SequenceTable<TableRows>> sequences(k);
     for (int t = 0; t < k; ++t) {
       const std::string& name = table_names_[t];
       const Tensor* table = vars[t]->tensor();
@@ -96,41 +93,27 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
                   InvalidArgument(name, ": expected a float32 [vocab, ", dim_,
                                   "] table, got ",
                                   table->shape().DebugString()));
-      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
-                                      table->dim_size(0)));
-      const int64_t nnz = ids[t].NumElements();
-      const int64_t batch = splits[t].NumElements() - 1;
-      int64_t len = 0;
-      TensorShape shape;
-      OP_REQUIRES_OK(ctx, SequenceShape(name, max_lens[t], positions[t], nnz,
-                                        batch, dim_, &len, &shape));
+      // Every id is read: range-checked here, before any row is.
+      const int64_t* ids = in.ids[t].flat<int64_t>().data();
+      OP_REQUIRES_OK(ctx, CheckIdRange(name, ids, in.nnz(t),
+                                       table->dim_size(0)));
       Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, out.allocate(t, shape, &o));
-      outs[t] = o->flat<float>().data();
-      tables[t] = table->flat<float>().data();
-      lens[t] = len;
+      OP_REQUIRES_OK(ctx, out.allocate(t, in.sequence_shapes[t], &o));
+      const int64_t batch = in.batch(t);
       first_row[t + 1] = first_row[t] + batch;
-      total_nnz += nnz;
-      total_slots += batch * len;
+      total_nnz += in.nnz(t);
+      total_slots += batch * in.lens[t];
+      sequences[t] = {{table->flat<float>().data(), ids,
+                       static_cast<uint64_t>(table->dim_size(0)), dim_},
+                      in.splits[t].flat<int64_t>().data(),
+                      in.positions[t].flat<int64_t>().data(),
+                      in.weight_data(t),
+                      in.nnz(t),
+                      in.lens[t],
+                      o->flat<float>().data()};
     }
     const int64_t total_rows = first_row[k];
     if (total_rows == 0 || dim_ == 0) return;
-
-    std::vector<SequenceTable<TableRows>> sequences(k);
-    for (int t = 0; t < k; ++t) {
-      // Ids were range-checked above (CheckRagged with the vocab).
-      sequences[t] = {{tables[t], ids[t].flat<int64_t>().data(),
-                       static_cast<uint64_t>(vars[t]->tensor()->dim_size(0)),
-                       dim_},
-                      splits[t].flat<int64_t>().data(),
-                      positions[t].flat<int64_t>().data(),
-                      weights[t].NumElements()
-                          ? weights[t].flat<float>().data()
-                          : nullptr,
-                      ids[t].NumElements(),
-                      lens[t],
-                      outs[t]};
-    }
     ScatterSequences(ctx, sequences, first_row, dim_, max_norm_,
                      ((total_slots + total_nnz) / total_rows + 1) * dim_ * 3);
   }
@@ -138,6 +121,7 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
  private:
   std::vector<std::string> table_names_;
   int64_t dim_;
+  int num_tables_;
   float max_norm_;
 };
 
@@ -181,31 +165,30 @@ class GroupEmbeddingSequenceLookupGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList grads, ids, splits, positions, weights;
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedGroup(ctx, "ids",
+                                        kWithWeights | kWithPositions, dim_,
+                                        &in));
+    OpInputList grads;
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    const int k = ids.size();
+    const int k = in.size();
     std::vector<int64_t> lens(k);
     for (int t = 0; t < k; ++t) {
+      // T is the gradient's: the positions are checked against it.
       const std::string name = absl::StrCat("table ", t);
-      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
-                                      /*vocab=*/-1));
-      OP_REQUIRES_OK(ctx, CheckSequenceGrad(name, grads[t],
-                                            splits[t].NumElements() - 1,
-                                            dim_, &lens[t]));
-      OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
-                                         ids[t].NumElements(), lens[t]));
+      OP_REQUIRES_OK(ctx, CheckSequenceGrad(name, grads[t], in.batch(t), dim_,
+                                            &lens[t]));
+      OP_REQUIRES_OK(ctx, CheckPositions(name, in.positions[t], in.nnz(t),
+                                         lens[t]));
     }
     // No combiner (kSum: every factor is the id's weight).
-    OP_REQUIRES_OK(ctx, SumIdGradsOfTables(ctx, ids, dim_, [&](int t) {
-                     const SequenceGrads g{grads[t].flat<float>().data(),
-                                           positions[t].flat<int64_t>().data(),
-                                           lens[t], dim_};
-                     return MakeGradTable(g, splits[t], weights[t],
-                                          ids[t].NumElements(), kSum);
+    OP_REQUIRES_OK(ctx, SumIdGradsOfTables(ctx, in.ids, dim_, [&](int t) {
+                     const SequenceGrads g{
+                         grads[t].flat<float>().data(),
+                         in.positions[t].flat<int64_t>().data(), lens[t],
+                         dim_};
+                     return MakeGradTable(g, in.splits[t], in.weights[t],
+                                          in.nnz(t), kSum);
                    }));
   }
 
