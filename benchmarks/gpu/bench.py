@@ -16,6 +16,13 @@ steps after warm-up):
 * `torch_concat`: ONE `embedding_bag` over the concatenated tables (ids
   shifted by each table's first row; the TorchRec / SOK layout), backward,
   sparse Adagrad;
+* `torch_competent`: the step a torch engineer writes by hand (issue
+  35.4's anchor): one `embedding_bag` over the concatenated tables, the
+  backward by `torch.unique` + `index_add_`, Adagrad on the distinct rows
+  only;
+* `ge_step_floor_fraction`: the step's memory-traffic floor (ids, each
+  id's row, outputs, their gradients, each distinct row's value and
+  accumulator read and written, at the copy's bandwidth) over its time;
 * `copy`: a 1 GiB device-to-device copy (bytes read + written per second).
 
 Before timing it checks the core against torch on the same tables: the
@@ -113,6 +120,10 @@ class Batch:
         cat_offsets = np.concatenate([[0], np.cumsum(counts)])
         self.cat_ids = torch.from_numpy(cat_ids).to(dev)
         self.cat_offsets = torch.from_numpy(cat_offsets[:-1]).to(dev)
+        # The bag of each concatenated id (what a torch backward gathers
+        # its gradient row by), and the distinct rows of the step.
+        self.cat_bags = torch.from_numpy(bag[order]).to(dev)
+        self.distinct = int(np.unique(cat_ids).size)
 
 
 def describe(torch, tables, accums, batch, out, grad, dim):
@@ -264,9 +275,11 @@ def run_dim(dev, core, dim, batch_size, cap, steps, id_batches,
             (ugrads[off[t]:off[t + 1]] - g).abs().max()) / scale)
     step(0)
     dev.sync()
+    ref = []  # per table: rows and their gradient, for the anchor
     for t in range(k):
         g = per_table[t].grad.coalesce()
         rows, g = g.indices()[0][:4096], g.values()[:4096]
+        ref.append((rows, g))
         want = base[t][rows] - LR * g / torch.sqrt(g * g + EPS)
         diff = ((ours[t][rows] - want).abs() / (want.abs() + 1e-3))
         worst = max(worst, float(diff[g.abs() > 1e-3].max()))
@@ -297,19 +310,78 @@ def run_dim(dev, core, dim, batch_size, cap, steps, id_batches,
         cat_opt.step()
 
     result["torch_concat_ms"] = dev.timed(torch_concat_step, 3, steps)
-    cat = cat_opt = None
+    cat_opt = None
+
+    # -- torch, written by hand (issue 35.4's anchor) ------------------------
+    # What a torch engineer writes without autograd: one embedding_bag over
+    # the concatenated tables; backward: each id's gradient row gathered by
+    # its bag, `torch.unique` + `index_add_` to sum them per distinct row;
+    # Adagrad (our rule) on the distinct rows only.
+    table = cat.detach()
+    cat = None
+    accum = torch.zeros_like(table)
+    flat_grad = grad.reshape(batch_size * k, dim)
+
+    def torch_competent_step(i):
+        b = batches[i % 2]
+        F.embedding_bag(b.cat_ids, table, b.cat_offsets, mode="sum")
+        rows, inverse = torch.unique(b.cat_ids, return_inverse=True)
+        g = torch.zeros((rows.numel(), dim), device=on).index_add_(
+            0, inverse, flat_grad.index_select(0, b.cat_bags))
+        a = accum.index_select(0, rows).addcmul_(g, g)
+        accum.index_copy_(0, rows, a)
+        table.index_copy_(0, rows, table.index_select(0, rows).addcdiv_(
+            g, torch.sqrt(a + EPS), value=-LR))
+
+    # Checked first: its first step (fresh accumulators) equals the fused
+    # step's rule applied to autograd's gradient of batch 0 (`ref`, kept
+    # from above), from the rows the table holds now.
+    starts = [table[int(row_base[t]) + rows].clone()
+              for t, (rows, _) in enumerate(ref)]
+    torch_competent_step(0)
+    dev.sync()
+    worst = 0.0
+    for t, ((rows, g), start) in enumerate(zip(ref, starts)):
+        want = start - LR * g / torch.sqrt(g * g + EPS)
+        got = table[int(row_base[t]) + rows]
+        diff = (got - want).abs() / (want.abs() + 1e-3)
+        worst = max(worst, float(diff[g.abs() > 1e-3].max()))
+    result["check_torch_competent_step_max_rel_diff"] = worst
+    result["torch_competent_ms"] = dev.timed(torch_competent_step, 3, steps)
+    table = accum = None
     dev.empty_cache()
 
     # -- bandwidth -----------------------------------------------------------
     forward_bandwidth(result, batches[0].nnz, dim, batch_size, k,
                       copy_bandwidth(dev, steps))
+    step_floor(result, batches[0], dim, batch_size, k)
     result.update({
         "step_vs_torch_per_table":
             result["torch_per_table_ms"][0] / result["ge_step_ms"][0],
         "step_vs_torch_concat":
             result["torch_concat_ms"][0] / result["ge_step_ms"][0],
+        "step_vs_torch_competent":
+            result["torch_competent_ms"][0] / result["ge_step_ms"][0],
     })
     return result
+
+
+def step_floor(result, batch, dim, batch_size, k):
+    """The training step's memory-traffic floor (issue 35.4) and the
+    fraction of it the fused step reaches: the ids, each id's row read,
+    the outputs written, their gradients read, and each distinct row's
+    value and accumulator read and written, at the copy's bandwidth."""
+    floor_bytes = (batch.nnz * 8 + batch.nnz * dim * 4
+                   + 2 * batch_size * k * dim * 4
+                   + 4 * batch.distinct * dim * 4)
+    floor_ms = floor_bytes / result["copy_gbs"] / 1e6
+    result.update({
+        "distinct_rows_per_step": batch.distinct,
+        "step_floor_bytes": floor_bytes,
+        "step_floor_ms": floor_ms,
+        "ge_step_gbs": floor_bytes / result["ge_step_ms"][0] / 1e6,
+        "ge_step_floor_fraction": floor_ms / result["ge_step_ms"][0],
+    })
 
 
 def main(argv=None):
@@ -345,6 +417,7 @@ def main(argv=None):
               if r["check_forward_max_abs_diff"] > 1e-4
               or r.get("check_adagrad_step_max_rel_diff", 0) > 1e-4
               or r.get("check_backward_max_scaled_diff", 0) > 1e-4
+              or r.get("check_torch_competent_step_max_rel_diff", 0) > 1e-4
               or r["check_error_counts"] != [0, 0]]
     results["checks_passed"] = not failed
     if args.json:
