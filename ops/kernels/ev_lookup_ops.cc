@@ -257,21 +257,37 @@ GE_REGISTER_OP_WITH_ALIAS(
     .SetIsStateful()
     .SetShapeFn(PooledShapes));
 
-class EVLookupOp : public OpKernel {
+// The kernels of a pooled group of EVs (the lookup and its weight
+// gradient): their combiners, their dim and their checked inputs.
+class PooledEVKernel : public OpKernel {
  public:
-  explicit EVLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::vector<std::string> names;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
-    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+  explicit PooledEVKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ParseCombiners(ctx, &combiners_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
   }
 
+ protected:
+  Status Read(OpKernelContext* ctx, GroupInputs* in) const {
+    TF_RETURN_IF_ERROR(ReadGroupInputs(ctx, dim_, kWithWeights, in));
+    const int k = in->size();
+    if (static_cast<int>(combiners_.size()) != k) {
+      return InvalidArgument("combiners must have ", k, " entries.");
+    }
+    return Status();
+  }
+
+  std::vector<Combiner> combiners_;
+  int64_t dim_;
+};
+
+class EVLookupOp : public PooledEVKernel {
+ public:
+  using PooledEVKernel::PooledEVKernel;
+
   void Compute(OpKernelContext* ctx) override {
     GroupInputs in;
-    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, kWithWeights, &in));
+    OP_REQUIRES_OK(ctx, Read(ctx, &in));
     const int k = in.size();
-    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
-                InvalidArgument("combiners must have ", k, " entries."));
     bool training = false;
     OP_REQUIRES_OK(ctx, ReadTraining(ctx, 5 * k, &training));
     const int64_t dim = dim_;
@@ -312,10 +328,6 @@ class EVLookupOp : public OpKernel {
     PoolTables(ctx, pooled, first_row, /*max_norm=*/-1.0f,
                avg * dim * 4 + 20);
   }
-
- private:
-  std::vector<Combiner> combiners_;
-  int64_t dim_;
 };
 
 GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
@@ -447,18 +459,13 @@ GE_REGISTER_OP_WITH_ALIAS(
       return Status();
     }));
 
-class EVWeightGradOp : public OpKernel {
+class EVWeightGradOp : public PooledEVKernel {
  public:
-  explicit EVWeightGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::vector<std::string> names;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
-    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
-  }
+  using PooledEVKernel::PooledEVKernel;
 
   void Compute(OpKernelContext* ctx) override {
     GroupInputs in;
-    OP_REQUIRES_OK(ctx, ReadGroupInputs(ctx, dim_, kWithWeights, &in));
+    OP_REQUIRES_OK(ctx, Read(ctx, &in));
     OpInputList grads, pooled;
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
     OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
@@ -466,8 +473,6 @@ class EVWeightGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
     const int k = in.size();
     const int64_t dim = dim_;
-    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
-                InvalidArgument("combiners must have ", k, " entries."));
     for (int t = 0; t < k; ++t) {
       const std::string& name = in.evs[t]->config().name;
       const int64_t batch = in.batch(t);
@@ -504,9 +509,6 @@ class EVWeightGradOp : public OpKernel {
     WeightGradRows(table, dim_, pooled.flat<float>().data(),
                    [&rows](int64_t j) { return rows[j]; }, dw);
   }
-
-  std::vector<Combiner> combiners_;
-  int64_t dim_;
 };
 
 GE_REGISTER_CPU_KERNEL_WITH_ALIAS(

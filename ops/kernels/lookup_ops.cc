@@ -99,9 +99,7 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
   explicit GroupEmbeddingPooledLookupOp(OpKernelConstruction* ctx)
       : OpKernel(ctx),
         concat_(ctx->def().op() == "GroupEmbeddingConcatLookup") {
-    std::vector<std::string> names;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
-    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ParseCombiners(ctx, &combiners_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &table_names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &num_tables_));
@@ -260,9 +258,7 @@ class GroupEmbeddingPooledLookupGradOp : public OpKernel {
   explicit GroupEmbeddingPooledLookupGradOp(OpKernelConstruction* ctx)
       : OpKernel(ctx),
         concat_(ctx->def().op() == "GroupEmbeddingConcatLookupGrad") {
-    std::vector<std::string> names;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
-    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ParseCombiners(ctx, &combiners_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
   }
 

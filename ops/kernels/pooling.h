@@ -43,6 +43,14 @@ inline Status ParseCombiners(const std::vector<std::string>& names,
   return Status();
 }
 
+// The kernel's `combiners` attr, parsed.
+inline Status ParseCombiners(::tensorflow::OpKernelConstruction* ctx,
+                             std::vector<Combiner>* out) {
+  std::vector<std::string> names;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("combiners", &names));
+  return ParseCombiners(names, out);
+}
+
 // max_norm clipping of row e (`dim` floats) before pooling, as stock
 // embedding_lookup(max_norm=c): the factor c / max(|e|, c) of ClipFactor
 // (combiner_math.h); 1 when clipping is off (c < 0). float32 sums of
