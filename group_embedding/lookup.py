@@ -186,7 +186,8 @@ def _concat_of(pooled: _Run) -> _Run:
 
 def _variables_kernel_pooled(g: TableGroup, c: LookupCall) -> Any:
     return lookup_kernels.pooled_variables(g.tables, g.feats, g.combiners,
-                                           g.names, c.max_norm)
+                                           g.names, c.max_norm,
+                                           c.ids_checked)
 
 
 def _variables_tf_pooled(g: TableGroup, c: LookupCall) -> Any:
@@ -210,10 +211,11 @@ def _variable_entries(backend: str) -> Dict[Tuple[str, str, str], _Run]:
         key + (lookup_plan.POOLED,): _variables_kernel_pooled,
         key + (lookup_plan.CONCAT,): lambda g, c:
             lookup_kernels.concat_variables(g.tables, g.feats, g.combiners,
-                                            g.names, c.max_norm),
+                                            g.names, c.max_norm,
+                                            c.ids_checked),
         key + (lookup_plan.SEQUENCE,): lambda g, c:
             lookup_kernels.sequence_variables(g.tables, g.feats, g.names,
-                                              c.max_norm),
+                                              c.max_norm, c.ids_checked),
     }
 
 
@@ -279,18 +281,40 @@ def lookup_feature_ids(tables: Sequence[Any], feats: Sequence[FeatureIds],
     outputs: List[Optional[tf.Tensor]] = [None] * len(tables)
     # With `concat`: first table index -> columns of consecutive tables.
     blocks: Dict[int, tf.Tensor] = {}
+    check = _check_gpu_ids_once(groups)
     for g in groups:
-        if concat and g.consecutive:
-            blocks[g.members[0]] = run_group(g, call)
-            continue
-        for i, out in zip(g.members,
-                          run_group(g, pooled if concat else call)):
-            outputs[i] = out
-            blocks[i] = out
+        g_call, g_pooled, deps = call, pooled, []
+        if check is not None and g.backend == lookup_plan.GPU_KERNELS:
+            g_call = dataclasses.replace(call, ids_checked=True)
+            g_pooled = dataclasses.replace(pooled, ids_checked=True)
+            deps = [check]
+        with tf.control_dependencies(deps):
+            if concat and g.consecutive:
+                blocks[g.members[0]] = run_group(g, g_call)
+                continue
+            for i, out in zip(g.members,
+                              run_group(g, g_pooled if concat else g_call)):
+                outputs[i] = out
+                blocks[i] = out
     if not concat:
         return outputs
     parts = [blocks[i] for i in sorted(blocks)]
     return parts[0] if len(parts) == 1 else tf.concat(parts, 1)
+
+
+def _check_gpu_ids_once(groups: Sequence[TableGroup]) -> Any:
+    """One `GroupEmbeddingCheckIds` for the call's groups of plain
+    variables on the GPU kernels when there are several (issue 35.3: a
+    traced step then waits for its stream once, not once per group), or
+    None: one group checks its own ids with its one wait, and eager ops
+    run one by one anyway."""
+    gpu = [g for g in groups if g.kind == lookup_plan.VARIABLE
+           and g.backend == lookup_plan.GPU_KERNELS]
+    if len(gpu) < 2 or tf.executing_eagerly():
+        return None
+    return lookup_kernels.check_ids(
+        [t for g in gpu for t in g.tables], [f for g in gpu for f in g.feats],
+        [n for g in gpu for n in g.names])
 
 
 def _grouped_lookup(params: Sequence[Any], sp_ids: Sequence[Any],

@@ -59,12 +59,16 @@ class LookupCall:
         max_norm: None, or the L2 bound rows are clipped to.
         training: Python or tensor bool (EmbeddingVariables insert keys).
         partition_strategy: "mod" or "div" (sharded tables).
+        ids_checked: one `GroupEmbeddingCheckIds` checked the ids of the
+            call's GPU-kernel groups (the lookup's doing, never the
+            caller's): their forward ops do not wait to check again.
     """
 
     mode: str
     max_norm: Any = None
     training: Any = True
     partition_strategy: str = "mod"
+    ids_checked: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

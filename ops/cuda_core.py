@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ROWS_BY_POSITION = 1  # GeTable.flags
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 3}
@@ -132,6 +132,8 @@ class Core:
             getattr(lib, name).restype = c_int
             getattr(lib, name).argtypes = common + [vp, size, vp, vp, vp, vp,
                                                     vp]
+        lib.ge_check_ids.restype = c_int
+        lib.ge_check_ids.argtypes = [tables, c_int, vp, size, vp, vp]
         lib.ge_backward_apply.restype = c_int
         lib.ge_backward_apply.argtypes = common + [
             ctypes.POINTER(GeOptimizerConfig), vp, size, vp, vp]
@@ -388,6 +390,18 @@ class GroupCall:
         if self.concat:
             return self.mem.get(self.out)
         return [self.mem.get(o) for o in self.out]
+
+    def check_ids(self):
+        """Runs ge_check_ids on the group's ids (nothing else is read);
+        the (bad ids, bad layout) counts it added."""
+        before = self.error_counts()
+        self._check("check_ids", self.core.lib.ge_check_ids(
+            self.descs, len(self.tables), self.mem.ptr(self.lookup_scratch),
+            self.mem.count(self.lookup_scratch), self.mem.ptr(self.errors),
+            self.mem.stream))
+        self.mem.sync()
+        after = self.error_counts()
+        return after[0] - before[0], after[1] - before[1]
 
     # -- backward ----------------------------------------------------------
     def set_grads(self, grads):

@@ -64,7 +64,8 @@ def _kernel_weights(feats: Sequence[FeatureIds]) -> List[tf.Tensor]:
     return [empty if f.weights is None else f.weights for f in feats]
 
 
-def _variable_pooling(op, tables, feats, combiners, table_names, max_norm):
+def _variable_pooling(op, tables, feats, combiners, table_names, max_norm,
+                      ids_checked):
     """Calls a pooled lookup op of plain variables (per-table or
     concatenated outputs); they take the same inputs and attrs."""
     _watch(tables)
@@ -74,11 +75,11 @@ def _variable_pooling(op, tables, feats, combiners, table_names, max_norm):
               weights=_kernel_weights(feats),
               combiners=list(combiners), table_names=list(table_names),
               embedding_dim=int(tables[0].shape[1]),
-              max_norm=kernel_max_norm(max_norm))
+              max_norm=kernel_max_norm(max_norm), ids_checked=ids_checked)
 
 
 def pooled_variables(tables, feats, combiners, table_names,
-                     max_norm=None) -> List[tf.Tensor]:
+                     max_norm=None, ids_checked=False) -> List[tf.Tensor]:
     """`GroupEmbeddingPooledLookup`: one `[B, D]` output per table.
 
     Args:
@@ -87,21 +88,49 @@ def pooled_variables(tables, feats, combiners, table_names,
         combiners: "sum" | "mean" | "sqrtn" per table.
         table_names: names used in error messages.
         max_norm: None, or a number >= 0 rows are clipped to.
+        ids_checked: a `check_ids` op of the same step, which the op runs
+            after, checked these ids (the GPU kernel then does not wait
+            to read its own error counts).
     """
     return _variable_pooling(
         kernel_library.library().group_embedding_pooled_lookup, tables,
-        feats, combiners, table_names, max_norm)
+        feats, combiners, table_names, max_norm, ids_checked)
 
 
 def concat_variables(tables, feats, combiners, table_names,
-                     max_norm=None) -> tf.Tensor:
+                     max_norm=None, ids_checked=False) -> tf.Tensor:
     """`GroupEmbeddingConcatLookup`: ONE `[B, K * D]` output, each table's
     pooled rows written straight into its columns; its gradient reads them
     from the concatenated gradient (no concat copy, no split). Arguments as
     in `pooled_variables`."""
     return _variable_pooling(
         kernel_library.library().group_embedding_concat_lookup, tables,
-        feats, combiners, table_names, max_norm)
+        feats, combiners, table_names, max_norm, ids_checked)
+
+
+def check_ids(tables, feats, table_names) -> Any:
+    """`GroupEmbeddingCheckIds`: ONE check of the ids of several groups
+    (issue 35.3), for lookups on the GPU kernels built after it with
+    `ids_checked=True`: a step of several groups then waits for its
+    stream once. Raises at run time what the lookups would (the table and
+    the id). Returns the op, for control dependencies.
+
+    Args:
+        tables: the plain variables of every group, in any order.
+        feats: their `FeatureIds` (sequence features with positions).
+        table_names: their names for error messages.
+    """
+    empty = tf.zeros([0], tf.int64)
+    none = tf.constant(0, tf.int64)
+    return kernel_library.library().group_embedding_check_ids(
+        tables=[t.handle for t in tables],
+        ids=[f.values for f in feats],
+        row_splits=[f.row_splits for f in feats],
+        positions=[empty if f.positions is None else f.positions
+                   for f in feats],
+        max_lens=[none if f.max_len is None
+                  else tf.cast(f.max_len, tf.int64) for f in feats],
+        table_names=list(table_names))
 
 
 def _sequence_layout(feats: Sequence[FeatureIds]) -> dict:
@@ -113,7 +142,7 @@ def _sequence_layout(feats: Sequence[FeatureIds]) -> dict:
 
 
 def sequence_variables(tables, feats, table_names,
-                       max_norm=None) -> List[tf.Tensor]:
+                       max_norm=None, ids_checked=False) -> List[tf.Tensor]:
     """`GroupEmbeddingSequenceLookup`: each id's (clipped, weighted) row
     written straight into its `[B, T, D]` slot; its gradient sums per
     unique id, so no `[nnz, D]` tensor exists either way."""
@@ -125,7 +154,7 @@ def sequence_variables(tables, feats, table_names,
         weights=_kernel_weights(feats),
         table_names=list(table_names),
         embedding_dim=int(tables[0].shape[1]),
-        max_norm=kernel_max_norm(max_norm))
+        max_norm=kernel_max_norm(max_norm), ids_checked=ids_checked)
 
 
 def pooled_ev(variables: Sequence[Any], feats: Sequence[FeatureIds],

@@ -155,6 +155,21 @@ inline int CheckOptimizer(const GeTable* tables, int n,
   return GE_OK;
 }
 
+// The checks of ge_check_ids before its scratch size: the ids' layout
+// alone (dim 0: no row is read or written), and a seq_len wherever there
+// are positions.
+inline int CheckIdsCall(const GeTable* tables, int n,
+                        const unsigned long long* errors, GroupPlan* plan) {
+  const int status = CheckTables(tables, n, 0, 0u, plan);
+  if (status != GE_OK) return status;
+  for (int t = 0; t < n; ++t) {
+    if (tables[t].positions != nullptr && tables[t].seq_len < 0) {
+      return GE_ERR_ARGUMENT;
+    }
+  }
+  return errors == nullptr ? GE_ERR_ARGUMENT : GE_OK;
+}
+
 // The checks of a lookup call before its scratch size.
 inline int CheckLookup(const GeTable* tables, int n, int64_t dim,
                        float max_norm, bool sequence,

@@ -32,7 +32,8 @@ extern "C" {
 
 // 2: GeTable.flags (was reserved) and ge_clip_grads.
 // 3: ge_backward_padded.
-#define GE_CUDA_ABI_VERSION 3
+// 4: ge_check_ids.
+#define GE_CUDA_ABI_VERSION 4
 
 // The libraries are built with hidden visibility: only these functions
 // are exported (not cub's or the static CUDA runtime's symbols).
@@ -187,6 +188,19 @@ GE_API
 int ge_clip_grads(const GeTable* tables, int num_tables, int64_t dim,
                   float max_norm, void* scratch, size_t scratch_bytes,
                   unsigned long long* errors, void* stream);
+
+// Counts every table's ids outside [0, vocab) (errors[GE_BAD_IDS]), bad
+// row_splits and positions outside [0, seq_len) of tables that have
+// positions (errors[GE_BAD_LAYOUT]), as the lookups count them, and reads
+// nothing else: the one check of a training step's ids for all its groups
+// (issue 35.3), tables of any dims and kinds in one call, after which
+// their lookups run without reading their own counts. `table`, `out`
+// and `grad` are not read. Scratch:
+// ge_lookup_scratch_bytes(num_tables).
+GE_API
+int ge_check_ids(const GeTable* tables, int num_tables, void* scratch,
+                 size_t scratch_bytes, unsigned long long* errors,
+                 void* stream);
 
 // Stream-ordered memory helpers, so that a framework adaptor needs no
 // CUDA runtime of its own: copy `bytes` device -> host (to_host = 1; the

@@ -304,6 +304,35 @@ int ge_backward_apply(const GeTable* tables, int num_tables, int64_t dim,
                            errors);
 }
 
+int ge_check_ids(const GeTable* tables, int num_tables, void* scratch,
+                 size_t scratch_bytes, unsigned long long* errors,
+                 void* /*stream*/) {
+  ge_core::GroupPlan plan;
+  const int status =
+      ge_core::CheckIdsCall(tables, num_tables, errors, &plan);
+  if (status != GE_OK) return status;
+  if (scratch == nullptr ||
+      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+    return GE_ERR_SCRATCH;
+  }
+  for (int t = 0; t < num_tables; ++t) {
+    const GeTable& x = tables[t];
+    for (int64_t j = 0; j < x.nnz; ++j) {
+      if (!ge_host::GoodId(x, x.ids[j])) ++errors[GE_BAD_IDS];
+      if (x.positions != nullptr &&
+          static_cast<uint64_t>(x.positions[j]) >=
+              static_cast<uint64_t>(x.seq_len)) {
+        ++errors[GE_BAD_LAYOUT];
+      }
+    }
+    for (int64_t b = 0; b < x.batch; ++b) {
+      int64_t lo, hi;
+      ge_host::RowRange(x, b, errors, &lo, &hi);
+    }
+  }
+  return GE_OK;
+}
+
 int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
                     float max_norm, void* scratch, size_t scratch_bytes,
                     unsigned long long* errors, void* /*stream*/) {

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "core_checks.h"
 #include "embedding_math.h"
 #include "group_embedding_cuda.h"
@@ -149,6 +151,35 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// ge_check_ids: a thread per id (its range, its position), then one per
+// output row (its row_splits), over all tables of the call.
+__global__ void __launch_bounds__(kBlock) CheckIdsKernel(DeviceGroup g) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) +
+                   threadIdx.x;
+       i < g.occurrences + g.units; i += stride) {
+    if (i < g.occurrences) {
+      const int t = FindSegment(g.occ_base, g.n, i);
+      const GeTable& x = g.tables[t];
+      const int64_t j = i - g.occ_base[t];
+      if (static_cast<uint64_t>(x.ids[j]) >=
+          static_cast<uint64_t>(x.vocab)) {
+        CountError(g.errors, GE_BAD_IDS);
+      }
+      if (x.positions != nullptr &&
+          static_cast<uint64_t>(x.positions[j]) >=
+              static_cast<uint64_t>(x.seq_len)) {
+        CountError(g.errors, GE_BAD_LAYOUT);
+      }
+    } else {
+      const int64_t r = i - g.occurrences;
+      const int t = FindSegment(g.unit_base, g.n, r);
+      int64_t lo, hi;
+      RowRange(g.tables[t], r - g.unit_base[t], true, g.errors, &lo, &hi);
+    }
+  }
+}
+
 template <bool kSequence>
 int Lookup(const GeTable* tables, int n, int64_t dim, float max_norm,
            void* scratch, size_t scratch_bytes, unsigned long long* errors,
@@ -204,6 +235,33 @@ int ge_lookup_sequence(const GeTable* tables, int num_tables, int64_t dim,
                        unsigned long long* errors, void* stream) {
   return ge_cuda::Lookup<true>(tables, num_tables, dim, max_norm, scratch,
                                scratch_bytes, errors, stream);
+}
+
+int ge_check_ids(const GeTable* tables, int num_tables, void* scratch,
+                 size_t scratch_bytes, unsigned long long* errors,
+                 void* stream) {
+  ge_core::GroupPlan plan;
+  const int status =
+      ge_core::CheckIdsCall(tables, num_tables, errors, &plan);
+  if (status != GE_OK) return status;
+  if (scratch == nullptr ||
+      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+    return GE_ERR_SCRATCH;
+  }
+  const int64_t work = plan.occurrences() + plan.units();
+  if (work == 0) return GE_OK;
+  auto s = static_cast<cudaStream_t>(stream);
+  ge_cuda::DeviceGroup g;
+  const cudaError_t copied =
+      ge_cuda::UploadGroup(tables, num_tables, plan, scratch, s, &g);
+  if (copied != cudaSuccess) return static_cast<int>(copied);
+  g.errors = errors;
+  // Grid-stride: a few blocks per SM cover any size.
+  const int64_t blocks = std::min<int64_t>(
+      (work + ge_cuda::kBlock - 1) / ge_cuda::kBlock, 4096);
+  ge_cuda::CheckIdsKernel<<<static_cast<unsigned>(blocks), ge_cuda::kBlock,
+                            0, s>>>(g);
+  return static_cast<int>(cudaGetLastError());
 }
 
 int ge_copy_async(void* dst, const void* src, size_t bytes, int to_host,

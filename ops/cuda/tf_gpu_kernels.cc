@@ -276,6 +276,7 @@ class LookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+    OP_REQUIRES_OK(ctx, IdsCheckedAttr(ctx, &ids_checked_));
     if (layout_ != Layout::kSequence) {
       OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
     }
@@ -359,7 +360,7 @@ class LookupOp : public OpKernel {
                                  sequence ? ge_lookup_sequence
                                           : ge_lookup_pooled,
                                  &descs, dim_, max_norm_, names_, id_tensors,
-                                 vocabs));
+                                 vocabs, ids_checked_));
   }
 
  private:
@@ -368,6 +369,84 @@ class LookupOp : public OpKernel {
   std::vector<int32_t> combiners_;
   int64_t dim_;
   float max_norm_;
+  bool ids_checked_;
+};
+
+// GroupEmbeddingCheckIds (ops/kernels/check_ids_op.cc): the ids of every
+// group of a step checked by one core call (ge_check_ids) and one wait,
+// naming the table and the id of an error as the lookups do; the
+// lookups built after it take `ids_checked` and do not wait (issue 35.3).
+class CheckIdsOp : public OpKernel {
+ public:
+  explicit CheckIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids, splits, positions, max_lens;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
+    OP_REQUIRES_OK(ctx, ctx->input_list("max_lens", &max_lens));
+    const int k = ids.size();
+    OP_REQUIRES(ctx, static_cast<int>(names_.size()) == k,
+                InvalidArgument("table_names must have ", k, " entries."));
+    LockedTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    std::vector<GeTable> descs(k);
+    std::vector<const Tensor*> id_tensors(k);
+    std::vector<int64_t> vocabs(k);
+    const Tensor no_weights(DT_FLOAT, TensorShape({0}));
+    for (int t = 0; t < k; ++t) {
+      const Tensor* table = locked.vars()[t]->tensor();
+      OP_REQUIRES(ctx, table->dims() == 2,
+                  InvalidArgument(names_[t], ": expected a [vocab, dim] "
+                                  "table, got ",
+                                  table->shape().DebugString()));
+      OP_REQUIRES_OK(ctx, CheckRaggedShapes(names_[t], ids[t], splits[t],
+                                            no_weights));
+      GeTable& d = descs[t];
+      std::memset(&d, 0, sizeof(d));
+      d.vocab = table->dim_size(0);
+      d.ids = DataOr<int64_t>(ids[t]);
+      d.splits = DataOr<int64_t>(splits[t]);
+      d.nnz = ids[t].NumElements();
+      d.batch = splits[t].NumElements() - 1;
+      if (positions[t].NumElements() > 0) {
+        OP_REQUIRES(ctx, positions[t].dims() == 1 &&
+                             positions[t].NumElements() == d.nnz,
+                    InvalidArgument(names_[t], ": has ", d.nnz,
+                                    " ids but positions of shape ",
+                                    positions[t].shape().DebugString()));
+        OP_REQUIRES(ctx, max_lens[t].dims() == 0,
+                    InvalidArgument(names_[t], ": max_lens must be a "
+                                    "scalar."));
+        d.positions = DataOr<int64_t>(positions[t]);
+        d.seq_len = max_lens[t].scalar<int64_t>()();
+        OP_REQUIRES(ctx, d.seq_len >= 0,
+                    InvalidArgument(names_[t], ": max_lens must be >= 0, "
+                                    "got ", d.seq_len, "."));
+      }
+      id_tensors[t] = &ids[t];
+      vocabs[t] = d.vocab;
+    }
+    void* stream = StreamOf(ctx);
+    Tensor scratch_t, counters_t;
+    void *scratch = nullptr, *counters = nullptr;
+    const size_t bytes = ge_lookup_scratch_bytes(k);
+    OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
+    OP_REQUIRES_OK(ctx, Temp(ctx, 16, &counters_t, &counters));
+    OP_REQUIRES_OK(ctx, CoreStatus("zeroing the error counts",
+                                   ge_zero_async(counters, 16, stream)));
+    OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_check_ids(
+        descs.data(), k, scratch, bytes,
+        static_cast<unsigned long long*>(counters), stream)));
+    OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names_,
+                                      id_tensors, vocabs));
+  }
+
+ private:
+  std::vector<std::string> names_;
 };
 
 // The backward ops: distinct ids and summed gradient rows per table, from
@@ -950,6 +1029,9 @@ REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingConcatLookupGrad"),
                         LookupGradOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingSequenceLookupGrad"),
                         LookupGradOp);
+REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingCheckIds")
+                            .HostMemory("max_lens"),
+                        CheckIdsOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingClipGrad"), ClipGradOp);
 REGISTER_KERNEL_BUILDER(GE_KERNEL("GroupEmbeddingBackwardApply")
                             .HostMemory("hyper"),

@@ -49,6 +49,9 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("embedding_dim: int >= 0")
     // Rows are clipped to this L2 norm before pooling; < 0: no clipping.
     .Attr("max_norm: float = -1")
+    // ids_checked: see IdsCheckedAttr (op_checks.h); here, a
+    // GroupEmbeddingCheckIds of the same step checked these ids.
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
@@ -81,6 +84,7 @@ REGISTER_OP("GroupEmbeddingConcatLookup")
     .Attr("table_names: list(string)")
     .Attr("embedding_dim: int >= 0")
     .Attr("max_norm: float = -1")
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;

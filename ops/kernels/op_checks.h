@@ -56,6 +56,8 @@ inline Status GetMaxNorm(::tensorflow::OpKernelConstruction* ctx,
 // table. The GPU kernels then do not wait for their stream to read their
 // error counts again (issue 35.3: one host wait per training step, the
 // forward's); the CPU kernels check anyway (their checks cost no wait).
+// The forward lookups have it too: set when one GroupEmbeddingCheckIds
+// checked the ids of all groups of the step (check_ids_op.cc).
 // Default false: an op built by hand checks its own input.
 inline Status IdsCheckedAttr(::tensorflow::OpKernelConstruction* ctx,
                              bool* checked) {

@@ -45,6 +45,8 @@ REGISTER_OP("GroupEmbeddingSequenceLookup")
     .Attr("embedding_dim: int >= 0")
     // Rows are clipped to this L2 norm before weighting; < 0: no clipping.
     .Attr("max_norm: float = -1")
+    // ids_checked: see IdsCheckedAttr (op_checks.h).
+    .Attr("ids_checked: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;

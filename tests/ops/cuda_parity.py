@@ -476,6 +476,49 @@ def case_bad_layout(ctx, dim):
     close("sequence with bad positions", out[0], oracle_lookup(ref, -1))
 
 
+def case_check_ids(ctx, dim):
+    """ge_check_ids (issue 35.3: one check of a step's ids for all its
+    groups) counts what the lookups count, over every kind of table at
+    once, and nothing on good ids."""
+    rng = np.random.default_rng(700 + dim)
+
+    def tables_of(bad):
+        out, n_bad = [], 0
+        for vocab, batch, combiner in SPECS:
+            splits, ids = ragged(rng, batch, vocab, bad=bad)
+            n_bad += int(((ids < 0) | (ids >= vocab)).sum())
+            out.append(cc.TableBatch(
+                table=rng.normal(size=(vocab, dim)).astype(np.float32),
+                ids=ids, splits=splits, combiner=combiner))
+        return out, n_bad
+
+    good, _ = tables_of(0)
+    equal("good ids", cc.GroupCall(ctx.core, ctx.mem, good).check_ids(),
+          (0, 0))
+    bad, n_bad = tables_of(4)
+    if n_bad == 0:
+        raise Failure("the case made no bad id")
+    call = cc.GroupCall(ctx.core, ctx.mem, bad)
+    equal("bad ids counted by the check", call.check_ids(), (n_bad, 0))
+    call.clear_errors()
+    call.lookup()
+    equal("the lookup counts the same", call.error_counts(), (n_bad, 0))
+    table = rng.normal(size=(20, dim)).astype(np.float32)
+    ids = rng.integers(0, 20, 8).astype(np.int64)
+    for splits in ([0, 3, 2, 8], [1, 3, 8], [0, 3, 9], [0, 3, 7]):
+        x = cc.TableBatch(table=table, ids=ids,
+                          splits=np.array(splits, np.int64))
+        got = cc.GroupCall(ctx.core, ctx.mem, good[:2] + [x]).check_ids()
+        if got[0] != 0 or got[1] == 0:
+            raise Failure(f"row_splits {splits}: counted {got}")
+    x = cc.TableBatch(table=table, ids=ids,
+                      splits=np.array([0, 4, 8], np.int64),
+                      positions=np.array([0, 1, 2, 5, 0, 1, -1, 3]),
+                      seq_len=4)
+    equal("positions past T", cc.GroupCall(ctx.core, ctx.mem, [x])
+          .check_ids(), (0, 2))
+
+
 def case_arguments(ctx):
     """Bad host arguments are refused before anything is enqueued."""
     rng = np.random.default_rng(600)
@@ -675,6 +718,8 @@ def all_cases(quick=False):
                           case_clip_grads(c, d, p)))
         cases.append((f"bad_layout_d{dim}",
                       lambda c, d=dim: case_bad_layout(c, d)))
+        cases.append((f"check_ids_d{dim}",
+                      lambda c, d=dim: case_check_ids(c, d)))
         for max_norm in (-1.0, 0.8):
             cases.append((f"backward_padded_d{dim}_mn{max_norm}",
                           lambda c, d=dim, m=max_norm:

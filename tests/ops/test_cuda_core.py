@@ -405,7 +405,8 @@ def test_adaptor_names_the_table_of_a_bad_id(host_adaptor):
 # adaptor registers kernels.
 STEP_OPS = LABELLED + ("GroupEmbeddingClipGrad", "GroupEmbeddingTableSnapshot",
                        "GroupEmbeddingWeightGradFromSnapshots",
-                       "GroupEmbeddingSequenceWeightGradFromSnapshots")
+                       "GroupEmbeddingSequenceWeightGradFromSnapshots",
+                       "GroupEmbeddingCheckIds")
 
 
 def _step_inputs(seed, sequence):
@@ -607,36 +608,82 @@ def test_training_step_waits_for_the_stream_once(
     _assert_same(wg, want_wg, "weight gradients")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35.3 is open for several "
-                   "groups: each group's forward reads its own error counts "
-                   "(a step of G groups waits G times)")
-def test_a_step_of_two_groups_waits_for_the_stream_at_most_once(
-        host_adaptor, monkeypatch, synchronize_calls):
-    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
-    rng = np.random.default_rng(80)
-    # Two dims: two groups, two fused forward ops.
-    tables = [tf.Variable(rng.normal(size=(20, d)).astype(np.float32))
-              for d in (8, 8, 4)]
+def _two_group_step(rng, tables, ids_of):
+    """A step of three tables in two groups (dims 8, 8, 4), its loss's
+    table gradients as dense tensors."""
     splits = np.array([0, 2, 3, 5], np.int64)
 
     def step():
-        sp_ids = [tf.RaggedTensor.from_row_splits(
-            rng.integers(0, 20, 5), splits) for _ in tables]
+        sp_ids = [tf.RaggedTensor.from_row_splits(ids_of(t), splits)
+                  for t in range(len(tables))]
         with tf.GradientTape() as tape:
             out = group_embedding_lookup_sparse(tables, sp_ids,
                                                 ["sum", "mean", "sum"])
             loss = tf.add_n([tf.reduce_sum(o * o) for o in out])
         return [tf.convert_to_tensor(g)
                 for g in tape.gradient(loss, tables)]
+    return step
 
-    traced = _step_function(step, labelled=True)
-    traced()
-    graph = traced.get_concrete_function().graph
-    assert sum(op.type == "GroupEmbeddingPooledLookup"
-               for op in graph.get_operations()) == 2
-    before = synchronize_calls()
-    traced()
-    assert synchronize_calls() - before <= 1
+
+def _pretend_gpu(patch):
+    """The lookup plans for a GPU (TF "sees" one, the GPU library
+    "loads"), so that it builds what it builds there; the kernel label
+    of `_step_function` runs those ops on the host stand-in."""
+    patch.setattr(gpu_kernel_library, "_gpus", [True])
+    patch.setattr(gpu_kernel_library, "_state", dict(
+        gpu_kernel_library._state, tried=True, module=object(), error=None))
+
+
+@pytest.fixture
+def pretended_gpu(monkeypatch):
+    _pretend_gpu(monkeypatch)
+
+
+def test_a_step_of_two_groups_waits_for_the_stream_at_most_once(
+        host_adaptor, monkeypatch, synchronize_calls):
+    """Issue 35.3 for several groups: one GroupEmbeddingCheckIds checks
+    the ids of both groups (one wait), their forward ops take
+    `ids_checked` and wait no more; the gradients are the CPU kernels'.
+    (The plan on a pretended GPU; the unlabelled run on the CPU.)"""
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
+    rng = np.random.default_rng(80)
+    arrays = [rng.normal(size=(20, d)).astype(np.float32)
+              for d in (8, 8, 4)]
+    ids = [rng.integers(0, 20, 5) for _ in arrays]
+    results = {}
+    for labelled in (True, False):
+        with monkeypatch.context() as m:
+            if labelled:
+                _pretend_gpu(m)
+            tables = [tf.Variable(a) for a in arrays]
+            traced = _step_function(
+                _two_group_step(rng, tables, lambda t: ids[t]), labelled)
+            traced()
+        graph = traced.get_concrete_function().graph
+        types = [op.type for op in graph.get_operations()]
+        before = synchronize_calls()
+        results[labelled] = [g.numpy() for g in traced()]
+        if labelled:
+            assert types.count("GroupEmbeddingPooledLookup") == 2
+            assert types.count("GroupEmbeddingCheckIds") == 1
+            assert synchronize_calls() - before == 1
+    _assert_same(results[True], results[False], "table gradient")
+
+
+def test_the_check_of_several_groups_names_the_table_of_a_bad_id(
+        host_adaptor, monkeypatch, pretended_gpu):
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
+    rng = np.random.default_rng(81)
+    tables = [tf.Variable(rng.normal(size=(20, d)).astype(np.float32),
+                          name=f"t{i}")
+              for i, d in enumerate((8, 8, 4))]
+    ids = [rng.integers(0, 20, 5) for _ in tables]
+    ids[2][3] = 20
+    traced = _step_function(
+        _two_group_step(rng, tables, lambda t: ids[t]), labelled=True)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"t2.*: id 20 is out of range \[0, 20\)"):
+        traced()
 
 
 def _optimizer_step(monkeypatch, labelled, make_optimizer, mode):
