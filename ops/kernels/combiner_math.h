@@ -16,9 +16,15 @@
 #include <math.h>
 #include <stdint.h>
 
+// Forced inline on the host too: these run per id and per row in the
+// kernels' hot loops, and left to GCC's heuristics the clipped mean /
+// sqrtn pooling at dim 16 lost 25% (measured against the copies these
+// replace, which were inlined).
 #if !defined(GE_HD)
 #if defined(__CUDACC__)
 #define GE_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define GE_HD inline __attribute__((always_inline))
 #else
 #define GE_HD inline
 #endif
