@@ -19,9 +19,9 @@ no IndexedSlices are materialised.
 
 Only a traced step (`tf.function`, `model.fit`) has ops to follow. Eager
 gradients, a table that two lookups read (its gradient is a sum of two),
-a gradient changed on its way (scaled, clipped), `max_norm` groups (see
-`_source`) and tables whose lookup did not run on the GPU kernels keep the
-optimizer's own sparse update.
+a gradient changed on its way (scaled, clipped), `max_norm` groups in a
+traced function (see `fuse`) and tables whose lookup did not run on the
+GPU kernels keep the optimizer's own sparse update.
 """
 
 from typing import Any
@@ -47,6 +47,8 @@ _LAYOUTS = {name: layout
                                 "sequence"))
             for name in op_names.with_alias(op)}
 APPLY_OP = "GroupEmbeddingBackwardApply"
+_CLIP = "GroupEmbeddingClipGrad"
+_SNAPSHOT = "GroupEmbeddingTableSnapshot"
 # The kernel label of the adaptor's host stand-in (tests on CPU machines).
 HOST_LABEL = b"ge_host_core"
 OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
@@ -85,8 +87,9 @@ def hyper(lr=0.0, epsilon=0.0, beta_1=0.0, beta_2=0.0, l1=0.0, l2=0.0,
 class _Source(NamedTuple):
     """Where a table's IndexedSlices come from."""
 
-    op: Any     # the group's gradient op
-    table: int  # the table's position in the group
+    op: Any              # the group's gradient op
+    table: int           # the table's position in the group
+    clip: Optional[Any]  # the max_norm clip's backward between them
 
 
 def _through_identities(t):
@@ -109,13 +112,26 @@ def _source(grad) -> Optional[_Source]:
     op = ids.op
     k = op.get_attr("num_tables")
     t = ids.value_index
-    # Only the sums themselves: a max_norm group's pass the clip's
-    # backward, which reads the tables; TF orders that read before any
-    # update of the tables, so it and the gradient op would run anyway
-    # (a fused op would only add work). It keeps the optimizer's update.
-    if getattr(values, "op", None) is not op or values.value_index != k + t:
+    sums = op.outputs[k + t]
+    producer = getattr(values, "op", None)
+    if producer is op and values.value_index == k + t:
+        return _Source(op, t, None)
+    # A max_norm group's sums pass the clip's backward (its own output t
+    # from this op's ids and sums).
+    if producer is None or producer.type != _CLIP:
         return None
-    return _Source(op, t)
+    kc, tc = producer.get_attr("num_tables"), values.value_index
+    if (_same(_through_identities(producer.inputs[kc + tc]), ids)
+            and _same(_through_identities(producer.inputs[2 * kc + tc]),
+                      sums)):
+        return _Source(op, t, producer)
+    return None
+
+
+def _same(a, b) -> bool:
+    """Whether two graph tensors are the same output of the same op."""
+    return (getattr(a, "op", None) is b.op
+            and a.value_index == b.value_index)
 
 
 def _on_gpu_kernels(op, variables: Sequence[Any]) -> bool:
@@ -171,15 +187,30 @@ def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
             continue  # some table's gradient went elsewhere
         entries = [tables[t] for t in range(k)]
         variables = [var for _, _, var in entries]
-        if (op.get_attr("embedding_dim") < 1
+        clips = {src.clip for _, src, _ in entries}
+        if (len(clips) != 1 or op.get_attr("embedding_dim") < 1
                 or not _on_gpu_kernels(op, variables)):
             continue
-        built.append(_build(op, variables, rule))
+        clip = clips.pop()
+        # In a traced function, TF orders the clip's read of the tables
+        # before any update of them: the clip and the gradient op would
+        # run anyway, and a fused op would only add work. A TF1 graph
+        # runs only what the train op needs: there it is fused.
+        if (clip is not None
+                and tf.compat.v1.get_default_graph().building_function):
+            continue
+        built.append(_build(op, clip, variables, rule))
         fused.update(i for i, _, _ in entries)
     return [p for i, p in enumerate(pairs) if i not in fused], built
 
 
-def _build(op, variables, rule: Rule):
+def _table_reads(ids) -> List[Any]:
+    """The snapshots of the tables that the weight gradients of the
+    lookup with these ids take (they read the rows the update changes)."""
+    return [c for t in ids for c in t.consumers() if c.type == _SNAPSHOT]
+
+
+def _build(op, clip, variables, rule: Rule):
     """One GroupEmbeddingBackwardApply from gradient op `op`'s inputs
     (returns the op)."""
     layout = _LAYOUTS[op.type]
@@ -198,10 +229,16 @@ def _build(op, variables, rule: Rule):
                  [c.decode() if isinstance(c, bytes) else c
                   for c in op.get_attr("combiners")])
     lib = kernel_library.library()
-    return lib.group_embedding_backward_apply(
-        tables=[t.handle for t in tables], slots=[s.handle for s in slots],
-        grads=grads, ids=ids, row_splits=splits, positions=positions,
-        weights=weights, hyper=rule.hyper, layout=layout,
-        optimizer=rule.optimizer, combiners=combiners,
-        embedding_dim=op.get_attr("embedding_dim"),
-        table_names=[t.name for t in tables], ids_checked=True)
+    # After the weight gradients' snapshots of the same tables: a traced
+    # function orders them so anyway; a TF1 graph would not (its gradient
+    # gating, which the fused op bypasses, did). A snapshot that aliases
+    # a table then makes the update copy it first (copy on write).
+    with tf.control_dependencies(_table_reads(ids)):
+        return lib.group_embedding_backward_apply(
+            tables=[t.handle for t in tables],
+            slots=[s.handle for s in slots], grads=grads, ids=ids,
+            row_splits=splits, positions=positions, weights=weights,
+            hyper=rule.hyper, layout=layout, optimizer=rule.optimizer,
+            combiners=combiners, embedding_dim=op.get_attr("embedding_dim"),
+            max_norm=-1.0 if clip is None else clip.get_attr("max_norm"),
+            table_names=[t.name for t in tables], ids_checked=True)

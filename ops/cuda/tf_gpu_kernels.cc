@@ -701,7 +701,12 @@ class BackwardApplyOp : public OpKernel {
                                   t->shape().DebugString()));
       // Written in place: a buffer still shared with an earlier read's
       // tensor gets a copy first (copy on write), so that read keeps
-      // its values.
+      // its values. Then, as TF's sparse updates do, the variable turns
+      // copy-on-read: a later read that must outlive the next update
+      // (the weight gradients' snapshot) copies just the rows it needs
+      // instead of holding the table and costing the next update a
+      // whole copy.
+      refs[i]->copy_on_read_mode.store(true);
       if (!t->RefCountIsOne()) {
         Tensor copy;
         OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_FLOAT, t->shape(), &copy));

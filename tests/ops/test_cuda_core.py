@@ -853,7 +853,7 @@ def test_optimizers_fuse_the_backward_and_the_update_on_the_gpu_kernels(
                                    err_msg=f"{name} slot {i}")
 
 
-def _tf1_step(ops, make_optimizer, mode):
+def _tf1_step(ops, make_optimizer, mode, max_norm=None):
     """Tables and slots after two TF1 `ge.train` steps of one weighted
     group (a graph and a session), `ops` on the adaptor's kernels; and
     the op types of the graph."""
@@ -870,7 +870,8 @@ def _tf1_step(ops, make_optimizer, mode):
                       for w, (_, s) in zip(weights, ids)]
         out = group_embedding_lookup_sparse(
             tables, sp_ids, ["sum", "mean", "sqrtn"], sp_weights,
-            is_sequence=sequence, concat_outputs=mode == "concat")
+            is_sequence=sequence, concat_outputs=mode == "concat",
+            max_norm=max_norm)
         outs = [out] if mode == "concat" else out
         loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + float(i)))
                          for i, o in enumerate(outs)])
@@ -887,13 +888,17 @@ def _tf1_step(ops, make_optimizer, mode):
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "ftrl"])
-@pytest.mark.parametrize("mode", ["pooled", "concat", "sequence"])
+@pytest.mark.parametrize("mode,max_norm", [
+    ("pooled", None), ("concat", None), ("sequence", None),
+    ("pooled", 1.5), ("sequence", 1.5)])
 def test_tf1_optimizers_fuse_the_backward_and_the_update_on_the_gpu_kernels(
-        host_adaptor, monkeypatch, backward_calls, name, mode):
+        host_adaptor, monkeypatch, backward_calls, name, mode, max_norm):
     """Issue 35.2, `ge.train` (TF1 graphs): the same fused op for SGD,
     Adagrad and FTRL (TF1's Adam decays m and v of every row, which the
     core's lazy Adam does not: it keeps the stock update), with the
-    results of the CPU kernels' path and no gradient written out."""
+    results of the CPU kernels' path and no gradient written out; max_norm
+    groups too (a session runs only what the train op needs: the clip's
+    backward and the gradient op are left out)."""
     import group_embedding as ge
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
     make = {"sgd": lambda: ge.train.GradientDescentOptimizer(0.1),
@@ -903,10 +908,10 @@ def test_tf1_optimizers_fuse_the_backward_and_the_update_on_the_gpu_kernels(
                 l2_regularization_strength=0.02,
                 l2_shrinkage_regularization_strength=0.01)}[name]
     before = backward_calls()
-    (got, got_slots), types = _tf1_step(FUSED_OPS, make, mode)
+    (got, got_slots), types = _tf1_step(FUSED_OPS, make, mode, max_norm)
     assert backward_calls() == before, "a gradient was written out"
     assert "GroupEmbeddingBackwardApply" in types
-    (want, want_slots), want_types = _tf1_step((), make, mode)
+    (want, want_slots), want_types = _tf1_step((), make, mode, max_norm)
     assert "GroupEmbeddingBackwardApply" not in want_types
     _, start, _, _ = _step_inputs(92, mode == "sequence")
     for t, (g, w, s0) in enumerate(zip(got, want, start)):
@@ -916,6 +921,61 @@ def test_tf1_optimizers_fuse_the_backward_and_the_update_on_the_gpu_kernels(
     for i, (g, w) in enumerate(zip(got_slots, want_slots)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6,
                                    err_msg=f"{name} slot {i}")
+
+
+@pytest.mark.parametrize("mode", ["pooled", "sequence"])
+def test_fused_update_after_the_weight_gradients_read_the_tables(
+        host_adaptor, monkeypatch, backward_calls, mode):
+    """Trainable per-id weights: their gradients read the tables' rows
+    (through snapshots) that the fused op updates in place in the same
+    step. Tables and weights after two steps equal the CPU kernels'
+    path, so every read saw the rows from before the update."""
+    import group_embedding as ge
+    monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
+    sequence = mode == "sequence"
+    _, arrays, ids, weights = _step_inputs(93, sequence)
+
+    def run(ops):
+        tables = [tf.Variable(a) for a in arrays]
+        ws = [tf.Variable(w) for w in weights]
+        optimizer = ge.optimizers.Adagrad(0.1)
+        optimizer.build(tables + ws)
+
+        @tf.function
+        def traced():
+            graph = tf.compat.v1.get_default_graph()
+            with graph._kernel_label_map({op: "ge_host_core"
+                                          for op in ops}):
+                sp_ids = [tf.RaggedTensor.from_row_splits(v, s)
+                          for v, s in ids]
+                with tf.GradientTape() as tape:
+                    sp_w = [tf.RaggedTensor.from_row_splits(w, s)
+                            for w, (_, s) in zip(ws, ids)]
+                    out = group_embedding_lookup_sparse(
+                        tables, sp_ids, ["sum", "mean", "sqrtn"], sp_w,
+                        is_sequence=sequence)
+                    loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + i))
+                                     for i, o in enumerate(out)])
+                variables = tables + ws
+                optimizer.apply_gradients(
+                    zip(tape.gradient(loss, variables), variables))
+
+        traced()
+        traced()
+        types = {op.type for op in traced.get_concrete_function().graph
+                 .get_operations()}
+        return [v.numpy() for v in tables + ws], types
+
+    before = backward_calls()
+    got, types = run(FUSED_OPS)
+    assert "GroupEmbeddingBackwardApply" in types
+    assert backward_calls() == before
+    want, _ = run(())
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"variable {i}")
+    assert any(np.abs(w - w0).max() > 1e-4
+               for w, w0 in zip(want[3:], weights)), "weights did not move"
 
 
 def test_fused_update_leaves_a_changed_gradient_to_the_optimizer(
