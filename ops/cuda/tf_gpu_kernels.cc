@@ -267,6 +267,47 @@ Layout LayoutOf(const std::string& op) {
   return Layout::kPerTable;
 }
 
+// The gradient fields of table t (of k) of a descriptor whose ids are
+// described, from a backward op's `grads`: pooled, [B, D] per table;
+// concat, one [B, k * D] with table t in its columns; sequence,
+// [B, T, D] per table (sets seq_len).
+Status DescribeGrad(Layout layout, const OpInputList& grads, int t, int k,
+                    int64_t dim, int32_t combiner, const std::string& name,
+                    GeTable* d) {
+  const int64_t batch = d->batch;
+  if (layout == Layout::kConcat) {
+    const Tensor& g = grads[0];
+    if (g.dims() != 2 || g.dim_size(0) != batch || g.dim_size(1) != k * dim) {
+      return InvalidArgument(name, ": grads must be [", batch, ", ", k * dim,
+                             "], got ", g.shape().DebugString());
+    }
+    float* base = DataOr<float>(g);
+    d->grad = base ? base + t * dim : nullptr;
+    d->grad_stride = k * dim;
+    d->combiner = combiner;
+    return Status();
+  }
+  const Tensor& g = grads[t];
+  if (layout == Layout::kSequence) {
+    if (g.dims() != 3 || g.dim_size(0) != batch || g.dim_size(2) != dim) {
+      return InvalidArgument(name, ": grads must be [", batch, ", T, ", dim,
+                             "], got ", g.shape().DebugString());
+    }
+    d->seq_len = g.dim_size(1);
+    d->grad = DataOr<float>(g);
+    d->grad_stride = d->seq_len * dim;
+    return Status();
+  }
+  if (g.dims() != 2 || g.dim_size(0) != batch || g.dim_size(1) != dim) {
+    return InvalidArgument(name, ": grads must be [", batch, ", ", dim,
+                           "], got ", g.shape().DebugString());
+  }
+  d->grad = DataOr<float>(g);
+  d->grad_stride = dim;
+  d->combiner = combiner;
+  return Status();
+}
+
 // GroupEmbeddingPooledLookup / GroupEmbeddingConcatLookup /
 // GroupEmbeddingSequenceLookup: one core call for the whole group.
 class LookupOp : public OpKernel {
@@ -477,9 +518,7 @@ class LookupGradOp : public OpKernel {
     const int k = in.ids.size();
     OP_REQUIRES(ctx, sequence || static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries."));
-    if (layout_ != Layout::kConcat) {
-      OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
-    }
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
     std::vector<GeTable> descs(k);
     std::vector<std::string> names(k);
     std::vector<const Tensor*> id_tensors(k);
@@ -488,41 +527,12 @@ class LookupGradOp : public OpKernel {
       names[t] = absl::StrCat("table ", t);
       GeTable& d = descs[t];
       OP_REQUIRES_OK(ctx, in.Describe(t, names[t], &d));
-      const int64_t batch = d.batch;
       d.vocab = kBackwardVocab;
       id_tensors[t] = &in.ids[t];
       total += d.nnz;
-      if (layout_ == Layout::kConcat) {
-        const Tensor& g = ctx->input(0);
-        OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == batch &&
-                             g.dim_size(1) == k * dim_,
-                    InvalidArgument("grads must be [", batch, ", ", k * dim_,
-                                    "], got ", g.shape().DebugString()));
-        float* base = DataOr<float>(g);
-        d.grad = base ? base + t * dim_ : nullptr;
-        d.grad_stride = k * dim_;
-        d.combiner = combiners_[t];
-      } else if (sequence) {
-        const Tensor& g = grads[t];
-        OP_REQUIRES(ctx, g.dims() == 3 && g.dim_size(0) == batch &&
-                             g.dim_size(2) == dim_,
-                    InvalidArgument(names[t], ": grads must be [", batch,
-                                    ", T, ", dim_, "], got ",
-                                    g.shape().DebugString()));
-        d.seq_len = g.dim_size(1);
-        d.grad = DataOr<float>(g);
-        d.grad_stride = d.seq_len * dim_;
-      } else {
-        const Tensor& g = grads[t];
-        OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == batch &&
-                             g.dim_size(1) == dim_,
-                    InvalidArgument(names[t], ": grads must be [", batch,
-                                    ", ", dim_, "], got ",
-                                    g.shape().DebugString()));
-        d.grad = DataOr<float>(g);
-        d.grad_stride = dim_;
-        d.combiner = combiners_[t];
-      }
+      OP_REQUIRES_OK(ctx, DescribeGrad(layout_, grads, t, k, dim_,
+                                       sequence ? 0 : combiners_[t],
+                                       names[t], &d));
     }
     void* stream = StreamOf(ctx);
     const size_t bytes = ge_backward_scratch_bytes(descs.data(), k, dim_);
@@ -727,45 +737,15 @@ class BackwardApplyOp : public OpKernel {
     for (int t = 0; t < k; ++t) {
       GeTable& d = descs[t];
       OP_REQUIRES_OK(ctx, in.Describe(t, names_[t], &d));
-      const int64_t batch = d.batch;
       d.table = data[t];
       d.vocab = refs[t]->tensor()->dim_size(0);
       d.slot0 = slots_per_table_ > 0 ? data[k + t] : nullptr;
       d.slot1 = slots_per_table_ > 1 ? data[2 * k + t] : nullptr;
       id_tensors[t] = &in.ids[t];
       vocabs[t] = d.vocab;
-      if (layout_ == Layout::kConcat) {
-        const Tensor& g = grads[0];
-        OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == batch &&
-                             g.dim_size(1) == k * dim_,
-                    InvalidArgument(names_[t], ": grads must be [", batch,
-                                    ", ", k * dim_, "], got ",
-                                    g.shape().DebugString()));
-        float* base = DataOr<float>(g);
-        d.grad = base ? base + t * dim_ : nullptr;
-        d.grad_stride = k * dim_;
-        d.combiner = combiners_[t];
-      } else if (sequence) {
-        const Tensor& g = grads[t];
-        OP_REQUIRES(ctx, g.dims() == 3 && g.dim_size(0) == batch &&
-                             g.dim_size(2) == dim_,
-                    InvalidArgument(names_[t], ": grads must be [", batch,
-                                    ", T, ", dim_, "], got ",
-                                    g.shape().DebugString()));
-        d.seq_len = g.dim_size(1);
-        d.grad = DataOr<float>(g);
-        d.grad_stride = d.seq_len * dim_;
-      } else {
-        const Tensor& g = grads[t];
-        OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == batch &&
-                             g.dim_size(1) == dim_,
-                    InvalidArgument(names_[t], ": grads must be [", batch,
-                                    ", ", dim_, "], got ",
-                                    g.shape().DebugString()));
-        d.grad = DataOr<float>(g);
-        d.grad_stride = dim_;
-        d.combiner = combiners_[t];
-      }
+      OP_REQUIRES_OK(ctx, DescribeGrad(layout_, grads, t, k, dim_,
+                                       sequence ? 0 : combiners_[t],
+                                       names_[t], &d));
     }
     const size_t bytes = ge_backward_scratch_bytes(descs.data(), k, dim_);
     OP_REQUIRES(ctx, bytes > 0,

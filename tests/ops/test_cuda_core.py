@@ -763,6 +763,21 @@ def backward_calls(host_adaptor):
 FUSED_OPS = STEP_OPS + ("GroupEmbeddingBackwardApply",)
 
 
+def _run_twice(ops, body):
+    """body() traced with `ops` on the adaptor's kernels, run twice; the
+    op types of the traced graph."""
+    @tf.function
+    def traced():
+        graph = tf.compat.v1.get_default_graph()
+        with graph._kernel_label_map({op: "ge_host_core" for op in ops}):
+            body()
+
+    traced()
+    traced()
+    return {op.type for op in traced.get_concrete_function().graph
+            .get_operations()}
+
+
 def _fused_step(monkeypatch, ops, make_optimizer, mode, weighted, max_norm):
     """Tables and slots after two `ge.optimizers` steps of one group with
     `ops` on the adaptor's kernels (none: the CPU kernels), and the op
@@ -789,16 +804,7 @@ def _fused_step(monkeypatch, ops, make_optimizer, mode, weighted, max_norm):
                              for i, o in enumerate(outs)])
         optimizer.apply_gradients(zip(tape.gradient(loss, tables), tables))
 
-    @tf.function
-    def traced():
-        graph = tf.compat.v1.get_default_graph()
-        with graph._kernel_label_map({op: "ge_host_core" for op in ops}):
-            step()
-
-    traced()
-    traced()
-    types = {op.type for op in traced.get_concrete_function().graph
-             .get_operations()}
+    types = _run_twice(ops, step)
     slots = [v.numpy() for v in optimizer.variables
              if len(v.shape) == 2]
     return [t.numpy() for t in tables], slots, types
@@ -941,29 +947,22 @@ def test_fused_update_after_the_weight_gradients_read_the_tables(
         optimizer = ge.optimizers.Adagrad(0.1)
         optimizer.build(tables + ws)
 
-        @tf.function
-        def traced():
-            graph = tf.compat.v1.get_default_graph()
-            with graph._kernel_label_map({op: "ge_host_core"
-                                          for op in ops}):
-                sp_ids = [tf.RaggedTensor.from_row_splits(v, s)
-                          for v, s in ids]
-                with tf.GradientTape() as tape:
-                    sp_w = [tf.RaggedTensor.from_row_splits(w, s)
-                            for w, (_, s) in zip(ws, ids)]
-                    out = group_embedding_lookup_sparse(
-                        tables, sp_ids, ["sum", "mean", "sqrtn"], sp_w,
-                        is_sequence=sequence)
-                    loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + i))
-                                     for i, o in enumerate(out)])
-                variables = tables + ws
-                optimizer.apply_gradients(
-                    zip(tape.gradient(loss, variables), variables))
+        def step():
+            sp_ids = [tf.RaggedTensor.from_row_splits(v, s)
+                      for v, s in ids]
+            with tf.GradientTape() as tape:
+                sp_w = [tf.RaggedTensor.from_row_splits(w, s)
+                        for w, (_, s) in zip(ws, ids)]
+                out = group_embedding_lookup_sparse(
+                    tables, sp_ids, ["sum", "mean", "sqrtn"], sp_w,
+                    is_sequence=sequence)
+                loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + i))
+                                 for i, o in enumerate(out)])
+            variables = tables + ws
+            optimizer.apply_gradients(
+                zip(tape.gradient(loss, variables), variables))
 
-        traced()
-        traced()
-        types = {op.type for op in traced.get_concrete_function().graph
-                 .get_operations()}
+        types = _run_twice(ops, step)
         return [v.numpy() for v in tables + ws], types
 
     before = backward_calls()
@@ -993,25 +992,18 @@ def test_fused_update_leaves_a_changed_gradient_to_the_optimizer(
         optimizer = ge.optimizers.Adagrad(0.1)
         optimizer.build(tables)
 
-        @tf.function
-        def traced():
-            graph = tf.compat.v1.get_default_graph()
-            with graph._kernel_label_map({op: "ge_host_core"
-                                          for op in ops}):
-                sp_ids = [tf.RaggedTensor.from_row_splits(v, s)
-                          for v, s in ids]
-                with tf.GradientTape() as tape:
-                    out = group_embedding_lookup_sparse(
-                        tables, sp_ids, ["sum", "mean", "sqrtn"])
-                    loss = tf.add_n([tf.reduce_sum(o * o) for o in out])
-                grads = [tf.IndexedSlices(g.values * 0.5, g.indices,
-                                          g.dense_shape)
-                         for g in tape.gradient(loss, tables)]
-                optimizer.apply_gradients(zip(grads, tables))
+        def step():
+            sp_ids = [tf.RaggedTensor.from_row_splits(v, s) for v, s in ids]
+            with tf.GradientTape() as tape:
+                out = group_embedding_lookup_sparse(
+                    tables, sp_ids, ["sum", "mean", "sqrtn"])
+                loss = tf.add_n([tf.reduce_sum(o * o) for o in out])
+            grads = [tf.IndexedSlices(g.values * 0.5, g.indices,
+                                      g.dense_shape)
+                     for g in tape.gradient(loss, tables)]
+            optimizer.apply_gradients(zip(grads, tables))
 
-        traced()
-        types = {op.type for op in traced.get_concrete_function().graph
-                 .get_operations()}
+        types = _run_twice(ops, step)
         return [t.numpy() for t in tables], types
 
     before = backward_calls()
