@@ -1,0 +1,286 @@
+#ifndef GROUP_EMBEDDING_OPS_KERNELS_EV_SSD_TIER_H_
+#define GROUP_EMBEDDING_OPS_KERNELS_EV_SSD_TIER_H_
+
+// The SSD tier of an EmbeddingVariable (issue 36): an append-only file of
+// fixed-size records under the EV's own folder, and an in-memory index
+// key -> record offset. Not yet wired into the EV table (ev_storage.h);
+// TF-free so that it is tested on its own (tests/group_embedding/
+// test_ev_ssd_tier_file.py builds a driver with g++).
+//
+// File layout (little-endian, as written by this host):
+//   header  16 bytes: "GESSDT01", uint32 dim, uint32 slot_floats
+//   record  int64 key, int64 freq, int64 version, float row[dim],
+//           float slots[slot_floats], uint32 crc32c(all bytes before it)
+// A record is superseded by a later one of the same key or by Erase; the
+// dead bytes are reclaimed by Compact (rewrite the live records into a
+// new file, then rename it over the old one).
+//
+// Errors are returned as strings (empty = ok) naming the EV and the file.
+// A failed append leaves the index and the file's earlier records as they
+// were: nothing already stored is lost. A read checks bounds, checksum and
+// key, so a truncated or corrupted file is an error, never a wrong row.
+// Not thread-safe: the caller serialises access.
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace group_embedding {
+
+// CRC-32C (Castagnoli), bitwise-table software version; the check value of
+// "123456789" is 0xE3069283.
+inline uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0) {
+  static const struct Table {
+    uint32_t v[256];
+    Table() {
+      for (uint32_t i = 0; i < 256; ++i) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        v[i] = c;
+      }
+    }
+  } table;
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) crc = table.v[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+// One key's full state, as moved between tiers.
+struct TierRecord {
+  int64_t key = 0;
+  int64_t freq = 0;
+  int64_t version = 0;
+  std::vector<float> row;    // dim floats
+  std::vector<float> slots;  // slot_floats floats
+};
+
+class SsdTierFile {
+ public:
+  static constexpr char kMagic[9] = "GESSDT01";
+  static constexpr uint64_t kHeaderBytes = 16;
+
+  SsdTierFile(std::string ev_name, std::string path, uint32_t dim,
+              uint32_t slot_floats)
+      : ev_name_(std::move(ev_name)), path_(std::move(path)), dim_(dim),
+        slot_floats_(slot_floats),
+        record_bytes_(24 + 4 * (uint64_t(dim) + slot_floats) + 4) {}
+  ~SsdTierFile() { Close(); }
+  SsdTierFile(const SsdTierFile&) = delete;
+  SsdTierFile& operator=(const SsdTierFile&) = delete;
+
+  // Creates (truncates) the file and writes its header. The tier is a
+  // cache of one process: an existing file is not reused.
+  std::string Open() {
+    Close();
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd_ < 0) return Error("cannot create", errno);
+    index_.clear();
+    end_ = 0;
+    dead_ = 0;
+    std::string header = Header();
+    std::string err = WriteAll(header.data(), header.size(), 0);
+    if (!err.empty()) return err;
+    end_ = kHeaderBytes;
+    return "";
+  }
+
+  void Close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+  // Appends the record; on success the index points at it (a former record
+  // of the key becomes dead). On failure the file is cut back to its former
+  // end and the index is unchanged.
+  std::string Put(const TierRecord& r) {
+    if (r.row.size() != dim_ || r.slots.size() != slot_floats_)
+      return Error("record of the wrong width for key " + std::to_string(r.key), 0);
+    std::vector<char> buf(record_bytes_);
+    Encode(r, buf.data());
+    std::string err = WriteAll(buf.data(), buf.size(), end_);
+    if (!err.empty()) {
+      // Best effort: the bytes past end_ are unreachable from the index.
+      if (::ftruncate(fd_, static_cast<off_t>(end_)) != 0) {}
+      return err;
+    }
+    auto it = index_.find(r.key);
+    if (it != index_.end()) {
+      dead_ += record_bytes_;
+      it->second = end_;
+    } else {
+      index_.emplace(r.key, end_);
+    }
+    end_ += record_bytes_;
+    return "";
+  }
+
+  bool Contains(int64_t key) const { return index_.count(key) != 0; }
+
+  // Reads the key's record into *out; *found is false if the key is not in
+  // this tier. A short read, a checksum mismatch or a record of another key
+  // is an error naming the EV and the file.
+  std::string Get(int64_t key, TierRecord* out, bool* found) const {
+    auto it = index_.find(key);
+    *found = it != index_.end();
+    if (!*found) return "";
+    return ReadAt(it->second, key, out);
+  }
+
+  // Drops the key (its record becomes dead); returns whether it was here.
+  bool Erase(int64_t key) {
+    auto it = index_.find(key);
+    if (it == index_.end()) return false;
+    index_.erase(it);
+    dead_ += record_bytes_;
+    return true;
+  }
+
+  // Rewrites the live records into path + ".compact" and renames it over
+  // the file. Each record is verified as it is copied; on any error the
+  // old file and index stay in use.
+  std::string Compact() {
+    SsdTierFile next(ev_name_, path_ + ".compact", dim_, slot_floats_);
+    std::string err = next.Open();
+    if (!err.empty()) return err;
+    TierRecord r;
+    for (const auto& kv : index_) {
+      err = ReadAt(kv.second, kv.first, &r);
+      if (err.empty()) err = next.Put(r);
+      if (!err.empty()) {
+        next.Close();
+        ::unlink(next.path_.c_str());
+        return err;
+      }
+    }
+    if (::rename(next.path_.c_str(), path_.c_str()) != 0) {
+      int e = errno;
+      next.Close();
+      ::unlink(next.path_.c_str());
+      return Error("cannot rename the compacted file over", e);
+    }
+    Close();
+    fd_ = next.fd_;
+    next.fd_ = -1;
+    index_.swap(next.index_);
+    end_ = next.end_;
+    dead_ = 0;
+    return "";
+  }
+
+  // Whether the dead bytes are worth a compaction (more than the live ones
+  // and over 1 MiB: amortised O(1) rewrites per put).
+  bool WantsCompaction() const {
+    return dead_ > (1u << 20) && dead_ > LiveBytes();
+  }
+
+  uint64_t size() const { return index_.size(); }
+  uint64_t file_bytes() const { return end_; }
+  uint64_t dead_bytes() const { return dead_; }
+  uint64_t LiveBytes() const { return index_.size() * record_bytes_; }
+  uint64_t record_bytes() const { return record_bytes_; }
+  const std::string& path() const { return path_; }
+  // The keys of this tier (for export, filters and eviction scans).
+  template <typename F>
+  void ForEachKey(F f) const {
+    for (const auto& kv : index_) f(kv.first);
+  }
+
+ private:
+  std::string Header() const {
+    std::string h(kMagic, 8);
+    h.append(reinterpret_cast<const char*>(&dim_), 4);
+    h.append(reinterpret_cast<const char*>(&slot_floats_), 4);
+    return h;
+  }
+
+  void Encode(const TierRecord& r, char* p) const {
+    std::memcpy(p, &r.key, 8);
+    std::memcpy(p + 8, &r.freq, 8);
+    std::memcpy(p + 16, &r.version, 8);
+    std::memcpy(p + 24, r.row.data(), 4 * uint64_t(dim_));
+    std::memcpy(p + 24 + 4 * uint64_t(dim_), r.slots.data(), 4 * uint64_t(slot_floats_));
+    uint32_t crc = Crc32c(p, record_bytes_ - 4);
+    std::memcpy(p + record_bytes_ - 4, &crc, 4);
+  }
+
+  std::string ReadAt(uint64_t offset, int64_t key, TierRecord* out) const {
+    // offset came from this process's index; the bound guards a file cut
+    // behind our back (offset + record_bytes_ cannot overflow: both are
+    // below the file end we wrote, itself an off_t).
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) return Error("cannot stat", errno);
+    if (offset + record_bytes_ > static_cast<uint64_t>(st.st_size))
+      return Error("truncated (record of key " + std::to_string(key) + " at offset " +
+                       std::to_string(offset) + " past the end) in", 0);
+    std::vector<char> buf(record_bytes_);
+    uint64_t done = 0;
+    while (done < record_bytes_) {
+      ssize_t n = ::pread(fd_, buf.data() + done, record_bytes_ - done,
+                          static_cast<off_t>(offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return Error("cannot read", errno);
+      if (n == 0) return Error("truncated (short read) in", 0);
+      done += static_cast<uint64_t>(n);
+    }
+    uint32_t crc;
+    std::memcpy(&crc, buf.data() + record_bytes_ - 4, 4);
+    if (crc != Crc32c(buf.data(), record_bytes_ - 4))
+      return Error("checksum mismatch (record of key " + std::to_string(key) +
+                       " at offset " + std::to_string(offset) + ") in", 0);
+    int64_t stored;
+    std::memcpy(&stored, buf.data(), 8);
+    if (stored != key)
+      return Error("record at offset " + std::to_string(offset) + " holds key " +
+                       std::to_string(stored) + ", expected " + std::to_string(key) + ", in", 0);
+    out->key = key;
+    std::memcpy(&out->freq, buf.data() + 8, 8);
+    std::memcpy(&out->version, buf.data() + 16, 8);
+    out->row.resize(dim_);
+    out->slots.resize(slot_floats_);
+    std::memcpy(out->row.data(), buf.data() + 24, 4 * uint64_t(dim_));
+    std::memcpy(out->slots.data(), buf.data() + 24 + 4 * uint64_t(dim_),
+                4 * uint64_t(slot_floats_));
+    return "";
+  }
+
+  std::string WriteAll(const char* p, uint64_t n, uint64_t offset) {
+    uint64_t done = 0;
+    while (done < n) {
+      ssize_t w = ::pwrite(fd_, p + done, n - done, static_cast<off_t>(offset + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return Error("cannot write (disk full?)", w < 0 ? errno : ENOSPC);
+      done += static_cast<uint64_t>(w);
+    }
+    return "";
+  }
+
+  std::string Error(const std::string& what, int err) const {
+    std::string msg = "EmbeddingVariable '" + ev_name_ + "': SSD tier file " +
+                      what + " '" + path_ + "'";
+    if (err != 0) msg += ": " + std::string(std::strerror(err));
+    return msg;
+  }
+
+  std::string ev_name_;
+  std::string path_;
+  uint32_t dim_;
+  uint32_t slot_floats_;
+  uint64_t record_bytes_;
+  int fd_ = -1;
+  uint64_t end_ = 0;   // bytes written, header included
+  uint64_t dead_ = 0;  // bytes of superseded or erased records
+  std::unordered_map<int64_t, uint64_t> index_;  // key -> record offset
+};
+
+}  // namespace group_embedding
+
+#endif  // GROUP_EMBEDDING_OPS_KERNELS_EV_SSD_TIER_H_

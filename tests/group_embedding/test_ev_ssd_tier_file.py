@@ -1,0 +1,203 @@
+"""The SSD tier's record file (ops/kernels/ev_ssd_tier.h, issue 36).
+
+The header is built with g++ into a small driver (ev_ssd_tier_driver.cc)
+and checked against a Python dict of numpy float32 rows: bitwise equal
+rows, slots, freq and version through overwrites, erases and compactions;
+a flipped byte or a cut file is an error naming the EV and the file; a
+failed append (the file size limit standing in for a full disk) loses
+nothing already stored. The tier is not yet wired into the EV table.
+"""
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_KERNELS = os.path.join(_HERE, "..", "..", "ops", "kernels")
+_CXX = os.environ.get("CXX", "g++")
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    if shutil.which(_CXX) is None:
+        pytest.skip("no C++ compiler")
+    out = str(tmp_path_factory.mktemp("ssd") / "driver")
+    subprocess.run([_CXX, "-std=c++17", "-O1", "-Wall", "-Werror",
+                    "-I" + _KERNELS,
+                    os.path.join(_HERE, "ev_ssd_tier_driver.cc"), "-o", out],
+                   check=True)
+    return out
+
+
+class Tier:
+    """One driver process: a command per line, an answer per line."""
+
+    def __init__(self, driver, path, dim, slots, ev="ev_a", preexec=None):
+        self.dim, self.slots = dim, slots
+        self.proc = subprocess.Popen(
+            [driver, ev, str(path), str(dim), str(slots)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            preexec_fn=preexec)
+        self.opened = self.proc.stdout.readline().strip()
+
+    def ask(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def put(self, key, freq, version, values):
+        vals = " ".join(float(v).hex() for v in values)
+        return self.ask(f"put {key} {freq} {version} {vals}")
+
+    def get(self, key):
+        answer = self.ask(f"get {key}")
+        if not answer.startswith("found"):
+            return answer
+        parts = answer.split()
+        values = np.array([float.fromhex(p) for p in parts[3:]], np.float32)
+        return int(parts[1]), int(parts[2]), values
+
+    def stats(self):
+        return [int(x) for x in self.ask("stats").split()]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _values(rng, n):
+    return rng.standard_normal(n).astype(np.float32)
+
+
+def _assert_same(tier, oracle):
+    for key, (freq, version, values) in oracle.items():
+        got = tier.get(key)
+        assert not isinstance(got, str), got
+        assert got[0] == freq and got[1] == version
+        np.testing.assert_array_equal(got[2].view(np.uint32),
+                                      values.view(np.uint32))
+
+
+def test_crc32c_check_value(driver, tmp_path):
+    tier = Tier(driver, tmp_path / "t", 1, 0)
+    assert tier.ask("crc 123456789") == "e3069283"  # RFC 3720's check value
+    tier.close()
+
+
+def test_random_ops_match_dict_bitwise(driver, tmp_path):
+    rng = np.random.default_rng(0)
+    dim, slots = 5, 3
+    tier = Tier(driver, tmp_path / "t", dim, slots)
+    assert tier.opened == "ok"
+    oracle = {}
+    for step in range(1500):
+        key = int(rng.integers(-50, 200)) * 1_000_003_000_017
+        op = rng.random()
+        if op < 0.6:
+            rec = (int(rng.integers(0, 2**40)), int(rng.integers(-1, 2**40)),
+                   _values(rng, dim + slots))
+            assert tier.put(key, *rec) == "ok"
+            oracle[key] = rec
+        elif op < 0.8:
+            assert tier.ask(f"erase {key}") == ("1" if key in oracle else "0")
+            oracle.pop(key, None)
+        elif op < 0.98:
+            got = tier.get(key)
+            if key not in oracle:
+                assert got == "missing"
+        else:
+            assert tier.ask("compact") == "ok"
+            size, file_bytes, dead, record = tier.stats()
+            assert dead == 0 and size == len(oracle)
+            assert file_bytes == 16 + record * len(oracle)
+    size, file_bytes, dead, record = tier.stats()
+    assert record == 24 + 4 * (dim + slots) + 4
+    assert size == len(oracle)
+    assert file_bytes - 16 == record * size + dead
+    _assert_same(tier, oracle)
+    assert tier.ask("compact") == "ok"
+    _assert_same(tier, oracle)
+    assert not os.path.exists(str(tmp_path / "t") + ".compact")
+    tier.close()
+
+
+def test_flipped_byte_is_an_error_naming_ev_and_file(driver, tmp_path):
+    path = tmp_path / "t"
+    rng = np.random.default_rng(1)
+    tier = Tier(driver, path, 4, 4, ev="user_emb")
+    oracle = {k: (k + 1, k + 2, _values(rng, 8)) for k in range(10)}
+    for k, rec in oracle.items():
+        assert tier.put(k, *rec) == "ok"
+    record = tier.stats()[3]
+    # Flip one bit of a float of key 3's row (record 3 after the header).
+    with open(path, "r+b") as f:
+        f.seek(16 + 3 * record + 30)
+        byte = f.read(1)[0]
+        f.seek(16 + 3 * record + 30)
+        f.write(bytes([byte ^ 0x04]))
+    got = tier.get(3)
+    assert isinstance(got, str) and got.startswith("error")
+    assert "user_emb" in got and str(path) in got and "checksum" in got
+    del oracle[3]
+    _assert_same(tier, oracle)
+    # Compaction verifies what it copies: it refuses, the old file stays.
+    got = tier.ask("compact")
+    assert got.startswith("error") and "checksum" in got
+    _assert_same(tier, oracle)
+    tier.close()
+
+
+def test_truncated_file_is_an_error(driver, tmp_path):
+    path = tmp_path / "t"
+    rng = np.random.default_rng(2)
+    tier = Tier(driver, path, 3, 0, ev="item_emb")
+    for k in range(4):
+        assert tier.put(k, 1, 1, _values(rng, 3)) == "ok"
+    record = tier.stats()[3]
+    os.truncate(path, 16 + 3 * record + 5)
+    got = tier.get(3)
+    assert got.startswith("error") and "truncated" in got
+    assert "item_emb" in got and str(path) in got
+    assert not isinstance(tier.get(2), str)
+    tier.close()
+
+
+def test_unwritable_path_names_ev_and_path(driver, tmp_path):
+    path = tmp_path / "no_such_dir" / "t"
+    tier = Tier(driver, path, 2, 0, ev="ctx_emb")
+    assert tier.opened.startswith("error")
+    assert "ctx_emb" in tier.opened and str(path) in tier.opened
+    tier.close()
+
+
+def test_full_disk_loses_nothing_stored(driver, tmp_path):
+    """RLIMIT_FSIZE stands in for a full disk: writes past it fail."""
+    dim = 60  # 24 + 240 + 4 = 268-byte records
+    limit = 16 + 268 * 10 + 100
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    rng = np.random.default_rng(3)
+    tier = Tier(driver, tmp_path / "t", dim, 0, ev="big_emb", preexec=limited)
+    assert tier.opened == "ok"
+    oracle = {}
+    for k in range(10):
+        oracle[k] = (k, k, _values(rng, dim))
+        assert tier.put(k, *oracle[k]) == "ok"
+    # An overwrite of a stored key and a new key both fail; the stored
+    # record of key 4 is still the one read back.
+    for k in (4, 99):
+        got = tier.put(k, 7, 7, _values(rng, dim))
+        assert got.startswith("error") and "big_emb" in got
+    assert tier.get(99) == "missing"
+    _assert_same(tier, oracle)
+    assert tier.stats()[1] == 16 + 268 * 10
+    assert os.path.getsize(tmp_path / "t") == 16 + 268 * 10
+    tier.close()
