@@ -486,7 +486,7 @@ int LaunchOnUnits(const GeTable* tables, int n, int64_t dim, float max_norm,
                   const ge_core::GroupPlan& plan, void* scratch,
                   size_t scratch_bytes, unsigned long long* errors,
                   void* stream, Launch&& launch) {
-  if (scratch == nullptr || scratch_bytes < ge_lookup_scratch_bytes(n)) {
+  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, n)) {
     return GE_ERR_SCRATCH;
   }
   if (plan.units() == 0) return GE_OK;

@@ -236,6 +236,14 @@ inline int CheckClipGrads(const GeTable* tables, int n, int64_t dim,
   return GE_OK;
 }
 
+// Whether `scratch` holds ge_lookup_scratch_bytes(n) bytes: the layout of
+// the lookups, the ids check and the weight and clip gradients (their
+// callers check it after their other arguments, returning GE_ERR_SCRATCH).
+inline bool HasLookupScratch(const void* scratch, size_t scratch_bytes,
+                             int n) {
+  return scratch != nullptr && scratch_bytes >= ge_lookup_scratch_bytes(n);
+}
+
 // Carves aligned blocks out of a scratch buffer; with a null base it
 // only measures, so that *_scratch_bytes and the call use one layout.
 class ScratchLayout {

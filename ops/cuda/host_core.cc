@@ -77,7 +77,7 @@ int Lookup(bool sequence, const GeTable* tables, int n, int64_t dim,
   const int status = ge_core::CheckLookup(tables, n, dim, max_norm, sequence,
                                           errors, &plan);
   if (status != GE_OK) return status;
-  if (scratch == nullptr || scratch_bytes < ge_lookup_scratch_bytes(n)) {
+  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, n)) {
     return GE_ERR_SCRATCH;
   }
   std::vector<float> acc(dim);
@@ -311,8 +311,7 @@ int ge_check_ids(const GeTable* tables, int num_tables, void* scratch,
   const int status =
       ge_core::CheckIdsCall(tables, num_tables, errors, &plan);
   if (status != GE_OK) return status;
-  if (scratch == nullptr ||
-      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, num_tables)) {
     return GE_ERR_SCRATCH;
   }
   for (int t = 0; t < num_tables; ++t) {
@@ -340,8 +339,7 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
   const int status = ge_core::CheckWeightGrads(tables, num_tables, dim,
                                                max_norm, errors, &plan);
   if (status != GE_OK) return status;
-  if (scratch == nullptr ||
-      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, num_tables)) {
     return GE_ERR_SCRATCH;
   }
   for (int t = 0; t < num_tables; ++t) {
@@ -396,8 +394,7 @@ int ge_clip_grads(const GeTable* tables, int num_tables, int64_t dim,
   const int status = ge_core::CheckClipGrads(tables, num_tables, dim,
                                              max_norm, errors, &plan);
   if (status != GE_OK) return status;
-  if (scratch == nullptr ||
-      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, num_tables)) {
     return GE_ERR_SCRATCH;
   }
   std::vector<float> g(dim);

@@ -188,7 +188,7 @@ int Lookup(const GeTable* tables, int n, int64_t dim, float max_norm,
   const int status = ge_core::CheckLookup(tables, n, dim, max_norm,
                                           kSequence, errors, &plan);
   if (status != GE_OK) return status;
-  if (scratch == nullptr || scratch_bytes < ge_lookup_scratch_bytes(n)) {
+  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, n)) {
     return GE_ERR_SCRATCH;
   }
   if (plan.units() == 0) return GE_OK;
@@ -244,8 +244,7 @@ int ge_check_ids(const GeTable* tables, int num_tables, void* scratch,
   const int status =
       ge_core::CheckIdsCall(tables, num_tables, errors, &plan);
   if (status != GE_OK) return status;
-  if (scratch == nullptr ||
-      scratch_bytes < ge_lookup_scratch_bytes(num_tables)) {
+  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, num_tables)) {
     return GE_ERR_SCRATCH;
   }
   const int64_t work = plan.occurrences() + plan.units();
