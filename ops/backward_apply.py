@@ -11,10 +11,9 @@ place.
 
 `fuse()` takes the (gradient, variable) pairs of one optimizer step, finds
 each group whose every table's gradient comes straight from such an op,
-and builds ONE
-`GroupEmbeddingBackwardApply` per group from the gradient op's own inputs
-(the lookup outputs' gradients, ids, row_splits, weights). The gradient
-op is then left without a consumer and pruned from the step's function:
+and builds ONE `GroupEmbeddingBackwardApply` per group from the gradient
+op's own inputs (the lookup outputs' gradients, ids, row_splits,
+weights). The gradient op is then left without a consumer and pruned from the step's function:
 no IndexedSlices are materialised.
 
 Only a traced step (`tf.function`, `model.fit`) has ops to follow. Eager
@@ -30,6 +29,7 @@ from typing import List
 from typing import NamedTuple
 from typing import Optional
 from typing import Sequence
+from typing import Set
 from typing import Tuple
 
 import tensorflow as tf
@@ -179,8 +179,8 @@ def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
             # A table twice in a group: TF would have summed its two
             # gradients (no longer straight from the op); never fused.
             groups[src.op].setdefault(src.table, (i, src, var))
-    fused = set()
-    built = []
+    fused: Set[int] = set()
+    built: List[Any] = []
     for op, tables in groups.items():
         k = op.get_attr("num_tables")
         if sorted(tables) != list(range(k)):
