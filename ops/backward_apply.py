@@ -13,8 +13,8 @@ place.
 each group whose every table's gradient comes straight from such an op,
 and builds ONE `GroupEmbeddingBackwardApply` per group from the gradient
 op's own inputs (the lookup outputs' gradients, ids, row_splits,
-weights). The gradient op is then left without a consumer and pruned from the step's function:
-no IndexedSlices are materialised.
+weights). The gradient op is then left without a consumer and pruned
+from the step's function: no IndexedSlices are materialised.
 
 Only a traced step (`tf.function`, `model.fit`) has ops to follow. Eager
 gradients, a table that two lookups read (its gradient is a sum of two),
