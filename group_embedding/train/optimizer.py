@@ -119,13 +119,17 @@ class _EVOptimizerMixin:
         rule = self._fused_rule()
         if rule is None:
             return pairs, []
-        # The slots the stock apply would create (get-or-make: it finds
-        # them made).
-        with tf.init_scope():
-            self._create_slots([v for _, v in candidates])
         left, fused = backward_apply.fuse(candidates, rule)
         done = {id(v) for _, v in candidates} - {id(v) for _, v in left}
         return [(g, v) for g, v in pairs if id(v) not in done], fused
+
+    def _made_slot(self, var, name):
+        """Slot `name` of plain variable `var` for a fused update, made
+        now (the stock apply makes slots later; get-or-make, it finds
+        them made). Only fused groups make them early."""
+        with tf.init_scope():
+            self._create_slots([var])
+        return self.get_slot(var, name)
 
     def _ev_learning_rate(self):
         # Stock TF1 Adam calls it `_lr`, the others `_learning_rate`.
@@ -185,7 +189,7 @@ class AdagradOptimizer(_EVOptimizerMixin, _v1.train.AdagradOptimizer):
 
     def _fused_rule(self):
         return backward_apply.Rule(
-            "adagrad", lambda v: [self.get_slot(v, "accumulator")],
+            "adagrad", lambda v: [self._made_slot(v, "accumulator")],
             backward_apply.hyper(lr=self._ev_learning_rate()))
 
 
@@ -259,7 +263,8 @@ class FtrlOptimizer(_EVOptimizerMixin, _v1.train.FtrlOptimizer):
         lr = self._ev_learning_rate()
         return backward_apply.Rule(
             "ftrl",
-            lambda v: [self.get_slot(v, "accum"), self.get_slot(v, "linear")],
+            lambda v: [self._made_slot(v, "accum"),
+                       self._made_slot(v, "linear")],
             backward_apply.hyper(
                 lr=lr, l1=self._l1_regularization_strength, l2=self._l2(lr),
                 l2_shrinkage=self._l2_shrinkage_regularization_strength,
