@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from group_embedding.ops import capabilities
 from group_embedding.ops import kernel_library
 
 
 @pytest.fixture(name="lib")
 def _lib(monkeypatch):
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "custom")
-    lib = capabilities.current().kernels
+    lib = kernel_library.load()
     assert lib is not None, kernel_library.unavailable_reason()
     return lib
 
