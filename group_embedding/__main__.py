@@ -51,6 +51,7 @@ def main():
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     import group_embedding  # pylint: disable=import-outside-toplevel
+    from group_embedding.ops import config  # pylint: disable=import-outside-toplevel
     from group_embedding.ops import gpu_kernel_library  # pylint: disable=import-outside-toplevel
     from group_embedding.ops import kernel_library  # pylint: disable=import-outside-toplevel
 
@@ -77,7 +78,7 @@ def main():
     else:
         print(f"GPU kernels: not loaded ({gpu['error']}); CUDA compiler: "
               f"{gpu['nvcc'] or 'none found'}")
-    print(f"kernel cache: {kernel_library.cache_dir()}")
+    print(f"kernel cache: {config.cache_dir()}")
     print(f"horovod: {_horovod()}")
     print(f"threads: {_threads(tf)}")
     return 0 if status["loaded"] else 1

@@ -1,11 +1,13 @@
 """Public grouped lookups: `group_embedding_lookup_sparse` and
 `group_embedding_lookup`.
 
-Tables are grouped by (dim, dtype, storage kind); each group runs ONE fused
-lookup, whatever its number of tables: `lookup_plan` decides once per
-call which backend serves each group, and `_DISPATCH` below maps its
-(kind, backend, mode) to the one function that runs it. Results come back
-in the order of `params`.
+A lookup reads prepare -> plan -> run: `lookup_inputs` checks and converts
+the arguments once (`PreparedInputs`); `lookup_plan` groups the tables by
+(dim, dtype, storage kind) and decides once per call which backend serves
+each group, from one capability snapshot; `_DISPATCH` below maps each
+group's (kind, backend, mode) to the one function that runs its ONE fused
+lookup, whatever its number of tables. Results come back in the order of
+`params`.
 """
 
 import dataclasses
@@ -24,12 +26,13 @@ import tensorflow as tf
 from group_embedding import lookup_inputs
 from group_embedding import lookup_plan
 from group_embedding import model_parallel
-from group_embedding.embedding_variable.variable import is_embedding_variable
+from group_embedding.lookup_plan import Backend
 from group_embedding.lookup_plan import LookupCall
+from group_embedding.lookup_plan import Mode
 from group_embedding.lookup_plan import TableGroup
+from group_embedding.lookup_plan import TableKind
 from group_embedding.ops import lookup_kernels
 from group_embedding.ops import lookup_tf
-from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.packed_ids import PackedIds
 
@@ -117,54 +120,17 @@ def group_embedding_lookup_sparse(
         tf.errors.InvalidArgumentError: (at run time) an id outside
             `[0, vocab)` of its table, or batch sizes that differ.
     """
-    if concat_outputs and is_sequence:
-        raise ValueError("`concat_outputs=True` concatenates pooled [B, D] "
-                         "outputs; it cannot be used with "
-                         "`is_sequence=True`.")
-    packed = None
-    if isinstance(sp_ids, PackedIds):
-        packed = _check_packed(params, sp_ids, sp_weights)
-        sp_ids, sp_weights = [packed.values] * len(params), None
-    params, sp_ids, combiners, sp_weights = lookup_inputs.check_lists(
-        params, sp_ids, combiners, sp_weights, partition_strategy,
-        params_num_per_group)
-    _check_ev_keys(params, sp_ids, "sp_ids")
+    call = LookupCall(
+        mode=lookup_inputs.lookup_mode(is_sequence, concat_outputs),
+        max_norm=max_norm, training=training,
+        partition_strategy=partition_strategy)
     with tf.name_scope(name or "group_embedding_lookup_sparse"):
-        if packed is not None:
-            sp_ids = ragged_ids.from_packed(
-                packed.values, packed.row_splits, packed.offsets,
-                packed.batch,
-                packed.weights if packed.weighted else None, len(params),
-                is_sequence)
-        mode = (lookup_plan.SEQUENCE if is_sequence
-                else lookup_plan.CONCAT if concat_outputs
-                else lookup_plan.POOLED)
-        call = LookupCall(mode=mode, max_norm=max_norm, training=training,
-                          partition_strategy=partition_strategy)
-        return _grouped_lookup(params, sp_ids, combiners, sp_weights, call,
-                               params_num_per_group, same_batch=True)
-
-
-def _check_packed(params: Sequence[Any], packed: PackedIds,
-                  sp_weights: Any) -> PackedIds:
-    """Static checks of `PackedIds` ids against the tables."""
-    if sp_weights is not None:
-        raise ValueError("Packed `sp_ids` carry their weights: pass them to "
-                         "`ge.pack_ids` and leave `sp_weights` None.")
-    k = packed.num_features
-    if k is not None and k != len(params):
-        raise ValueError(f"Packed `sp_ids` hold {k} features but `params` "
-                         f"has {len(params)} tables.")
-    return packed
-
-
-def _check_ev_keys(params: Sequence[Any], ids: Sequence[Any],
-                   argument: str) -> None:
-    # EmbeddingVariables check their own key dtype, so that the error
-    # names the variable (int64 keys into an int32 EV, float keys).
-    for i, (p, x) in enumerate(zip(params, ids)):
-        if is_embedding_variable(p):
-            p.check_keys(x, f"{argument}[{i}]")
+        inputs = lookup_inputs.prepare_sparse(
+            params, sp_ids, combiners, sp_weights, call,
+            params_num_per_group)
+        return lookup_feature_ids(inputs.tables, inputs.feats,
+                                  inputs.combiners, inputs.names, call,
+                                  params_num_per_group)
 
 
 # One entry of the dispatch table: run(group, call) -> the group's outputs.
@@ -205,15 +171,17 @@ def _ev_tf_pooled(g: TableGroup, c: LookupCall) -> Any:
                                c.training)
 
 
-def _variable_entries(backend: str) -> Dict[Tuple[str, str, str], _Run]:
-    key = (lookup_plan.VARIABLE, backend)
+_Key = Tuple[TableKind, Backend, Mode]
+
+
+def _variable_entries(backend: Backend) -> Dict[_Key, _Run]:
     return {
-        key + (lookup_plan.POOLED,): _variables_kernel_pooled,
-        key + (lookup_plan.CONCAT,): lambda g, c:
+        (TableKind.VARIABLE, backend, Mode.POOLED): _variables_kernel_pooled,
+        (TableKind.VARIABLE, backend, Mode.CONCAT): lambda g, c:
             lookup_kernels.concat_variables(g.tables, g.feats, g.combiners,
                                             g.names, c.max_norm,
                                             c.ids_checked),
-        key + (lookup_plan.SEQUENCE,): lambda g, c:
+        (TableKind.VARIABLE, backend, Mode.SEQUENCE): lambda g, c:
             lookup_kernels.sequence_variables(g.tables, g.feats, g.names,
                                               c.max_norm, c.ids_checked),
     }
@@ -222,36 +190,33 @@ def _variable_entries(backend: str) -> Dict[Tuple[str, str, str], _Run]:
 # (kind, backend, mode) -> run(group, call): the only place a lookup's
 # path is chosen. The CPU and GPU kernels are the same TF ops (TF runs
 # the kernel of the device the tables live on).
-_DISPATCH: Dict[Tuple[str, str, str], _Run] = {
-    **_variable_entries(lookup_plan.CPU_KERNELS),
-    **_variable_entries(lookup_plan.GPU_KERNELS),
-    (lookup_plan.VARIABLE, lookup_plan.TF_OPS, lookup_plan.POOLED):
-        _variables_tf_pooled,
-    (lookup_plan.VARIABLE, lookup_plan.TF_OPS, lookup_plan.CONCAT):
+_DISPATCH: Dict[_Key, _Run] = {
+    **_variable_entries(Backend.CPU_KERNELS),
+    **_variable_entries(Backend.GPU_KERNELS),
+    (TableKind.VARIABLE, Backend.TF_OPS, Mode.POOLED): _variables_tf_pooled,
+    (TableKind.VARIABLE, Backend.TF_OPS, Mode.CONCAT):
         _concat_of(_variables_tf_pooled),
-    (lookup_plan.VARIABLE, lookup_plan.TF_OPS, lookup_plan.SEQUENCE):
+    (TableKind.VARIABLE, Backend.TF_OPS, Mode.SEQUENCE):
         lambda g, c: lookup_tf.sequence_variables(g.tables, g.feats,
                                                   g.names, c.max_norm),
-    (lookup_plan.EV, lookup_plan.CPU_KERNELS, lookup_plan.POOLED):
-        _ev_kernel_pooled,
-    (lookup_plan.EV, lookup_plan.CPU_KERNELS, lookup_plan.CONCAT):
+    (TableKind.EV, Backend.CPU_KERNELS, Mode.POOLED): _ev_kernel_pooled,
+    (TableKind.EV, Backend.CPU_KERNELS, Mode.CONCAT):
         _concat_of(_ev_kernel_pooled),
-    (lookup_plan.EV, lookup_plan.CPU_KERNELS, lookup_plan.SEQUENCE):
+    (TableKind.EV, Backend.CPU_KERNELS, Mode.SEQUENCE):
         lambda g, c: lookup_kernels.sequence_ev(g.tables, g.feats,
                                                 c.training),
-    (lookup_plan.EV, lookup_plan.TF_OPS, lookup_plan.POOLED): _ev_tf_pooled,
-    (lookup_plan.EV, lookup_plan.TF_OPS, lookup_plan.CONCAT):
-        _concat_of(_ev_tf_pooled),
-    (lookup_plan.EV, lookup_plan.TF_OPS, lookup_plan.SEQUENCE):
+    (TableKind.EV, Backend.TF_OPS, Mode.POOLED): _ev_tf_pooled,
+    (TableKind.EV, Backend.TF_OPS, Mode.CONCAT): _concat_of(_ev_tf_pooled),
+    (TableKind.EV, Backend.TF_OPS, Mode.SEQUENCE):
         lambda g, c: lookup_tf.sequence_ev(g.tables, g.feats, c.max_norm,
                                            c.training),
 }
-for _kind in (lookup_plan.SHARDED, lookup_plan.EV):
-    _DISPATCH[(_kind, lookup_plan.COLLECTIVE, lookup_plan.POOLED)] = (
+for _kind in (TableKind.SHARDED, TableKind.EV):
+    _DISPATCH[(_kind, Backend.COLLECTIVE, Mode.POOLED)] = (
         _collective("pooled_lookup"))
-    _DISPATCH[(_kind, lookup_plan.COLLECTIVE, lookup_plan.CONCAT)] = (
+    _DISPATCH[(_kind, Backend.COLLECTIVE, Mode.CONCAT)] = (
         _concat_of(_collective("pooled_lookup")))
-    _DISPATCH[(_kind, lookup_plan.COLLECTIVE, lookup_plan.SEQUENCE)] = (
+    _DISPATCH[(_kind, Backend.COLLECTIVE, Mode.SEQUENCE)] = (
         _collective("sequence_lookup"))
 
 
@@ -265,7 +230,7 @@ def lookup_feature_ids(tables: Sequence[Any], feats: Sequence[FeatureIds],
                        combiners: Sequence[str], names: Sequence[str],
                        call: LookupCall,
                        params_num_per_group: int = sys.maxsize) -> Any:
-    """Plans and runs a lookup of checked tables and converted ids.
+    """Plans and runs a lookup of prepared tables and ids.
 
     With `call.mode == CONCAT`, returns one tensor: the pooled outputs
     concatenated in the order of `tables`; a group whose tables are
@@ -273,9 +238,9 @@ def lookup_feature_ids(tables: Sequence[Any], feats: Sequence[FeatureIds],
     Else the per-table outputs, in order. (The collective layer's owners
     look their received ids up through this too.)
     """
-    concat = call.mode == lookup_plan.CONCAT
+    concat = call.mode == Mode.CONCAT
     # A group whose members are not adjacent cannot give one block.
-    pooled = dataclasses.replace(call, mode=lookup_plan.POOLED)
+    pooled = dataclasses.replace(call, mode=Mode.POOLED)
     groups = lookup_plan.group_tables(tables, feats, names, combiners,
                                       call, params_num_per_group)
     outputs: List[Optional[tf.Tensor]] = [None] * len(tables)
@@ -284,7 +249,7 @@ def lookup_feature_ids(tables: Sequence[Any], feats: Sequence[FeatureIds],
     check = _check_gpu_ids_once(groups)
     for g in groups:
         g_call, g_pooled, deps = call, pooled, []
-        if check is not None and g.backend == lookup_plan.GPU_KERNELS:
+        if check is not None and g.backend == Backend.GPU_KERNELS:
             g_call = dataclasses.replace(call, ids_checked=True)
             g_pooled = dataclasses.replace(pooled, ids_checked=True)
             deps = [check]
@@ -308,28 +273,13 @@ def _check_gpu_ids_once(groups: Sequence[TableGroup]) -> Any:
     traced step then waits for its stream once, not once per group), or
     None: one group checks its own ids with its one wait, and eager ops
     run one by one anyway."""
-    gpu = [g for g in groups if g.kind == lookup_plan.VARIABLE
-           and g.backend == lookup_plan.GPU_KERNELS]
+    gpu = [g for g in groups if g.kind == TableKind.VARIABLE
+           and g.backend == Backend.GPU_KERNELS]
     if len(gpu) < 2 or tf.executing_eagerly():
         return None
     return lookup_kernels.check_ids(
         [t for g in gpu for t in g.tables], [f for g in gpu for f in g.feats],
         [n for g in gpu for n in g.names])
-
-
-def _grouped_lookup(params: Sequence[Any], sp_ids: Sequence[Any],
-                    combiners: Sequence[str], sp_weights: Any,
-                    call: LookupCall, params_num_per_group: int,
-                    same_batch: bool) -> Any:
-    """Converts and checks the ids, then `lookup_feature_ids`."""
-    tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
-    names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
-    feats = lookup_inputs.to_feature_ids(
-        sp_ids, sp_weights,
-        need_positions=call.mode == lookup_plan.SEQUENCE,
-        same_batch=same_batch)
-    return lookup_feature_ids(tables, feats, combiners, names, call,
-                              params_num_per_group)
 
 
 def group_embedding_lookup(params: Sequence[Any], ids: Sequence[Any],
@@ -355,30 +305,11 @@ def group_embedding_lookup(params: Sequence[Any], ids: Sequence[Any],
     Raises:
         TypeError / ValueError: as in `group_embedding_lookup_sparse`.
     """
-    if not isinstance(ids, (list, tuple)):
-        raise TypeError("`ids` must be a list (one entry per table), got "
-                        f"{type(ids).__name__}.")
-    dense = []
-    for i, x in enumerate(ids):
-        if isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
-            raise TypeError(f"`ids[{i}]` must be a dense tensor; use "
-                            "group_embedding_lookup_sparse for "
-                            f"{type(x).__name__} ids.")
-        x = tf.convert_to_tensor(x)
-        if isinstance(params, (list, tuple)) and i < len(params) \
-                and is_embedding_variable(params[i]):
-            params[i].check_keys(x, f"ids[{i}]")
-        if not x.dtype.is_integer:
-            raise TypeError(f"`ids[{i}]` must hold int32 or int64 ids, got "
-                            f"{x.dtype.name}.")
-        dense.append(x)
-    params, ragged, combiners, weights = lookup_inputs.check_lists(
-        params, [ragged_ids.one_id_rows(x) for x in dense], "sum", None,
-        partition_strategy, sys.maxsize, ids_argument="ids")
+    call = LookupCall(mode=Mode.POOLED, training=training,
+                      partition_strategy=partition_strategy)
     with tf.name_scope(name or "group_embedding_lookup"):
-        call = LookupCall(mode=lookup_plan.POOLED, training=training,
-                          partition_strategy=partition_strategy)
-        flat = _grouped_lookup(params, ragged, combiners, weights, call,
-                               sys.maxsize, same_batch=False)
+        inputs = lookup_inputs.prepare_dense(params, ids, partition_strategy)
+        flat = lookup_feature_ids(inputs.tables, inputs.feats,
+                                  inputs.combiners, inputs.names, call)
         return [tf.reshape(f, tf.concat([tf.shape(x), tf.shape(f)[1:]], 0))
-                for f, x in zip(flat, dense)]
+                for f, x in zip(flat, inputs.dense_ids)]

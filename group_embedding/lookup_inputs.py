@@ -1,23 +1,34 @@
-"""Validation and normalisation of the arguments of the grouped lookups.
+"""The ONE preparation of a grouped lookup's inputs: checks and conversion.
 
-Every id feature leaves this module in one ragged form, `FeatureIds`
-(int64 values grouped by row + row_splits, optional float weights), which is
-what the fused kernels consume. Errors name the argument and its index.
+`prepare_sparse` (for `group_embedding_lookup_sparse`) and `prepare_dense`
+(for `group_embedding_lookup`) check every argument (list lengths, closed
+choices, the tables, EmbeddingVariable key dtypes, packed ids, dense ids)
+and convert the ids, so that a lookup reads prepare -> plan -> run. What
+comes out is a `PreparedInputs`: the tables unwrapped, their names, and
+every id feature in one ragged form, `FeatureIds` (int64 values grouped by
+row + row_splits, optional float weights: what the fused kernels consume;
+`ragged_ids.to_feature_ids` converts and checks each id batch). Errors
+name the argument and its index.
 """
 
 import dataclasses
+import sys
 from typing import Any
 from typing import List
-from typing import Optional
 from typing import Sequence
 from typing import Tuple
+from typing import Union
 
 import tensorflow as tf
 
 from group_embedding import lookup_plan
+from group_embedding.embedding_variable.variable import is_embedding_variable
+from group_embedding.lookup_plan import LookupCall
+from group_embedding.lookup_plan import Mode
 from group_embedding.ops import ragged_ids
 from group_embedding.ops import tf_variables
 from group_embedding.ops.ragged_ids import FeatureIds
+from group_embedding.packed_ids import PackedIds
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
 PARTITION_STRATEGIES = ("mod", "div")
@@ -30,7 +41,7 @@ def unwrap_table(param: Any, index: int) -> Any:
         TypeError: if `param` is not a variable.
     """
     param = tf_variables.to_tf_variable(param)
-    if lookup_plan.table_kind(param) != lookup_plan.VARIABLE:
+    if lookup_plan.table_kind(param) != lookup_plan.TableKind.VARIABLE:
         return param  # EmbeddingVariable, ShardedVariable
     if not isinstance(param, tf.Variable):
         raise TypeError(
@@ -106,144 +117,145 @@ def check_lists(params: Any, sp_ids: Any, combiners: Any, sp_weights: Any,
     return list(params), list(sp_ids), list(combiners), list(sp_weights)
 
 
-def _check_ids_dtype(ids_dtype: tf.DType, name: str) -> None:
-    if not ids_dtype.is_integer:
-        raise TypeError(f"`{name}` must hold int32 or int64 ids, got "
-                        f"{ids_dtype.name}.")
 
 
-def _check_weights(weights: Any, ids: Any, name: str) -> None:
-    """Checks the kind and dtype of one weight tensor against its ids."""
-    if weights is None:
-        return
-    kind = type(ids).__name__
-    if type(weights) is not type(ids):
-        raise TypeError(f"`{name}` must be a {kind} like its ids, got "
-                        f"{type(weights).__name__}.")
-    if not weights.dtype.is_floating:
-        raise TypeError(f"`{name}` must hold float weights, got "
-                        f"{weights.dtype.name}.")
+@dataclasses.dataclass(frozen=True)
+class PreparedInputs:
+    """A lookup's inputs, checked and converted: what the plan takes.
+
+    Attributes:
+        tables: the K tables, unwrapped (`tf.Variable`, EmbeddingVariable
+            or ShardedVariable).
+        names: their names for error messages (`params[i] (name)`).
+        feats: their ids, one `FeatureIds` per table.
+        combiners: one combiner per table.
+        dense_ids: `group_embedding_lookup`'s K dense id tensors, whose
+            shapes S_i shape its outputs; empty for sparse lookups.
+    """
+
+    tables: Tuple[Any, ...]
+    names: Tuple[str, ...]
+    feats: Tuple[FeatureIds, ...]
+    combiners: Tuple[str, ...]
+    dense_ids: Tuple[tf.Tensor, ...] = ()
 
 
-def to_feature_ids(sp_ids: Sequence[Any], sp_weights: Sequence[Any],
-                   need_positions: bool = False,
-                   same_batch: bool = True) -> List[FeatureIds]:
-    """Converts every id feature to `FeatureIds`, checking it on the way.
-
-    SparseTensors (indices in any order, duplicates allowed) are converted
-    together, once per feature; RaggedTensors are used as they are.
-
-    Args:
-        sp_ids: SparseTensor or RaggedTensor ids, one per feature.
-        sp_weights: None or matching float weights, one per feature.
-        need_positions: also compute each id's slot in its row.
-        same_batch: require one batch size for all features (checked
-            statically, else at run time).
+def lookup_mode(is_sequence: bool, concat_outputs: bool) -> Mode:
+    """The `Mode` of a sparse lookup call.
 
     Raises:
-        TypeError: ids not integer, weights not float, unsupported kind.
-        ValueError: SparseTensor of rank != 2, RaggedTensor not 2-D, or
-            batch sizes that differ between features (when static).
+        ValueError: both `is_sequence` and `concat_outputs`.
     """
-    if all(isinstance(ids, FeatureIds) for ids in sp_ids):
-        # Already converted (packed ids: one batch, checked on unpacking).
-        return list(sp_ids)
-    feats: List[Optional[FeatureIds]] = [None] * len(sp_ids)
-    sparse_at = []
-    for i, (ids, w) in enumerate(zip(sp_ids, sp_weights)):
-        name = f"sp_ids[{i}]"
-        _check_weights(w, ids, f"sp_weights[{i}]")
-        if isinstance(ids, tf.SparseTensor):
-            _check_ids_dtype(ids.dtype, name)
-            rank = ids.shape.rank
-            if rank is None:
-                rank = tf.compat.dimension_value(ids.indices.shape[1])
-            if rank is not None and rank != 2:
-                raise ValueError(f"`{name}` must be a rank-2 SparseTensor "
-                                 f"[batch, ids per row], got rank {rank}.")
-            sparse_at.append(i)
-        elif isinstance(ids, tf.RaggedTensor):
-            _check_ids_dtype(ids.dtype, name)
-            if ids.ragged_rank != 1 or ids.shape.rank != 2:
-                raise ValueError(f"`{name}` must be a 2-D RaggedTensor "
-                                 f"[batch, None], got shape {ids.shape}.")
-            feats[i] = ragged_ids.from_ragged(ids, w, name, need_positions)
-        else:
-            raise TypeError(f"`{name}` must be a SparseTensor or "
-                            f"RaggedTensor, got {type(ids).__name__}.")
-    batch_checked = False
-    if sparse_at:
-        # All SparseTensors: the conversion op can check the batch sizes
-        # (one check instead of a few graph ops per feature).
-        converted, batch_checked = ragged_ids.from_sparse(
-            [sp_ids[i] for i in sparse_at],
-            [sp_weights[i] for i in sparse_at],
-            [f"sp_ids[{i}]" for i in sparse_at], need_positions,
-            same_batch=same_batch and len(sparse_at) == len(sp_ids))
-        for i, f in zip(sparse_at, converted):
-            feats[i] = f
-    # Every entry is set: ragged ones above, sparse ones here.
-    converted_all = [f for f in feats if f is not None]
-    if (same_batch and not _check_batch_sizes(sp_ids)
-            and not batch_checked):
-        return _assert_same_batch(converted_all)
-    return converted_all
+    if concat_outputs and is_sequence:
+        raise ValueError("`concat_outputs=True` concatenates pooled [B, D] "
+                         "outputs; it cannot be used with "
+                         "`is_sequence=True`.")
+    if is_sequence:
+        return Mode.SEQUENCE
+    return Mode.CONCAT if concat_outputs else Mode.POOLED
 
 
-def _static_batch(ids: Any) -> Optional[int]:
-    if isinstance(ids, tf.SparseTensor):
-        value = tf.get_static_value(ids.dense_shape[0])
-    else:
-        value = tf.compat.dimension_value(ids.shape[0])
-    return None if value is None else int(value)
+def prepare_tables(params: Sequence[Any]) -> Tuple[List[Any], List[str]]:
+    """The unwrapped tables of `params` and their names (`unwrap_table`,
+    `table_name`)."""
+    tables = [unwrap_table(p, i) for i, p in enumerate(params)]
+    return tables, [table_name(t, i) for i, t in enumerate(tables)]
 
 
-def _check_batch_sizes(sp_ids: Sequence[Any]) -> bool:
-    """Rejects statically known batch sizes that differ between features.
+def prepare_sparse(params: Any, sp_ids: Union[Sequence[Any], PackedIds],
+                   combiners: Any, sp_weights: Any, call: LookupCall,
+                   params_num_per_group: int) -> PreparedInputs:
+    """Checks and converts the arguments of `group_embedding_lookup_sparse`.
+
+    Args:
+        params, sp_ids, combiners, sp_weights, params_num_per_group: as
+            `group_embedding_lookup_sparse` takes them (`sp_ids` a list of
+            SparseTensor / RaggedTensor, or a `PackedIds`).
+        call: the call's settings (its mode says whether each id's slot
+            in its row is needed; its partition strategy is checked).
 
     Returns:
-        True if every batch size was known statically (nothing left to
-        check at run time).
+        The `PreparedInputs`.
+
+    Raises:
+        TypeError / ValueError: as `group_embedding_lookup_sparse`.
     """
-    first = None
-    all_static = True
-    for i, ids in enumerate(sp_ids):
-        b = _static_batch(ids)
-        if b is None:
-            all_static = False
-            continue
-        if first is None:
-            first = (i, int(b))
-        elif int(b) != first[1]:
-            raise ValueError(
-                f"`sp_ids[{i}]` has batch size {int(b)} but "
-                f"`sp_ids[{first[0]}]` has {first[1]}; all features of one "
-                "lookup must share the batch.")
-    return all_static
+    packed = None
+    if isinstance(sp_ids, PackedIds):
+        packed = _check_packed(params, sp_ids, sp_weights)
+        sp_ids, sp_weights = [packed.values] * len(params), None
+    params, sp_ids, combiners, sp_weights = check_lists(
+        params, sp_ids, combiners, sp_weights, call.partition_strategy,
+        params_num_per_group)
+    _check_ev_keys(params, sp_ids, "sp_ids")
+    need_positions = call.mode == Mode.SEQUENCE
+    if packed is not None:
+        feats = ragged_ids.from_packed(
+            packed.values, packed.row_splits, packed.offsets, packed.batch,
+            packed.weights if packed.weighted else None, len(params),
+            need_positions)
+        tables, names = prepare_tables(params)
+    else:
+        tables, names = prepare_tables(params)
+        feats = ragged_ids.to_feature_ids(sp_ids, sp_weights,
+                                          need_positions=need_positions,
+                                          same_batch=True)
+    return PreparedInputs(tuple(tables), tuple(names), tuple(feats),
+                          tuple(combiners))
 
 
-def _assert_same_batch(feats: List[FeatureIds]) -> List[FeatureIds]:
-    """Makes every feature's ids depend on ONE batch-size check.
+def prepare_dense(params: Any, ids: Any,
+                  partition_strategy: str) -> PreparedInputs:
+    """Checks and converts the arguments of `group_embedding_lookup`: each
+    dense id tensor becomes a ragged batch of one-id rows (pooled with
+    "sum", each row is its id's table row).
 
-    The per-feature asserts that name the feature are built only in the
-    branch taken when the check fails. Every lookup path consumes the ids,
-    so none runs on mismatched batches.
+    Raises:
+        TypeError / ValueError: as `group_embedding_lookup`.
     """
-    if len(feats) < 2:
-        return feats
-    sizes = [ragged_ids.batch_size(f) for f in feats]
-    same = tf.reduce_all(tf.equal(tf.stack(sizes[1:]), sizes[0]))
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError("`ids` must be a list (one entry per table), got "
+                        f"{type(ids).__name__}.")
+    dense = []
+    for i, x in enumerate(ids):
+        if isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
+            raise TypeError(f"`ids[{i}]` must be a dense tensor; use "
+                            "group_embedding_lookup_sparse for "
+                            f"{type(x).__name__} ids.")
+        x = tf.convert_to_tensor(x)
+        if isinstance(params, (list, tuple)) and i < len(params) \
+                and is_embedding_variable(params[i]):
+            params[i].check_keys(x, f"ids[{i}]")
+        if not x.dtype.is_integer:
+            raise TypeError(f"`ids[{i}]` must hold int32 or int64 ids, got "
+                            f"{x.dtype.name}.")
+        dense.append(x)
+    params, ragged, combiners, weights = check_lists(
+        params, [ragged_ids.one_id_rows(x) for x in dense], "sum", None,
+        partition_strategy, sys.maxsize, ids_argument="ids")
+    tables, names = prepare_tables(params)
+    feats = ragged_ids.to_feature_ids(ragged, weights, same_batch=False)
+    return PreparedInputs(tuple(tables), tuple(names), tuple(feats),
+                          tuple(combiners), tuple(dense))
 
-    def _fail() -> tf.Tensor:
-        checks = [tf.debugging.assert_equal(
-            size, sizes[0],
-            message=f"`{f.name}` has a different batch size than "
-                    f"`{feats[0].name}`.")
-            for f, size in zip(feats[1:], sizes[1:])]
-        with tf.control_dependencies(checks):
-            return tf.constant(False)
 
-    valid = tf.cond(same, lambda: tf.constant(True), _fail)
-    with tf.control_dependencies([valid]):
-        return [dataclasses.replace(f, values=tf.identity(f.values))
-                for f in feats]
+def _check_packed(params: Sequence[Any], packed: PackedIds,
+                  sp_weights: Any) -> PackedIds:
+    """Static checks of `PackedIds` ids against the tables."""
+    if sp_weights is not None:
+        raise ValueError("Packed `sp_ids` carry their weights: pass them to "
+                         "`ge.pack_ids` and leave `sp_weights` None.")
+    k = packed.num_features
+    if k is not None and k != len(params):
+        raise ValueError(f"Packed `sp_ids` hold {k} features but `params` "
+                         f"has {len(params)} tables.")
+    return packed
+
+
+def _check_ev_keys(params: Sequence[Any], ids: Sequence[Any],
+                   argument: str) -> None:
+    # EmbeddingVariables check their own key dtype, so that the error
+    # names the variable (int64 keys into an int32 EV, float keys).
+    for i, (p, x) in enumerate(zip(params, ids)):
+        if is_embedding_variable(p):
+            p.check_keys(x, f"{argument}[{i}]")

@@ -2,11 +2,13 @@
 
 Decided once per call, before any op is built: `group_tables` splits the
 tables into fusable groups and gives each a frozen `TableGroup` naming its
-kind (plain variable, EmbeddingVariable, sharded table) and its backend
-(the C++ CPU kernels, the CUDA kernels, stock TF ops, or the collective
-runtime); `lookup.py` then calls the ONE function that its
-(kind, backend, mode) key names. Nothing below the plan probes a table's
-type again.
+`TableKind` (plain variable, EmbeddingVariable, sharded table) and its
+`Backend` (the C++ CPU kernels, the CUDA kernels, stock TF ops, or the
+collective runtime), chosen from ONE `capabilities.Capabilities` snapshot
+(kernels loaded, GPU present, GPU kernels, inside a SavedModel save) that
+the group carries; `lookup.py` then calls the ONE function that its
+(kind, backend, `Mode`) key names. Nothing below the plan probes a
+table's type or the machine again.
 """
 
 import dataclasses
@@ -14,6 +16,7 @@ import warnings
 from typing import Any
 from typing import Dict
 from typing import List
+from typing import Optional
 from typing import Sequence
 from typing import Set
 from typing import Tuple
@@ -21,33 +24,46 @@ from typing import Tuple
 import tensorflow as tf
 
 from group_embedding import model_parallel
-from group_embedding.ops import gpu_kernel_library
-from group_embedding.ops import kernel_library
+from group_embedding.ops import capabilities
 from group_embedding.ops import lookup_kernels
+from group_embedding.ops.capabilities import Capabilities
+from group_embedding.ops.config import Choice
 from group_embedding.ops.ragged_ids import FeatureIds
 
-# Table kinds. A table class states its own kind in `ge_table_kind`
-# (EmbeddingVariable: "ev", ShardedVariable: "sharded"); anything else
-# that reaches the plan is a plain `tf.Variable`.
-VARIABLE = "variable"
-EV = "ev"
-SHARDED = "sharded"
 
-# Backends.
-CPU_KERNELS = "cpu_kernels"
-GPU_KERNELS = "gpu_kernels"
-TF_OPS = "tf_ops"
-COLLECTIVE = "collective"
+class TableKind(Choice):
+    """What a table is. A table class states its own kind in
+    `ge_table_kind` (EmbeddingVariable: "ev", ShardedVariable: "sharded");
+    anything else that reaches the plan is a plain `tf.Variable`."""
 
-# Modes.
-POOLED = "pooled"
-SEQUENCE = "sequence"
-CONCAT = "concat"
+    VARIABLE = "variable"
+    EV = "ev"
+    SHARDED = "sharded"
 
 
-def table_kind(table: Any) -> str:
-    """VARIABLE, EV or SHARDED: the kind a table class declares."""
-    return getattr(table, "ge_table_kind", VARIABLE)
+class Backend(Choice):
+    """What runs a group's lookup: the C++ CPU kernels, the CUDA kernels
+    (the same TF ops, on GPU tables), stock TF ops, or the registered
+    collective runtime (model parallel)."""
+
+    CPU_KERNELS = "cpu_kernels"
+    GPU_KERNELS = "gpu_kernels"
+    TF_OPS = "tf_ops"
+    COLLECTIVE = "collective"
+
+
+class Mode(Choice):
+    """What a lookup call returns: pooled `[B, D]` per table, one
+    concatenated `[B, sum D]`, or unpooled sequences `[B, T, D]`."""
+
+    POOLED = "pooled"
+    SEQUENCE = "sequence"
+    CONCAT = "concat"
+
+
+def table_kind(table: Any) -> TableKind:
+    """The `TableKind` a table class declares (VARIABLE by default)."""
+    return TableKind(getattr(table, "ge_table_kind", TableKind.VARIABLE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +71,7 @@ class LookupCall:
     """The settings of one lookup call, shared by all its groups.
 
     Attributes:
-        mode: POOLED, SEQUENCE or CONCAT (pooled, one `[B, sum D]` out).
+        mode: the `Mode` (CONCAT: pooled, one `[B, sum D]` out).
         max_norm: None, or the L2 bound rows are clipped to.
         training: Python or tensor bool (EmbeddingVariables insert keys).
         partition_strategy: "mod" or "div" (sharded tables).
@@ -64,7 +80,7 @@ class LookupCall:
             caller's): their forward ops do not wait to check again.
     """
 
-    mode: str
+    mode: Mode
     max_norm: Any = None
     training: Any = True
     partition_strategy: str = "mod"
@@ -81,8 +97,10 @@ class TableGroup:
         feats: their ids, one `FeatureIds` per table.
         names: their names for error messages.
         combiners: "sum" | "mean" | "sqrtn" per table.
-        kind: VARIABLE, EV or SHARDED (the tables' common kind).
-        backend: CPU_KERNELS, GPU_KERNELS, TF_OPS or COLLECTIVE.
+        kind: the tables' common `TableKind`.
+        backend: the `Backend` that runs the group.
+        capabilities: the snapshot the backend was chosen from (what the
+            backends below read instead of probing again).
     """
 
     members: Tuple[int, ...]
@@ -90,8 +108,9 @@ class TableGroup:
     feats: Tuple[FeatureIds, ...]
     names: Tuple[str, ...]
     combiners: Tuple[str, ...]
-    kind: str
-    backend: str
+    kind: TableKind
+    backend: Backend
+    capabilities: Capabilities
 
     @property
     def consecutive(self) -> bool:
@@ -103,18 +122,20 @@ class TableGroup:
 def _local_table(table: Any) -> Any:
     """A sharded table that one worker holds whole plans as its shard: the
     single-process path (collective mode with one worker)."""
-    if table_kind(table) == SHARDED and table.num_shards == 1:
+    if table_kind(table) == TableKind.SHARDED and table.num_shards == 1:
         return table.shard_variable
     return table
 
 
-def _group_key(table: Any) -> Tuple[int, tf.DType, str]:
+def _group_key(table: Any) -> Tuple[int, tf.DType, TableKind]:
     return (int(table.shape[-1]), table.dtype, table_kind(table))
 
 
-def kernel_eligible(tables: Sequence[Any], max_norm: Any) -> bool:
+def kernel_eligible(tables: Sequence[Any], max_norm: Any,
+                    found: Optional[Capabilities] = None) -> bool:
     """Whether the variable lookup kernels (CPU, or CUDA with a GPU) can
-    serve these plain variables.
+    serve these plain variables, given `found` (default: the current
+    `capabilities` snapshot).
 
     With a GPU, the lookup ops run where the tables live: on the GPU
     through the GPU kernels when they are loaded (every mode, weighted or
@@ -125,8 +146,8 @@ def kernel_eligible(tables: Sequence[Any], max_norm: Any) -> bool:
     """
     if lookup_kernels.kernel_max_norm(max_norm) is None:
         return False
-    if (gpu_kernel_library.gpu_present()
-            and not gpu_kernel_library.use_gpu_kernels()):
+    found = found or capabilities.current()
+    if found.gpu and not found.use_gpu_kernels():
         return False
     return all(is_kernel_dtype(t) for t in tables)
 
@@ -154,29 +175,30 @@ def _warn_pure_tf_on_gpu(names: Sequence[str],
         f"got {', '.join(dtypes)}.", RuntimeWarning, stacklevel=3)
 
 
-def _backend(kind: str, tables: Sequence[Any], feats: Sequence[FeatureIds],
-             names: Sequence[str], call: LookupCall) -> str:
-    if kind == SHARDED:
-        return COLLECTIVE
-    if kind == EV:
+def _backend(kind: TableKind, tables: Sequence[Any],
+             feats: Sequence[FeatureIds], names: Sequence[str],
+             call: LookupCall, found: Capabilities) -> Backend:
+    if kind == TableKind.SHARDED:
+        return Backend.COLLECTIVE
+    if kind == TableKind.EV:
         runtime = model_parallel.runtime()
         if runtime is not None and runtime.size > 1:
             # Every key is owned by worker `key mod N`.
-            return COLLECTIVE
-        if (kernel_library.load() is not None and call.max_norm is None
-                and (call.mode != SEQUENCE
+            return Backend.COLLECTIVE
+        if (found.kernels is not None and call.max_norm is None
+                and (call.mode != Mode.SEQUENCE
                      or all(f.weights is None for f in feats))):
-            return CPU_KERNELS
-        return TF_OPS
-    if (kernel_library.load() is None
-            or not kernel_eligible(tables, call.max_norm)):
-        if (gpu_kernel_library.gpu_present()
+            return Backend.CPU_KERNELS
+        return Backend.TF_OPS
+    if (found.kernels is None
+            or not kernel_eligible(tables, call.max_norm, found)):
+        if (found.gpu
                 and lookup_kernels.kernel_max_norm(call.max_norm) is not None
                 and not all(is_kernel_dtype(t) for t in tables)
-                and gpu_kernel_library.use_gpu_kernels()):
+                and found.use_gpu_kernels()):
             _warn_pure_tf_on_gpu(names, tables)
-        return TF_OPS
-    return GPU_KERNELS if gpu_kernel_library.gpu_present() else CPU_KERNELS
+        return Backend.TF_OPS
+    return Backend.GPU_KERNELS if found.gpu else Backend.CPU_KERNELS
 
 
 def group_tables(tables: Sequence[Any], feats: Sequence[FeatureIds],
@@ -186,10 +208,12 @@ def group_tables(tables: Sequence[Any], feats: Sequence[FeatureIds],
     """Splits the tables into fusable groups and plans each.
 
     Tables of the same dim, dtype and kind share a group, in input order;
-    a group holds at most `params_num_per_group` tables.
+    a group holds at most `params_num_per_group` tables. Every group's
+    backend is chosen from one `capabilities.current()` snapshot, which
+    the group carries.
 
     Args:
-        tables: the checked tables (`lookup_inputs.unwrap_table`).
+        tables: the checked tables (`lookup_inputs.prepare_tables`).
         feats: their ids, one `FeatureIds` per table.
         names: their names for error messages.
         combiners: one combiner per table.
@@ -202,17 +226,20 @@ def group_tables(tables: Sequence[Any], feats: Sequence[FeatureIds],
     Raises:
         ValueError: a table sharded over several workers outside
             collective mode (naming it).
+        RuntimeError: kernels required by `GROUP_EMBEDDING_KERNELS`
+            (custom, cuda) cannot be had (see `capabilities.current`).
     """
     tables = [_local_table(t) for t in tables]
     runtime = model_parallel.runtime()
-    by_key: Dict[Tuple[int, tf.DType, str], List[int]] = {}
+    by_key: Dict[Tuple[int, tf.DType, TableKind], List[int]] = {}
     for i, t in enumerate(tables):
-        if table_kind(t) == SHARDED and runtime is None:
+        if table_kind(t) == TableKind.SHARDED and runtime is None:
             raise ValueError(
                 f"{names[i]} is sharded over {t.num_shards} workers but "
                 "collective mode is not enabled: call "
                 "ge.enable_distributed_strategy('collective') first.")
         by_key.setdefault(_group_key(t), []).append(i)
+    found = capabilities.current()
     groups = []
     for (_, _, kind), members in by_key.items():
         for s in range(0, len(members), params_num_per_group):
@@ -223,7 +250,9 @@ def group_tables(tables: Sequence[Any], feats: Sequence[FeatureIds],
             groups.append(TableGroup(
                 members=part, tables=g_tables, feats=g_feats, names=g_names,
                 combiners=tuple(combiners[i] for i in part), kind=kind,
-                backend=_backend(kind, g_tables, g_feats, g_names, call)))
+                backend=_backend(kind, g_tables, g_feats, g_names, call,
+                                 found),
+                capabilities=found))
     return groups
 
 
@@ -231,5 +260,6 @@ def describe(groups: Sequence[TableGroup]) -> List[Dict[str, Any]]:
     """The plan as plain values (for `python -m group_embedding`, tests
     and debugging): per group its members, kind and backend."""
     return [{"members": list(g.members), "names": list(g.names),
-             "kind": g.kind, "backend": g.backend} for g in groups]
+             "kind": g.kind.value, "backend": g.backend.value}
+            for g in groups]
 

@@ -13,7 +13,6 @@ from typing import Optional
 
 import tensorflow as tf
 
-from group_embedding import lookup_inputs
 from group_embedding.ops import ragged_ids
 
 # Every feature starts on this many elements (64 bytes of int64), so
@@ -113,8 +112,8 @@ def pack_ids(sp_ids: List, sp_weights: Optional[List] = None,
                   else x for x in sp_ids]
         sp_weights = [tf.sparse.reorder(w) if isinstance(w, tf.SparseTensor)
                       else w for w in sp_weights]
-        feats = lookup_inputs.to_feature_ids(list(sp_ids), list(sp_weights),
-                                             same_batch=True)
+        feats = ragged_ids.to_feature_ids(list(sp_ids), list(sp_weights),
+                                          same_batch=True)
         batch = ragged_ids.batch_size(feats[0])
         counts = [tf.size(f.values, out_type=tf.int64) for f in feats]
         padded = [_round_up(c, _ALIGN) for c in counts]

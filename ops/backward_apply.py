@@ -34,7 +34,7 @@ from typing import Tuple
 
 import tensorflow as tf
 
-from group_embedding.ops import gpu_kernel_library
+from group_embedding.ops import capabilities
 from group_embedding.ops import kernel_library
 from group_embedding.ops import op_names
 from group_embedding.ops.tf_variables import to_tf_variable
@@ -142,8 +142,8 @@ def _on_gpu_kernels(op, variables: Sequence[Any]) -> bool:
         graph = tf.compat.v1.get_default_graph()
         labels = getattr(graph, "_op_to_kernel_label_map", {})
         return labels.get(APPLY_OP) == HOST_LABEL.decode()
-    if not (gpu_kernel_library.gpu_present()
-            and gpu_kernel_library.use_gpu_kernels()):
+    found = capabilities.current()
+    if not (found.gpu and found.use_gpu_kernels()):
         return False
     return all(tf.DeviceSpec.from_string(to_tf_variable(v).device)
                .device_type == "GPU" for v in variables)

@@ -29,6 +29,7 @@ from typing import Tuple
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+from group_embedding.ops import capabilities
 from group_embedding.ops import kernel_library
 from group_embedding.ops import op_names
 from group_embedding.ops.ragged_ids import FeatureIds
@@ -40,19 +41,16 @@ def library():
     None under `GROUP_EMBEDDING_KERNELS=tf`, when the kernels cannot be
     built, or with a kernel library built before these ops existed.
     """
-    lib = kernel_library.load()
-    if lib is None or not hasattr(lib, "group_embedding_collective_route_ids"):
-        return None
-    return lib
+    found = capabilities.current()
+    return found.kernels if found.collective_routing else None
 
 
 def _kernels():
     # Gradients run with whatever library served the forward op.
-    lib = kernel_library.library()
-    if lib is None or not hasattr(lib, "group_embedding_collective_route_ids"):
+    if capabilities.ROUTING_OP not in capabilities.library_ops():
         raise RuntimeError("The collective lookup kernels are not loaded; "
                            f"run `{kernel_library.DIAGNOSE_COMMAND}`.")
-    return lib
+    return kernel_library.library()
 
 
 def route_ids(ids: Sequence[tf.Tensor], vocab_sizes: Sequence[int],

@@ -8,7 +8,8 @@ or on first use, and only where it can run: a TensorFlow built with CUDA
 that sees a GPU. It registers DEVICE_GPU kernels for the fused lookups and
 their gradients, whose ops the C++ CPU library defines (loaded first).
 
-Which lookups use it (`GROUP_EMBEDDING_KERNELS`):
+Which lookups use it (`GROUP_EMBEDDING_KERNELS`, decided once in
+`capabilities.current()`):
 
 * `auto` (default): on a GPU, the GPU kernels when this library loads,
   else the pure-TF path; without a GPU, the C++ CPU kernels;
@@ -26,10 +27,14 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from typing import Any
+from typing import Dict
 from typing import List
+from typing import Optional
 
 import tensorflow as tf
 
+from group_embedding.ops import config
 from group_embedding.ops import kernel_library
 
 CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
@@ -40,7 +45,7 @@ HOST_CORE_SOURCES = ("host_core.cc", "ev_table_host.cc")
 # Compute capabilities of the fat binary (CUDA 13's lowest is 7.5), plus
 # PTX of the last for newer GPUs. GROUP_EMBEDDING_CUDA_ARCHS overrides,
 # e.g. "90" to build for H100 / H200 alone.
-DEFAULT_ARCHS = ("75", "80", "86", "89", "90")
+DEFAULT_ARCHS = config.DEFAULT_CUDA_ARCHS
 _NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden")
 _CXX_FLAGS = ("-O2", "-fPIC", "-w", "-DNDEBUG")
 _PREFIX = "_group_embedding_gpu_ops_"
@@ -49,7 +54,8 @@ _PREFIX = "_group_embedding_gpu_ops_"
 # compute-sanitizer memcheck and racecheck clean; benchmarks/results/gpu/).
 # An edit of ops/cuda/ should be checked there again before it ships.
 GPU_KERNELS_BY_DEFAULT = True
-_state = {"tried": False, "module": None, "error": None, "path": None}
+_state: Dict[str, Any] = {"tried": False, "module": None, "error": None,
+                          "path": None}
 _gpus: List[bool] = []
 
 
@@ -59,7 +65,7 @@ def find_nvcc():
     Looks at `GROUP_EMBEDDING_NVCC`, PyPI's `nvidia-cuda-nvcc` (CUDA 13,
     in this Python's site-packages), the PATH and /usr/local/cuda.
     """
-    explicit = os.environ.get("GROUP_EMBEDDING_NVCC")
+    explicit = config.nvcc()
     if explicit:
         return explicit
     for base in sys.path:
@@ -84,12 +90,8 @@ def _cuda_lib_dir(nvcc):
 
 
 def archs():
-    """The compute capabilities to build for."""
-    explicit = os.environ.get("GROUP_EMBEDDING_CUDA_ARCHS")
-    if explicit:
-        return tuple(a.strip() for a in explicit.replace(";", ",").split(",")
-                     if a.strip())
-    return DEFAULT_ARCHS
+    """The compute capabilities to build for (`config.cuda_archs()`)."""
+    return config.cuda_archs()
 
 
 def _gencode(capabilities):
@@ -255,7 +257,7 @@ def build(verbose=False):
     Raises:
         RuntimeError: no CUDA compiler, or the build failed.
     """
-    folder = kernel_library.cache_dir()
+    folder = config.cache_dir()
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{_PREFIX}tf{tf.__version__}_"
                                 f"{sources_digest()}.so")
@@ -264,7 +266,7 @@ def build(verbose=False):
     return path
 
 
-def library():
+def library() -> Any:
     """The loaded GPU op library, or None (and why: `unavailable_reason`).
 
     Loaded at most once per process, after the C++ CPU library (which
@@ -290,27 +292,9 @@ def library():
     return _state["module"]
 
 
-def unavailable_reason():
+def unavailable_reason() -> Optional[str]:
     """Why the GPU library is not loaded, or None."""
     return _state["error"]
-
-
-def use_gpu_kernels() -> bool:
-    """Whether GPU lookups of plain variables go to the GPU kernels.
-
-    Raises:
-        RuntimeError: `GROUP_EMBEDDING_KERNELS=cuda` but the library
-            cannot be had (with the reason).
-    """
-    mode = kernel_library.kernel_mode()
-    if mode in ("tf", "custom") or (mode == "auto"
-                                    and not GPU_KERNELS_BY_DEFAULT):
-        return False
-    module = library()
-    if module is None and mode == "cuda":
-        raise RuntimeError("GROUP_EMBEDDING_KERNELS=cuda but the GPU "
-                           f"kernels cannot be used: {_state['error']}")
-    return module is not None
 
 
 def status():

@@ -8,8 +8,8 @@ Where the kernel library comes from, first match wins:
    `pip install .`). It is used when its record names the running
    TensorFlow version and the shipped sources, and its size and sha256
    match the record.
-2. The user cache, `GROUP_EMBEDDING_CACHE` or else
-   `$XDG_CACHE_HOME/group_embedding` (`~/.cache/group_embedding`): compiled
+2. The user cache (`config.cache_dir()`: `GROUP_EMBEDDING_CACHE` or else
+   `$XDG_CACHE_HOME/group_embedding`, `~/.cache/group_embedding`): compiled
    there on first use (or by `python -m group_embedding.ops.kernel_library`)
    for a TensorFlow version the package was not built for, for an editable
    install (the repository; `pip install -e .` compiles it at install
@@ -28,7 +28,9 @@ and EmbeddingVariables, which need the kernels, fail.
 
 Set `GROUP_EMBEDDING_KERNELS=tf` to force the pure-TF path, `=custom` to
 require the C++ kernels (an error instead of the fallback), `=cuda` to
-require the GPU kernels on a GPU (see `gpu_kernel_library`).
+require the GPU kernels on a GPU (see `gpu_kernel_library`). Which kernels
+a lookup uses is decided by `capabilities.current()` from that mode and
+`library()`; this module only builds and loads.
 """
 
 import fcntl
@@ -41,13 +43,14 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import Any
+from typing import Dict
+from typing import Optional
 
 import tensorflow as tf
-from tensorflow.python.saved_model import save_context
 
-# "cuda": the GPU kernels of gpu_kernel_library on GPU variables (an
-# error where they cannot be had); the C++ kernels everywhere else.
-KERNEL_MODES = ("auto", "custom", "tf", "cuda")
+from group_embedding.ops import config
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _KERNEL_DIR = os.path.join(_PACKAGE_DIR, "kernels")
 # Every source of the folder goes into the one library (a new kernel file
@@ -66,27 +69,8 @@ _PREFIX = "_group_embedding_ops_"
 # may share one cache without rebuilding each other's library every time.
 _KEEP = 4
 DIAGNOSE_COMMAND = "python -m group_embedding.ops.kernel_library -v"
-_state = {"loaded": False, "module": None, "error": None, "path": None}
-
-
-def kernel_mode():
-    """Returns the kernel mode from `GROUP_EMBEDDING_KERNELS` (auto)."""
-    mode = os.environ.get("GROUP_EMBEDDING_KERNELS", "auto").lower()
-    if mode not in KERNEL_MODES:
-        raise ValueError(
-            f"Invalid `GROUP_EMBEDDING_KERNELS`: {mode!r}, use one of "
-            f"{', '.join(KERNEL_MODES)}.")
-    return mode
-
-
-def cache_dir():
-    """The user-writable folder of libraries compiled on first use."""
-    explicit = os.environ.get("GROUP_EMBEDDING_CACHE")
-    if explicit:
-        return os.path.abspath(os.path.expanduser(explicit))
-    base = (os.environ.get("XDG_CACHE_HOME")
-            or os.path.join(os.path.expanduser("~"), ".cache"))
-    return os.path.join(base, "group_embedding")
+_state: Dict[str, Any] = {"loaded": False, "module": None, "error": None,
+                          "path": None}
 
 
 def sources_digest():
@@ -260,7 +244,7 @@ def _packaged():
 def cache_path():
     """The library's path in the user cache (it may not exist yet)."""
     name = f"{_PREFIX}tf{tf.__version__}_{sources_digest()[:12]}.so"
-    return os.path.join(cache_dir(), name)
+    return os.path.join(config.cache_dir(), name)
 
 
 def _record_of(path):
@@ -364,27 +348,9 @@ def library():
     return _state["module"]
 
 
-def unavailable_reason():
+def unavailable_reason() -> Optional[str]:
     """Why the kernels could not be loaded, or None (loaded / not tried)."""
     return _state["error"]
-
-
-@tf.autograph.experimental.do_not_convert
-def load():
-    """Returns the loaded kernel module, or None for the pure-TF path.
-
-    The mode is read on every call, so tests (and users) can switch paths
-    by setting `GROUP_EMBEDDING_KERNELS` between lookups.
-    """
-    mode = kernel_mode()
-    if mode == "tf" or save_context.in_save_context():
-        # A SavedModel must hold stock ops only (plain TF serves it).
-        return None
-    module = library()
-    if module is None and mode in ("custom", "cuda"):
-        raise RuntimeError(f"GROUP_EMBEDDING_KERNELS={mode} but the C++ "
-                           f"kernels could not be built: {_state['error']}")
-    return module
 
 
 def status():
@@ -394,7 +360,7 @@ def status():
     built_for (TF version of the library), error (or None).
     """
     module = library()
-    info = {"mode": kernel_mode(), "loaded": module is not None,
+    info = {"mode": config.kernel_mode(), "loaded": module is not None,
             "path": _state["path"], "origin": None, "built_for": None,
             "error": _state["error"]}
     if module is not None:

@@ -18,12 +18,12 @@ from typing import List
 
 import tensorflow as tf
 
-from group_embedding.ops import kernel_library
+from group_embedding.ops import capabilities
 from group_embedding.ops import op_names
 
 # The op's registered name; the kernel module exposes it as the snake_case
 # function TF generates from it (`_function_name`).
-OP_NAME = "GroupEmbeddingPeerAllToAll"
+OP_NAME = capabilities.PEER_EXCHANGE_OP
 # Mixed into the forward tag to tag the gradient's exchange.
 _GRADIENT_TAG_MASK = 0x5A5A5A5A
 # Per graph, the last exchange created: the next one runs after it.
@@ -50,10 +50,8 @@ def library():
     None under `GROUP_EMBEDDING_KERNELS=tf`, when the kernels cannot be
     built, or with a kernel library built before the op existed.
     """
-    lib = kernel_library.load()
-    if lib is None or not hasattr(lib, _function_name(OP_NAME)):
-        return None
-    return lib
+    found = capabilities.current()
+    return found.kernels if found.peer_exchange else None
 
 
 def _in_program_order(build: Callable):

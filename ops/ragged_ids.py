@@ -1,5 +1,8 @@
 """SparseTensor / RaggedTensor ids -> the ragged form the fused lookup eats.
 
+`to_feature_ids` checks and converts a lookup's id batches (errors name
+`sp_ids[i]`); `from_packed` unpacks `ge.pack_ids`'s packed ids.
+
 SparseTensor ids may come in any index order with duplicates; they are
 grouped by row with a stable O(nnz) counting sort (one C++ op for all
 features). The pure-TF path keeps each feature's tensors apart (no
@@ -9,12 +12,14 @@ sorts only when some feature's indices are out of row order (tf.data and
 """
 
 import dataclasses
+from typing import Any
 from typing import List
 from typing import Optional
+from typing import Sequence
 
 import tensorflow as tf
 
-from group_embedding.ops import kernel_library
+from group_embedding.ops import capabilities
 from group_embedding.ops import op_names
 
 
@@ -121,10 +126,9 @@ def from_packed(values, row_splits, offsets, batch, weights,
     """The features of ids packed by `ge.pack_ids` (see `PackedIds`).
 
     With the kernels, ONE op hands out views of the packed buffers; the
-    pure-TF path slices them (copies) and checks the layout in one
-    assert.
+    pure-TF path slices them (copies) and checks the layout in one assert.
     """
-    lib = kernel_library.load()
+    lib = capabilities.current().kernels
     if lib is not None:
         ids, splits, ws = lib.group_embedding_unpack_ids(
             values=values, row_splits=row_splits, offsets=offsets,
@@ -200,7 +204,7 @@ def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
         conversion itself verified that all features share one batch
         size (asked by `same_batch`).
     """
-    lib = kernel_library.load()
+    lib = capabilities.current().kernels
     if lib is None:
         return _from_sparse_tf(sp_ids, sp_weights, names, need_positions,
                                same_batch)
@@ -223,6 +227,146 @@ def from_sparse(sp_ids: List[tf.SparseTensor], sp_weights: List,
         feats.append(FeatureIds(v, s, None if w is None else rw,
                                 pos if need_positions else None, max_len, n))
     return feats, same_batch
+
+
+def _check_ids_dtype(ids_dtype: tf.DType, name: str) -> None:
+    if not ids_dtype.is_integer:
+        raise TypeError(f"`{name}` must hold int32 or int64 ids, got "
+                        f"{ids_dtype.name}.")
+
+
+def _check_weights(weights: Any, ids: Any, name: str) -> None:
+    """Checks the kind and dtype of one weight tensor against its ids."""
+    if weights is None:
+        return
+    kind = type(ids).__name__
+    if type(weights) is not type(ids):
+        raise TypeError(f"`{name}` must be a {kind} like its ids, got "
+                        f"{type(weights).__name__}.")
+    if not weights.dtype.is_floating:
+        raise TypeError(f"`{name}` must hold float weights, got "
+                        f"{weights.dtype.name}.")
+
+
+def to_feature_ids(sp_ids: Sequence[Any], sp_weights: Sequence[Any],
+                   need_positions: bool = False,
+                   same_batch: bool = True) -> List[FeatureIds]:
+    """Converts every id feature to `FeatureIds`, checking it on the way.
+
+    SparseTensors (indices in any order, duplicates allowed) are converted
+    together, once per feature; RaggedTensors are used as they are.
+
+    Args:
+        sp_ids: SparseTensor or RaggedTensor ids, one per feature.
+        sp_weights: None or matching float weights, one per feature.
+        need_positions: also compute each id's slot in its row.
+        same_batch: require one batch size for all features (checked
+            statically, else at run time).
+
+    Raises:
+        TypeError: ids not integer, weights not float, unsupported kind.
+        ValueError: SparseTensor of rank != 2, RaggedTensor not 2-D, or
+            batch sizes that differ between features (when static).
+    """
+    feats: List[Optional[FeatureIds]] = [None] * len(sp_ids)
+    sparse_at = []
+    for i, (ids, w) in enumerate(zip(sp_ids, sp_weights)):
+        name = f"sp_ids[{i}]"
+        _check_weights(w, ids, f"sp_weights[{i}]")
+        if isinstance(ids, tf.SparseTensor):
+            _check_ids_dtype(ids.dtype, name)
+            rank = ids.shape.rank
+            if rank is None:
+                rank = tf.compat.dimension_value(ids.indices.shape[1])
+            if rank is not None and rank != 2:
+                raise ValueError(f"`{name}` must be a rank-2 SparseTensor "
+                                 f"[batch, ids per row], got rank {rank}.")
+            sparse_at.append(i)
+        elif isinstance(ids, tf.RaggedTensor):
+            _check_ids_dtype(ids.dtype, name)
+            if ids.ragged_rank != 1 or ids.shape.rank != 2:
+                raise ValueError(f"`{name}` must be a 2-D RaggedTensor "
+                                 f"[batch, None], got shape {ids.shape}.")
+            feats[i] = from_ragged(ids, w, name, need_positions)
+        else:
+            raise TypeError(f"`{name}` must be a SparseTensor or "
+                            f"RaggedTensor, got {type(ids).__name__}.")
+    batch_checked = False
+    if sparse_at:
+        # All SparseTensors: the conversion op can check the batch sizes
+        # (one check instead of a few graph ops per feature).
+        converted, batch_checked = from_sparse(
+            [sp_ids[i] for i in sparse_at],
+            [sp_weights[i] for i in sparse_at],
+            [f"sp_ids[{i}]" for i in sparse_at], need_positions,
+            same_batch=same_batch and len(sparse_at) == len(sp_ids))
+        for i, f in zip(sparse_at, converted):
+            feats[i] = f
+    # Every entry is set: ragged ones above, sparse ones here.
+    converted_all = [f for f in feats if f is not None]
+    if (same_batch and not _check_batch_sizes(sp_ids)
+            and not batch_checked):
+        return _assert_same_batch(converted_all)
+    return converted_all
+
+
+def _static_batch(ids: Any) -> Optional[int]:
+    if isinstance(ids, tf.SparseTensor):
+        value = tf.get_static_value(ids.dense_shape[0])
+    else:
+        value = tf.compat.dimension_value(ids.shape[0])
+    return None if value is None else int(value)
+
+
+def _check_batch_sizes(sp_ids: Sequence[Any]) -> bool:
+    """Rejects statically known batch sizes that differ between features.
+
+    Returns:
+        True if every batch size was known statically (nothing left to
+        check at run time).
+    """
+    first = None
+    all_static = True
+    for i, ids in enumerate(sp_ids):
+        b = _static_batch(ids)
+        if b is None:
+            all_static = False
+            continue
+        if first is None:
+            first = (i, int(b))
+        elif int(b) != first[1]:
+            raise ValueError(
+                f"`sp_ids[{i}]` has batch size {int(b)} but "
+                f"`sp_ids[{first[0]}]` has {first[1]}; all features of one "
+                "lookup must share the batch.")
+    return all_static
+
+
+def _assert_same_batch(feats: List[FeatureIds]) -> List[FeatureIds]:
+    """Makes every feature's ids depend on ONE batch-size check.
+
+    The per-feature asserts that name the feature are built only in the
+    branch taken when the check fails. Every lookup path consumes the ids,
+    so none runs on mismatched batches.
+    """
+    if len(feats) < 2:
+        return feats
+    sizes = [batch_size(f) for f in feats]
+    same = tf.reduce_all(tf.equal(tf.stack(sizes[1:]), sizes[0]))
+
+    def _fail() -> tf.Tensor:
+        checks = [tf.debugging.assert_equal(
+            size, sizes[0],
+            message=f"`{f.name}` has a different batch size than "
+                    f"`{feats[0].name}`.")
+            for f, size in zip(feats[1:], sizes[1:])]
+        with tf.control_dependencies(checks):
+            return tf.constant(False)
+
+    valid = tf.cond(same, lambda: tf.constant(True), _fail)
+    with tf.control_dependencies([valid]):
+        return [dataclasses.replace(f, values=tf.identity(f.values))
+                for f in feats]
 
 
 def _register_gradient():

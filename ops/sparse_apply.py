@@ -6,8 +6,7 @@ with the densified gradient.
 
 import tensorflow as tf
 
-from group_embedding.ops import gpu_kernel_library
-from group_embedding.ops import kernel_library
+from group_embedding.ops import capabilities
 from group_embedding.ops.tf_variables import to_tf_variable
 
 # Ops that keep a 1-D index tensor duplicate-free.
@@ -73,9 +72,10 @@ def checked_indices(indices, variable):
 def has_fused_adagrad(variable) -> bool:
     """True if `adagrad` runs the C++ update on `variable`: kernels
     built, float32, CPU only (the op has no GPU kernel)."""
-    return (kernel_library.load() is not None
+    found = capabilities.current()
+    return (found.kernels is not None
             and to_tf_variable(variable).dtype == tf.float32
-            and not gpu_kernel_library.gpu_present())
+            and not found.gpu)
 
 
 def adagrad(variable, accum, lr, epsilon, indices, values):
@@ -93,7 +93,8 @@ def adagrad(variable, accum, lr, epsilon, indices, values):
     """
     var, acc = to_tf_variable(variable), to_tf_variable(accum)
     if has_fused_adagrad(var):
-        return kernel_library.load().group_embedding_sparse_apply_adagrad(
+        lib = capabilities.current().kernels
+        return lib.group_embedding_sparse_apply_adagrad(
             var=var.handle, accum=acc.handle, lr=tf.cast(lr, tf.float32),
             epsilon=tf.constant(epsilon, tf.float32),
             indices=tf.cast(indices, tf.int64),

@@ -39,7 +39,6 @@ from group_embedding.lookup_plan import LookupCall
 from group_embedding.lookup_plan import TableGroup
 from group_embedding.ops import collective_routing
 from group_embedding.ops import ev_storage
-from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import lookup_tf
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
@@ -54,6 +53,9 @@ def _alltoall(hvd, data, splits, name, expected=None, derived=0):
     peer transport refuses another count; Horovod negotiates them).
     `derived`: bytes this worker allocates later per row received,
     counted against the transport's byte cap."""
+    # The transport was chosen once, by `transport.connect` when collective
+    # mode was enabled (GROUP_EMBEDDING_TRANSPORT and whether the kernels
+    # hold the exchange op); this reads that choice.
     if transport.active():
         return transport.tracked(
             hvd, lambda x: transport.alltoall(
@@ -199,7 +201,7 @@ def _owner_rows_sharded(tables, parts, counts, names, training):
         [ragged_ids.from_ragged(ragged_ids.one_id_rows(p), None, n)
          for p, n in zip(parts, names)],
         ["sum"] * len(tables), [f"{n} (local shard)" for n in names],
-        LookupCall(mode=lookup_plan.POOLED))
+        LookupCall(mode=lookup_plan.Mode.POOLED))
 
 
 def _owner_rows_ev(tables, parts, counts, names, training):
@@ -281,14 +283,15 @@ def exchange_rows(tables, feats: List[FeatureIds], names,
     return tf.gather(unique_rows, tf.concat(slots, 0))
 
 
-def is_kernel_path(tables, max_norm) -> bool:
-    """Whether the C++ routing kernels serve this group."""
-    if max_norm is not None or collective_routing.library() is None:
-        return False
-    if gpu_kernel_library.gpu_present():
+def is_kernel_path(group: TableGroup, max_norm) -> bool:
+    """Whether the C++ routing kernels serve this planned group: the
+    plan's capability snapshot has them (loaded, with the routing ops) and
+    no GPU, there is no `max_norm`, and the tables are sharded float32."""
+    found = group.capabilities
+    if max_norm is not None or not found.collective_routing or found.gpu:
         return False
     return all(isinstance(t, ShardedVariable)
-               and tf.as_dtype(t.dtype) == tf.float32 for t in tables)
+               and tf.as_dtype(t.dtype) == tf.float32 for t in group.tables)
 
 
 # Id exchanges done ahead of their lookup (`ge.distributed.exchange_ids`),
@@ -397,7 +400,7 @@ def pooled_lookup(group: TableGroup, call: LookupCall) -> List[tf.Tensor]:
     """Model-parallel `[B, D]` pooled lookups of one planned group."""
     tables, feats, names = list(group.tables), list(group.feats), group.names
     check_partition(tables, call.partition_strategy, names)
-    if is_kernel_path(tables, call.max_norm):
+    if is_kernel_path(group, call.max_norm):
         return kernel_pooled_lookup(tables, feats, group.combiners, names)
     rows = exchange_rows(tables, feats, names, call.training)
     if call.max_norm is not None:

@@ -48,6 +48,7 @@ from group_embedding import lookup_plan
 from group_embedding.distributed import collective_lookup
 from group_embedding.distributed import strategy as distributed_strategy
 from group_embedding.lookup_plan import LookupCall
+from group_embedding.ops import ragged_ids
 
 
 @tf.autograph.experimental.do_not_convert
@@ -77,22 +78,21 @@ def exchange_ids(params, sp_ids, partition_strategy="mod",
         return {}
     params = list(params)
     sp_ids = list(sp_ids)
-    tables = [lookup_inputs.unwrap_table(p, i) for i, p in enumerate(params)]
-    names = [lookup_inputs.table_name(t, i) for i, t in enumerate(tables)]
+    tables, names = lookup_inputs.prepare_tables(params)
     out: Dict[str, Any] = {}
     with tf.name_scope("ge_exchange_ids"):
-        feats = lookup_inputs.to_feature_ids(sp_ids, [None] * len(sp_ids))
+        feats = ragged_ids.to_feature_ids(sp_ids, [None] * len(sp_ids))
         # The lookup's own plan: the same groups, the same keys.
-        call = LookupCall(mode=lookup_plan.POOLED,
+        call = LookupCall(mode=lookup_plan.Mode.POOLED,
                           partition_strategy=partition_strategy)
         for g in lookup_plan.group_tables(tables, feats, names,
                                           ["sum"] * len(tables), call,
                                           params_num_per_group):
             # Only the C++ path takes exchanged ids (max_norm is checked
             # again by the lookup, which then ignores this entry).
-            if (g.kind != lookup_plan.SHARDED
-                    or g.backend != lookup_plan.COLLECTIVE
-                    or not collective_lookup.is_kernel_path(g.tables, None)):
+            if (g.kind != lookup_plan.TableKind.SHARDED
+                    or g.backend != lookup_plan.Backend.COLLECTIVE
+                    or not collective_lookup.is_kernel_path(g, None)):
                 continue
             collective_lookup.check_partition(g.tables, partition_strategy,
                                               g.names)

@@ -72,16 +72,16 @@ from typing import Sequence
 import tensorflow as tf
 
 from group_embedding.distributed import peer_auth
+from group_embedding.ops import capabilities
+from group_embedding.ops import config
 from group_embedding.ops import kernel_library
 from group_embedding.ops import peer_exchange
 
-TRANSPORTS = ("auto", "sockets", "horovod")
-SAME_HOST_LINKS = ("shm", "unix", "tcp")
 # Bytes of each of the four shared buffers of a pair of workers (two each
 # way, see peer_exchange_ops.cc); pages are only backed once written.
 # Larger blocks go on the socket. GROUP_EMBEDDING_TRANSPORT_SHM_BYTES
 # overrides it (tests use a tiny one to mix both paths in one exchange).
-SHM_BUFFER_BYTES = 64 << 20
+SHM_BUFFER_BYTES = config.DEFAULT_SHM_BYTES
 # Seals of a shared region: its size can never change (a peer that shrank
 # it would make the next copy fault with SIGBUS).
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -99,40 +99,18 @@ _MAX_PENDING_PER_ORIGIN = 4
 # Dropped connections reported per origin (warnings,
 # `dropped_connections`); the rest are only counted.
 _MAX_DROP_MESSAGES = 200
-MAX_BYTES_PER_PEER = 4 << 30
+MAX_BYTES_PER_PEER = config.DEFAULT_MAX_BYTES_PER_PEER
 _log = logging.getLogger(__name__)
 _state: Dict[str, Any] = {
     "fds": None, "sockets": [], "links": [], "rank": 0, "size": 1,
     "timeout": 600.0, "shm": None, "max_bytes": MAX_BYTES_PER_PEER}
 
 
-def transport_mode() -> str:
-    """`GROUP_EMBEDDING_TRANSPORT`, checked (default "auto")."""
-    mode = os.environ.get("GROUP_EMBEDDING_TRANSPORT", "auto").lower()
-    if mode not in TRANSPORTS:
-        raise ValueError(
-            f"Invalid `GROUP_EMBEDDING_TRANSPORT`: {mode!r}, use one of "
-            f"{', '.join(TRANSPORTS)}.")
-    return mode
-
-
 def expects_sockets() -> bool:
     """Whether `connect` will use the peer sockets (with more than one
     worker): known before Horovod starts."""
-    return (transport_mode() != "horovod"
-            and peer_exchange.library() is not None)
-
-
-def same_host_link() -> str:
-    """`GROUP_EMBEDDING_TRANSPORT_SAME_HOST`, checked (default "shm"):
-    how workers on one host connect."""
-    link = os.environ.get("GROUP_EMBEDDING_TRANSPORT_SAME_HOST",
-                          "shm").lower()
-    if link not in SAME_HOST_LINKS:
-        raise ValueError(
-            f"Invalid `GROUP_EMBEDDING_TRANSPORT_SAME_HOST`: {link!r}, use "
-            f"one of {', '.join(SAME_HOST_LINKS)}.")
-    return link
+    return (config.transport() != config.Transport.HOROVOD
+            and capabilities.current().peer_exchange)
 
 
 def _host_identity() -> Optional[str]:
@@ -151,7 +129,8 @@ def _host_identity() -> Optional[str]:
 def _open_unix_listener():
     """This worker's Unix listener, or None where there is none to be had
     (then its peers connect over TCP)."""
-    if same_host_link() == "tcp" or _host_identity() is None:
+    if (config.same_host_link() == config.SameHostLink.TCP
+            or _host_identity() is None):
         return None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -480,11 +459,7 @@ def _share_memory(peers, rank: int) -> List[List[int]]:
     bytes per buffer). The descriptors stay open for the life of the
     process (the op maps them)."""
     rows = [[-1, 0] for _ in peers]
-    cap = int(os.environ.get("GROUP_EMBEDDING_TRANSPORT_SHM_BYTES",
-                             SHM_BUFFER_BYTES))
-    if cap < 1:
-        raise ValueError("GROUP_EMBEDDING_TRANSPORT_SHM_BYTES must be >= 1, "
-                         f"got {cap}.")
+    cap = config.transport_shm_bytes()
     # Lower ranks send first and receive after: no two workers wait on
     # each other.
     order = ([j for j in range(rank + 1, len(peers))]
@@ -513,7 +488,7 @@ def _share_memory(peers, rank: int) -> List[List[int]]:
 
 
 def _own_host() -> str:
-    explicit = os.environ.get("GROUP_EMBEDDING_TRANSPORT_HOST")
+    explicit = config.transport_host()
     if explicit:
         return explicit
     name = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
@@ -540,20 +515,6 @@ def share_keys(hvd) -> peer_auth.JobKeys:
         hvd.broadcast_object, tuple(peer_auth.draw_keys())))
 
 
-def _max_bytes() -> int:
-    raw = os.environ.get("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES")
-    if raw is None:
-        return MAX_BYTES_PER_PEER
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 1:
-        raise ValueError(f"Invalid GROUP_EMBEDDING_TRANSPORT_MAX_BYTES: "
-                         f"{raw!r}, use a number of bytes >= 1.")
-    return value
-
-
 def connect(hvd, timeout: float,
             keys: Optional[peer_auth.JobKeys] = None) -> bool:
     """Shares the job secret (see peer_auth.py) and opens this worker's
@@ -578,9 +539,9 @@ def connect(hvd, timeout: float,
             are not loaded, a peer cannot be reached, or the process at a
             peer's address does not hold the job secret.
     """
-    mode = transport_mode()
-    same_host_link()  # a bad value fails here, before any collective
-    _state["max_bytes"] = _max_bytes()
+    mode = config.transport()
+    config.same_host_link()  # a bad value fails here, before any collective
+    _state["max_bytes"] = config.transport_max_bytes()
     _state["rank"], _state["size"] = hvd.rank(), hvd.size()
     # A backstop behind the collective watchdog, which stops every worker
     # and names the stuck one: it must fire first.
@@ -589,10 +550,10 @@ def connect(hvd, timeout: float,
         return False
     # Shared whatever the transport: the watchdog signs its records too.
     _state["keys"] = keys = keys or share_keys(hvd)
-    if mode == "horovod":
+    if mode == config.Transport.HOROVOD:
         return False
-    if peer_exchange.library() is None:
-        if mode == "sockets":
+    if not capabilities.current().peer_exchange:
+        if mode == config.Transport.SOCKETS:
             raise RuntimeError(
                 "GROUP_EMBEDDING_TRANSPORT=sockets needs the C++ kernels; "
                 f"run `{kernel_library.DIAGNOSE_COMMAND}`.")
@@ -642,7 +603,7 @@ def connect(hvd, timeout: float,
             # finish connecting, which may take longer than a handshake.
             peer.settimeout(SETUP_SECONDS)
     shm = [[-1, 0] for _ in peers]
-    if same_host_link() == "shm":
+    if config.same_host_link() == config.SameHostLink.SHM:
         try:
             shm = _share_memory(peers, rank)
         except (OSError, ValueError) as e:

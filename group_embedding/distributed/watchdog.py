@@ -70,9 +70,10 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import gen_array_ops
 
 from group_embedding.distributed import peer_auth
+from group_embedding.ops import config
 
-ENV_TIMEOUT = "GROUP_EMBEDDING_COLLECTIVE_TIMEOUT"
-DEFAULT_TIMEOUT_SECONDS = 300.0
+ENV_TIMEOUT = config.COLLECTIVE_TIMEOUT
+DEFAULT_TIMEOUT_SECONDS = config.DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
 # Exit status of a worker stopped by the timeout (as coreutils `timeout`).
 EXIT_CODE = 124
 # Our keys on horovodrun's rendezvous server; Horovod's own scopes are
@@ -106,18 +107,7 @@ def resolve_timeout(collective_timeout: Optional[float]) -> float:
         TypeError: `collective_timeout` is not a number.
     """
     if collective_timeout is None:
-        raw = os.environ.get(ENV_TIMEOUT)
-        if raw is None or not raw.strip():
-            return DEFAULT_TIMEOUT_SECONDS
-        try:
-            value = float(raw)
-        except ValueError:
-            value = float("nan")
-        if not value >= 0 or math.isinf(value):
-            raise ValueError(
-                f"Invalid {ENV_TIMEOUT}: {raw!r}, use seconds >= 0 (0 "
-                f"disables the collective timeout).")
-        return value
+        return config.collective_timeout()
     if isinstance(collective_timeout, bool) or not isinstance(
             collective_timeout, (int, float)):
         raise TypeError(f"`collective_timeout` must be a number of seconds, "

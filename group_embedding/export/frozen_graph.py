@@ -20,13 +20,13 @@ import tensorflow as tf
 from group_embedding.embedding_variable.variable import EmbeddingVariable
 from group_embedding.embedding_variable.variable import is_embedding_variable
 from group_embedding.export import ev_snapshot
+from group_embedding.ops import config
 from group_embedding.ops import kernel_library
 from group_embedding.ops import op_names
 
 _v1 = tf.compat.v1
 DEFAULT_SIGNATURE = "serving_default"
 EV_GATHER_OPS = op_names.with_alias("GroupEmbeddingEVGather")
-_KERNELS_ENV = "GROUP_EMBEDDING_KERNELS"
 
 
 @contextlib.contextmanager
@@ -35,15 +35,8 @@ def pure_tf_lookups():
     then come from `GroupEmbeddingEVGather`, which `replace_ev_gathers`
     replaces, and plain tables from stock gathers instead of the C++
     fused op."""
-    previous = os.environ.get(_KERNELS_ENV)
-    os.environ[_KERNELS_ENV] = "tf"
-    try:
+    with config.kernel_mode_set(config.KernelMode.TF):
         yield
-    finally:
-        if previous is None:
-            del os.environ[_KERNELS_ENV]
-        else:
-            os.environ[_KERNELS_ENV] = previous
 
 
 def is_library_op(op_type: str) -> bool:

@@ -21,6 +21,7 @@ import tensorflow as tf
 from group_embedding.distributed import horovod_settings
 from group_embedding.distributed import peer_auth
 from group_embedding.distributed import transport
+from group_embedding.ops import config
 from group_embedding.ops import kernel_library
 from group_embedding.ops import peer_exchange
 
@@ -71,9 +72,9 @@ def test_same_host_link_setting_is_checked(monkeypatch):
     monkeypatch.setenv("GROUP_EMBEDDING_TRANSPORT_SAME_HOST", "rdma")
     with pytest.raises(ValueError, match="GROUP_EMBEDDING_TRANSPORT_SAME"
                                          "_HOST.*'rdma'.*shm, unix, tcp"):
-        transport.same_host_link()
+        config.same_host_link()
     monkeypatch.setenv("GROUP_EMBEDDING_TRANSPORT_SAME_HOST", "TCP")
-    assert transport.same_host_link() == "tcp"
+    assert config.same_host_link() == "tcp"
 
 
 def test_unreachable_unix_socket_falls_back_to_tcp():
@@ -576,14 +577,14 @@ def test_byte_cap_bounds_the_rows_an_ids_message_turns_into():
 
 def test_max_bytes_setting_is_checked(monkeypatch):
     monkeypatch.delenv("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES", raising=False)
-    assert transport._max_bytes() == 4 << 30
+    assert config.transport_max_bytes() == 4 << 30
     monkeypatch.setenv("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES", "1024")
-    assert transport._max_bytes() == 1024
+    assert config.transport_max_bytes() == 1024
     for bad in ("0", "-5", "4GiB"):
         monkeypatch.setenv("GROUP_EMBEDDING_TRANSPORT_MAX_BYTES", bad)
         with pytest.raises(ValueError, match="Invalid GROUP_EMBEDDING_"
                                              "TRANSPORT_MAX_BYTES"):
-            transport._max_bytes()
+            config.transport_max_bytes()
 
 
 def test_listener_binds_only_the_told_address(monkeypatch):

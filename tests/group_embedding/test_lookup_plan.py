@@ -13,6 +13,7 @@ from group_embedding import lookup_plan
 from group_embedding import model_parallel
 from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.lookup_plan import LookupCall
+from group_embedding.lookup_plan import Mode
 from group_embedding.ops import lookup_kernels
 from group_embedding.ops.ragged_ids import FeatureIds
 
@@ -28,7 +29,7 @@ def _feats(n, weighted=False):
             for i in range(n)]
 
 
-def _plan(tables, mode=lookup_plan.POOLED, max_norm=None, weighted=False,
+def _plan(tables, mode=Mode.POOLED, max_norm=None, weighted=False,
           per_group=100):
     n = len(tables)
     return lookup_plan.group_tables(
@@ -96,7 +97,7 @@ def test_backend_follows_the_kernel_mode_and_arguments(monkeypatch,
     assert _plan([table], max_norm=tf.constant(1.0))[0].backend == "tf_ops"
     assert _plan([ev])[0].backend == "cpu_kernels"
     assert _plan([ev], max_norm=1.0)[0].backend == "tf_ops"
-    assert _plan([ev], mode=lookup_plan.SEQUENCE,
+    assert _plan([ev], mode=Mode.SEQUENCE,
                  weighted=True)[0].backend == "tf_ops"
     assert lookup_kernels.kernel_max_norm(-1.0) is None
 

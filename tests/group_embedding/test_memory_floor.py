@@ -224,11 +224,12 @@ def test_checks_catch_a_gather_before_pooling(check, monkeypatch):
     # Both checks must see the [nnz, D] rows of a gather placed before
     # pooling, else they prove nothing about the fused path.
     from group_embedding import lookup
-    from group_embedding import lookup_plan
-    for backend in (lookup_plan.CPU_KERNELS, lookup_plan.TF_OPS):
+    from group_embedding.lookup_plan import Backend
+    from group_embedding.lookup_plan import Mode
+    from group_embedding.lookup_plan import TableKind
+    for backend in (Backend.CPU_KERNELS, Backend.TF_OPS):
         monkeypatch.setitem(
-            lookup._DISPATCH,
-            (lookup_plan.VARIABLE, backend, lookup_plan.POOLED),
+            lookup._DISPATCH, (TableKind.VARIABLE, backend, Mode.POOLED),
             lambda g, c: _gather_then_pool(g.tables, g.feats, g.combiners,
                                            g.names))
     offenders, _ = check("pooled")

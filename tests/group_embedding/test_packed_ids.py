@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
-from group_embedding.ops import kernel_library
+from group_embedding.ops import capabilities
 
 from testing import assert_close
 from testing import random_case
@@ -262,7 +262,7 @@ def _address(t):
     return t._numpy().__array_interface__["data"][0]  # noqa: SLF001
 
 
-@pytest.mark.skipif(kernel_library.load() is None, reason="no kernels")
+@pytest.mark.skipif(capabilities.current().kernels is None, reason="no kernels")
 def test_kernel_views_packed_buffers():
     """Aligned features come out of GroupEmbeddingUnpackIds as views of the
     packed
@@ -270,7 +270,8 @@ def test_kernel_views_packed_buffers():
     ids = [tf.ragged.constant([[1, 2, 3], [4]], tf.int64),
            tf.ragged.constant([[5], [6, 7]], tf.int64)]
     p = ge.pack_ids(ids)
-    out_ids, out_splits, _ = kernel_library.load().group_embedding_unpack_ids(
+    lib = capabilities.current().kernels
+    out_ids, out_splits, _ = lib.group_embedding_unpack_ids(
         values=p.values, row_splits=p.row_splits, offsets=p.offsets,
         batch=p.batch, weights=p.weights, num_features=2)
     assert [x.numpy().tolist() for x in out_ids] == [[1, 2, 3, 4],

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
-from group_embedding.ops import kernel_library
+from group_embedding.ops import capabilities
 
 V1 = tf.compat.v1
 VOCAB, DIM = 40, 4
@@ -64,7 +64,7 @@ def test_matches_stock_v1_adagrad(loss_name):
     np.testing.assert_allclose(acc, want_acc, rtol=1e-6)
     np.testing.assert_allclose(rows, want_rows, rtol=1e-5, atol=1e-6)
     assert "ResourceSparseApplyAdagrad" in stock_types
-    if kernel_library.load() is not None:
+    if capabilities.current().kernels is not None:
         # The fused update ran, not stock's.
         assert "GroupEmbeddingSparseApplyAdagrad" in types
         assert "ResourceSparseApplyAdagrad" not in types

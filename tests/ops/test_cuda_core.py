@@ -26,6 +26,7 @@ import pytest
 import tensorflow as tf
 
 from group_embedding.lookup import group_embedding_lookup_sparse
+from group_embedding.ops import capabilities
 from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops import kernel_library
 
@@ -630,6 +631,8 @@ def _pretend_gpu(patch):
     "loads"), so that it builds what it builds there; the kernel label
     of `_step_function` runs those ops on the host stand-in."""
     patch.setattr(gpu_kernel_library, "_gpus", [True])
+    # Snapshots made with the real devices are set aside meanwhile.
+    patch.setattr(capabilities, "_snapshots", {})
     patch.setattr(gpu_kernel_library, "_state", dict(
         gpu_kernel_library._state, tried=True, module=object(), error=None))
 

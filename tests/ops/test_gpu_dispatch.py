@@ -10,6 +10,9 @@ import tensorflow as tf
 from group_embedding import lookup
 from group_embedding import lookup_plan
 from group_embedding.lookup import group_embedding_lookup_sparse
+from group_embedding.lookup_plan import Backend
+from group_embedding.lookup_plan import Mode
+from group_embedding.ops import capabilities
 from group_embedding.ops import gpu_kernel_library
 from group_embedding.ops.ragged_ids import FeatureIds
 from group_embedding.packed_ids import pack_ids
@@ -19,6 +22,8 @@ from group_embedding.packed_ids import pack_ids
 def fake_gpu(monkeypatch):
     """TF "sees" a GPU; the GPU library "loads" unless told otherwise."""
     monkeypatch.setattr(gpu_kernel_library, "_gpus", [True])
+    # Snapshots made with the real devices are set aside for the test.
+    monkeypatch.setattr(capabilities, "_snapshots", {})
     state = dict(gpu_kernel_library._state, tried=True, module=object(),
                  error=None)
     monkeypatch.setattr(gpu_kernel_library, "_state", state)
@@ -56,8 +61,8 @@ def test_gpu_kernels_by_default_for_plain_groups(fake_gpu, monkeypatch):
     assert not _uses_kernel(max_norm=-1.0)
 
 
-@pytest.mark.parametrize("mode", [lookup_plan.POOLED, lookup_plan.CONCAT,
-                                  lookup_plan.SEQUENCE])
+@pytest.mark.parametrize("mode", [Mode.POOLED, Mode.CONCAT,
+                                  Mode.SEQUENCE])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("max_norm", [None, 0.5])
 def test_every_variant_of_float32_groups_plans_the_gpu_kernels(
@@ -65,7 +70,7 @@ def test_every_variant_of_float32_groups_plans_the_gpu_kernels(
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
     tables = [tf.Variable(tf.zeros([5, 4])) for _ in range(2)]
     groups = _plan(tables, mode, weighted, max_norm)
-    assert [g.backend for g in groups] == [lookup_plan.GPU_KERNELS]
+    assert [g.backend for g in groups] == [Backend.GPU_KERNELS]
     assert not [w for w in recwarn if "pure-TF" in str(w.message)]
 
 
@@ -79,15 +84,15 @@ def test_other_dtypes_run_pure_tf_with_one_warning_naming_the_group(
     with pytest.warns(RuntimeWarning,
                       match=r"tables t0, t1 runs the pure-TF path on the "
                             r"GPU.*float32 tables, got float16") as caught:
-        groups = _plan(tables, lookup_plan.POOLED)
+        groups = _plan(tables, Mode.POOLED)
     assert [(g.names, g.backend) for g in groups] == [
-        (("t0", "t1"), lookup_plan.TF_OPS),
-        (("t2",), lookup_plan.GPU_KERNELS)]
+        (("t0", "t1"), Backend.TF_OPS),
+        (("t2",), Backend.GPU_KERNELS)]
     assert len([w for w in caught if "pure-TF" in str(w.message)]) == 1
     # Once per group: planning it again warns no more.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _plan(tables, lookup_plan.POOLED)
+        _plan(tables, Mode.POOLED)
 
 
 def test_packed_ids_plan_the_gpu_kernels(fake_gpu, monkeypatch):
@@ -108,7 +113,7 @@ def test_packed_ids_plan_the_gpu_kernels(fake_gpu, monkeypatch):
     monkeypatch.setattr(lookup, "run_group", lambda g, c: [
         tf.zeros([2, 4])] * len(g.members))
     group_embedding_lookup_sparse(tables, packed, ["sum", "mean"])
-    assert [g.backend for g in planned] == [lookup_plan.GPU_KERNELS]
+    assert [g.backend for g in planned] == [Backend.GPU_KERNELS]
 
 
 @pytest.mark.parametrize("mode", ["tf", "custom"])
@@ -130,6 +135,7 @@ def test_without_the_library_auto_falls_back_and_cuda_says_why(
 
 def test_without_gpu_the_cpu_kernels_serve_every_group(monkeypatch):
     monkeypatch.setattr(gpu_kernel_library, "_gpus", [False])
+    monkeypatch.setattr(capabilities, "_snapshots", {})
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "auto")
     assert _uses_kernel()
     assert _uses_kernel(max_norm=1.0)

@@ -15,6 +15,7 @@ import sys
 
 import tensorflow as tf
 
+from group_embedding.ops import config
 from group_embedding.ops import kernel_library
 
 _LOOKUP = r"""
@@ -84,7 +85,7 @@ def test_cache_is_outside_the_package(monkeypatch, tmp_path):
     assert kernel_library.cache_path().startswith(str(tmp_path / "c") + "/")
     monkeypatch.delenv("GROUP_EMBEDDING_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert kernel_library.cache_dir() == str(tmp_path / "xdg"
+    assert config.cache_dir() == str(tmp_path / "xdg"
                                              / "group_embedding")
     package = os.path.dirname(kernel_library.__file__)
     assert not kernel_library.cache_path().startswith(package)

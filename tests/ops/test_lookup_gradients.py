@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import group_embedding as ge
+from group_embedding.ops import capabilities
 from group_embedding.ops import kernel_library
 
 from testing import assert_close
@@ -25,7 +26,7 @@ WEIGHT_GRAD_OPS = ("GroupEmbeddingWeightGradFromSnapshots",
 @pytest.fixture(autouse=True)
 def _custom_kernels(monkeypatch):
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "custom")
-    assert kernel_library.load() is not None, \
+    assert capabilities.current().kernels is not None, \
         kernel_library.unavailable_reason()
 
 

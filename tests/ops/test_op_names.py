@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.python.framework import kernels
 from tensorflow.python.framework import op_def_registry
 
+from group_embedding.ops import capabilities
 from group_embedding.ops import kernel_library
 from group_embedding.ops import op_names
 
@@ -21,7 +22,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 @pytest.fixture(name="lib", scope="module")
 def _lib():
-    lib = kernel_library.load()
+    lib = capabilities.current().kernels
     if lib is None:
         pytest.skip(f"no kernels: {kernel_library.unavailable_reason()}")
     return lib

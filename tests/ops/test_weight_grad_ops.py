@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from group_embedding.ops import capabilities
 from group_embedding.ops import kernel_library
 
 
 @pytest.fixture(name="lib")
 def _lib(monkeypatch):
     monkeypatch.setenv("GROUP_EMBEDDING_KERNELS", "custom")
-    lib = kernel_library.load()
+    lib = capabilities.current().kernels
     assert lib is not None, kernel_library.unavailable_reason()
     return lib
 

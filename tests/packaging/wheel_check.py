@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 import group_embedding as ge
+from group_embedding.ops import config
 from group_embedding.ops import kernel_library
 
 DIM = 4
@@ -30,7 +31,7 @@ def stock_pooled(table, rows):
 def main(site):
     assert os.path.realpath(ge.__file__).startswith(os.path.realpath(site)), \
         ge.__file__
-    assert kernel_library.kernel_mode() == "custom"  # no silent fallback
+    assert config.kernel_mode() == "custom"  # no silent fallback
     ev = ge.get_embedding_variable(
         "user", DIM, initializer=keras.initializers.RandomUniform(
             -1.0, 1.0, seed=0),

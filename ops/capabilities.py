@@ -1,0 +1,186 @@
+"""What this process can run, decided once: a frozen `Capabilities`.
+
+Whether the C++ kernels are loaded, whether TF sees a GPU, whether the GPU
+kernels are loaded and which ops they have kernels for, whether a
+SavedModel is being saved, which op families a (possibly older, cached)
+kernel library holds: each is asked here, once per process and per
+(kernel mode, save context), and the answer is carried as a value. The
+lookup plan (`group_embedding/lookup_plan.py`) reads it to pick each
+group's backend; the id conversion, the sparse updates and the collective
+layer read the same snapshot instead of probing again.
+
+`current()` keys the snapshot on `GROUP_EMBEDDING_KERNELS` (read through
+`config`, which tests and users switch between lookups) and on whether a
+SavedModel save is in progress (a SavedModel holds stock ops only, so
+inside a save the kernels count as absent). Everything else is a fact of
+the process: the libraries load at most once, and the GPU is probed once.
+
+Why in `ops/` (installed as `group_embedding.ops`): the snapshot is built
+from the kernel libraries of `ops/` and read by `ops/` itself, by the
+lookup core and by `group_embedding/distributed/`; the lowest layer is the
+one all of them may import without a cycle.
+
+New backends add their question here (see `gpu_ev_ops`): a field filled
+in `_probe` and read where the plan decides.
+"""
+
+import dataclasses
+from typing import Any
+from typing import Dict
+from typing import FrozenSet
+from typing import List
+from typing import Optional
+from typing import Set
+from typing import Tuple
+
+from tensorflow.python.framework import kernels as tf_kernels
+from tensorflow.python.saved_model import save_context
+
+from group_embedding.ops import config
+from group_embedding.ops import gpu_kernel_library
+from group_embedding.ops import kernel_library
+from group_embedding.ops import op_names
+from group_embedding.ops.config import KernelMode
+
+# Ops whose presence marks an op family; a kernel library compiled before
+# the family existed (an old cached build) lacks them.
+ROUTING_OP = "GroupEmbeddingCollectiveRouteIds"
+PEER_EXCHANGE_OP = "GroupEmbeddingPeerAllToAll"
+# The GPU EmbeddingVariable's lookup: its GPU kernel marks GPU EV support.
+GPU_EV_OP = "GroupEmbeddingEVLookup"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """One frozen answer to "what can run here".
+
+    Attributes:
+        mode: the `GROUP_EMBEDDING_KERNELS` mode it was made for.
+        in_save: made inside a SavedModel save (kernels count as absent).
+        kernels: the C++ kernel module that new ops are built with, or None
+            for the pure-TF path (mode `tf`, inside a save, or the library
+            could not be built).
+        gpu: TF sees a GPU (logical devices: a hidden one does not count).
+        gpu_kernels: the GPU kernel module, or None: no GPU, a mode that
+            does not use them (`tf`, `custom`), or it could not be loaded.
+        gpu_kernels_error: why a GPU that the mode would use has no GPU
+            kernels, or None.
+        kernel_ops: the library's op names that have a CPU kernel (empty
+            without `kernels`).
+        gpu_ops: the library's op names that have a GPU kernel (empty
+            without `gpu_kernels`).
+    """
+
+    mode: KernelMode
+    in_save: bool
+    kernels: Any
+    gpu: bool
+    gpu_kernels: Any
+    gpu_kernels_error: Optional[str]
+    kernel_ops: FrozenSet[str]
+    gpu_ops: FrozenSet[str]
+
+    @property
+    def collective_routing(self) -> bool:
+        """The kernels hold the collective routing ops
+        (`ops/collective_routing.py`)."""
+        return ROUTING_OP in self.kernel_ops
+
+    @property
+    def peer_exchange(self) -> bool:
+        """The kernels hold the peer transport's exchange op
+        (`ops/peer_exchange.py`)."""
+        return PEER_EXCHANGE_OP in self.kernel_ops
+
+    @property
+    def gpu_ev_ops(self) -> bool:
+        """The GPU kernels serve EmbeddingVariable lookups (for a GPU EV
+        backend, `StorageType.HBM`)."""
+        return GPU_EV_OP in self.gpu_ops
+
+    def use_gpu_kernels(self) -> bool:
+        """Whether GPU lookups of plain variables go to the GPU kernels.
+
+        Raises:
+            RuntimeError: `GROUP_EMBEDDING_KERNELS=cuda` on a GPU but the
+                GPU kernels cannot be had (with the reason).
+        """
+        if (self.mode == KernelMode.CUDA and self.gpu
+                and self.gpu_kernels is None):
+            raise RuntimeError("GROUP_EMBEDDING_KERNELS=cuda but the GPU "
+                               "kernels cannot be used: "
+                               f"{self.gpu_kernels_error}")
+        return self.gpu_kernels is not None
+
+
+_snapshots: Dict[Tuple[KernelMode, bool], Capabilities] = {}
+_library_ops: List[FrozenSet[str]] = []
+
+
+def current() -> Capabilities:
+    """The snapshot for the current kernel mode and save context.
+
+    Made on first use for that pair, then reused.
+
+    Raises:
+        ValueError: an invalid `GROUP_EMBEDDING_KERNELS`.
+        RuntimeError: `GROUP_EMBEDDING_KERNELS` is `custom` or `cuda` but
+            the C++ kernels could not be built (outside a save; nothing is
+            kept, so every call says so).
+    """
+    key = (config.kernel_mode(), save_context.in_save_context())
+    snapshot = _snapshots.get(key)
+    if snapshot is None:
+        snapshot = _snapshots[key] = _probe(*key)
+    return snapshot
+
+
+def _probe(mode: KernelMode, in_save: bool) -> Capabilities:
+    kernels = None
+    if mode != KernelMode.TF and not in_save:
+        kernels = kernel_library.library()
+        if kernels is None and mode in (KernelMode.CUSTOM, KernelMode.CUDA):
+            raise RuntimeError(
+                f"GROUP_EMBEDDING_KERNELS={mode} but the C++ kernels could "
+                f"not be built: {kernel_library.unavailable_reason()}")
+    gpu = gpu_kernel_library.gpu_present()
+    gpu_kernels, gpu_error = None, None
+    if gpu and (mode == KernelMode.CUDA or (
+            mode == KernelMode.AUTO
+            and gpu_kernel_library.GPU_KERNELS_BY_DEFAULT)):
+        gpu_kernels = gpu_kernel_library.library()
+        if gpu_kernels is None:
+            gpu_error = gpu_kernel_library.unavailable_reason()
+    return Capabilities(
+        mode=mode, in_save=in_save, kernels=kernels, gpu=gpu,
+        gpu_kernels=gpu_kernels, gpu_kernels_error=gpu_error,
+        kernel_ops=library_ops() if kernels is not None else frozenset(),
+        gpu_ops=(_registered_ops()[1] if gpu_kernels is not None
+                 else frozenset()))
+
+
+def _registered_ops() -> Tuple[FrozenSet[str], FrozenSet[str]]:
+    """This library's op names with a CPU kernel, and with a GPU kernel,
+    as TF's kernel registry lists them (what the loaded libraries
+    registered: an older build lacks its newer ops)."""
+    cpu: Set[str] = set()
+    gpu: Set[str] = set()
+    for k in tf_kernels.get_all_registered_kernels().kernel:
+        if not k.op.startswith(op_names.PREFIX):
+            continue
+        if k.device_type == "CPU":
+            cpu.add(k.op)
+        elif k.device_type == "GPU":
+            gpu.add(k.op)
+    return frozenset(cpu), frozenset(gpu)
+
+
+def library_ops() -> FrozenSet[str]:
+    """The op names the C++ kernel library registered CPU kernels for,
+    whatever the kernel mode (gradients of ops that already ran use the
+    library in any mode); empty when it cannot be loaded. Found once per
+    process."""
+    if not _library_ops:
+        loaded = kernel_library.library() is not None
+        _library_ops.append(_registered_ops()[0] if loaded else frozenset())
+    return _library_ops[0]
