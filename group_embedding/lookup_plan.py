@@ -61,6 +61,7 @@ class Mode(Choice):
     CONCAT = "concat"
 
 
+@capabilities.not_converted
 def table_kind(table: Any) -> TableKind:
     """The `TableKind` a table class declares (VARIABLE by default)."""
     return TableKind(getattr(table, "ge_table_kind", TableKind.VARIABLE))
