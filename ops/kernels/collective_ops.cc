@@ -50,6 +50,7 @@
 #include "id_map.h"
 #include "pooling.h"
 #include "table_access.h"
+#include "weight_grad.h"
 #include "op_registration.h"
 
 namespace group_embedding {
@@ -765,11 +766,11 @@ Status CheckOffsetValues(const std::string& name, const Tensor& offsets,
   return bad == nullptr ? Status() : BadOffset(name, *bad, dim, elems);
 }
 
-// Checks one table's ragged ids (row offsets here): shapes and splits.
-Status CheckRaggedOffsets(const std::string& name, const Tensor& offsets,
-                          const Tensor& splits, const Tensor& weights) {
-  return CheckRagged(name, offsets, splits, weights, /*vocab=*/-1,
-                     "row_offsets");
+// The ragged inputs of the three pooling kernels, row offsets in the
+// place of ids, shapes and splits checked (offsets are checked against the
+// buffer by each kernel).
+Status ReadRaggedOffsets(OpKernelContext* ctx, RaggedGroup* in) {
+  return ReadRaggedGroup(ctx, "row_offsets", kWithWeights, /*dim=*/0, in);
 }
 
 GE_REGISTER_OP_WITH_ALIAS(
@@ -804,10 +805,8 @@ class PoolKernel : public OpKernel {
  public:
   explicit PoolKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
     int k;
-    std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
-    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+    OP_REQUIRES_OK(ctx, ParseCombiners(ctx, &combiners_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
     OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
     OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
@@ -825,11 +824,10 @@ class CollectivePoolOp : public PoolKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& rows_t = ctx->input(0);
-    OpInputList offsets, splits, weights;
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_offsets", &offsets));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    const int k = offsets.size();
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedOffsets(ctx, &in));
+    const OpInputList& offsets = in.ids;
+    const int k = in.size();
     OP_REQUIRES(ctx, k == static_cast<int>(dims_.size()),
                 InvalidArgument("expected ", dims_.size(), " tables, got ",
                                 k, "."));
@@ -845,17 +843,14 @@ class CollectivePoolOp : public PoolKernel {
     std::vector<PooledTable<BufferRows>> tables(k);
     for (int t = 0; t < k; ++t) {
       // Offsets are checked by the pooling, as it reads them.
-      OP_REQUIRES_OK(ctx, CheckRaggedOffsets(absl::StrCat("table ", t),
-                                             offsets[t], splits[t],
-                                             weights[t]));
-      const int64_t batch = splits[t].NumElements() - 1;
+      const int64_t batch = in.batch(t);
       first_row[t + 1] = first_row[t] + batch;
       total_nnz += offsets[t].NumElements();
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dims_[t]}),
                                        &o));
-      tables[t] = BufferTable(rows, elems, offsets[t], splits[t],
-                              weights[t], dims_[t], combiners_[t]);
+      tables[t] = BufferTable(rows, elems, offsets[t], in.splits[t],
+                              in.weights[t], dims_[t], combiners_[t]);
       tables[t].out = o->flat<float>().data();
       tables[t].stride = dims_[t];
     }
@@ -910,12 +905,12 @@ class CollectivePoolGradOp : public PoolKernel {
   using PoolKernel::PoolKernel;
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList grads, offsets, splits, weights;
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedOffsets(ctx, &in));
+    OpInputList grads;
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_offsets", &offsets));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    const int k = offsets.size();
+    const OpInputList& offsets = in.ids;
+    const int k = in.size();
     OP_REQUIRES(ctx, k == static_cast<int>(dims_.size()),
                 InvalidArgument("expected ", dims_.size(), " tables, got ",
                                 k, "."));
@@ -927,11 +922,8 @@ class CollectivePoolGradOp : public PoolKernel {
                                 "."));
     int64_t total = 0;
     for (int t = 0; t < k; ++t) {
-      const std::string name = absl::StrCat("table ", t);
-      OP_REQUIRES_OK(ctx, CheckRaggedOffsets(name, offsets[t], splits[t],
-                                             weights[t]));
-      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t],
-                                      splits[t].NumElements() - 1, dims_[t]));
+      OP_REQUIRES_OK(ctx, CheckMatrix(absl::StrCat("table ", t, ": grads"),
+                                      grads[t], in.batch(t), dims_[t]));
       total += offsets[t].NumElements();
     }
     Tensor* out_t = nullptr;
@@ -947,8 +939,8 @@ class CollectivePoolGradOp : public PoolKernel {
         // The single-process backward's loop (pooling.h): collective
         // training computes the same gradients bitwise.
         const auto table = MakeGradTable(
-            PooledGrads{grads[t].flat<float>().data(), dims_[t]}, splits[t],
-            weights[t], offsets[t].NumElements(), combiners_[t]);
+            PooledGrads{grads[t].flat<float>().data(), dims_[t]},
+            in.splits[t], in.weights[t], in.nnz(t), combiners_[t]);
         const int64_t* off = offsets[t].flat<int64_t>().data();
         const OffsetSlots slots{out, off, BufferRowsEnd(elems, dims_[t])};
         int64_t refused = -1;
@@ -1003,13 +995,13 @@ class CollectivePoolWeightGradOp : public PoolKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& rows_t = ctx->input(0);
-    OpInputList offsets, splits, weights, grads, pooled;
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_offsets", &offsets));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedOffsets(ctx, &in));
+    OpInputList grads, pooled;
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
     OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
-    const int k = offsets.size();
+    const OpInputList& offsets = in.ids;
+    const int k = in.size();
     OP_REQUIRES(ctx, k == static_cast<int>(dims_.size()),
                 InvalidArgument("expected ", dims_.size(), " tables, got ",
                                 k, "."));
@@ -1023,28 +1015,20 @@ class CollectivePoolWeightGradOp : public PoolKernel {
       const std::string name = absl::StrCat("table ", t);
       const int64_t dim = dims_[t];
       // Only weighted tables read rows at their offsets.
-      const bool weighted = weights[t].NumElements() != 0;
-      OP_REQUIRES_OK(ctx, CheckRaggedOffsets(name, offsets[t], splits[t],
-                                             weights[t]));
+      const bool weighted = in.weights[t].NumElements() != 0;
       if (weighted) {
         OP_REQUIRES_OK(ctx, CheckOffsetValues(name, offsets[t], dim,
                                               rows_t.NumElements()));
       }
       Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
+      OP_REQUIRES_OK(ctx, out.allocate(t, in.weights[t].shape(), &o));
       if (!weighted) continue;
-      const int64_t batch = splits[t].NumElements() - 1;
-      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], batch,
-                                      dim));
-      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
-                                      dim));
       const int64_t* off = offsets[t].flat<int64_t>().data();
-      const auto table = MakeGradTable(
-          PooledGrads{grads[t].flat<float>().data(), dim}, splits[t],
-          weights[t], offsets[t].NumElements(), combiners_[t]);
-      WeightGradRows(table, dim, pooled[t].flat<float>().data(),
-                     [rows, off](int64_t j) { return rows + off[j]; },
-                     o->flat<float>().data());
+      OP_REQUIRES_OK(ctx, PooledWeightGrad(
+                              name, in, t, grads[t], pooled[t],
+                              combiners_[t], dim,
+                              [rows, off](int64_t j) { return rows + off[j]; },
+                              o->flat<float>().data()));
     }
   }
 

@@ -201,6 +201,22 @@ inline Status CheckMatrix(const std::string& what, const Tensor& t,
   return Status();
 }
 
+// Checks that `table` is a float32 [vocab, dim] matrix whose rows have
+// `dim` floats (any width when `dim` < 0), before a kernel reads its rows.
+inline Status CheckFloatTable(const std::string& name, const Tensor& table,
+                              int64_t dim = -1) {
+  if (table.dtype() == ::tensorflow::DT_FLOAT && table.dims() == 2 &&
+      (dim < 0 || table.dim_size(1) == dim)) {
+    return Status();
+  }
+  if (dim < 0) {
+    return InvalidArgument(name, ": expected a float32 [vocab, dim] table, "
+                           "got ", table.shape().DebugString());
+  }
+  return InvalidArgument(name, ": expected a float32 [vocab, ", dim,
+                         "] table, got ", table.shape().DebugString());
+}
+
 // Checks that `positions` holds one slot in [0, max_len) per id.
 inline Status CheckPositions(const std::string& name,
                              const Tensor& positions,

@@ -26,6 +26,7 @@
 #include "tensorflow/core/util/work_sharder.h"
 #include "pooling.h"
 #include "table_access.h"
+#include "weight_grad.h"
 
 namespace group_embedding {
 namespace {
@@ -125,10 +126,7 @@ class GroupEmbeddingTableSnapshotOp : public OpKernel {
                                 ids.shape().DebugString(), "."));
     tensorflow::tf_shared_lock lock(*var->mu());
     const Tensor* table = var->tensor();
-    OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
-                         table->dims() == 2,
-                InvalidArgument(name_, ": expected a float32 [vocab, dim] "
-                                "table, got ", table->shape().DebugString()));
+    OP_REQUIRES_OK(ctx, CheckFloatTable(name_, *table));
     Tensor* flag = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &flag));
     const bool by_position = var->copy_on_read_mode.load();
@@ -141,11 +139,7 @@ class GroupEmbeddingTableSnapshotOp : public OpKernel {
     const int64_t dim = table->dim_size(1);
     const int64_t n = ids.NumElements();
     const int64_t* v = ids.flat<int64_t>().data();
-    for (int64_t j = 0; j < n; ++j) {
-      OP_REQUIRES(ctx, v[j] >= 0 && v[j] < vocab,
-                  InvalidArgument(name_, ": id ", v[j], " is out of range [0, ",
-                                  vocab, ") for this table."));
-    }
+    OP_REQUIRES_OK(ctx, CheckIdRange(name_, v, n, vocab));
     Tensor* rows = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim}), &rows));
     const float* src = table->flat<float>().data();
@@ -162,68 +156,76 @@ class GroupEmbeddingTableSnapshotOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingTableSnapshot").Device(DEVICE_CPU),
                         GroupEmbeddingTableSnapshotOp);
 
-class GroupEmbeddingWeightGradOp : public OpKernel {
+// What the two weight-gradient kernels share: the attrs that tell the
+// snapshot forms and max_norm, and the per-table loop around the table read.
+class WeightGradKernel : public OpKernel {
  public:
-  explicit GroupEmbeddingWeightGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx),
-        snapshots_(ctx->def().op() == "GroupEmbeddingWeightGradFromSnapshots") {
-    std::vector<std::string> names;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiners", &names));
-    OP_REQUIRES_OK(ctx, ParseCombiners(names, &combiners_));
+  WeightGradKernel(OpKernelConstruction* ctx, const char* snapshot_op)
+      : OpKernel(ctx), snapshots_(ctx->def().op() == snapshot_op) {
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    OpInputList ids, splits, weights, grads, pooled;
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
-    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
-    OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
+ protected:
+  // Per table t of `in`: output t shaped like its weights, left empty for
+  // an unweighted table; for a weighted one, its table (input t) or its
+  // snapshot (inputs t and k + t) is read, checked as a float32 matrix
+  // whose rows every id has, and `fill(t, name, read, dim, dw)` writes
+  // the gradient into `dw`.
+  template <typename Fill>
+  void ForEachWeightedTable(OpKernelContext* ctx, const RaggedGroup& in,
+                            Fill&& fill) {
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
-    const int k = ids.size();
-    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
-                InvalidArgument("combiners must have ", k, " entries, got ",
-                                combiners_.size(), "."));
+    const int k = in.size();
     for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
       Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
-                                      /*vocab=*/-1));
-      OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
-      if (weights[t].NumElements() == 0) continue;
+      OP_REQUIRES_OK(ctx, out.allocate(t, in.weights[t].shape(), &o));
+      if (in.weights[t].NumElements() == 0) continue;
       TableRead read;
       OP_REQUIRES_OK(ctx, read.Open(ctx, t, snapshots_ ? k + t : -1));
-      const Tensor* table = read.tensor();
-      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
-                           table->dims() == 2,
-                  InvalidArgument(name, ": expected a float32 [vocab, dim] "
-                                  "table, got ",
-                                  table->shape().DebugString()));
-      const int64_t dim = table->dim_size(1);
-      const int64_t batch = splits[t].NumElements() - 1;
-      // Ids index the table: range-check them under the lock.
-      OP_REQUIRES_OK(ctx, read.CheckIds(name, ids[t]));
-      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": grads", grads[t], batch,
-                                      dim));
-      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": pooled", pooled[t], batch,
-                                      dim));
-      const int64_t* v = ids[t].flat<int64_t>().data();
-      const auto grad_table =
-          MakeGradTable(PooledGrads{grads[t].flat<float>().data(), dim},
-                        splits[t], weights[t], ids[t].NumElements(),
-                        combiners_[t]);
-      WeightGradRows(grad_table, dim, pooled[t].flat<float>().data(),
-                     [&read, v](int64_t j) { return read.Row(v, j); },
-                     o->flat<float>().data(), max_norm_);
+      OP_REQUIRES_OK(ctx, CheckFloatTable(name, *read.tensor()));
+      // Ids index the table: range-checked under the lock.
+      OP_REQUIRES_OK(ctx, read.CheckIds(name, in.ids[t]));
+      OP_REQUIRES_OK(ctx, fill(t, name, read, read.tensor()->dim_size(1),
+                               o->flat<float>().data()));
     }
   }
 
- private:
   const bool snapshots_;
-  std::vector<Combiner> combiners_;
   float max_norm_;
+};
+
+class GroupEmbeddingWeightGradOp : public WeightGradKernel {
+ public:
+  explicit GroupEmbeddingWeightGradOp(OpKernelConstruction* ctx)
+      : WeightGradKernel(ctx, "GroupEmbeddingWeightGradFromSnapshots") {
+    OP_REQUIRES_OK(ctx, ParseCombiners(ctx, &combiners_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedGroup(ctx, "ids", kWithWeights,
+                                        /*dim=*/0, &in));
+    OpInputList grads, pooled;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("pooled", &pooled));
+    const int k = in.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries, got ",
+                                combiners_.size(), "."));
+    ForEachWeightedTable(ctx, in, [&](int t, const std::string& name,
+                                      const TableRead& read, int64_t dim,
+                                      float* dw) {
+      const int64_t* v = in.ids[t].flat<int64_t>().data();
+      return PooledWeightGrad(
+          name, in, t, grads[t], pooled[t], combiners_[t], dim,
+          [&read, v](int64_t j) { return read.Row(v, j); }, dw, max_norm_);
+    });
+  }
+
+ private:
+  std::vector<Combiner> combiners_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingWeightGrad").Device(DEVICE_CPU),
@@ -285,62 +287,39 @@ REGISTER_OP("GroupEmbeddingSequenceWeightGradFromSnapshots")
       return Status();
     });
 
-class GroupEmbeddingSequenceWeightGradOp : public OpKernel {
+class GroupEmbeddingSequenceWeightGradOp : public WeightGradKernel {
  public:
   explicit GroupEmbeddingSequenceWeightGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx),
-        snapshots_(ctx->def().op() ==
-                   "GroupEmbeddingSequenceWeightGradFromSnapshots") {
-    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
-  }
+      : WeightGradKernel(ctx,
+                         "GroupEmbeddingSequenceWeightGradFromSnapshots") {}
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList ids, splits, positions, weights, grads;
-    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
-    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
-    OP_REQUIRES_OK(ctx, ctx->input_list("positions", &positions));
-    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    // Positions are checked below against T, the gradient's.
+    RaggedGroup in;
+    OP_REQUIRES_OK(ctx, ReadRaggedGroup(ctx, "ids",
+                                        kWithWeights | kWithPositions,
+                                        /*dim=*/0, &in));
+    OpInputList grads;
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
-    OpOutputList out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("weight_grads", &out));
-    const int k = ids.size();
-    for (int t = 0; t < k; ++t) {
-      const std::string name = absl::StrCat("table ", t);
-      OP_REQUIRES_OK(ctx, CheckRagged(name, ids[t], splits[t], weights[t],
-                                      /*vocab=*/-1));
-      Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, out.allocate(t, weights[t].shape(), &o));
-      if (weights[t].NumElements() == 0) continue;
-      TableRead read;
-      OP_REQUIRES_OK(ctx, read.Open(ctx, t, snapshots_ ? k + t : -1));
-      const Tensor* table = read.tensor();
-      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
-                           table->dims() == 2,
-                  InvalidArgument(name, ": expected a float32 [vocab, dim] "
-                                  "table, got ",
-                                  table->shape().DebugString()));
-      const int64_t dim = table->dim_size(1);
-      const int64_t batch = splits[t].NumElements() - 1;
+    ForEachWeightedTable(ctx, in, [&](int t, const std::string& name,
+                                      const TableRead& read, int64_t dim,
+                                      float* dw) {
       int64_t len = 0;
-      OP_REQUIRES_OK(ctx, read.CheckIds(name, ids[t]));
-      OP_REQUIRES_OK(ctx, CheckSequenceGrad(name, grads[t], batch, dim,
-                                            &len));
-      OP_REQUIRES_OK(ctx, CheckPositions(name, positions[t],
-                                         ids[t].NumElements(), len));
-      const int64_t* v = ids[t].flat<int64_t>().data();
+      TF_RETURN_IF_ERROR(
+          CheckSequenceGrad(name, grads[t], in.batch(t), dim, &len));
+      TF_RETURN_IF_ERROR(
+          CheckPositions(name, in.positions[t], in.nnz(t), len));
+      const int64_t* v = in.ids[t].flat<int64_t>().data();
       const auto grad_table = MakeGradTable(
           SequenceGrads{grads[t].flat<float>().data(),
-                        positions[t].flat<int64_t>().data(), len, dim},
-          splits[t], weights[t], ids[t].NumElements(), kSum);
+                        in.positions[t].flat<int64_t>().data(), len, dim},
+          in.splits[t], in.weights[t], in.nnz(t), kSum);
       WeightGradRows(grad_table, dim, /*pooled=*/nullptr,
-                     [&read, v](int64_t j) { return read.Row(v, j); },
-                     o->flat<float>().data(), max_norm_);
-    }
+                     [&read, v](int64_t j) { return read.Row(v, j); }, dw,
+                     max_norm_);
+      return Status();
+    });
   }
-
- private:
-  const bool snapshots_;
-  float max_norm_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GroupEmbeddingSequenceWeightGrad")
