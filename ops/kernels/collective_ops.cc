@@ -76,6 +76,16 @@ Status CheckDims(const std::vector<int64_t>& dims, int k) {
   return Status();
 }
 
+// The `dims` attr (a width per table) of a kernel or a shape function,
+// checked by CheckDims against `num_tables`.
+template <typename Context>
+Status GetDims(Context* c, std::vector<int64_t>* dims) {
+  int k;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
+  TF_RETURN_IF_ERROR(c->GetAttr("dims", dims));
+  return CheckDims(*dims, k);
+}
+
 // Who owns the rows of one table: `mod` (row r on worker r % N, local row
 // r / N), `div` (blocks of ceil(V / N) rows) or `table:R` (every row on
 // worker R, local row r); see ShardedVariable.owner in
@@ -223,13 +233,11 @@ class CollectiveRouteIdsOp : public OpKernel {
   explicit CollectiveRouteIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_workers", &workers_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("vocab_sizes", &vocab_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names_));
     std::vector<std::string> partitions;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("partitions", &partitions));
-    int k;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
-    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES_OK(ctx, GetDims(ctx, &dims_));
+    const int k = static_cast<int>(dims_.size());
     OP_REQUIRES(ctx, static_cast<int>(vocab_.size()) == k &&
                          static_cast<int>(names_.size()) == k &&
                          static_cast<int>(partitions.size()) == k,
@@ -443,11 +451,9 @@ class CollectiveOwnerGatherOp : public OpKernel {
  public:
   explicit CollectiveOwnerGatherOp(OpKernelConstruction* ctx)
       : OpKernel(ctx) {
-    int k;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names_));
-    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES_OK(ctx, GetDims(ctx, &dims_));
+    const int k = static_cast<int>(dims_.size());
     OP_REQUIRES(ctx, static_cast<int>(names_.size()) == k,
                 InvalidArgument("table_names must have ", k, " entries."));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("shard_rows", &shard_rows_));
@@ -562,11 +568,9 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("table_names: list(string) = []")
     .Attr("scale: float = 1.0")
     .SetShapeFn([](InferenceContext* c) {
-      int k;
       std::vector<int64_t> dims;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
-      TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
-      TF_RETURN_IF_ERROR(CheckDims(dims, k));
+      TF_RETURN_IF_ERROR(GetDims(c, &dims));
+      const int k = static_cast<int>(dims.size());
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 4, 1));
       for (int t = 0; t < k; ++t) {
         c->set_output(t, c->Vector(c->UnknownDim()));
@@ -580,10 +584,8 @@ class CollectiveOwnerGatherGradOp : public OpKernel {
  public:
   explicit CollectiveOwnerGatherGradOp(OpKernelConstruction* ctx)
       : OpKernel(ctx) {
-    int k;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
-    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES_OK(ctx, GetDims(ctx, &dims_));
+    const int k = static_cast<int>(dims_.size());
     std::vector<std::string> names;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &names));
     OP_REQUIRES(ctx, names.empty() || static_cast<int>(names.size()) == k,
@@ -784,17 +786,12 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("combiners: list(string)")
     .Attr("dims: list(int)")
     .SetShapeFn([](InferenceContext* c) {
-      int k;
       std::vector<int64_t> dims;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
-      TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
-      TF_RETURN_IF_ERROR(CheckDims(dims, k));
+      TF_RETURN_IF_ERROR(GetDims(c, &dims));
+      const int k = static_cast<int>(dims.size());
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 1 + 3 * k, 1));
       for (int t = 0; t < k; ++t) {
-        DimensionHandle b;
-        TF_RETURN_IF_ERROR(
-            c->Subtract(c->Dim(c->input(1 + k + t), 0), 1, &b));
-        c->set_output(t, c->MakeShape({b, c->MakeDim(dims[t])}));
+        TF_RETURN_IF_ERROR(SetPooledShape(c, t, 1 + k + t, dims[t]));
       }
       return Status();
     }));
@@ -804,11 +801,9 @@ GE_REGISTER_OP_WITH_ALIAS(
 class PoolKernel : public OpKernel {
  public:
   explicit PoolKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int k;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
     OP_REQUIRES_OK(ctx, ParseCombiners(ctx, &combiners_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dims", &dims_));
-    OP_REQUIRES_OK(ctx, CheckDims(dims_, k));
+    OP_REQUIRES_OK(ctx, GetDims(ctx, &dims_));
+    const int k = static_cast<int>(dims_.size());
     OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries."));
   }

@@ -299,10 +299,7 @@ class EVExportChangesOp : public OpKernel {
     OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
     const Tensor& since_t = ctx->input(1);
     const std::string& var = ev->config().name;
-    OP_REQUIRES(ctx, since_t.dims() == 0,
-                InvalidArgument(var, ": `since` must be a scalar, got "
-                                "shape ", since_t.shape().DebugString(),
-                                "."));
+    OP_REQUIRES_OK(ctx, CheckScalar(since_t, var + ": `since`"));
     const int64_t since = since_t.scalar<int64_t>()();
     // Exclusive: starting an export moves the marks.
     tensorflow::mutex_lock lock(*ev->mu());
@@ -387,10 +384,8 @@ class EVConfirmSaveOp : public OpKernel {
     RefCountPtr<EVStorage> ev;
     OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
     const Tensor& covered = ctx->input(1);
-    OP_REQUIRES(ctx, covered.dims() == 0,
-                InvalidArgument(ev->config().name, ": `covered` must be a "
-                                "scalar, got shape ",
-                                covered.shape().DebugString(), "."));
+    OP_REQUIRES_OK(ctx,
+                   CheckScalar(covered, ev->config().name + ": `covered`"));
     tensorflow::mutex_lock lock(*ev->mu());
     ev->ConfirmSave(covered.scalar<int64_t>()());
   }
@@ -448,10 +443,7 @@ class EVImportOp : public OpKernel {
                                 versions.shape().DebugString(), ", ",
                                 names.shape().DebugString(), ", ",
                                 inits.shape().DebugString(), "."));
-    OP_REQUIRES(ctx, ctx->input(8).dims() == 0,
-                InvalidArgument(var, ": checkpoint step must be a scalar, "
-                                "got shape ",
-                                ctx->input(8).shape().DebugString(), "."));
+    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(8), var + ": checkpoint step"));
     OP_REQUIRES(ctx, values.dims() == 2 && values.dim_size(1) == dim,
                 InvalidArgument(var, ": checkpoint values have shape ",
                                 values.shape().DebugString(),

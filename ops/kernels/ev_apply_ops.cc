@@ -163,6 +163,20 @@ GE_REGISTER_OP_WITH_ALIAS(
     .EV_APPLY_INPUTS.Input("lr: float")
     .SetShapeFn(ApplyShapes));
 
+// The optimizers with two slots: their `slot_names` attr, refused with
+// `needs` (which names the op and its slots) unless it has two.
+class TwoSlotApplyKernel : public OpKernel {
+ public:
+  TwoSlotApplyKernel(OpKernelConstruction* ctx, const char* needs)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
+    OP_REQUIRES(ctx, slots_.size() == 2, InvalidArgument(needs));
+  }
+
+ protected:
+  std::vector<std::string> slots_;
+};
+
 class EVApplySGDOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -234,14 +248,11 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("slot_names: list(string)")
     .SetShapeFn(ApplyShapes));
 
-class EVApplyAdagradDecayOp : public OpKernel {
+class EVApplyAdagradDecayOp : public TwoSlotApplyKernel {
  public:
-  explicit EVApplyAdagradDecayOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
-    OP_REQUIRES(ctx, slots_.size() == 2,
-                InvalidArgument("EVApplyAdagradDecay needs 2 slots "
-                                "(accumulator, decay power)."));
-  }
+  explicit EVApplyAdagradDecayOp(OpKernelConstruction* ctx)
+      : TwoSlotApplyKernel(ctx, "EVApplyAdagradDecay needs 2 slots "
+                                "(accumulator, decay power).") {}
   void Compute(OpKernelContext* ctx) override {
     std::vector<float> h;
     OP_REQUIRES_OK(ctx, ReadScalars(ctx, 4, {"lr", "decay_rate", "floor"},
@@ -265,9 +276,6 @@ class EVApplyAdagradDecayOp : public OpKernel {
                   }
                 });
   }
-
- private:
-  std::vector<std::string> slots_;
 };
 
 GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
@@ -285,13 +293,10 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("slot_names: list(string)")
     .SetShapeFn(ApplyShapes));
 
-class EVApplyAdamOp : public OpKernel {
+class EVApplyAdamOp : public TwoSlotApplyKernel {
  public:
-  explicit EVApplyAdamOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
-    OP_REQUIRES(ctx, slots_.size() == 2,
-                InvalidArgument("EVApplyAdam needs 2 slots (m, v)."));
-  }
+  explicit EVApplyAdamOp(OpKernelConstruction* ctx)
+      : TwoSlotApplyKernel(ctx, "EVApplyAdam needs 2 slots (m, v).") {}
   void Compute(OpKernelContext* ctx) override {
     std::vector<float> h;
     OP_REQUIRES_OK(ctx, ReadScalars(ctx, 4,
@@ -312,9 +317,6 @@ class EVApplyAdamOp : public OpKernel {
                   }
                 });
   }
-
- private:
-  std::vector<std::string> slots_;
 };
 
 GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
@@ -332,13 +334,10 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("slot_names: list(string)")
     .SetShapeFn(ApplyShapes));
 
-class EVApplyFtrlOp : public OpKernel {
+class EVApplyFtrlOp : public TwoSlotApplyKernel {
  public:
-  explicit EVApplyFtrlOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
-    OP_REQUIRES(ctx, slots_.size() == 2,
-                InvalidArgument("EVApplyFtrl needs 2 slots."));
-  }
+  explicit EVApplyFtrlOp(OpKernelConstruction* ctx)
+      : TwoSlotApplyKernel(ctx, "EVApplyFtrl needs 2 slots.") {}
   void Compute(OpKernelContext* ctx) override {
     std::vector<float> h;
     OP_REQUIRES_OK(ctx, ReadScalars(
@@ -368,9 +367,6 @@ class EVApplyFtrlOp : public OpKernel {
                   }
                 });
   }
-
- private:
-  std::vector<std::string> slots_;
 };
 
 GE_REGISTER_CPU_KERNEL_WITH_ALIAS(

@@ -23,6 +23,8 @@
 // on a variable's lock could deadlock with an op that holds that lock
 // while it waits for the same pool (EVApply*, GroupEmbeddingEVLookup).
 
+#include <optional>
+
 #include "ev_storage.h"
 #include "pooling.h"
 #include "op_registration.h"
@@ -193,51 +195,76 @@ Status ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
   return Status();
 }
 
-// Resolves the keys of all K tables (`offset[t]` = position of table t's
-// first key in `out`), in parallel over distinct variables and in table
-// order within each. `no_permission[t]` holds a row of table t's
-// CounterFilter constant.
-// The caller holds the locks of `distinct` (EVGroupLocks): work items only
-// read or insert, each into its own variable.
-Status ResolveGroup(OpKernelContext* ctx, const std::vector<EVStorage*>& evs,
-                    const OpInputList& keys, const OpInputList& defaults,
-                    const std::vector<EVStorage*>& distinct, bool training,
-                    const std::vector<int64_t>& offset,
-                    const std::vector<std::vector<float>>& no_permission,
-                    const float** out) {
-  const int k = evs.size();
-  const int64_t n = distinct.size();
-  std::vector<Status> status(n);  // one writer per entry
-  auto work = [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      for (int t = 0; t < k && status[e].ok(); ++t) {
-        if (evs[t] != distinct[e]) continue;
-        status[e] = ResolveKeys(evs[t], keys[t].flat<int64_t>().data(),
-                                keys[t].NumElements(), defaults[t], training,
-                                no_permission[t].data(), out + offset[t]);
-      }
+// The keys of a group's K tables resolved to the rows they read (table t's
+// from rows(t)), the three EV lookups' first phase. Resolve() takes the
+// locks of the distinct variables (EVGroupLocks), which stay held while
+// this object lives, so the row pointers stay valid for the second phase.
+class ResolvedGroup {
+ public:
+  // Lays out the keys (nothing locked or read yet): table t's keys at
+  // [offset(t), offset(t + 1)), and a row of each table's CounterFilter
+  // constant.
+  ResolvedGroup(const std::vector<EVStorage*>& evs, const OpInputList& keys,
+                int64_t dim)
+      : offset_(keys.size() + 1, 0), no_permission_(keys.size()) {
+    for (int t = 0; t < keys.size(); ++t) {
+      offset_[t + 1] = offset_[t] + keys[t].NumElements();
+      no_permission_[t].assign(dim, evs[t]->config().no_permission);
     }
-  };
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-  tensorflow::Shard(pool->num_threads, pool->workers, n,
-                    (offset[k] / n + 1) * 100, work);
-  for (const Status& s : status) TF_RETURN_IF_ERROR(s);
-  return Status();
-}
+  }
+
+  int64_t offset(int t) const { return offset_[t]; }
+  // How many keys the group has.
+  int64_t total() const { return offset_.back(); }
+  const float* const* rows(int t) const { return rows_.data() + offset_[t]; }
+
+  // Locks the variables (exclusive when training, which inserts) and
+  // resolves every key (ResolveKeys), in parallel over distinct variables
+  // and in table order within each: work items only read or insert, each
+  // into its own variable.
+  Status Resolve(OpKernelContext* ctx, const std::vector<EVStorage*>& evs,
+                 const OpInputList& keys, const OpInputList& defaults,
+                 bool training) {
+    locks_.emplace(evs, training);
+    rows_.resize(total());
+    const std::vector<EVStorage*>& distinct = locks_->distinct();
+    const int k = evs.size();
+    const int64_t n = distinct.size();
+    std::vector<Status> status(n);  // one writer per entry
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end; ++e) {
+        for (int t = 0; t < k && status[e].ok(); ++t) {
+          if (evs[t] != distinct[e]) continue;
+          status[e] = ResolveKeys(evs[t], keys[t].flat<int64_t>().data(),
+                                  keys[t].NumElements(), defaults[t],
+                                  training, no_permission_[t].data(),
+                                  rows_.data() + offset_[t]);
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, n,
+                      (total() / n + 1) * 100, work);
+    for (const Status& st : status) TF_RETURN_IF_ERROR(st);
+    return Status();
+  }
+
+ private:
+  std::vector<int64_t> offset_;
+  std::vector<std::vector<float>> no_permission_;
+  std::optional<EVGroupLocks> locks_;
+  std::vector<const float*> rows_;
+};
 
 Status PooledShapes(InferenceContext* c) {
   int n;
   int64_t dim;
-  TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-  TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+  TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
   TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // keys, splits, w
   TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, n, 2));  // default values
   TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, 1, 0));  // training
   for (int i = 0; i < n; ++i) {
-    auto rows = c->Dim(c->input(2 * n + i), 0);
-    tensorflow::shape_inference::DimensionHandle b;
-    TF_RETURN_IF_ERROR(c->Subtract(rows, 1, &b));
-    c->set_output(i, c->MakeShape({b, c->MakeDim(dim)}));
+    TF_RETURN_IF_ERROR(SetPooledShape(c, i, 2 * n + i, dim));
   }
   return Status();
 }
@@ -292,13 +319,9 @@ class EVLookupOp : public PooledEVKernel {
     OP_REQUIRES_OK(ctx, ReadTraining(ctx, 5 * k, &training));
     const int64_t dim = dim_;
 
-    std::vector<int64_t> offset(k + 1, 0), first_row(k + 1, 0);
-    std::vector<std::vector<float>> no_permission(k);
-    for (int t = 0; t < k; ++t) {
-      offset[t + 1] = offset[t] + in.nnz(t);
-      first_row[t + 1] = first_row[t] + in.batch(t);
-      no_permission[t].assign(dim, in.evs[t]->config().no_permission);
-    }
+    ResolvedGroup resolved(in.evs, in.ids, dim);
+    std::vector<int64_t> first_row(k + 1, 0);
+    for (int t = 0; t < k; ++t) first_row[t + 1] = first_row[t] + in.batch(t);
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &out));
     std::vector<PooledTable<ResolvedRows>> pooled(k);
@@ -308,23 +331,20 @@ class EVLookupOp : public PooledEVKernel {
       OP_REQUIRES_OK(ctx, out.allocate(t, TensorShape({batch, dim}), &o));
       pooled[t].splits = in.splits[t].flat<int64_t>().data();
       pooled[t].weights = in.weight_data(t);
-      pooled[t].nnz = offset[t + 1] - offset[t];
+      pooled[t].nnz = in.nnz(t);
       pooled[t].dim = dim;
       pooled[t].combiner = combiners_[t];
       pooled[t].out = o->flat<float>().data();
       pooled[t].stride = dim;
     }
 
-    EVGroupLocks locks(in.evs, training);
-    std::vector<const float*> rows(offset[k]);
-    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, in.evs, in.ids, in.defaults,
-                                     locks.distinct(), training, offset,
-                                     no_permission, rows.data()));
+    OP_REQUIRES_OK(ctx, resolved.Resolve(ctx, in.evs, in.ids, in.defaults,
+                                         training));
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
-    for (int t = 0; t < k; ++t) pooled[t].rows = {rows.data() + offset[t]};
+    for (int t = 0; t < k; ++t) pooled[t].rows = {resolved.rows(t)};
     // Every key has a row (ResolveKeys): no id is refused, no clipping.
-    const int64_t avg = offset[k] / total_rows + 1;
+    const int64_t avg = resolved.total() / total_rows + 1;
     PoolTables(ctx, pooled, first_row, /*max_norm=*/-1.0f,
                avg * dim * 4 + 20);
   }
@@ -360,8 +380,7 @@ GE_REGISTER_OP_WITH_ALIAS(
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // keys..positions
       TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, n, 0));  // max_lens
       TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 2));  // default values
@@ -383,8 +402,8 @@ class EVSequenceLookupOp : public OpKernel {
     bool training = false;
     OP_REQUIRES_OK(ctx, ReadTraining(ctx, 6 * k, &training));
     const int64_t dim = dim_;
-    std::vector<int64_t> offset(k + 1, 0), first_row(k + 1, 0);
-    std::vector<std::vector<float>> no_permission(k);
+    ResolvedGroup resolved(in.evs, in.ids, dim);
+    std::vector<int64_t> first_row(k + 1, 0);
     OpOutputList out;
     OP_REQUIRES_OK(ctx, ctx->output_list("sequences", &out));
     std::vector<float*> outs(k);
@@ -392,16 +411,11 @@ class EVSequenceLookupOp : public OpKernel {
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, out.allocate(t, in.sequence_shapes[t], &o));
       outs[t] = o->flat<float>().data();
-      offset[t + 1] = offset[t] + in.nnz(t);
       first_row[t + 1] = first_row[t] + in.batch(t);
-      no_permission[t].assign(dim, in.evs[t]->config().no_permission);
     }
 
-    EVGroupLocks locks(in.evs, training);
-    std::vector<const float*> rows(offset[k]);
-    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, in.evs, in.ids, in.defaults,
-                                     locks.distinct(), training, offset,
-                                     no_permission, rows.data()));
+    OP_REQUIRES_OK(ctx, resolved.Resolve(ctx, in.evs, in.ids, in.defaults,
+                                         training));
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
 
@@ -409,7 +423,7 @@ class EVSequenceLookupOp : public OpKernel {
     std::vector<SequenceTable<ResolvedRows>> tables(k);
     for (int t = 0; t < k; ++t) {
       total_slots += in.batch(t) * in.lens[t];
-      tables[t] = {{rows.data() + offset[t]},
+      tables[t] = {{resolved.rows(t)},
                    in.splits[t].flat<int64_t>().data(),
                    in.positions[t].flat<int64_t>().data(),
                    /*weights=*/nullptr,
@@ -418,7 +432,8 @@ class EVSequenceLookupOp : public OpKernel {
                    outs[t]};
     }
     ScatterSequences(ctx, tables, first_row, dim, /*max_norm=*/-1.0f,
-                     ((total_slots + offset[k]) / total_rows + 1) * dim * 3);
+                     ((total_slots + resolved.total()) / total_rows + 1) *
+                         dim * 3);
   }
 
  private:
@@ -533,8 +548,7 @@ GE_REGISTER_OP_WITH_ALIAS(
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 1));      // keys
       TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, n, 2));  // defaults
       TF_RETURN_IF_ERROR(InputsWithRank(c, 3 * n, 1, 0));  // training
@@ -558,36 +572,30 @@ class EVGatherOp : public OpKernel {
     bool training = false;
     OP_REQUIRES_OK(ctx, ReadTraining(ctx, 3 * k, &training));
     const int64_t dim = dim_;
-    std::vector<int64_t> offset(k + 1, 0);
-    std::vector<std::vector<float>> no_permission(k);
     for (int t = 0; t < k; ++t) {
       // Not ragged: keys alone.
       OP_REQUIRES(ctx, keys[t].dims() == 1,
                   InvalidArgument(evs[t]->config().name,
                                   ": keys must be a vector, got shape ",
                                   keys[t].shape().DebugString(), "."));
-      offset[t + 1] = offset[t] + keys[t].NumElements();
-      no_permission[t].assign(dim, evs[t]->config().no_permission);
     }
+    ResolvedGroup resolved(evs, keys, dim);
+    const int64_t n = resolved.total();
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({offset[k], dim}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim}), &out));
     float* dst = out->flat<float>().data();
 
-    EVGroupLocks locks(evs, training);
-    std::vector<const float*> rows(offset[k]);
-    OP_REQUIRES_OK(ctx, ResolveGroup(ctx, evs, keys, g.defaults,
-                                     locks.distinct(), training, offset,
-                                     no_permission, rows.data()));
+    OP_REQUIRES_OK(ctx, resolved.Resolve(ctx, evs, keys, g.defaults,
+                                         training));
     // Copy while the locks still pin the rows (no lock in the work items).
+    const float* const* rows = resolved.rows(0);
     auto copy = [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         std::memcpy(dst + j * dim, rows[j], sizeof(float) * dim);
       }
     };
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, offset[k], dim * 2,
-                      copy);
+    tensorflow::Shard(pool->num_threads, pool->workers, n, dim * 2, copy);
   }
 
  private:

@@ -48,22 +48,13 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "id_map.h"
+#include "op_checks.h"
 
 namespace group_embedding {
 namespace ev {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
+// The other TF names come from op_checks.h, as in every kernel file.
 using ::tensorflow::ResourceHandle;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
-using ::tensorflow::core::RefCountPtr;
-using ::tensorflow::shape_inference::InferenceContext;
 
 // Chunks grow 16, 32, ..., 512 rows, then stay at 1024: a variable with a
 // handful of keys (Criteo has fields of 3 or 4 values) does not pay for

@@ -55,16 +55,11 @@ GE_REGISTER_OP_WITH_ALIAS(
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
       for (int i = 0; i < n; ++i) {
-        auto splits = c->input(2 * n + i);
-        auto rows = c->Dim(splits, 0);
-        tensorflow::shape_inference::DimensionHandle b;
-        TF_RETURN_IF_ERROR(c->Subtract(rows, 1, &b));
-        c->set_output(i, c->MakeShape({b, c->MakeDim(dim)}));
+        TF_RETURN_IF_ERROR(SetPooledShape(c, i, 2 * n + i, dim));
       }
       return Status();
     }));
@@ -88,14 +83,10 @@ REGISTER_OP("GroupEmbeddingConcatLookup")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
-      tensorflow::shape_inference::DimensionHandle b;
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(2 * n), 0), 1, &b));
-      c->set_output(0, c->MakeShape({b, c->MakeDim(n * dim)}));
-      return Status();
+      return SetPooledShape(c, 0, 2 * n, n * dim);
     });
 
 class GroupEmbeddingPooledLookupOp : public OpKernel {
@@ -135,12 +126,7 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
     int64_t total_nnz = 0;
     for (int t = 0; t < k; ++t) {
       const Tensor* table = vars[t]->tensor();
-      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
-                           table->dims() == 2 && table->dim_size(1) == dim_,
-                  InvalidArgument(table_names_[t],
-                                  ": expected a float32 [vocab, ", dim_,
-                                  "] table, got ",
-                                  table->shape().DebugString()));
+      OP_REQUIRES_OK(ctx, CheckFloatTable(table_names_[t], *table, dim_));
       first_row[t + 1] = first_row[t] + in.batch(t);
       total_nnz += in.nnz(t);
       vocabs[t] = table->dim_size(0);
@@ -224,8 +210,7 @@ GE_REGISTER_OP_WITH_ALIAS(
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
       UniqueGradOutputShapes(c, n, dim);
@@ -249,8 +234,7 @@ REGISTER_OP("GroupEmbeddingConcatLookupGrad")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, 1, 2));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 1, 3 * n, 1));
       UniqueGradOutputShapes(c, n, dim);

@@ -157,6 +157,24 @@ inline Status InputsWithRank(::tensorflow::shape_inference::InferenceContext* c,
   return Status();
 }
 
+// Shape functions of the group lookups: their `num_tables` (n) and
+// `embedding_dim` attrs.
+inline Status GetGroupAttrs(::tensorflow::shape_inference::InferenceContext* c,
+                            int* n, int64_t* dim) {
+  TF_RETURN_IF_ERROR(c->GetAttr("num_tables", n));
+  return c->GetAttr("embedding_dim", dim);
+}
+
+// Shape functions of the pooled lookups: output `output` is
+// [rows of row_splits input `splits` - 1, width].
+inline Status SetPooledShape(::tensorflow::shape_inference::InferenceContext* c,
+                             int output, int splits, int64_t width) {
+  ::tensorflow::shape_inference::DimensionHandle b;
+  TF_RETURN_IF_ERROR(c->Subtract(c->Dim(c->input(splits), 0), 1, &b));
+  c->set_output(output, c->MakeShape({b, c->MakeDim(width)}));
+  return Status();
+}
+
 // Shape functions of the sequence lookups: output i is
 // [rows of row_splits input (2n + i) - 1, max_lens input (4n + i), dim];
 // both ops put row_splits and max_lens at those input positions.
@@ -183,7 +201,7 @@ inline void UniqueGradOutputShapes(
 }
 
 // Checks that `t` is a scalar (rank 0); `what` names it.
-inline Status CheckScalar(const Tensor& t, const char* what) {
+inline Status CheckScalar(const Tensor& t, absl::string_view what) {
   if (t.dims() != 0) {
     return InvalidArgument(what, " must be a scalar, got shape ",
                            t.shape().DebugString(), ".");

@@ -50,8 +50,7 @@ REGISTER_OP("GroupEmbeddingSequenceLookup")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));      // tables
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));  // ids..positions
       TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, n, 0));  // max_lens
@@ -90,11 +89,7 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
     for (int t = 0; t < k; ++t) {
       const std::string& name = table_names_[t];
       const Tensor* table = vars[t]->tensor();
-      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
-                           table->dims() == 2 && table->dim_size(1) == dim_,
-                  InvalidArgument(name, ": expected a float32 [vocab, ", dim_,
-                                  "] table, got ",
-                                  table->shape().DebugString()));
+      OP_REQUIRES_OK(ctx, CheckFloatTable(name, *table, dim_));
       // Every id is read: range-checked here, before any row is.
       const int64_t* ids = in.ids[t].flat<int64_t>().data();
       OP_REQUIRES_OK(ctx, CheckIdRange(name, ids, in.nnz(t),
@@ -151,8 +146,7 @@ REGISTER_OP("GroupEmbeddingSequenceLookupGrad")
     .SetShapeFn([](InferenceContext* c) {
       int n;
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      TF_RETURN_IF_ERROR(GetGroupAttrs(c, &n, &dim));
       TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 3));
       TF_RETURN_IF_ERROR(InputsWithRank(c, n, 4 * n, 1));
       UniqueGradOutputShapes(c, n, dim);

@@ -31,6 +31,31 @@
 namespace group_embedding {
 namespace {
 
+// The shape function of the weight-gradient ops: the tables (rank-0
+// resources; or, for the snapshot forms, rank-2 snapshots then their rank-0
+// by_position flags), then kVectors rank-1 lists (ids .. weights, weights
+// last), then kGradLists lists of rank kGradRank; output i has the shape
+// of table i's weights.
+template <bool kSnapshots, int kVectors, int kGradLists, int kGradRank>
+Status WeightGradShapes(InferenceContext* c) {
+  int n;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
+  int at = n;
+  if (kSnapshots) {
+    TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
+    TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 0));
+    at = 2 * n;
+  } else {
+    TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
+  }
+  TF_RETURN_IF_ERROR(InputsWithRank(c, at, kVectors * n, 1));
+  TF_RETURN_IF_ERROR(
+      InputsWithRank(c, at + kVectors * n, kGradLists * n, kGradRank));
+  const int weights = at + (kVectors - 1) * n;
+  for (int i = 0; i < n; ++i) c->set_output(i, c->input(weights + i));
+  return Status();
+}
+
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. the per-id weights (only for weighted tables):
 //   pooled_b = sum_j w_j e_j / n_b,  n_b = 1 | sum_j w_j | sqrt(sum_j w_j^2)
@@ -49,15 +74,7 @@ REGISTER_OP("GroupEmbeddingWeightGrad")
     .Attr("num_tables: int >= 1")
     .Attr("combiners: list(string)")
     .Attr("max_norm: float = -1")
-    .SetShapeFn([](InferenceContext* c) {
-      int n;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 3 * n, 1));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 4 * n, 2 * n, 2));
-      for (int i = 0; i < n; ++i) c->set_output(i, c->input(3 * n + i));
-      return Status();
-    });
+    .SetShapeFn(WeightGradShapes</*kSnapshots=*/false, 3, 2, 2>);
 
 // The same reading GroupEmbeddingTableSnapshot outputs instead of the
 // variables (see TableRead): what the gradient functions build.
@@ -75,16 +92,7 @@ REGISTER_OP("GroupEmbeddingWeightGradFromSnapshots")
     .Attr("max_norm: float = -1")
     // ids_checked: see IdsCheckedAttr (op_checks.h).
     .Attr("ids_checked: bool = false")
-    .SetShapeFn([](InferenceContext* c) {
-      int n;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 0));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, 3 * n, 1));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, 2 * n, 2));
-      for (int i = 0; i < n; ++i) c->set_output(i, c->input(4 * n + i));
-      return Status();
-    });
+    .SetShapeFn(WeightGradShapes</*kSnapshots=*/true, 3, 2, 2>);
 
 // A consistent view of a table for the weight-gradient ops, taken where
 // the forward read it (before any optimizer write): the table itself,
@@ -250,15 +258,7 @@ REGISTER_OP("GroupEmbeddingSequenceWeightGrad")
     .Output("weight_grads: num_tables * float")
     .Attr("num_tables: int >= 1")
     .Attr("max_norm: float = -1")
-    .SetShapeFn([](InferenceContext* c) {
-      int n;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 0));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, n, 4 * n, 1));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 5 * n, n, 3));
-      for (int i = 0; i < n; ++i) c->set_output(i, c->input(4 * n + i));
-      return Status();
-    });
+    .SetShapeFn(WeightGradShapes</*kSnapshots=*/false, 4, 1, 3>);
 
 // The same reading GroupEmbeddingTableSnapshot outputs instead of the
 // variables (see TableRead in table_access.h): what the gradient
@@ -276,16 +276,7 @@ REGISTER_OP("GroupEmbeddingSequenceWeightGradFromSnapshots")
     .Attr("max_norm: float = -1")
     // ids_checked: see IdsCheckedAttr (op_checks.h).
     .Attr("ids_checked: bool = false")
-    .SetShapeFn([](InferenceContext* c) {
-      int n;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &n));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 0, n, 2));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, n, n, 0));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 2 * n, 4 * n, 1));
-      TF_RETURN_IF_ERROR(InputsWithRank(c, 6 * n, n, 3));
-      for (int i = 0; i < n; ++i) c->set_output(i, c->input(5 * n + i));
-      return Status();
-    });
+    .SetShapeFn(WeightGradShapes</*kSnapshots=*/true, 4, 1, 3>);
 
 class GroupEmbeddingSequenceWeightGradOp : public WeightGradKernel {
  public:
