@@ -202,8 +202,8 @@ Status ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
 class ResolvedGroup {
  public:
   // Lays out the keys (nothing locked or read yet): table t's keys at
-  // [offset(t), offset(t + 1)), and a row of each table's CounterFilter
-  // constant.
+  // [offset_[t], offset_[t + 1]) of the rows, and a row of each table's
+  // CounterFilter constant.
   ResolvedGroup(const std::vector<EVStorage*>& evs, const OpInputList& keys,
                 int64_t dim)
       : offset_(keys.size() + 1, 0), no_permission_(keys.size()) {
@@ -213,7 +213,6 @@ class ResolvedGroup {
     }
   }
 
-  int64_t offset(int t) const { return offset_[t]; }
   // How many keys the group has.
   int64_t total() const { return offset_.back(); }
   const float* const* rows(int t) const { return rows_.data() + offset_[t]; }
