@@ -226,8 +226,7 @@ def _build(op, clip, variables, rule: Rule):
                  for v in variables]
     slots = [s[j] for j in range(len(per_table[0])) for s in per_table]
     combiners = ([] if layout == "sequence" else
-                 [c.decode() if isinstance(c, bytes) else c
-                  for c in op.get_attr("combiners")])
+                 op_names.string_list_attr(op, "combiners"))
     lib = kernel_library.library()
     # After the weight gradients' snapshots of the same tables: a traced
     # function orders them so anyway; a TF1 graph would not (its gradient

@@ -218,8 +218,7 @@ def _register_gradients():
             shapes = [tf.raw_ops.VariableShape(input=h, out_type=tf.int64)
                       for h in op.inputs[:k]]
             shard_rows = tf.stack([s[0] for s in shapes])
-        names = [n.decode() if isinstance(n, bytes) else n
-                 for n in op.get_attr("table_names")]
+        names = op_names.string_list_attr(op, "table_names")
         lib = _kernels()
         indices, values = lib.group_embedding_collective_owner_gather_grad(
             grad=grad_rows, received_ids=op.inputs[k],
@@ -232,16 +231,13 @@ def _register_gradients():
     @op_names.register_gradient("GroupEmbeddingCollectivePool")
     def _pool_grad(op, *grads):
         k = op.get_attr("num_tables")
-        combiners = [c.decode() if isinstance(c, bytes) else c
-                     for c in op.get_attr("combiners")]
+        combiners = op_names.string_list_attr(op, "combiners")
         dims = op.get_attr("dims")
         rows = op.inputs[0]
         offsets = list(op.inputs[1:1 + k])
         splits = list(op.inputs[1 + k:1 + 2 * k])
         weights = list(op.inputs[1 + 2 * k:1 + 3 * k])
-        # An unused output has no gradient; the kernels want them all.
-        grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
-                 for g, o in zip(grads, op.outputs)]
+        grads = op_names.output_grads(op, grads)
         lib = _kernels()
         rows_grad = lib.group_embedding_collective_pool_grad(
             grads=grads, row_offsets=offsets, row_splits=splits,

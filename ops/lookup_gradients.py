@@ -80,8 +80,7 @@ def register():
         # GroupEmbeddingPooledLookup: one [B, D] gradient per table;
         # GroupEmbeddingConcatLookup: one [B, K * D] gradient for all.
         k = op.get_attr("num_tables")
-        combiners = [c.decode() if isinstance(c, bytes) else c
-                     for c in op.get_attr("combiners")]
+        combiners = op_names.string_list_attr(op, "combiners")
         handles, ids, splits, weights = (
             list(op.inputs[i * k:(i + 1) * k]) for i in range(4))
         lib = kernel_library.library()
@@ -120,8 +119,7 @@ def register():
         k = op.get_attr("num_tables")
         handles, ids, splits, positions, _, weights = (
             list(op.inputs[i * k:(i + 1) * k]) for i in range(6))
-        grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
-                 for g, o in zip(grads, op.outputs)]
+        grads = op_names.output_grads(op, grads)
         lib = kernel_library.library()
         uniq, sums = lib.group_embedding_sequence_lookup_grad(
             grads=grads, ids=ids, row_splits=splits, positions=positions,
@@ -143,8 +141,7 @@ def register():
         k = op.get_attr("num_tables")
         keys, splits, positions = (list(op.inputs[i * k:(i + 1) * k])
                                    for i in range(1, 4))
-        grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
-                 for g, o in zip(grads, op.outputs)]
+        grads = op_names.output_grads(op, grads)
         empty = tf.zeros([0], tf.float32)
         uniq, sums = kernel_library.library().\
             group_embedding_sequence_lookup_grad(
@@ -159,14 +156,11 @@ def register():
     @op_names.register_gradient("GroupEmbeddingEVLookup")
     def _ev_lookup_grad(op, *grads):
         k = op.get_attr("num_tables")
-        combiners = [c.decode() if isinstance(c, bytes) else c
-                     for c in op.get_attr("combiners")]
+        combiners = op_names.string_list_attr(op, "combiners")
         dim = op.get_attr("embedding_dim")
         handles, keys, splits, weights, defaults = (
             list(op.inputs[i * k:(i + 1) * k]) for i in range(5))
-        # An unused output has no gradient; the kernels want them all.
-        grads = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
-                 for g, o in zip(grads, op.outputs)]
+        grads = op_names.output_grads(op, grads)
         lib = kernel_library.library()
         # Keys play the role of ids: per variable, unique keys (first occurrence
         # order) and their summed gradients. Keys are not row numbers, so the

@@ -15,8 +15,11 @@ training script) still import and run. Code that matches op types or
 registers gradients covers both names through `with_alias`.
 """
 
+from typing import Any
 from typing import Callable
 from typing import Dict
+from typing import List
+from typing import Sequence
 from typing import Tuple
 
 import tensorflow as tf
@@ -86,3 +89,18 @@ def register_gradient(op_type: str) -> Callable:
             tf.RegisterGradient(name)(fn)
         return fn
     return register
+
+
+def string_list_attr(op: Any, name: str) -> List[str]:
+    """Attr `name` of `op`, a list(string), as `str` values: a graph op
+    gives bytes, and the kernels' attrs want the names back as text."""
+    return [v.decode() if isinstance(v, bytes) else v
+            for v in op.get_attr(name)]
+
+
+def output_grads(op: Any, grads: Sequence[Any]) -> List[tf.Tensor]:
+    """The gradient of every output of `op`, as a gradient function gets
+    them: TF passes None for an unused output, and the gradient kernels
+    want one tensor per output, so an unused one gets zeros."""
+    return [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
+            for g, o in zip(grads, op.outputs)]

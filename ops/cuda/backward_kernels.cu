@@ -209,6 +209,29 @@ __device__ __forceinline__ int64_t SlotOf(const DeviceGroup& g,
   return s.padded ? g.occ_base[t] + (u - s.offsets[t]) : u;
 }
 
+// The max_norm clip's backward of gradient row `acc` with table row
+// `row` (ge_math::ClipGradOf): acc = a (acc - row b). One helper for the
+// fused backward and ge_clip_grads, so that both apply it alike.
+template <int VEC, int G, int CH>
+__device__ __forceinline__ void ClipBackwardRow(const float* row,
+                                                int64_t dim,
+                                                const Lanes<G>& me,
+                                                float max_norm,
+                                                float (&acc)[CH][VEC]) {
+  float e[CH][VEC];
+  LoadRow<VEC, G, CH>(row, dim, me.lane, e);
+  const float ss = RowSquaredNorm<VEC, G, CH>(e, me.mask);
+  const float eg = RowDot<VEC, G, CH>(e, acc, me.mask);
+  const ge_math::ClipGrad cg = ge_math::ClipGradOf(ss, eg, max_norm);
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      acc[c][v] = cg.a * (acc[c][v] - e[c][v] * cg.b);
+    }
+  }
+}
+
 // The end of a distinct id's sum: the max_norm clip's backward with the
 // table's row, then stored (IndexedSlices) at output row `slot` or
 // applied by the optimizer.
@@ -221,18 +244,7 @@ __device__ __forceinline__ void Finish(const DeviceGroup& g,
   const int64_t dim = g.dim;
   float* value = x.table + id * dim;
   if (g.max_norm >= 0.0f) {
-    float e[CH][VEC];
-    LoadRow<VEC, G, CH>(value, dim, me.lane, e);
-    const float ss = RowSquaredNorm<VEC, G, CH>(e, me.mask);
-    const float eg = RowDot<VEC, G, CH>(e, acc, me.mask);
-    const ge_math::ClipGrad cg = ge_math::ClipGradOf(ss, eg, g.max_norm);
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        acc[c][v] = cg.a * (acc[c][v] - e[c][v] * cg.b);
-      }
-    }
+    ClipBackwardRow<VEC, G, CH>(value, dim, me, g.max_norm, acc);
   }
   if (!s.apply) {
     if (me.lane == 0) s.unique_ids[slot] = id;
@@ -460,47 +472,30 @@ __global__ void __launch_bounds__(kBlock)
       for (int v = 0; v < VEC; ++v) acc[c][v] = 0.0f;
     }
   } else {
-    float e[CH][VEC];
-    LoadRow<VEC, G, CH>(x.table + id * dim, dim, me.lane, e);
-    const float ss = RowSquaredNorm<VEC, G, CH>(e, me.mask);
-    const float eg = RowDot<VEC, G, CH>(e, acc, me.mask);
-    const ge_math::ClipGrad cg = ge_math::ClipGradOf(ss, eg, g.max_norm);
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        acc[c][v] = cg.a * (acc[c][v] - e[c][v] * cg.b);
-      }
-    }
+    ClipBackwardRow<VEC, G, CH>(x.table + id * dim, dim, me, g.max_norm,
+                                acc);
   }
   StoreRow<VEC, G, CH>(x.out + j * x.out_stride, dim, me.lane, acc);
 }
 
-// Uploads a checked call's descriptors into the scratch (of
-// ge_lookup_scratch_bytes) and launches, through
-// launch(Shape, grid, stream, group), one kernel with a group of lanes
-// per unit (per example row, or per id): the calls whose only scratch is
-// their descriptors.
-template <typename Launch>
-int LaunchOnUnits(const GeTable* tables, int n, int64_t dim, float max_norm,
-                  const ge_core::GroupPlan& plan, void* scratch,
-                  size_t scratch_bytes, unsigned long long* errors,
-                  void* stream, Launch&& launch) {
-  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, n)) {
-    return GE_ERR_SCRATCH;
-  }
-  if (plan.units() == 0) return GE_OK;
-  auto s = static_cast<cudaStream_t>(stream);
-  DeviceGroup g;
-  const cudaError_t e = UploadGroup(tables, n, plan, scratch, s, &g);
-  if (e != cudaSuccess) return static_cast<int>(e);
-  g.dim = dim;
-  g.max_norm = max_norm;
-  g.errors = errors;
-  return WithShape(dim, RowsVec4(tables, n, dim), [&](auto shape) {
-    launch(shape, GridFor(g.units, decltype(shape)::kG), s, g);
-    return LaunchStatus();
-  });
+// ge_weight_grads (kClip false) and ge_clip_grads (kClip true): their
+// check, then one kernel on the units.
+template <bool kClip>
+int RowGrads(const GeTable* tables, int n, int64_t dim, float max_norm,
+             void* scratch, size_t scratch_bytes, unsigned long long* errors,
+             void* stream) {
+  ge_core::GroupPlan plan;
+  const int status =
+      kClip ? ge_core::CheckClipGrads(tables, n, dim, max_norm, errors, &plan)
+            : ge_core::CheckWeightGrads(tables, n, dim, max_norm, errors,
+                                        &plan);
+  return LaunchOnUnits(
+      status, plan, tables, n, dim, max_norm, scratch, scratch_bytes, errors,
+      stream, [](auto shape) {
+        using S = decltype(shape);
+        return kClip ? &ClipGradKernel<S::kVec, S::kG, S::kCh>
+                     : &WeightGradKernel<S::kVec, S::kG, S::kCh>;
+      });
 }
 
 // Scratch of a backward call, after the descriptors.
@@ -693,35 +688,15 @@ int ge_backward_apply(const GeTable* tables, int num_tables, int64_t dim,
 int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
                     float max_norm, void* scratch, size_t scratch_bytes,
                     unsigned long long* errors, void* stream) {
-  ge_core::GroupPlan plan;
-  const int status = ge_core::CheckWeightGrads(tables, num_tables, dim,
-                                               max_norm, errors, &plan);
-  if (status != GE_OK) return status;
-  return ge_cuda::LaunchOnUnits(
-      tables, num_tables, dim, max_norm, plan, scratch, scratch_bytes,
-      errors, stream, [](auto shape, unsigned grid, cudaStream_t s,
-                         const ge_cuda::DeviceGroup& g) {
-        using S = decltype(shape);
-        ge_cuda::WeightGradKernel<S::kVec, S::kG, S::kCh>
-            <<<grid, ge_cuda::kBlock, 0, s>>>(g);
-      });
+  return ge_cuda::RowGrads<false>(tables, num_tables, dim, max_norm, scratch,
+                                  scratch_bytes, errors, stream);
 }
 
 int ge_clip_grads(const GeTable* tables, int num_tables, int64_t dim,
                   float max_norm, void* scratch, size_t scratch_bytes,
                   unsigned long long* errors, void* stream) {
-  ge_core::GroupPlan plan;
-  const int status = ge_core::CheckClipGrads(tables, num_tables, dim,
-                                             max_norm, errors, &plan);
-  if (status != GE_OK) return status;
-  return ge_cuda::LaunchOnUnits(
-      tables, num_tables, dim, max_norm, plan, scratch, scratch_bytes,
-      errors, stream, [](auto shape, unsigned grid, cudaStream_t s,
-                         const ge_cuda::DeviceGroup& g) {
-        using S = decltype(shape);
-        ge_cuda::ClipGradKernel<S::kVec, S::kG, S::kCh>
-            <<<grid, ge_cuda::kBlock, 0, s>>>(g);
-      });
+  return ge_cuda::RowGrads<true>(tables, num_tables, dim, max_norm, scratch,
+                                 scratch_bytes, errors, stream);
 }
 
 }  // extern "C"

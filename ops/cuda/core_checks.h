@@ -236,12 +236,18 @@ inline int CheckClipGrads(const GeTable* tables, int n, int64_t dim,
   return GE_OK;
 }
 
-// Whether `scratch` holds ge_lookup_scratch_bytes(n) bytes: the layout of
-// the lookups, the ids check and the weight and clip gradients (their
-// callers check it after their other arguments, returning GE_ERR_SCRATCH).
-inline bool HasLookupScratch(const void* scratch, size_t scratch_bytes,
-                             int n) {
-  return scratch != nullptr && scratch_bytes >= ge_lookup_scratch_bytes(n);
+// The last check of the calls whose only scratch is their descriptors
+// (the lookups, the ids check, the weight and clip gradients): `status`
+// of their other checks when it is an error, else GE_ERR_SCRATCH when
+// `scratch` holds fewer than ge_lookup_scratch_bytes(n) bytes. One
+// helper, so that the CUDA core and its host stand-in refuse alike.
+inline int CheckLookupScratch(int status, const void* scratch,
+                              size_t scratch_bytes, int n) {
+  if (status != GE_OK) return status;
+  if (scratch == nullptr || scratch_bytes < ge_lookup_scratch_bytes(n)) {
+    return GE_ERR_SCRATCH;
+  }
+  return GE_OK;
 }
 
 // Carves aligned blocks out of a scratch buffer; with a null base it

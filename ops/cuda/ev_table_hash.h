@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include <limits>
+#include <vector>
 
 #include "core_checks.h"
 #include "embedding_math.h"
@@ -168,6 +169,29 @@ inline int CheckGroup(const GeEvTable* tables, int num_tables,
     if (s != GE_OK) return s;
   }
   return GE_OK;
+}
+
+// A group call's prefixes, as CheckGroup fills them: occurrences
+// [num_batches + 1] and buckets [num_tables + 1].
+struct GroupBases {
+  std::vector<int64_t> occ, bucket;
+  int64_t keys() const { return occ.back(); }
+};
+
+// The first checks of a group call of the CUDA table and of its stand-in
+// alike: CheckGroup into `bases`, then the counters.
+inline int CheckGroupCall(const GeEvTable* tables, int num_tables,
+                          const GeEvBatch* batches, int num_batches,
+                          const GeEvEvicted* evicted,
+                          const unsigned long long* counters,
+                          GroupBases* bases) {
+  bases->occ.assign(num_batches + 1 > 0 ? num_batches + 1 : 1, 0);
+  bases->bucket.assign(num_tables + 1 > 0 ? num_tables + 1 : 1, 0);
+  const int status = CheckGroup(tables, num_tables, batches, num_batches,
+                                evicted, bases->occ.data(),
+                                bases->bucket.data());
+  if (status != GE_OK) return status;
+  return counters == nullptr ? GE_ERR_ARGUMENT : GE_OK;
 }
 
 // The host checks of ge_ev_init (it needs only the keys and digests),

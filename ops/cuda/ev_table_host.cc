@@ -133,13 +133,11 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
            int nb, int64_t step, const GeEvEvicted* evicted,
            const ImportRows& in, void* scratch, size_t scratch_bytes,
            unsigned long long* counters) {
-  std::vector<int64_t> occ_base(nb + 1 > 0 ? nb + 1 : 1);
-  std::vector<int64_t> bucket_base(nt + 1 > 0 ? nt + 1 : 1);
-  const int status = ge_ev::CheckGroup(tables, nt, batches, nb, evicted,
-                                       occ_base.data(), bucket_base.data());
+  ge_ev::GroupBases bases;
+  const int status = ge_ev::CheckGroupCall(tables, nt, batches, nb, evicted,
+                                           counters, &bases);
   if (status != GE_OK) return status;
-  if (counters == nullptr) return GE_ERR_ARGUMENT;
-  const int64_t n = occ_base[nb];
+  const int64_t n = bases.keys();
   if (n == 0) return GE_OK;
   if (scratch == nullptr ||
       scratch_bytes < ge_ev_group_scratch_bytes(tables, nt, batches, nb)) {
@@ -159,10 +157,10 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
     const GeEvBatch& x = batches[b];
     const GeEvTable& t = tables[x.table];
     for (int64_t jl = 0; jl < x.n; ++jl) {
-      occ[occ_base[b] + jl] = {&x, jl, &t, x.keys[jl],
-                               x.out != nullptr && !in.on
-                                   ? x.out + jl * t.dim
-                                   : nullptr};
+      occ[bases.occ[b] + jl] = {&x, jl, &t, x.keys[jl],
+                                 x.out != nullptr && !in.on
+                                     ? x.out + jl * t.dim
+                                     : nullptr};
     }
   }
   auto evicted_of = [&](const GeEvTable* t) -> const GeEvEvicted* {
@@ -185,7 +183,7 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
     slot[j] = s;
     if (s < 0) {
       missing.emplace_back(
-          bucket_base[o.table - tables] +
+          bases.bucket[o.table - tables] +
               BucketOf(Mix(static_cast<uint64_t>(o.key)), t.num_buckets),
           j);
       continue;
@@ -211,7 +209,7 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
     int64_t s = Find(t, o.key);  // a repeat inserted just before
     if (s < 0) {
       const int64_t base =
-          (m.first - bucket_base[o.table - tables]) * GE_EV_BUCKET;
+          (m.first - bases.bucket[o.table - tables]) * GE_EV_BUCKET;
       s = Place(t, base, now, evicted_of(o.table), counters);
       if (s >= 0) {
         WriteEntry(t, s, o.key, o.jl, now, in);

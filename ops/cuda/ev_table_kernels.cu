@@ -696,13 +696,11 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
            int nb, int64_t step, const GeEvEvicted* evicted,
            const ImportRows& in, void* scratch, size_t scratch_bytes,
            unsigned long long* counters, void* stream) {
-  std::vector<int64_t> occ_base(nb + 1 > 0 ? nb + 1 : 1);
-  std::vector<int64_t> bucket_base(nt + 1 > 0 ? nt + 1 : 1);
-  const int status = ge_ev::CheckGroup(tables, nt, batches, nb, evicted,
-                                       occ_base.data(), bucket_base.data());
+  ge_ev::GroupBases bases;
+  const int status = ge_ev::CheckGroupCall(tables, nt, batches, nb, evicted,
+                                           counters, &bases);
   if (status != GE_OK) return status;
-  if (counters == nullptr) return GE_ERR_ARGUMENT;
-  const int64_t n = occ_base[nb];
+  const int64_t n = bases.keys();
   if (n == 0) return GE_OK;
   if (scratch == nullptr ||
       scratch_bytes < Layout(nullptr, nt, nb, n).total) {
@@ -718,8 +716,8 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
     h.evicted[t] = evicted != nullptr ? evicted[t] : GeEvEvicted{};
   }
   for (int b = 0; b < nb; ++b) h.batches[b] = batches[b];
-  std::copy(occ_base.begin(), occ_base.end(), h.occ_base);
-  std::copy(bucket_base.begin(), bucket_base.end(), h.bucket_base);
+  std::copy(bases.occ.begin(), bases.occ.end(), h.occ_base);
+  std::copy(bases.bucket.begin(), bases.bucket.end(), h.bucket_base);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaMemcpyAsync(scratch, host.data(), head,
                                   cudaMemcpyHostToDevice, st);
@@ -734,14 +732,14 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
   for (int b = 0; b < nb; ++b) vec4 = vec4 && Aligned(batches[b].out);
   Group g{s.tables, s.batches, s.evicted, s.occ_base, s.bucket_base,
           nt, nb, n, step < 0 ? 0 : step,
-          static_cast<uint32_t>(bucket_base[nt]), s.slot_of, in, counters,
+          static_cast<uint32_t>(bases.bucket[nt]), s.slot_of, in, counters,
           vec4};
   ProbeKernel<<<Blocks(n * kTile), kBlock, 0, st>>>(g, s.bucket_of,
                                                     s.index_of);
   if (int e1 = Launched()) return e1;
   e = cub::DeviceRadixSort::SortPairs(
       s.sort_temp, s.sort_bytes, s.bucket_of, s.bucket_sorted, s.index_of,
-      s.index_sorted, static_cast<int>(n), 0, SortBits(bucket_base[nt]), st);
+      s.index_sorted, static_cast<int>(n), 0, SortBits(bases.bucket[nt]), st);
   if (e != cudaSuccess) return static_cast<int>(e);
   // Enough tiles to keep the GPU busy; each walks chunks of 8 entries
   // (measured on an H200: one warp per 32 entries, 80 registers, left

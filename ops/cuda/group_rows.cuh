@@ -299,6 +299,35 @@ inline int LaunchStatus() {
   return e == cudaSuccess ? GE_OK : static_cast<int>(e);
 }
 
+// Every call whose only scratch is its descriptors (the lookups, the
+// weight gradients, the clip's backward), after its own check (`status`,
+// GE_OK or its error, having filled `plan`): checks the scratch (of
+// ge_lookup_scratch_bytes), uploads the descriptors into it and launches
+// ONE kernel, kernel_of(Shape) for the group's dim, with a group of lanes
+// per unit (per example row, or per id).
+template <typename KernelOf>
+int LaunchOnUnits(int status, const ge_core::GroupPlan& plan,
+                  const GeTable* tables, int n, int64_t dim, float max_norm,
+                  void* scratch, size_t scratch_bytes,
+                  unsigned long long* errors, void* stream,
+                  KernelOf&& kernel_of) {
+  status = ge_core::CheckLookupScratch(status, scratch, scratch_bytes, n);
+  if (status != GE_OK) return status;
+  if (plan.units() == 0) return GE_OK;
+  auto s = static_cast<cudaStream_t>(stream);
+  DeviceGroup g;
+  const cudaError_t e = UploadGroup(tables, n, plan, scratch, s, &g);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  g.dim = dim;
+  g.max_norm = max_norm;
+  g.errors = errors;
+  return WithShape(dim, RowsVec4(tables, n, dim), [&](auto shape) {
+    const unsigned grid = GridFor(g.units, decltype(shape)::kG);
+    kernel_of(shape)<<<grid, kBlock, 0, s>>>(g);
+    return LaunchStatus();
+  });
+}
+
 }  // namespace ge_cuda
 
 #endif  // GROUP_EMBEDDING_OPS_CUDA_GROUP_ROWS_CUH_

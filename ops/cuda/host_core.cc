@@ -74,12 +74,10 @@ int Lookup(bool sequence, const GeTable* tables, int n, int64_t dim,
            float max_norm, size_t scratch_bytes, void* scratch,
            unsigned long long* errors) {
   GroupPlan plan;
-  const int status = ge_core::CheckLookup(tables, n, dim, max_norm, sequence,
-                                          errors, &plan);
+  int status = ge_core::CheckLookup(tables, n, dim, max_norm, sequence,
+                                    errors, &plan);
+  status = ge_core::CheckLookupScratch(status, scratch, scratch_bytes, n);
   if (status != GE_OK) return status;
-  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, n)) {
-    return GE_ERR_SCRATCH;
-  }
   std::vector<float> acc(dim);
   for (int t = 0; t < n; ++t) {
     const GeTable& x = tables[t];
@@ -308,12 +306,10 @@ int ge_check_ids(const GeTable* tables, int num_tables, void* scratch,
                  size_t scratch_bytes, unsigned long long* errors,
                  void* /*stream*/) {
   ge_core::GroupPlan plan;
-  const int status =
-      ge_core::CheckIdsCall(tables, num_tables, errors, &plan);
+  int status = ge_core::CheckIdsCall(tables, num_tables, errors, &plan);
+  status = ge_core::CheckLookupScratch(status, scratch, scratch_bytes,
+                                       num_tables);
   if (status != GE_OK) return status;
-  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, num_tables)) {
-    return GE_ERR_SCRATCH;
-  }
   for (int t = 0; t < num_tables; ++t) {
     const GeTable& x = tables[t];
     for (int64_t j = 0; j < x.nnz; ++j) {
@@ -336,12 +332,11 @@ int ge_weight_grads(const GeTable* tables, int num_tables, int64_t dim,
                     float max_norm, void* scratch, size_t scratch_bytes,
                     unsigned long long* errors, void* /*stream*/) {
   ge_core::GroupPlan plan;
-  const int status = ge_core::CheckWeightGrads(tables, num_tables, dim,
-                                               max_norm, errors, &plan);
+  int status = ge_core::CheckWeightGrads(tables, num_tables, dim, max_norm,
+                                         errors, &plan);
+  status = ge_core::CheckLookupScratch(status, scratch, scratch_bytes,
+                                       num_tables);
   if (status != GE_OK) return status;
-  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, num_tables)) {
-    return GE_ERR_SCRATCH;
-  }
   for (int t = 0; t < num_tables; ++t) {
     const GeTable& x = tables[t];
     if (x.weights == nullptr) continue;
@@ -391,12 +386,11 @@ int ge_clip_grads(const GeTable* tables, int num_tables, int64_t dim,
                   float max_norm, void* scratch, size_t scratch_bytes,
                   unsigned long long* errors, void* /*stream*/) {
   ge_core::GroupPlan plan;
-  const int status = ge_core::CheckClipGrads(tables, num_tables, dim,
-                                             max_norm, errors, &plan);
+  int status = ge_core::CheckClipGrads(tables, num_tables, dim, max_norm,
+                                       errors, &plan);
+  status = ge_core::CheckLookupScratch(status, scratch, scratch_bytes,
+                                       num_tables);
   if (status != GE_OK) return status;
-  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, num_tables)) {
-    return GE_ERR_SCRATCH;
-  }
   std::vector<float> g(dim);
   for (int t = 0; t < num_tables; ++t) {
     const GeTable& x = tables[t];

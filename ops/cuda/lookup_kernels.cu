@@ -187,28 +187,13 @@ int Lookup(const GeTable* tables, int n, int64_t dim, float max_norm,
   ge_core::GroupPlan plan;
   const int status = ge_core::CheckLookup(tables, n, dim, max_norm,
                                           kSequence, errors, &plan);
-  if (status != GE_OK) return status;
-  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, n)) {
-    return GE_ERR_SCRATCH;
-  }
-  if (plan.units() == 0) return GE_OK;
-  auto s = static_cast<cudaStream_t>(stream);
-  DeviceGroup g;
-  const cudaError_t copied = UploadGroup(tables, n, plan, scratch, s, &g);
-  if (copied != cudaSuccess) return static_cast<int>(copied);
-  g.dim = dim;
-  g.max_norm = max_norm;
-  g.errors = errors;
-  return WithShape(dim, RowsVec4(tables, n, dim), [&](auto shape) {
-    using S = decltype(shape);
-    const unsigned grid = GridFor(g.units, S::kG);
-    if (kSequence) {
-      SequenceLookupKernel<S::kVec, S::kG, S::kCh><<<grid, kBlock, 0, s>>>(g);
-    } else {
-      PooledLookupKernel<S::kVec, S::kG, S::kCh><<<grid, kBlock, 0, s>>>(g);
-    }
-    return LaunchStatus();
-  });
+  return LaunchOnUnits(
+      status, plan, tables, n, dim, max_norm, scratch, scratch_bytes, errors,
+      stream, [](auto shape) {
+        using S = decltype(shape);
+        return kSequence ? &SequenceLookupKernel<S::kVec, S::kG, S::kCh>
+                         : &PooledLookupKernel<S::kVec, S::kG, S::kCh>;
+      });
 }
 
 }  // namespace
@@ -241,12 +226,10 @@ int ge_check_ids(const GeTable* tables, int num_tables, void* scratch,
                  size_t scratch_bytes, unsigned long long* errors,
                  void* stream) {
   ge_core::GroupPlan plan;
-  const int status =
-      ge_core::CheckIdsCall(tables, num_tables, errors, &plan);
+  int status = ge_core::CheckIdsCall(tables, num_tables, errors, &plan);
+  status = ge_core::CheckLookupScratch(status, scratch, scratch_bytes,
+                                       num_tables);
   if (status != GE_OK) return status;
-  if (!ge_core::HasLookupScratch(scratch, scratch_bytes, num_tables)) {
-    return GE_ERR_SCRATCH;
-  }
   const int64_t work = plan.occurrences() + plan.units();
   if (work == 0) return GE_OK;
   auto s = static_cast<cudaStream_t>(stream);

@@ -46,6 +46,7 @@
 #ifndef GE_ADAPTOR_ON_HOST
 #include "xla/stream_executor/stream.h"
 #endif
+#include "../kernels/op_checks.h"
 #include "../kernels/pooling.h"
 #include "../kernels/table_access.h"
 #include "group_embedding_cuda.h"
@@ -54,21 +55,11 @@ namespace group_embedding {
 namespace gpu_kernels {
 namespace {
 
+// Besides the TF names op_checks.h gives all of namespace group_embedding.
 using ::tensorflow::DT_FLOAT;
 using ::tensorflow::DT_INT64;
 using ::tensorflow::DT_UINT8;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::OpOutputList;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::Var;
-using ::tensorflow::core::RefCountPtr;
 using ::tensorflow::errors::Internal;
-using ::tensorflow::errors::InvalidArgument;
 
 // The backward ops see no table: ids are keyed with this many rows per
 // table (2^40 rows; 2^23 tables fit the 63-bit key).
@@ -135,12 +126,26 @@ Status CheckRaggedShapes(const std::string& name, const Tensor& ids,
   return Status();
 }
 
+// The descriptors of a group's core call, and what CheckCounters names a
+// bad id with: each table's ids and the rows they are checked against.
+struct CoreGroup {
+  std::vector<GeTable> descs;
+  std::vector<const Tensor*> ids;
+  std::vector<int64_t> vocabs;
+
+  explicit CoreGroup(int k) : descs(k), ids(k), vocabs(k) {}
+  // Table t's ids, checked against its descriptor's rows (`vocab`).
+  void SetIds(int t, const Tensor& id_tensor) {
+    ids[t] = &id_tensor;
+    vocabs[t] = descs[t].vocab;
+  }
+};
+
 // Reads the error counters (waiting for the stream); on a bad id, copies
 // the tables' ids back to name the first one, as the CPU kernels do.
 Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
                      const std::vector<std::string>& names,
-                     const std::vector<const Tensor*>& ids,
-                     const std::vector<int64_t>& vocabs) {
+                     const CoreGroup& group) {
   uint64_t host[GE_NUM_ERRORS] = {0, 0};
   int code = ge_copy_async(host, counters, sizeof(host), 1, stream);
   if (code == GE_OK) code = ge_synchronize(stream);
@@ -153,17 +158,17 @@ Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
         absl::StrJoin(names, ", "), ").");
   }
   if (host[GE_BAD_IDS] == 0) return Status();
-  for (size_t t = 0; t < ids.size(); ++t) {
-    const int64_t n = ids[t]->NumElements();
+  for (size_t t = 0; t < group.ids.size(); ++t) {
+    const int64_t n = group.ids[t]->NumElements();
     std::vector<int64_t> v(n);
-    code = ge_copy_async(v.data(), ids[t]->flat<int64_t>().data(),
+    code = ge_copy_async(v.data(), group.ids[t]->flat<int64_t>().data(),
                          sizeof(int64_t) * n, 1, stream);
     if (code == GE_OK) code = ge_synchronize(stream);
     TF_RETURN_IF_ERROR(CoreStatus("reading the ids", code));
     for (int64_t j = 0; j < n; ++j) {
-      if (v[j] < 0 || v[j] >= vocabs[t]) {
+      if (v[j] < 0 || v[j] >= group.vocabs[t]) {
         return InvalidArgument(names[t], ": id ", v[j],
-                               " is out of range [0, ", vocabs[t],
+                               " is out of range [0, ", group.vocabs[t],
                                ") for this table.");
       }
     }
@@ -176,10 +181,8 @@ Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
 static_assert(kSum == GE_SUM && kMean == GE_MEAN && kSqrtn == GE_SQRTN,
               "the core's combiner codes are the CPU kernels'");
 Status CombinersAttr(OpKernelConstruction* ctx, std::vector<int32_t>* out) {
-  std::vector<std::string> names;
-  TF_RETURN_IF_ERROR(ctx->GetAttr("combiners", &names));
   std::vector<Combiner> parsed;
-  TF_RETURN_IF_ERROR(ParseCombiners(names, &parsed));
+  TF_RETURN_IF_ERROR(ParseCombiners(ctx, &parsed));
   out->assign(parsed.begin(), parsed.end());
   return Status();
 }
@@ -215,6 +218,27 @@ struct RaggedInputs {
   }
 };
 
+// A core call's scratch of `bytes` and its error counters, zeroed on the
+// stream: TF temporaries, alive as long as this object. What every call
+// of the core takes before it runs.
+struct CoreScratch {
+  Tensor scratch_t, counters_t;
+  void* scratch = nullptr;
+  void* counters = nullptr;
+  size_t bytes = 0;
+
+  Status Allocate(OpKernelContext* ctx, size_t size, void* stream) {
+    bytes = size;
+    TF_RETURN_IF_ERROR(Temp(ctx, bytes, &scratch_t, &scratch));
+    TF_RETURN_IF_ERROR(Temp(ctx, 16, &counters_t, &counters));
+    return CoreStatus("zeroing the error counts",
+                      ge_zero_async(counters, 16, stream));
+  }
+  unsigned long long* errors() const {
+    return static_cast<unsigned long long*>(counters);
+  }
+};
+
 // A group's core call that has no scratch but its descriptors (the
 // lookups, ge_weight_grads, ge_clip_grads): zeroes the error counters,
 // calls `core`, then reads the counts (CheckCounters), unless `checked`:
@@ -224,24 +248,25 @@ struct RaggedInputs {
 // and skips a bad id then (it never reads outside a table).
 template <typename Core>
 Status CallCore(OpKernelContext* ctx, const std::string& what, Core core,
-                std::vector<GeTable>* descs, int64_t dim, float max_norm,
-                const std::vector<std::string>& names,
-                const std::vector<const Tensor*>& ids,
-                const std::vector<int64_t>& vocabs, bool checked = false) {
+                CoreGroup* group, int64_t dim, float max_norm,
+                const std::vector<std::string>& names, bool checked = false) {
   void* stream = StreamOf(ctx);
-  const int k = static_cast<int>(descs->size());
-  Tensor scratch_t, counters_t;
-  void *scratch = nullptr, *counters = nullptr;
-  const size_t bytes = ge_lookup_scratch_bytes(k);
-  TF_RETURN_IF_ERROR(Temp(ctx, bytes, &scratch_t, &scratch));
-  TF_RETURN_IF_ERROR(Temp(ctx, 16, &counters_t, &counters));
-  TF_RETURN_IF_ERROR(CoreStatus("zeroing the error counts",
-                                ge_zero_async(counters, 16, stream)));
+  const int k = static_cast<int>(group->descs.size());
+  CoreScratch s;
+  TF_RETURN_IF_ERROR(s.Allocate(ctx, ge_lookup_scratch_bytes(k), stream));
   TF_RETURN_IF_ERROR(CoreStatus(
-      what, core(descs->data(), k, dim, max_norm, scratch, bytes,
-                 static_cast<unsigned long long*>(counters), stream)));
+      what, core(group->descs.data(), k, dim, max_norm, s.scratch, s.bytes,
+                 s.errors(), stream)));
   if (checked) return Status();
-  return CheckCounters(ctx, stream, counters, names, ids, vocabs);
+  return CheckCounters(ctx, stream, s.counters, names, *group);
+}
+
+// ge_check_ids in CallCore's form (it has no dim and no max_norm).
+int CheckIdsCore(const GeTable* tables, int num_tables, int64_t /*dim*/,
+                 float /*max_norm*/, void* scratch, size_t scratch_bytes,
+                 unsigned long long* errors, void* stream) {
+  return ge_check_ids(tables, num_tables, scratch, scratch_bytes, errors,
+                      stream);
 }
 
 // Checks that `table` is a float32 [vocab, dim] matrix, of the call's dim
@@ -349,9 +374,7 @@ class LookupOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->output_list(sequence ? "sequences" : "pooled",
                                            &outs));
     }
-    std::vector<GeTable> descs(k);
-    std::vector<const Tensor*> id_tensors(k);
-    std::vector<int64_t> vocabs(k);
+    CoreGroup group(k);
     for (int t = 0; t < k; ++t) {
       const Tensor* table = vars[t]->tensor();
       OP_REQUIRES(ctx, table->dtype() == DT_FLOAT && table->dims() == 2 &&
@@ -359,13 +382,12 @@ class LookupOp : public OpKernel {
                   InvalidArgument(names_[t], ": expected a float32 [vocab, ",
                                   dim_, "] table, got ",
                                   table->shape().DebugString()));
-      GeTable& d = descs[t];
+      GeTable& d = group.descs[t];
       OP_REQUIRES_OK(ctx, in.Describe(t, names_[t], &d));
       const int64_t batch = d.batch;
       d.table = DataOr<float>(*table);
       d.vocab = table->dim_size(0);
-      id_tensors[t] = &in.ids[t];
-      vocabs[t] = d.vocab;
+      group.SetIds(t, in.ids[t]);
       if (sequence) {
         OP_REQUIRES(ctx, max_lens[t].dims() == 0,
                     InvalidArgument(names_[t], ": max_lens must be a "
@@ -400,8 +422,8 @@ class LookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CallCore(ctx, name(),
                                  sequence ? ge_lookup_sequence
                                           : ge_lookup_pooled,
-                                 &descs, dim_, max_norm_, names_, id_tensors,
-                                 vocabs, ids_checked_));
+                                 &group, dim_, max_norm_, names_,
+                                 ids_checked_));
   }
 
  private:
@@ -434,9 +456,7 @@ class CheckIdsOp : public OpKernel {
                 InvalidArgument("table_names must have ", k, " entries."));
     LockedTables locked;
     OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
-    std::vector<GeTable> descs(k);
-    std::vector<const Tensor*> id_tensors(k);
-    std::vector<int64_t> vocabs(k);
+    CoreGroup group(k);
     const Tensor no_weights(DT_FLOAT, TensorShape({0}));
     for (int t = 0; t < k; ++t) {
       const Tensor* table = locked.vars()[t]->tensor();
@@ -446,7 +466,7 @@ class CheckIdsOp : public OpKernel {
                                   table->shape().DebugString()));
       OP_REQUIRES_OK(ctx, CheckRaggedShapes(names_[t], ids[t], splits[t],
                                             no_weights));
-      GeTable& d = descs[t];
+      GeTable& d = group.descs[t];
       std::memset(&d, 0, sizeof(d));
       d.vocab = table->dim_size(0);
       d.ids = DataOr<int64_t>(ids[t]);
@@ -468,22 +488,10 @@ class CheckIdsOp : public OpKernel {
                     InvalidArgument(names_[t], ": max_lens must be >= 0, "
                                     "got ", d.seq_len, "."));
       }
-      id_tensors[t] = &ids[t];
-      vocabs[t] = d.vocab;
+      group.SetIds(t, ids[t]);
     }
-    void* stream = StreamOf(ctx);
-    Tensor scratch_t, counters_t;
-    void *scratch = nullptr, *counters = nullptr;
-    const size_t bytes = ge_lookup_scratch_bytes(k);
-    OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
-    OP_REQUIRES_OK(ctx, Temp(ctx, 16, &counters_t, &counters));
-    OP_REQUIRES_OK(ctx, CoreStatus("zeroing the error counts",
-                                   ge_zero_async(counters, 16, stream)));
-    OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_check_ids(
-        descs.data(), k, scratch, bytes,
-        static_cast<unsigned long long*>(counters), stream)));
-    OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names_,
-                                      id_tensors, vocabs));
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), CheckIdsCore, &group, 0, -1.0f,
+                                 names_));
   }
 
  private:
@@ -519,16 +527,16 @@ class LookupGradOp : public OpKernel {
     OP_REQUIRES(ctx, sequence || static_cast<int>(combiners_.size()) == k,
                 InvalidArgument("combiners must have ", k, " entries."));
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
-    std::vector<GeTable> descs(k);
+    CoreGroup group(k);
+    const std::vector<GeTable>& descs = group.descs;
     std::vector<std::string> names(k);
-    std::vector<const Tensor*> id_tensors(k);
     int64_t total = 0;
     for (int t = 0; t < k; ++t) {
       names[t] = absl::StrCat("table ", t);
-      GeTable& d = descs[t];
+      GeTable& d = group.descs[t];
       OP_REQUIRES_OK(ctx, in.Describe(t, names[t], &d));
       d.vocab = kBackwardVocab;
-      id_tensors[t] = &in.ids[t];
+      group.SetIds(t, in.ids[t]);
       total += d.nnz;
       OP_REQUIRES_OK(ctx, DescribeGrad(layout_, grads, t, k, dim_,
                                        sequence ? 0 : combiners_[t],
@@ -593,10 +601,7 @@ class LookupGradOp : public OpKernel {
     }
     if (ids_checked_) return;
     // Built by hand: the op checks its own ids and row_splits (one wait).
-    OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names,
-                                      id_tensors,
-                                      std::vector<int64_t>(k,
-                                                           kBackwardVocab)));
+    OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names, group));
   }
 
  private:
@@ -731,38 +736,32 @@ class BackwardApplyOp : public OpKernel {
       }
       data[i] = DataOr<float>(*t);
     }
-    std::vector<GeTable> descs(k);
-    std::vector<const Tensor*> id_tensors(k);
-    std::vector<int64_t> vocabs(k);
+    CoreGroup group(k);
     for (int t = 0; t < k; ++t) {
-      GeTable& d = descs[t];
+      GeTable& d = group.descs[t];
       OP_REQUIRES_OK(ctx, in.Describe(t, names_[t], &d));
       d.table = data[t];
       d.vocab = refs[t]->tensor()->dim_size(0);
       d.slot0 = slots_per_table_ > 0 ? data[k + t] : nullptr;
       d.slot1 = slots_per_table_ > 1 ? data[2 * k + t] : nullptr;
-      id_tensors[t] = &in.ids[t];
-      vocabs[t] = d.vocab;
+      group.SetIds(t, in.ids[t]);
       OP_REQUIRES_OK(ctx, DescribeGrad(layout_, grads, t, k, dim_,
                                        sequence ? 0 : combiners_[t],
                                        names_[t], &d));
     }
-    const size_t bytes = ge_backward_scratch_bytes(descs.data(), k, dim_);
+    const size_t bytes =
+        ge_backward_scratch_bytes(group.descs.data(), k, dim_);
     OP_REQUIRES(ctx, bytes > 0,
                 InvalidArgument("the CUDA core refused the backward's "
                                 "arguments."));
-    Tensor scratch_t, counters_t;
-    void *scratch = nullptr, *counters = nullptr;
-    OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
-    OP_REQUIRES_OK(ctx, Temp(ctx, 16, &counters_t, &counters));
-    OP_REQUIRES_OK(ctx, CoreStatus("zeroing the error counts",
-                                   ge_zero_async(counters, 16, stream)));
+    CoreScratch s;
+    OP_REQUIRES_OK(ctx, s.Allocate(ctx, bytes, stream));
     OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_backward_apply(
-        descs.data(), k, dim_, max_norm_, &config, scratch, bytes,
-        static_cast<unsigned long long*>(counters), stream)));
+        group.descs.data(), k, dim_, max_norm_, &config, s.scratch, s.bytes,
+        s.errors(), stream)));
     if (ids_checked_) return;
-    OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, counters, names_,
-                                      id_tensors, vocabs));
+    OP_REQUIRES_OK(ctx, CheckCounters(ctx, stream, s.counters, names_,
+                                      group));
   }
 
  private:
@@ -792,10 +791,8 @@ class ClipGradOp : public OpKernel {
     const int k = uniq.size();
     LockedTables locked;
     OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
-    std::vector<GeTable> descs(k);
+    CoreGroup group(k);
     std::vector<std::string> names(k);
-    std::vector<const Tensor*> id_tensors(k);
-    std::vector<int64_t> vocabs(k);
     int64_t dim = -1;
     for (int t = 0; t < k; ++t) {
       names[t] = absl::StrCat("table ", t);
@@ -813,7 +810,7 @@ class ClipGradOp : public OpKernel {
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
                               {2 * k + t}, t, grads[t].shape(), &o));
-      GeTable& d = descs[t];
+      GeTable& d = group.descs[t];
       std::memset(&d, 0, sizeof(d));
       d.table = DataOr<float>(*table);
       d.vocab = table->dim_size(0);
@@ -823,12 +820,10 @@ class ClipGradOp : public OpKernel {
       d.grad_stride = dim;
       d.out = DataOr<float>(*o);
       d.out_stride = dim;
-      id_tensors[t] = &uniq[t];
-      vocabs[t] = d.vocab;
+      group.SetIds(t, uniq[t]);
     }
-    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_clip_grads, &descs, dim,
-                                 max_norm_, names, id_tensors, vocabs,
-                                 ids_checked_));
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_clip_grads, &group, dim,
+                                 max_norm_, names, ids_checked_));
   }
 
  private:
@@ -870,8 +865,8 @@ class TableSnapshotOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim}),
                                              &rows));
     if (n == 0) return;
-    std::vector<GeTable> descs(1);
-    GeTable& d = descs[0];
+    CoreGroup group(1);
+    GeTable& d = group.descs[0];
     std::memset(&d, 0, sizeof(d));
     d.table = DataOr<float>(*table);
     d.vocab = table->dim_size(0);
@@ -880,9 +875,9 @@ class TableSnapshotOp : public OpKernel {
     d.combiner = GE_SUM;
     d.out = DataOr<float>(*rows);
     d.out_stride = dim;
-    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_lookup_pooled, &descs, dim,
-                                 -1.0f, {name_}, {&ids}, {d.vocab},
-                                 ids_checked_));
+    group.SetIds(0, ids);
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_lookup_pooled, &group, dim,
+                                 -1.0f, {name_}, ids_checked_));
   }
 
  private:
@@ -923,10 +918,8 @@ class WeightGradOp : public OpKernel {
                 InvalidArgument("combiners must have ", k, " entries."));
     LockedTables locked;
     if (!snapshots_) OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
-    std::vector<GeTable> descs;
+    CoreGroup group(0);  // the weighted tables only
     std::vector<std::string> names;
-    std::vector<const Tensor*> id_tensors;
-    std::vector<int64_t> vocabs;
     int64_t dim = -1;
     for (int t = 0; t < k; ++t) {
       const std::string name = absl::StrCat("table ", t);
@@ -969,17 +962,16 @@ class WeightGradOp : public OpKernel {
         d.combiner = combiners_[t];
       }
       d.grad = DataOr<float>(grads[t]);
-      descs.push_back(d);
+      group.descs.push_back(d);
       names.push_back(name);
-      id_tensors.push_back(&in.ids[t]);
+      group.ids.push_back(&in.ids[t]);
       // A snapshot by position was range-checked when taken.
-      vocabs.push_back(by_position ? std::numeric_limits<int64_t>::max()
-                                   : d.vocab);
+      group.vocabs.push_back(
+          by_position ? std::numeric_limits<int64_t>::max() : d.vocab);
     }
-    if (descs.empty()) return;
-    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_weight_grads, &descs, dim,
-                                 max_norm_, names, id_tensors, vocabs,
-                                 ids_checked_));
+    if (group.descs.empty()) return;
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_weight_grads, &group, dim,
+                                 max_norm_, names, ids_checked_));
   }
 
  private:
