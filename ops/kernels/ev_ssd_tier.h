@@ -3,8 +3,8 @@
 
 // The SSD tier of an EmbeddingVariable (issue 36): an append-only file of
 // fixed-size records under the EV's own folder, and an in-memory index
-// key -> record offset. Not yet wired into the EV table (ev_storage.h);
-// TF-free so that it is tested on its own (tests/group_embedding/
+// key -> record offset, used by the EV table (ev_storage.h) for
+// StorageType.DRAM_SSDHASH and SSDHASH; TF-free so that it is tested on its own (tests/group_embedding/
 // test_ev_ssd_tier_file.py builds a driver with g++).
 //
 // File layout (little-endian, as written by this host):
@@ -147,14 +147,22 @@ class SsdTierFile {
   // Rewrites the live records into path + ".compact" and renames it over
   // the file. Each record is verified as it is copied; on any error the
   // old file and index stay in use.
-  std::string Compact() {
-    SsdTierFile next(ev_name_, path_ + ".compact", dim_, slot_floats_);
+  std::string Compact() { return Rewrite(slot_floats_, 0.0f); }
+
+  // Compact, and widens every record to `slot_floats` slot floats (at
+  // least the current ones), the new ones set to `init`: an optimizer
+  // slot created while keys are in this tier.
+  std::string Rewrite(uint32_t slot_floats, float init) {
+    SsdTierFile next(ev_name_, path_ + ".compact", dim_, slot_floats);
     std::string err = next.Open();
     if (!err.empty()) return err;
     TierRecord r;
     for (const auto& kv : index_) {
       err = ReadAt(kv.second, kv.first, &r);
-      if (err.empty()) err = next.Put(r);
+      if (err.empty()) {
+        r.slots.resize(slot_floats, init);
+        err = next.Put(r);
+      }
       if (!err.empty()) {
         next.Close();
         ::unlink(next.path_.c_str());
@@ -173,6 +181,8 @@ class SsdTierFile {
     index_.swap(next.index_);
     end_ = next.end_;
     dead_ = 0;
+    slot_floats_ = slot_floats;
+    record_bytes_ = next.record_bytes_;
     return "";
   }
 
@@ -187,6 +197,7 @@ class SsdTierFile {
   uint64_t dead_bytes() const { return dead_; }
   uint64_t LiveBytes() const { return index_.size() * record_bytes_; }
   uint64_t record_bytes() const { return record_bytes_; }
+  uint32_t slot_floats() const { return slot_floats_; }
   const std::string& path() const { return path_; }
   // The keys of this tier (for export, filters and eviction scans).
   template <typename F>
