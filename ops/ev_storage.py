@@ -121,6 +121,13 @@ def size(handle):
     return library().group_embedding_ev_size(handle)
 
 
+def tier_stats(handle) -> tf.Tensor:
+    """int64 `[5]`: keys in DRAM, keys on disk, promotions (disk -> DRAM,
+    the DRAM tier's misses), spills (DRAM -> disk), bytes of the disk
+    tier's in-memory index (StorageType.DRAM_SSDHASH / SSDHASH)."""
+    return library().group_embedding_ev_tier_stats(handle)
+
+
 def export(handle, embedding_dim: int):
     """Consistent snapshot: (keys, values, freqs, versions, slot_names,
     slot_inits, slots [n, S * D], step)."""

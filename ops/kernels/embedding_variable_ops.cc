@@ -185,6 +185,40 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
     "GroupEmbeddingEVSize", "EVSize",
     EVSizeOp);
 
+// The SSD tier's counters: keys in DRAM, keys on disk, promotions (disk ->
+// DRAM, i.e. misses of the DRAM tier), spills (DRAM -> disk) and the bytes
+// of the tier's in-memory index; all 0 but the first without a tier.
+// A new op: no pre-rename alias.
+REGISTER_OP("GroupEmbeddingEVTierStats")
+    .Input("handle: resource")
+    .Output("stats: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(5));
+      return Status();
+    });
+
+class EVTierStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    RefCountPtr<EVStorage> ev;
+    OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
+    tensorflow::tf_shared_lock lock(*ev->mu());
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({5}), &out));
+    auto v = out->flat<int64_t>();
+    v(1) = ev->tier_size();
+    v(0) = ev->size() - v(1);
+    v(2) = ev->promotions();
+    v(3) = ev->spills();
+    v(4) = ev->tier_index_bytes();
+  }
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("GroupEmbeddingEVTierStats").Device(DEVICE_CPU), EVTierStatsOp);
+
 // Outputs 0-7 of GroupEmbeddingEVExport and GroupEmbeddingEVExportChanges:
 // keys, values, freqs, versions, slot_names, slot_inits, slots [n, S * D],
 // step.

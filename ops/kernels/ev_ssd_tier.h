@@ -2,8 +2,8 @@
 #define GROUP_EMBEDDING_OPS_KERNELS_EV_SSD_TIER_H_
 
 // The SSD tier of an EmbeddingVariable (issue 36): an append-only file of
-// fixed-size records under the EV's own folder, and an in-memory index
-// key -> record offset, used by the EV table (ev_storage.h) for
+// fixed-size records under the EV's own folder, and a compact in-memory
+// index key -> record number (TierIndex, about 13 bytes a slot), used by the EV table (ev_storage.h) for
 // StorageType.DRAM_SSDHASH and SSDHASH; TF-free so that it is tested on its own (tests/group_embedding/
 // test_ev_ssd_tier_file.py builds a driver with g++).
 //
@@ -30,8 +30,10 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <unordered_map>
+#include <utility>
 #include <vector>
+
+#include "hash_mix.h"
 
 namespace group_embedding {
 
@@ -53,6 +55,138 @@ inline uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0) {
   for (size_t i = 0; i < n; ++i) crc = table.v[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
   return ~crc;
 }
+
+// The tier's index: key -> record number and two mark bits, by open
+// addressing (linear probing, backward-shift deletion: no tombstones) in
+// three parallel arrays of 8 + 4 + 1 bytes a slot, load factor in
+// (0.4, 0.85], so 15-33 bytes a key, usually about 20; an
+// std::unordered_map<int64, uint64> took about 41 (a 32-byte node and a
+// bucket pointer per key). At the issue's scale (200M keys on disk) the
+// difference is 4 GiB of RAM. Record numbers are uint32: a tier file holds
+// at most 2^32 - 2 records, dead ones included (compaction keeps dead
+// bytes below the live ones, so about 2^31 live keys).
+class TierIndex {
+ public:
+  static constexpr uint32_t kNone = 0xffffffffu;
+  static constexpr uint64_t kMaxRecords = 0xfffffffeu;
+
+  TierIndex() { Reset(64); }
+
+  uint64_t size() const { return size_; }
+  // Bytes of the three arrays.
+  uint64_t Bytes() const { return keys_.size() * (8 + 4 + 1); }
+
+  // The slot of `key`, or -1.
+  int64_t Find(int64_t key) const {
+    uint64_t h = Home(key);
+    while (recs_[h] != kNone) {
+      if (keys_[h] == key) return static_cast<int64_t>(h);
+      h = (h + 1) & mask_;
+    }
+    return -1;
+  }
+  uint32_t record(int64_t slot) const { return recs_[slot]; }
+  uint8_t& marks(int64_t slot) { return marks_[slot]; }
+  uint8_t marks(int64_t slot) const { return marks_[slot]; }
+
+  // Points `key` at record `rec` (keeps its marks if present, else 0).
+  void Set(int64_t key, uint32_t rec) {
+    const int64_t at = Find(key);
+    if (at >= 0) {
+      recs_[at] = rec;
+      return;
+    }
+    if ((size_ + 1) * 20 > keys_.size() * 17) Reset(keys_.size() * 2);
+    uint64_t h = Home(key);
+    while (recs_[h] != kNone) h = (h + 1) & mask_;
+    keys_[h] = key;
+    recs_[h] = rec;
+    marks_[h] = 0;
+    ++size_;
+  }
+
+  // Removes `key`; returns whether it was there.
+  bool Erase(int64_t key) {
+    const int64_t at = Find(key);
+    if (at < 0) return false;
+    uint64_t hole = static_cast<uint64_t>(at);
+    recs_[hole] = kNone;
+    --size_;
+    for (uint64_t j = (hole + 1) & mask_; recs_[j] != kNone;
+         j = (j + 1) & mask_) {
+      const uint64_t home = Home(keys_[j]);
+      // Move j into the hole if its home is not in (hole, j] cyclically.
+      const bool stays = hole <= j ? (home > hole && home <= j)
+                                   : (home > hole || home <= j);
+      if (stays) continue;
+      keys_[hole] = keys_[j];
+      recs_[hole] = recs_[j];
+      marks_[hole] = marks_[j];
+      recs_[j] = kNone;
+      hole = j;
+    }
+    return true;
+  }
+
+  void Clear() {
+    keys_.clear();
+    recs_.clear();
+    marks_.clear();
+    size_ = 0;
+    Reset(64);
+  }
+  void Swap(TierIndex& other) {
+    keys_.swap(other.keys_);
+    recs_.swap(other.recs_);
+    marks_.swap(other.marks_);
+    std::swap(size_, other.size_);
+    std::swap(mask_, other.mask_);
+  }
+
+  // f(key, record, marks&) for every entry.
+  template <typename F>
+  void ForEach(F f) {
+    for (uint64_t h = 0; h < keys_.size(); ++h) {
+      if (recs_[h] != kNone) f(keys_[h], recs_[h], marks_[h]);
+    }
+  }
+  template <typename F>
+  void ForEach(F f) const {
+    for (uint64_t h = 0; h < keys_.size(); ++h) {
+      if (recs_[h] != kNone) f(keys_[h], recs_[h], marks_[h]);
+    }
+  }
+
+ private:
+  uint64_t Home(int64_t key) const {
+    return Mix(static_cast<uint64_t>(key)) & mask_;
+  }
+  // Rebuilds with `capacity` slots (a power of two).
+  void Reset(uint64_t capacity) {
+    std::vector<int64_t> keys(capacity);
+    std::vector<uint32_t> recs(capacity, kNone);
+    std::vector<uint8_t> marks(capacity, 0);
+    const uint64_t mask = capacity - 1;
+    for (uint64_t h = 0; h < keys_.size(); ++h) {
+      if (recs_[h] == kNone) continue;
+      uint64_t at = Mix(static_cast<uint64_t>(keys_[h])) & mask;
+      while (recs[at] != kNone) at = (at + 1) & mask;
+      keys[at] = keys_[h];
+      recs[at] = recs_[h];
+      marks[at] = marks_[h];
+    }
+    keys_.swap(keys);
+    recs_.swap(recs);
+    marks_.swap(marks);
+    mask_ = mask;
+  }
+
+  std::vector<int64_t> keys_;
+  std::vector<uint32_t> recs_;
+  std::vector<uint8_t> marks_;
+  uint64_t size_ = 0;
+  uint64_t mask_ = 0;
+};
 
 // One key's full state, as moved between tiers.
 struct TierRecord {
@@ -83,7 +217,7 @@ class SsdTierFile {
     Close();
     fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd_ < 0) return Error("cannot create", errno);
-    index_.clear();
+    index_.Clear();
     end_ = 0;
     dead_ = 0;
     std::string header = Header();
@@ -104,6 +238,10 @@ class SsdTierFile {
   std::string Put(const TierRecord& r) {
     if (r.row.size() != dim_ || r.slots.size() != slot_floats_)
       return Error("record of the wrong width for key " + std::to_string(r.key), 0);
+    const uint64_t rec = (end_ - kHeaderBytes) / record_bytes_;
+    if (rec > TierIndex::kMaxRecords)
+      return Error("is full (" + std::to_string(rec) + " records, the most "
+                   "its index numbers)", 0);
     std::vector<char> buf(record_bytes_);
     Encode(r, buf.data());
     std::string err = WriteAll(buf.data(), buf.size(), end_);
@@ -112,34 +250,46 @@ class SsdTierFile {
       if (::ftruncate(fd_, static_cast<off_t>(end_)) != 0) {}
       return err;
     }
-    auto it = index_.find(r.key);
-    if (it != index_.end()) {
-      dead_ += record_bytes_;
-      it->second = end_;
-    } else {
-      index_.emplace(r.key, end_);
-    }
+    if (index_.Find(r.key) >= 0) dead_ += record_bytes_;
+    index_.Set(r.key, static_cast<uint32_t>(rec));
     end_ += record_bytes_;
     return "";
   }
 
-  bool Contains(int64_t key) const { return index_.count(key) != 0; }
+  bool Contains(int64_t key) const { return index_.Find(key) >= 0; }
+
+  // The two mark bits the EV keeps per key (its change tracking, see
+  // ev_storage.h); 0 for a key not here. They follow the key through
+  // Put and compaction and go with Erase.
+  uint8_t Marks(int64_t key) const {
+    const int64_t at = index_.Find(key);
+    return at < 0 ? 0 : index_.marks(at);
+  }
+  void SetMarks(int64_t key, uint8_t marks) {
+    const int64_t at = index_.Find(key);
+    if (at >= 0) index_.marks(at) = marks;
+  }
+  // f(key, marks&) for every key: change the marks in place.
+  template <typename F>
+  void ForEachMarks(F f) {
+    index_.ForEach([&f](int64_t key, uint32_t, uint8_t& m) { f(key, m); });
+  }
+  // Bytes of the in-memory index.
+  uint64_t IndexBytes() const { return index_.Bytes(); }
 
   // Reads the key's record into *out; *found is false if the key is not in
   // this tier. A short read, a checksum mismatch or a record of another key
   // is an error naming the EV and the file.
   std::string Get(int64_t key, TierRecord* out, bool* found) const {
-    auto it = index_.find(key);
-    *found = it != index_.end();
+    const int64_t at = index_.Find(key);
+    *found = at >= 0;
     if (!*found) return "";
-    return ReadAt(it->second, key, out);
+    return ReadAt(Offset(index_.record(at)), key, out);
   }
 
   // Drops the key (its record becomes dead); returns whether it was here.
   bool Erase(int64_t key) {
-    auto it = index_.find(key);
-    if (it == index_.end()) return false;
-    index_.erase(it);
+    if (!index_.Erase(key)) return false;
     dead_ += record_bytes_;
     return true;
   }
@@ -157,17 +307,20 @@ class SsdTierFile {
     std::string err = next.Open();
     if (!err.empty()) return err;
     TierRecord r;
-    for (const auto& kv : index_) {
-      err = ReadAt(kv.second, kv.first, &r);
+    const TierIndex& index = index_;
+    index.ForEach([&](int64_t key, uint32_t rec, uint8_t marks) {
+      if (!err.empty()) return;
+      err = ReadAt(Offset(rec), key, &r);
       if (err.empty()) {
         r.slots.resize(slot_floats, init);
         err = next.Put(r);
       }
-      if (!err.empty()) {
-        next.Close();
-        ::unlink(next.path_.c_str());
-        return err;
-      }
+      if (err.empty()) next.SetMarks(key, marks);
+    });
+    if (!err.empty()) {
+      next.Close();
+      ::unlink(next.path_.c_str());
+      return err;
     }
     if (::rename(next.path_.c_str(), path_.c_str()) != 0) {
       int e = errno;
@@ -178,7 +331,7 @@ class SsdTierFile {
     Close();
     fd_ = next.fd_;
     next.fd_ = -1;
-    index_.swap(next.index_);
+    index_.Swap(next.index_);
     end_ = next.end_;
     dead_ = 0;
     slot_floats_ = slot_floats;
@@ -192,7 +345,7 @@ class SsdTierFile {
     return dead_ > (1u << 20) && dead_ > LiveBytes();
   }
 
-  uint64_t size() const { return index_.size(); }
+  uint64_t size() const { return index_.size(); }  // keys
   uint64_t file_bytes() const { return end_; }
   uint64_t dead_bytes() const { return dead_; }
   uint64_t LiveBytes() const { return index_.size() * record_bytes_; }
@@ -202,10 +355,14 @@ class SsdTierFile {
   // The keys of this tier (for export, filters and eviction scans).
   template <typename F>
   void ForEachKey(F f) const {
-    for (const auto& kv : index_) f(kv.first);
+    index_.ForEach([&f](int64_t key, uint32_t, uint8_t) { f(key); });
   }
 
  private:
+  uint64_t Offset(uint32_t rec) const {
+    return kHeaderBytes + uint64_t{rec} * record_bytes_;
+  }
+
   std::string Header() const {
     std::string h(kMagic, 8);
     h.append(reinterpret_cast<const char*>(&dim_), 4);
@@ -289,7 +446,7 @@ class SsdTierFile {
   int fd_ = -1;
   uint64_t end_ = 0;   // bytes written, header included
   uint64_t dead_ = 0;  // bytes of superseded or erased records
-  std::unordered_map<int64_t, uint64_t> index_;  // key -> record offset
+  TierIndex index_;  // key -> record number (and the EV's marks)
 };
 
 }  // namespace group_embedding

@@ -34,7 +34,7 @@
 //
 // SSD tier (StorageType.DRAM_SSDHASH / SSDHASH, issue 36): with
 // `tier_dir` set, the rows above the DRAM budget (`dram_bytes`, which also
-// pays for the tier's in-memory index, kTierIndexBytesPerKey a key) live in
+// pays for the tier's in-memory index, TierIndex: about 20 bytes a key) live in
 // an SsdTierFile (ev_ssd_tier.h) as whole records: key, freq, version,
 // value and every slot, bit for bit. The ops that take rows by index run
 // PrepareTier(keys) first, under the exclusive lock: it spills the coldest
@@ -42,7 +42,7 @@
 // key) down to the budget, then promotes the batch's keys found in the
 // tier. So the kernels below only ever see DRAM rows, and DRAM holds at
 // most the budget plus the keys of one op's batch. A spilled row carries
-// its change marks into `tier_marks_`, so incremental exports see it.
+// its two change marks into the tier's index, so incremental exports see it.
 // Whole-table ops (size, export, eviction) visit both tiers. The tier file
 // is a cache of one process: checkpoints are the truth.
 
@@ -191,10 +191,6 @@ struct EVConfig {
   bool tier_lru = false;        // false: LFU
 };
 
-// Bytes of the tier's index (std::unordered_map<int64, uint64>: a 32-byte
-// node and an 8-byte bucket) per key in the tier, charged to the DRAM
-// budget so that the process's memory follows `dram_bytes`.
-constexpr int64_t kTierIndexBytesPerKey = 40;
 // Per DRAM row beyond its key, counters, value and slots: its hash bucket
 // (4 bytes at load >= 0.4, up to 10) and two change bits, rounded up.
 constexpr int64_t kDramRowOverheadBytes = 12;
@@ -306,10 +302,7 @@ class EVStorage : public tensorflow::ResourceBase {
   void Erase(int64_t key) {
     const uint64_t h = BucketOf(key);
     if (buckets_[h] == kEmpty) {
-      if (tier_ && tier_->Erase(key)) {
-        tier_marks_.erase(key);
-        RecordRemoval(key);
-      }
+      if (tier_ && tier_->Erase(key)) RecordRemoval(key);
       return;
     }
     // A free row is in no delta; its key is, as removed.
@@ -336,6 +329,12 @@ class EVStorage : public tensorflow::ResourceBase {
   std::string tier_path() const { return tier_ ? tier_->path() : ""; }
   int64_t tier_size() const {
     return tier_ ? static_cast<int64_t>(tier_->size()) : 0;
+  }
+  // Rows moved so far: disk -> DRAM (misses of the DRAM tier) and back.
+  int64_t promotions() const { return promotions_; }
+  int64_t spills() const { return spills_; }
+  int64_t tier_index_bytes() const {
+    return tier_ ? static_cast<int64_t>(tier_->IndexBytes()) : 0;
   }
 
   // Claims `tier_dir` for this EV and creates its tier file; called once,
@@ -421,6 +420,7 @@ class EVStorage : public tensorflow::ResourceBase {
       }
       TF_RETURN_IF_ERROR(TierStatus(tier_->Put(rec)));
       DetachRow(r);
+      ++spills_;
     }
     if (tier_->WantsCompaction()) {
       TF_RETURN_IF_ERROR(TierStatus(tier_->Compact()));
@@ -441,9 +441,10 @@ class EVStorage : public tensorflow::ResourceBase {
   // ExportedRows for DRAM rows), sorted.
   std::vector<int64_t> ExportedTierKeys() const {
     std::vector<int64_t> keys;
-    for (const auto& kv : tier_marks_) {
-      if (kv.second & kTierExported) keys.push_back(kv.first);
-    }
+    if (!tier_) return keys;
+    tier_->ForEachMarks([&keys](int64_t key, uint8_t& m) {
+      if (m & kTierExported) keys.push_back(key);
+    });
     std::sort(keys.begin(), keys.end());
     return keys;
   }
@@ -460,7 +461,6 @@ class EVStorage : public tensorflow::ResourceBase {
   // Empties the tier (a restore replaces the whole content).
   Status ClearTier() {
     if (!tier_) return Status();
-    tier_marks_.clear();
     tier_.reset(new SsdTierFile(config_.name, tier_->path(),
                                 static_cast<uint32_t>(dim()),
                                 static_cast<uint32_t>(slots_.size() * dim())));
@@ -483,9 +483,8 @@ class EVStorage : public tensorflow::ResourceBase {
         static_cast<int64_t>(sizeof(KeyMeta)) + kDramRowOverheadBytes +
         static_cast<int64_t>(sizeof(float)) * dim() *
             static_cast<int64_t>(1 + slots_.size());
-    const int64_t left =
-        config_.dram_bytes - tier_size() * kTierIndexBytesPerKey -
-        static_cast<int64_t>(tier_marks_.size()) * kTierIndexBytesPerKey;
+    const int64_t left = config_.dram_bytes -
+                         static_cast<int64_t>(tier_->IndexBytes());
     return left > 0 ? left / row : 0;
   }
 
@@ -505,7 +504,7 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   // Moves DRAM row `r` out (its record is in the tier): its change marks
-  // go to `tier_marks_`, and it is no removal.
+  // go to the tier's index, and it is no removal.
   void DetachRow(uint32_t r) {
     const int64_t key = Key(r);
     const uint64_t bit = uint64_t{1} << (r & 63);
@@ -514,7 +513,7 @@ class EVStorage : public tensorflow::ResourceBase {
     if (exported_[r >> 6] & bit) marks |= kTierExported;
     changed_[r >> 6] &= ~bit;
     exported_[r >> 6] &= ~bit;
-    if (marks != 0) tier_marks_[key] = marks;
+    tier_->SetMarks(key, marks);
     FreeBucket(BucketOf(key));
   }
 
@@ -534,14 +533,12 @@ class EVStorage : public tensorflow::ResourceBase {
         std::memcpy(slots_[s].Row(r), rec.slots.data() + s * dim(),
                     sizeof(float) * dim());
       }
-      auto it = tier_marks_.find(keys[j]);
-      if (it != tier_marks_.end()) {
-        const uint64_t bit = uint64_t{1} << (r & 63);
-        if (it->second & kTierChanged) changed_[r >> 6] |= bit;
-        if (it->second & kTierExported) exported_[r >> 6] |= bit;
-        tier_marks_.erase(it);
-      }
+      const uint8_t marks = tier_->Marks(keys[j]);
+      const uint64_t bit = uint64_t{1} << (r & 63);
+      if (marks & kTierChanged) changed_[r >> 6] |= bit;
+      if (marks & kTierExported) exported_[r >> 6] |= bit;
       tier_->Erase(keys[j]);
+      ++promotions_;
     }
     return Status();
   }
@@ -674,8 +671,10 @@ class EVStorage : public tensorflow::ResourceBase {
       exported_[w] |= changed_[w];
       changed_[w] = 0;
     }
-    for (auto& kv : tier_marks_) {
-      if (kv.second & kTierChanged) kv.second = kTierExported;
+    if (tier_) {
+      tier_->ForEachMarks([](int64_t, uint8_t& m) {
+        if (m & kTierChanged) m = kTierExported;
+      });
     }
     return ++exports_;
   }
@@ -706,9 +705,8 @@ class EVStorage : public tensorflow::ResourceBase {
       return;
     }
     std::fill(exported_.begin(), exported_.end(), 0);
-    for (auto it = tier_marks_.begin(); it != tier_marks_.end();) {
-      it->second &= ~kTierExported;
-      it = it->second == 0 ? tier_marks_.erase(it) : std::next(it);
+    if (tier_) {
+      tier_->ForEachMarks([](int64_t, uint8_t& m) { m &= ~kTierExported; });
     }
     for (auto it = removed_.begin(); it != removed_.end();) {
       it = it->second <= id ? removed_.erase(it) : std::next(it);
@@ -720,7 +718,7 @@ class EVStorage : public tensorflow::ResourceBase {
   int64_t MarkRestored() {
     std::fill(changed_.begin(), changed_.end(), 0);
     std::fill(exported_.begin(), exported_.end(), 0);
-    tier_marks_.clear();
+    if (tier_) tier_->ForEachMarks([](int64_t, uint8_t& m) { m = 0; });
     removed_.clear();
     tracking_removals_ = true;
     delta_base_ = ++exports_;
@@ -795,7 +793,7 @@ class EVStorage : public tensorflow::ResourceBase {
     current_step_ = 0;
     // The content is replaced wholesale: no delta reaches across.
     removed_.clear();
-    tier_marks_.clear();  // the tier itself: ClearTier
+    // The tier itself (and its marks): ClearTier.
     changed_.clear();
     exported_.clear();
     delta_base_ = 0;
@@ -826,8 +824,7 @@ class EVStorage : public tensorflow::ResourceBase {
     const int64_t bits = static_cast<int64_t>(
         (changed_.capacity() + exported_.capacity()) * sizeof(uint64_t));
     const int64_t tier =
-        (tier_size() + static_cast<int64_t>(tier_marks_.size())) *
-        kTierIndexBytesPerKey;
+        tier_ ? static_cast<int64_t>(tier_->IndexBytes()) : 0;
     return b + static_cast<int64_t>(cbf_.size()) + sparse + removed + bits +
            tier;
   }
@@ -924,11 +921,12 @@ class EVStorage : public tensorflow::ResourceBase {
   // The same counters when the array would be too large:
   // counter index -> count, zero counters absent.
   std::unordered_map<uint64_t, int64_t> sparse_cbf_;
-  // SSD tier (DRAM_SSDHASH / SSDHASH): the record file, the change marks
-  // of its keys (kTierChanged / kTierExported, only keys with a mark) and
-  // the folder claimed in TierDirs().
+  // SSD tier (DRAM_SSDHASH / SSDHASH): the record file (its index holds
+  // the change marks of its keys, kTierChanged / kTierExported) and the
+  // folder claimed in TierDirs().
   std::unique_ptr<SsdTierFile> tier_;
-  std::unordered_map<int64_t, uint8_t> tier_marks_;
+  int64_t promotions_ = 0;
+  int64_t spills_ = 0;
   std::string tier_dir_key_;
 };
 
