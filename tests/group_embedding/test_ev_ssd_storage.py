@@ -105,7 +105,11 @@ def _pair(tmp_path, name, storage_kwargs=None, **option_kwargs):
 
 
 OPTIMIZERS = {"sgd": lambda: ge.optimizers.SGD(0.1),
-              "adagrad": lambda: ge.optimizers.Adagrad(0.1)}
+              "adagrad": lambda: ge.optimizers.Adagrad(0.1),
+              "adam": lambda: ge.optimizers.Adam(0.05),
+              "ftrl": lambda: ge.optimizers.Ftrl(
+                  0.2, l1_regularization_strength=0.01,
+                  l2_regularization_strength=0.02, beta=0.1)}
 STRATEGIES = {"lfu": ge.CacheStrategy.LFU, "lru": ge.CacheStrategy.LRU}
 
 
@@ -121,13 +125,15 @@ class TestTieredTraining:
         _train(ssd, OPTIMIZERS[optimizer](), batches)
         want = _snapshot(dram)
         assert int(ssd.size()) == int(dram.size()) == len(want["keys"])
-        # Most keys are on disk: the DRAM tier holds its 4 rows and the
-        # last op's keys.
+        # Most keys are on disk: the DRAM tier holds the rows its budget
+        # pays for (4 with one slot) and the last op's keys.
         in_dram, on_disk, promoted, spilled, index = (
             int(x) for x in ev_storage.tier_stats(ssd.handle))
         assert in_dram + on_disk == len(want["keys"])
+        slots = len(want["slot_names"])
+        keep = 4 * ROW_BYTES // (24 + 12 + 4 * DIM * (1 + slots))
         last = len(np.unique(batches[-1].values.numpy()))
-        assert 4 <= in_dram <= 4 + last
+        assert keep <= in_dram <= keep + last
         assert promoted > 0 and spilled > 0 and index == INDEX_BYTES
         _assert_same(_snapshot(ssd), want)
         # Lookups outside training read the same rows (promoting them).
