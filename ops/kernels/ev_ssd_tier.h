@@ -238,22 +238,45 @@ class SsdTierFile {
   std::string Put(const TierRecord& r) {
     if (r.row.size() != dim_ || r.slots.size() != slot_floats_)
       return Error("record of the wrong width for key " + std::to_string(r.key), 0);
-    const uint64_t rec = (end_ - kHeaderBytes) / record_bytes_;
-    if (rec > TierIndex::kMaxRecords)
-      return Error("is full (" + std::to_string(rec) + " records, the most "
-                   "its index numbers)", 0);
     std::vector<char> buf(record_bytes_);
     Encode(r, buf.data());
-    std::string err = WriteAll(buf.data(), buf.size(), end_);
+    return PutEncoded(buf.data(), &r.key, 1);
+  }
+
+  // Put of `n` records of distinct `keys`, already Encode()d one after
+  // the other in `buf` (n * record_bytes() bytes), in one write: a spill
+  // of many rows costs one system call, not one per row. On failure the
+  // file is cut back and none of them is indexed.
+  std::string PutEncoded(const char* buf, const int64_t* keys, uint64_t n) {
+    const uint64_t first = (end_ - kHeaderBytes) / record_bytes_;
+    if (first + n > TierIndex::kMaxRecords + 1)
+      return Error("is full (" + std::to_string(first) + " records, the "
+                   "most its index numbers is " +
+                   std::to_string(TierIndex::kMaxRecords + 1) + ")", 0);
+    std::string err = WriteAll(buf, n * record_bytes_, end_);
     if (!err.empty()) {
       // Best effort: the bytes past end_ are unreachable from the index.
       if (::ftruncate(fd_, static_cast<off_t>(end_)) != 0) {}
       return err;
     }
-    if (index_.Find(r.key) >= 0) dead_ += record_bytes_;
-    index_.Set(r.key, static_cast<uint32_t>(rec));
-    end_ += record_bytes_;
+    for (uint64_t i = 0; i < n; ++i) {
+      if (index_.Find(keys[i]) >= 0) dead_ += record_bytes_;
+      index_.Set(keys[i], static_cast<uint32_t>(first + i));
+    }
+    end_ += n * record_bytes_;
     return "";
+  }
+
+  // Lays `r` (of this file's widths) out as a record at `p`
+  // (record_bytes() bytes), checksum included.
+  void Encode(const TierRecord& r, char* p) const {
+    std::memcpy(p, &r.key, 8);
+    std::memcpy(p + 8, &r.freq, 8);
+    std::memcpy(p + 16, &r.version, 8);
+    std::memcpy(p + 24, r.row.data(), 4 * uint64_t(dim_));
+    std::memcpy(p + 24 + 4 * uint64_t(dim_), r.slots.data(), 4 * uint64_t(slot_floats_));
+    uint32_t crc = Crc32c(p, record_bytes_ - 4);
+    std::memcpy(p + record_bytes_ - 4, &crc, 4);
   }
 
   bool Contains(int64_t key) const { return index_.Find(key) >= 0; }
@@ -368,16 +391,6 @@ class SsdTierFile {
     h.append(reinterpret_cast<const char*>(&dim_), 4);
     h.append(reinterpret_cast<const char*>(&slot_floats_), 4);
     return h;
-  }
-
-  void Encode(const TierRecord& r, char* p) const {
-    std::memcpy(p, &r.key, 8);
-    std::memcpy(p + 8, &r.freq, 8);
-    std::memcpy(p + 16, &r.version, 8);
-    std::memcpy(p + 24, r.row.data(), 4 * uint64_t(dim_));
-    std::memcpy(p + 24 + 4 * uint64_t(dim_), r.slots.data(), 4 * uint64_t(slot_floats_));
-    uint32_t crc = Crc32c(p, record_bytes_ - 4);
-    std::memcpy(p + record_bytes_ - 4, &crc, 4);
   }
 
   std::string ReadAt(uint64_t offset, int64_t key, TierRecord* out) const {

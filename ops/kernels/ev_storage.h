@@ -404,23 +404,36 @@ class EVStorage : public tensorflow::ResourceBase {
                        const int64_t sa = score(a), sb = score(b);
                        return sa != sb ? sa < sb : Key(a) < Key(b);
                      });
+    // Written in chunks of up to 4 MiB, one write each; a chunk that
+    // fails stays in DRAM (the earlier ones are on disk, nothing is lost).
     TierRecord rec;
     rec.row.resize(dim());
     rec.slots.resize(slots_.size() * dim());
-    for (int64_t i = 0; i < spill; ++i) {
-      const uint32_t r = rows[i];
-      const KeyMeta* m = meta_.Row(r);
-      rec.key = m->key;
-      rec.freq = m->freq;
-      rec.version = m->version;
-      std::memcpy(rec.row.data(), values_.Row(r), sizeof(float) * dim());
-      for (size_t s = 0; s < slots_.size(); ++s) {
-        std::memcpy(rec.slots.data() + s * dim(), slots_[s].Row(r),
-                    sizeof(float) * dim());
+    const int64_t record = static_cast<int64_t>(tier_->record_bytes());
+    const int64_t per_chunk = std::max<int64_t>(1, (4 << 20) / record);
+    std::vector<char> buf(std::min(per_chunk, spill) * record);
+    std::vector<int64_t> keys;
+    for (int64_t begin = 0; begin < spill; begin += per_chunk) {
+      const int64_t end = std::min(spill, begin + per_chunk);
+      keys.clear();
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t r = rows[i];
+        const KeyMeta* m = meta_.Row(r);
+        rec.key = m->key;
+        rec.freq = m->freq;
+        rec.version = m->version;
+        std::memcpy(rec.row.data(), values_.Row(r), sizeof(float) * dim());
+        for (size_t s = 0; s < slots_.size(); ++s) {
+          std::memcpy(rec.slots.data() + s * dim(), slots_[s].Row(r),
+                      sizeof(float) * dim());
+        }
+        tier_->Encode(rec, buf.data() + (i - begin) * record);
+        keys.push_back(rec.key);
       }
-      TF_RETURN_IF_ERROR(TierStatus(tier_->Put(rec)));
-      DetachRow(r);
-      ++spills_;
+      TF_RETURN_IF_ERROR(TierStatus(
+          tier_->PutEncoded(buf.data(), keys.data(), keys.size())));
+      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i]);
+      spills_ += end - begin;
     }
     if (tier_->WantsCompaction()) {
       TF_RETURN_IF_ERROR(TierStatus(tier_->Compact()));
