@@ -340,8 +340,8 @@ class StorageOption(_Config):
         storage_size: DRAM_SSDHASH only: `[dram_bytes]` (DeepRec's
             per-tier list; default `[2**30]`, DeepRec's). The budget
             covers the DRAM rows with their slots AND the disk tier's
-            in-memory index (13 bytes a slot of an open-addressing table,
-            about 20 bytes a key on disk); it must hold
+            in-memory index (12 bytes a slot of an open-addressing table,
+            15 to 19 bytes a key on disk); it must hold
             one row with its optimizer slots. One op's keys may exceed it
             until the next op on the EV.
         cache_strategy: DRAM_SSDHASH only: `CacheStrategy.LFU` (default,

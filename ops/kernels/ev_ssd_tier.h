@@ -3,7 +3,7 @@
 
 // The SSD tier of an EmbeddingVariable (issue 36): an append-only file of
 // fixed-size records under the EV's own folder, and a compact in-memory
-// index key -> record number (TierIndex, about 13 bytes a slot), used by the EV table (ev_storage.h) for
+// index key -> record number (TierIndex, 12 bytes a slot), used by the EV table (ev_storage.h) for
 // StorageType.DRAM_SSDHASH and SSDHASH; TF-free so that it is tested on its own (tests/group_embedding/
 // test_ev_ssd_tier_file.py builds a driver with g++).
 //
@@ -58,50 +58,57 @@ inline uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0) {
 
 // The tier's index: key -> record number and two mark bits, by open
 // addressing (linear probing, backward-shift deletion: no tombstones) in
-// three parallel arrays of 8 + 4 + 1 bytes a slot, load factor in
-// (0.4, 0.85], so 15-33 bytes a key, usually about 20; an
-// std::unordered_map<int64, uint64> took about 41 (a 32-byte node and a
-// bucket pointer per key). At the issue's scale (200M keys on disk) the
-// difference is 4 GiB of RAM. Record numbers are uint32: a tier file holds
-// at most 2^32 - 2 records, dead ones included (compaction keeps dead
-// bytes below the live ones, so about 2^31 live keys).
+// two parallel arrays: the key (8 bytes) and a uint32 holding the record
+// number (low 30 bits) and the marks (top 2), 12 bytes a slot. The table
+// has any number of slots (a key's home is Mix(key) scaled to it), grows
+// by a quarter when 80% full, so its load stays in [0.64, 0.8]: 15 to 19
+// bytes a key. An std::unordered_map<int64, uint64> took about 41 (a
+// 32-byte node and a bucket pointer). At the issue's scale (200M keys on
+// disk) that is about 3.4 GiB instead of 7.6. Record numbers stop at
+// 2^30 - 2 (dead records included; compaction keeps those below the live
+// ones, so about 2^29 live keys per tier file).
 class TierIndex {
  public:
   static constexpr uint32_t kNone = 0xffffffffu;
-  static constexpr uint64_t kMaxRecords = 0xfffffffeu;
+  static constexpr uint64_t kMaxRecords = (uint64_t{1} << 30) - 2;
+  static constexpr uint32_t kRecordMask = (uint32_t{1} << 30) - 1;
 
-  TierIndex() { Reset(64); }
+  TierIndex() { Reset(kMinSlots); }
 
   uint64_t size() const { return size_; }
-  // Bytes of the three arrays.
-  uint64_t Bytes() const { return keys_.size() * (8 + 4 + 1); }
+  // Bytes of the two arrays.
+  uint64_t Bytes() const { return keys_.size() * (8 + 4); }
 
   // The slot of `key`, or -1.
   int64_t Find(int64_t key) const {
     uint64_t h = Home(key);
     while (recs_[h] != kNone) {
       if (keys_[h] == key) return static_cast<int64_t>(h);
-      h = (h + 1) & mask_;
+      h = Next(h);
     }
     return -1;
   }
-  uint32_t record(int64_t slot) const { return recs_[slot]; }
-  uint8_t& marks(int64_t slot) { return marks_[slot]; }
-  uint8_t marks(int64_t slot) const { return marks_[slot]; }
+  uint32_t record(int64_t slot) const { return recs_[slot] & kRecordMask; }
+  uint8_t marks(int64_t slot) const { return recs_[slot] >> 30; }
+  void set_marks(int64_t slot, uint8_t m) {
+    recs_[slot] = (recs_[slot] & kRecordMask) | (uint32_t{m} << 30);
+  }
 
-  // Points `key` at record `rec` (keeps its marks if present, else 0).
+  // Points `key` at record `rec` (<= kMaxRecords; keeps its marks if
+  // present, else 0).
   void Set(int64_t key, uint32_t rec) {
     const int64_t at = Find(key);
     if (at >= 0) {
-      recs_[at] = rec;
+      recs_[at] = (recs_[at] & ~kRecordMask) | rec;
       return;
     }
-    if ((size_ + 1) * 20 > keys_.size() * 17) Reset(keys_.size() * 2);
+    if ((size_ + 1) * 5 > keys_.size() * 4) {
+      Reset(keys_.size() + keys_.size() / 4);
+    }
     uint64_t h = Home(key);
-    while (recs_[h] != kNone) h = (h + 1) & mask_;
+    while (recs_[h] != kNone) h = Next(h);
     keys_[h] = key;
     recs_[h] = rec;
-    marks_[h] = 0;
     ++size_;
   }
 
@@ -112,8 +119,7 @@ class TierIndex {
     uint64_t hole = static_cast<uint64_t>(at);
     recs_[hole] = kNone;
     --size_;
-    for (uint64_t j = (hole + 1) & mask_; recs_[j] != kNone;
-         j = (j + 1) & mask_) {
+    for (uint64_t j = Next(hole); recs_[j] != kNone; j = Next(j)) {
       const uint64_t home = Home(keys_[j]);
       // Move j into the hole if its home is not in (hole, j] cyclically.
       const bool stays = hole <= j ? (home > hole && home <= j)
@@ -121,7 +127,6 @@ class TierIndex {
       if (stays) continue;
       keys_[hole] = keys_[j];
       recs_[hole] = recs_[j];
-      marks_[hole] = marks_[j];
       recs_[j] = kNone;
       hole = j;
     }
@@ -131,61 +136,59 @@ class TierIndex {
   void Clear() {
     keys_.clear();
     recs_.clear();
-    marks_.clear();
     size_ = 0;
-    Reset(64);
+    Reset(kMinSlots);
   }
   void Swap(TierIndex& other) {
     keys_.swap(other.keys_);
     recs_.swap(other.recs_);
-    marks_.swap(other.marks_);
     std::swap(size_, other.size_);
-    std::swap(mask_, other.mask_);
   }
 
-  // f(key, record, marks&) for every entry.
-  template <typename F>
-  void ForEach(F f) {
-    for (uint64_t h = 0; h < keys_.size(); ++h) {
-      if (recs_[h] != kNone) f(keys_[h], recs_[h], marks_[h]);
-    }
-  }
+  // f(key, record, marks) for every entry.
   template <typename F>
   void ForEach(F f) const {
     for (uint64_t h = 0; h < keys_.size(); ++h) {
-      if (recs_[h] != kNone) f(keys_[h], recs_[h], marks_[h]);
+      if (recs_[h] != kNone) f(keys_[h], recs_[h] & kRecordMask, recs_[h] >> 30);
+    }
+  }
+  // m = f(key, m) for the marks of every entry.
+  template <typename F>
+  void UpdateMarks(F f) {
+    for (uint64_t h = 0; h < keys_.size(); ++h) {
+      if (recs_[h] != kNone) set_marks(h, f(keys_[h], marks(h)));
     }
   }
 
  private:
+  static constexpr uint64_t kMinSlots = 64;
+
+  // Mix(key) scaled to [0, slots): any table size, no modulo.
   uint64_t Home(int64_t key) const {
-    return Mix(static_cast<uint64_t>(key)) & mask_;
+    return static_cast<uint64_t>(
+        (static_cast<unsigned __int128>(Mix(static_cast<uint64_t>(key))) *
+         keys_.size()) >> 64);
   }
-  // Rebuilds with `capacity` slots (a power of two).
+  uint64_t Next(uint64_t h) const { return h + 1 == keys_.size() ? 0 : h + 1; }
+
+  // Rebuilds with `capacity` slots (more than size()).
   void Reset(uint64_t capacity) {
     std::vector<int64_t> keys(capacity);
     std::vector<uint32_t> recs(capacity, kNone);
-    std::vector<uint8_t> marks(capacity, 0);
-    const uint64_t mask = capacity - 1;
-    for (uint64_t h = 0; h < keys_.size(); ++h) {
-      if (recs_[h] == kNone) continue;
-      uint64_t at = Mix(static_cast<uint64_t>(keys_[h])) & mask;
-      while (recs[at] != kNone) at = (at + 1) & mask;
-      keys[at] = keys_[h];
-      recs[at] = recs_[h];
-      marks[at] = marks_[h];
+    keys.swap(keys_);
+    recs.swap(recs_);
+    for (uint64_t h = 0; h < keys.size(); ++h) {
+      if (recs[h] == kNone) continue;
+      uint64_t at = Home(keys[h]);
+      while (recs_[at] != kNone) at = Next(at);
+      keys_[at] = keys[h];
+      recs_[at] = recs[h];
     }
-    keys_.swap(keys);
-    recs_.swap(recs);
-    marks_.swap(marks);
-    mask_ = mask;
   }
 
   std::vector<int64_t> keys_;
   std::vector<uint32_t> recs_;
-  std::vector<uint8_t> marks_;
   uint64_t size_ = 0;
-  uint64_t mask_ = 0;
 };
 
 // One key's full state, as moved between tiers.
@@ -290,12 +293,15 @@ class SsdTierFile {
   }
   void SetMarks(int64_t key, uint8_t marks) {
     const int64_t at = index_.Find(key);
-    if (at >= 0) index_.marks(at) = marks;
+    if (at >= 0) index_.set_marks(at, marks);
   }
   // f(key, marks&) for every key: change the marks in place.
   template <typename F>
   void ForEachMarks(F f) {
-    index_.ForEach([&f](int64_t key, uint32_t, uint8_t& m) { f(key, m); });
+    index_.UpdateMarks([&f](int64_t key, uint8_t m) {
+      f(key, m);
+      return m;
+    });
   }
   // Bytes of the in-memory index.
   uint64_t IndexBytes() const { return index_.Bytes(); }

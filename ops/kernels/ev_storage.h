@@ -34,7 +34,7 @@
 //
 // SSD tier (StorageType.DRAM_SSDHASH / SSDHASH, issue 36): with
 // `tier_dir` set, the rows above the DRAM budget (`dram_bytes`, which also
-// pays for the tier's in-memory index, TierIndex: about 20 bytes a key) live in
+// pays for the tier's in-memory index, TierIndex: 15-19 bytes a key) live in
 // an SsdTierFile (ev_ssd_tier.h) as whole records: key, freq, version,
 // value and every slot, bit for bit. The ops that take rows by index run
 // PrepareTier(keys) first, under the exclusive lock: it spills the coldest

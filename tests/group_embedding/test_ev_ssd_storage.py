@@ -26,9 +26,9 @@ NUM_KEYS = 40
 # One DRAM row with one optimizer slot (Adagrad): 24 bytes of key, freq
 # and version, 12 of bucket and marks, the value and the slot.
 ROW_BYTES = 24 + 12 + 4 * DIM * 2
-# The disk tier's index while it holds at most 54 keys: 64 slots of 13
+# The disk tier's index while it holds at most 51 keys: 64 slots of 12
 # bytes. The DRAM budget pays for it first.
-INDEX_BYTES = 64 * 13
+INDEX_BYTES = 64 * 12
 
 
 def _option(storage=None, **kwargs):
