@@ -143,6 +143,10 @@ class TestTieredTraining:
         (b,) = ge.group_embedding_lookup_sparse([ssd], [ids], "sum",
                                                 training=False)
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+        keys = tf.constant(want["keys"][::-1])
+        np.testing.assert_array_equal(
+            ssd.lookup_rows(keys, training=False).numpy(),
+            dram.lookup_rows(keys, training=False).numpy())
         _assert_same(_snapshot(ssd), want)
 
     def test_ssdhash_matches_dram_bitwise(self, tmp_path):
