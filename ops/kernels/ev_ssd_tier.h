@@ -235,6 +235,12 @@ class SsdTierFile {
     fd_ = -1;
   }
 
+  // Closes and deletes the file (the EV is gone).
+  void CloseAndRemove() {
+    Close();
+    ::unlink(path_.c_str());
+  }
+
   // Appends the record; on success the index points at it (a former record
   // of the key becomes dead). On failure the file is cut back to its former
   // end and the index is unchanged.

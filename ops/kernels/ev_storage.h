@@ -229,6 +229,9 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   ~EVStorage() override {
+    // The tier file is of no use to anyone after this EV (a new one
+    // starts empty): its disk space goes back now.
+    if (tier_) tier_->CloseAndRemove();
     if (!tier_dir_key_.empty()) {
       std::lock_guard<std::mutex> l(TierDirsMu());
       TierDirs().erase(tier_dir_key_);

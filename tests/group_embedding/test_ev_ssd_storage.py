@@ -8,6 +8,7 @@ ways and incremental exports. Bad storage options are errors naming the
 EV; a corrupted tier file is an error naming the EV and the file.
 """
 
+import gc
 import os
 import resource
 import signal
@@ -300,6 +301,18 @@ class TestTieredErrors:
             ev_cases.make_ev(
                 "e_second", DIM, ev_option=_option(_ssd(tmp_path / "one")))
         del first
+
+    def test_path_free_again_after_the_ev_is_gone(self, tmp_path):
+        ev = ev_cases.make_ev(
+            "e_gone", DIM, ev_option=_option(_ssd(tmp_path / "gone")))
+        _train(ev, ge.optimizers.SGD(0.1), _batches(0, 2))
+        assert (tmp_path / "gone" / "e_gone.tier").exists()
+        del ev
+        gc.collect()
+        # The file (a cache of that EV only) is deleted, the folder free.
+        assert not (tmp_path / "gone" / "e_gone.tier").exists()
+        ev_cases.make_ev(
+            "e_gone_2", DIM, ev_option=_option(_ssd(tmp_path / "gone")))
 
     def test_unwritable_path_fails(self, tmp_path):
         blocker = tmp_path / "a_file"
