@@ -24,6 +24,7 @@ from group_embedding.distributed.training import DistributedGradientTape
 from group_embedding.distributed.training import DistributedOptimizer
 from group_embedding.distributed.training import allreduce_gradients
 from group_embedding.distributed.training import broadcast_variables
+from group_embedding.embedding_variable.options import CacheStrategy
 from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
 from group_embedding.embedding_variable.options import EmbeddingVariableOption
@@ -68,6 +69,7 @@ __all__ = [
     "restore_tables",
     "save_tables",
     "CBFFilter",
+    "CacheStrategy",
     "CounterFilter",
     "EmbeddingVariable",
     "EmbeddingVariableOption",

@@ -44,11 +44,15 @@ def create_handle(variable_name: str, shared_name: str, embedding_dim: int,
                   filter_freq: int, no_permission: float, steps_to_live: int,
                   l2_weight_threshold: float, cbf_counters: int = 0,
                   cbf_hashes: int = 0, cbf_counter_bytes: int = 8,
-                  max_rows: int = 0) -> tf.Tensor:
+                  max_rows: int = 0, storage_path: str = "",
+                  dram_bytes: int = 0, cache_lru: bool = False) -> tf.Tensor:
     """Creates (or finds) the storage resource and returns its handle.
 
     `cbf_*` size a CBFFilter's counting Bloom filter (0 counters: none);
     `max_rows` > 0 lowers the row limit (2**32 - 2), for tests only.
+    A non-empty `storage_path` (an existing folder) adds the disk tier of
+    StorageType.DRAM_SSDHASH (`dram_bytes` > 0) or SSDHASH (0), spilling
+    by LRU if `cache_lru` else LFU.
     """
     return library().group_embedding_ev_handle(
         shared_name=shared_name, variable_name=variable_name,
@@ -57,7 +61,8 @@ def create_handle(variable_name: str, shared_name: str, embedding_dim: int,
         steps_to_live=steps_to_live,
         l2_weight_threshold=l2_weight_threshold, cbf_counters=cbf_counters,
         cbf_hashes=cbf_hashes, cbf_counter_bytes=cbf_counter_bytes,
-        max_rows=max_rows)
+        max_rows=max_rows, storage_path=storage_path,
+        dram_bytes=dram_bytes, cache_lru=cache_lru)
 
 
 def group_gather(variables: Sequence, keys: List[tf.Tensor],
@@ -114,6 +119,13 @@ def ensure_slot(handle, slot_name: str, initial_value: float):
 def size(handle):
     """Returns (number of live keys, bytes held), int64 scalars."""
     return library().group_embedding_ev_size(handle)
+
+
+def tier_stats(handle) -> tf.Tensor:
+    """int64 `[5]`: keys in DRAM, keys on disk, promotions (disk -> DRAM,
+    the DRAM tier's misses), spills (DRAM -> disk), bytes of the disk
+    tier's in-memory index (StorageType.DRAM_SSDHASH / SSDHASH)."""
+    return library().group_embedding_ev_tier_stats(handle)
 
 
 def export(handle, embedding_dim: int):

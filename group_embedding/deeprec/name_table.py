@@ -176,6 +176,7 @@ def _names() -> List[Tuple[Any, str, Any]]:
         "L2WeightEvict": options.L2WeightEvict,
         "StorageOption": options.StorageOption,
         "StorageType": options.StorageType,
+        "CacheStrategy": options.CacheStrategy,
     }
     top.update(runtime_features.UNSUPPORTED_NAMES)
     config = {"enable_group_embedding":
@@ -209,13 +210,15 @@ def _names() -> List[Tuple[Any, str, Any]]:
         out += [(namespace, k, v) for k, v in config.items()
                 for namespace in (root.config, root.config.experimental)]
         out += _ev_read_names(root)
-    # DeepRec's collections of EV init ops, and its proto enum of EV
-    # storage tiers (`config_pb2.StorageType.DRAM`).
+    # DeepRec's collections of EV init ops, and its proto enums of EV
+    # storage tiers (`config_pb2.StorageType.DRAM`) and of the policy of
+    # a DRAM tier over disk (`config_pb2.CacheStrategy.LFU`).
     out.append((tf.compat.v1.GraphKeys, "EV_INIT_VAR_OPS",
                 embedding_variable.EV_INIT_VAR_OPS))
     out.append((tf.compat.v1.GraphKeys, "EV_INIT_SLOT_OPS",
                 embedding_variable.EV_INIT_SLOT_OPS))
     out.append((config_pb2, "StorageType", options.StorageType))
+    out.append((config_pb2, "CacheStrategy", options.CacheStrategy))
     # DeepRec's test scripts call `framework.config.enable_group_embedding`.
     out += [(tf_framework_config, k, v) for k, v in config.items()]
     # DeepRec's fields of `ConfigProto.graph_options.optimizer_options`.

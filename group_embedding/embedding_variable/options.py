@@ -274,9 +274,11 @@ class InitializerOption(_Config):
 class StorageType(enum.IntEnum):
     """DeepRec's `config_pb2.StorageType` names (multi-tier EV storage).
 
-    Only `DRAM` (and `DEFAULT`, which means DRAM) exist here: an EV is one
-    in-memory hash table. The other names are listed so that a script
-    naming them gets `StorageOption`'s clear error, not an AttributeError.
+    `DRAM` (and `DEFAULT`, which means DRAM), `DRAM_SSDHASH` (the hottest
+    keys in DRAM, the rest in a file on disk) and `SSDHASH` (every key on
+    disk between steps) exist here. The other names are listed so that a
+    script naming them gets `StorageOption`'s clear error, not an
+    AttributeError.
     """
 
     DEFAULT = 0
@@ -294,25 +296,66 @@ class StorageType(enum.IntEnum):
     HBM_DRAM_SSDHASH = 102
 
 
-SUPPORTED_STORAGE_TYPES = (StorageType.DEFAULT, StorageType.DRAM)
+class CacheStrategy(enum.IntEnum):
+    """DeepRec's `config_pb2.CacheStrategy`: which DRAM rows go to disk.
+
+    `LFU` spills the keys seen least often (lowest frequency), `LRU` the
+    keys seen longest ago (oldest version, the last step a key was looked
+    up in training); ties go by key.
+    """
+
+    LRU = 0
+    LFU = 1
+
+
+SUPPORTED_STORAGE_TYPES = (StorageType.DEFAULT, StorageType.DRAM,
+                           StorageType.DRAM_SSDHASH, StorageType.SSDHASH)
+SSD_STORAGE_TYPES = (StorageType.DRAM_SSDHASH, StorageType.SSDHASH)
+# DeepRec's default `storage_size`: one DRAM tier of 1 GiB.
+DEFAULT_DRAM_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
 class StorageOption(_Config):
     """Where an EV keeps its rows (DeepRec's `tf.StorageOption`).
 
+    With `DRAM_SSDHASH`, the hottest keys keep their rows in DRAM within
+    `storage_size[0]` bytes and the others live in one file under
+    `storage_path` (an append-only file of checksummed records: key,
+    frequency, version, value and every optimizer slot). Lookups and
+    updates bring a key's row back to DRAM; the coldest rows (by
+    `cache_strategy`) go to disk when the DRAM tier is over budget. With
+    `SSDHASH`, every row goes back to disk after each op. Both tiers
+    together are one table: `size()`, filters, eviction, export and
+    checkpoints see every key, and a key's row, slots, frequency and
+    version are the same whichever tier holds it.
+
     Args:
-        storage_type: `StorageType.DRAM` (default) or `DEFAULT`; an int or
-            a `config_pb2.StorageType` value is accepted too.
-        storage_path: DeepRec's path for SSD/PMEM tiers; must be None.
-        storage_size: DeepRec's per-tier sizes; must be None.
-        cache_strategy: DeepRec's multi-tier cache policy; ignored (there
-            is one tier).
+        storage_type: `StorageType.DRAM` (default), `DEFAULT`,
+            `DRAM_SSDHASH` or `SSDHASH`; an int or a
+            `config_pb2.StorageType` value is accepted too.
+        storage_path: the folder of the disk tier (DRAM_SSDHASH and
+            SSDHASH only, required there); created if missing, owned by
+            one EmbeddingVariable of the process.
+        storage_size: DRAM_SSDHASH only: `[dram_bytes]` (DeepRec's
+            per-tier list; default `[2**30]`, DeepRec's). The budget
+            covers the DRAM rows with their slots AND the disk tier's
+            in-memory index (12 bytes a slot of an open-addressing table,
+            15 to 19 bytes a key on disk); it must hold
+            one row with its optimizer slots. One op's keys may exceed it
+            until the next op on the EV.
+        cache_strategy: DRAM_SSDHASH only: `CacheStrategy.LFU` (default,
+            DeepRec's) or `LRU`.
+
+    Note: the disk tier is a cache of one process, not a checkpoint: a
+    restarted job restores from its checkpoint, and the file is rewritten
+    from scratch when the EV is created.
 
     Raises:
-        NotImplementedError: any storage type other than DRAM, or a
-            storage path or size (multi-tier storage).
-        ValueError: an unknown storage type.
+        NotImplementedError: a storage type other than DRAM, DEFAULT,
+            DRAM_SSDHASH or SSDHASH, or a storage path or size for DRAM.
+        ValueError: an unknown storage type, a missing `storage_path`, a
+            bad `storage_size` or `cache_strategy`.
     """
 
     storage_type: Any = StorageType.DRAM
@@ -328,18 +371,71 @@ class StorageOption(_Config):
                              f"{self.storage_type!r}.") from None
         if kind not in SUPPORTED_STORAGE_TYPES:
             raise NotImplementedError(
-                f"StorageOption: storage_type {kind.name} (multi-tier "
-                "EmbeddingVariable storage) is not supported by "
-                "group_embedding; EVs live in DRAM, use StorageType.DRAM.")
-        if self.storage_path is not None or self.storage_size is not None:
-            raise NotImplementedError(
-                "StorageOption: `storage_path` / `storage_size` configure "
-                "multi-tier storage, which group_embedding does not have; "
-                "leave them None.")
+                f"StorageOption: storage_type {kind.name} is not supported "
+                "by group_embedding; use StorageType.DRAM, DRAM_SSDHASH or "
+                "SSDHASH.")
         object.__setattr__(self, "storage_type", kind)
+        if kind not in SSD_STORAGE_TYPES:
+            if self.storage_path is not None or self.storage_size is not None:
+                raise NotImplementedError(
+                    "StorageOption: `storage_path` / `storage_size` "
+                    f"configure a disk tier, which {kind.name} does not "
+                    "have; leave them None or use DRAM_SSDHASH.")
+            return
+        if not isinstance(self.storage_path, str) or not self.storage_path:
+            raise ValueError(f"StorageOption: {kind.name} needs "
+                             "`storage_path`, a folder, got "
+                             f"{self.storage_path!r}.")
+        if kind == StorageType.SSDHASH:
+            if self.storage_size is not None:
+                raise NotImplementedError(
+                    "StorageOption: SSDHASH keeps no DRAM tier, so "
+                    "`storage_size` sizes nothing; leave it None or use "
+                    "DRAM_SSDHASH.")
+            if self.cache_strategy is not None:
+                raise NotImplementedError(
+                    "StorageOption: SSDHASH keeps no DRAM tier, so "
+                    "`cache_strategy` chooses nothing; leave it None.")
+            return
+        size = self.storage_size
+        if size is None:
+            size = [DEFAULT_DRAM_BYTES]
+        if (not isinstance(size, (list, tuple)) or len(size) != 1
+                or not _is_int(size[0]) or size[0] < 1):
+            raise ValueError("StorageOption: `storage_size` must be "
+                             "[dram_bytes] with dram_bytes >= 1 for "
+                             f"DRAM_SSDHASH, got {self.storage_size!r}.")
+        object.__setattr__(self, "storage_size", [int(size[0])])
+        strategy = self.cache_strategy
+        if strategy is None:
+            strategy = CacheStrategy.LFU
+        try:
+            strategy = CacheStrategy(int(strategy))
+        except (TypeError, ValueError):
+            raise ValueError("StorageOption: `cache_strategy` must be "
+                             "CacheStrategy.LFU or LRU, got "
+                             f"{self.cache_strategy!r}.") from None
+        object.__setattr__(self, "cache_strategy", strategy)
+
+    def is_tiered(self) -> bool:
+        """Whether rows may live on disk (DRAM_SSDHASH or SSDHASH)."""
+        return self.storage_type in SSD_STORAGE_TYPES
+
+    def dram_bytes(self) -> int:
+        """The DRAM tier's budget in bytes (0 for SSDHASH and DRAM)."""
+        if self.storage_type != StorageType.DRAM_SSDHASH:
+            return 0
+        return int(self.storage_size[0])
 
     def get_config(self) -> Dict[str, Any]:
-        return {"storage_type": int(self.storage_type)}
+        config: Dict[str, Any] = {"storage_type": int(self.storage_type)}
+        if self.is_tiered():
+            config["storage_path"] = self.storage_path
+            config["storage_size"] = self.storage_size
+            config["cache_strategy"] = (
+                None if self.cache_strategy is None
+                else int(self.cache_strategy))
+        return config
 
 
 _EVICT_CLASSES: Dict[str, Any] = {"GlobalStepEvict": GlobalStepEvict,
@@ -358,7 +454,8 @@ class EmbeddingVariableOption(_Config):
             `EmbeddingVariable.evict()`.
         filter_option: None (default), a `CounterFilter` or a `CBFFilter`.
         init_option: an `InitializerOption` (default `InitializerOption()`).
-        storage_option: a `StorageOption` (default DRAM, the only one).
+        storage_option: a `StorageOption` (default DRAM; DRAM_SSDHASH and
+            SSDHASH add a disk tier).
 
     Raises:
         ValueError: several eviction policies (a list or tuple of them);

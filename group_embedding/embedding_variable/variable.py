@@ -7,6 +7,8 @@ import itertools
 import json
 import logging
 import math
+import os
+import shutil
 from typing import Optional
 
 import tensorflow as tf
@@ -18,10 +20,12 @@ from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.training.saving import saveable_object_util
 
 from group_embedding import model_parallel
+from group_embedding.embedding_variable.options import CacheStrategy
 from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.embedding_variable.options import GlobalStepEvict
 from group_embedding.embedding_variable.options import L2WeightEvict
+from group_embedding.embedding_variable.options import StorageType
 from group_embedding.ops import ev_storage
 
 SUPPORTED_KEY_DTYPES = (tf.int64, tf.int32)
@@ -208,13 +212,25 @@ class EmbeddingVariable(tf.Module):
         else:
             shared = tf.compat.v1.get_default_graph().unique_name(
                 self._ev_name + "/storage", mark_as_used=True)
-        return ev_storage.create_handle(
-            self._ev_name, shared, self.embedding_dim, freq,
-            float(opt.init_option.default_value_no_permission), steps, l2,
-            cbf_counters=cbf.num_counters if cbf else 0,
-            cbf_hashes=cbf.num_hashes if cbf else 0,
-            cbf_counter_bytes=cbf.counter_bytes if cbf else 8,
-            max_rows=self._max_rows_for_testing)
+        storage = opt.storage_option
+        path = ""
+        if storage.is_tiered():
+            path = _prepare_storage_path(self._ev_name, storage,
+                                         self.embedding_dim)
+        try:
+            return ev_storage.create_handle(
+                self._ev_name, shared, self.embedding_dim, freq,
+                float(opt.init_option.default_value_no_permission), steps, l2,
+                cbf_counters=cbf.num_counters if cbf else 0,
+                cbf_hashes=cbf.num_hashes if cbf else 0,
+                cbf_counter_bytes=cbf.counter_bytes if cbf else 8,
+                max_rows=self._max_rows_for_testing, storage_path=path,
+                dram_bytes=storage.dram_bytes(),
+                cache_lru=storage.cache_strategy == CacheStrategy.LRU)
+        except tf.errors.InvalidArgumentError as e:
+            # A folder another EV owns, a file that cannot be created: a
+            # bad storage_path (eager; a graph reports it at its first run).
+            raise ValueError(e.message) from None
 
     # False for the SAVEABLE_OBJECTS view (see __init__): a Saver given
     # the EV in `var_list` saves its default matrix too.
@@ -597,6 +613,45 @@ def _assign_true(var, value):
     """Assigns `value` to `var`; returns True once assigned."""
     with tf.control_dependencies([var.assign(value, read_value=False)]):
         return tf.constant(True)
+
+
+# Bytes of one DRAM row besides its floats: key, freq and version, and the
+# hash bucket and change bits (sizeof(KeyMeta) + kDramRowOverheadBytes in
+# ops/kernels/ev_storage.h).
+_DRAM_ROW_OVERHEAD_BYTES = 24 + 12
+
+
+def _prepare_storage_path(name: str, storage, embedding_dim: int) -> str:
+    """Checks and creates the disk tier's folder of EV `name`.
+
+    Returns:
+        The folder, absolute.
+
+    Raises:
+        ValueError: the folder cannot be created or written, its file
+            system has no room for one row, or `storage_size[0]` cannot
+            hold one row.
+    """
+    path = os.path.abspath(storage.storage_path)
+    row = _DRAM_ROW_OVERHEAD_BYTES + 4 * embedding_dim
+    if storage.storage_type == StorageType.DRAM_SSDHASH and \
+            storage.dram_bytes() < row:
+        raise ValueError(
+            f"EmbeddingVariable '{name}': `storage_size[0]` of "
+            f"{storage.dram_bytes()} bytes cannot hold one row ({row} bytes "
+            f"with dim {embedding_dim}, more with optimizer slots).")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"EmbeddingVariable '{name}': cannot create "
+                         f"`storage_path` '{path}': {e.strerror}.") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"EmbeddingVariable '{name}': `storage_path` "
+                         f"'{path}' is not writable.")
+    if shutil.disk_usage(path).free < 16 + row + 4:
+        raise ValueError(f"EmbeddingVariable '{name}': `storage_path` "
+                         f"'{path}' is full (no room for one row).")
+    return path
 
 
 def is_embedding_variable(x: object) -> bool:

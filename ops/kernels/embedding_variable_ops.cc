@@ -27,6 +27,9 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Attr("cbf_hashes: int >= 0 = 0")
     .Attr("cbf_counter_bytes: int = 8")
     .Attr("max_rows: int = 0")
+    .Attr("storage_path: string = ''")
+    .Attr("dram_bytes: int = 0")
+    .Attr("cache_lru: bool = false")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::ScalarShape));
 
@@ -69,6 +72,15 @@ class EVHandleOp : public OpKernel {
                 InvalidArgument(config_.name, ": max_rows must be in [0, ",
                                 kMaxRows, "], got ", max_rows, "."));
     if (max_rows > 0) config_.max_rows = max_rows;
+    // SSD tier (StorageType.DRAM_SSDHASH / SSDHASH): a folder, the DRAM
+    // budget in bytes (0: SSDHASH, every row back to the tier after each
+    // op) and the cache strategy.
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("storage_path", &config_.tier_dir));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dram_bytes", &config_.dram_bytes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_lru", &config_.tier_lru));
+    OP_REQUIRES(ctx, config_.dram_bytes >= 0,
+                InvalidArgument(config_.name, ": dram_bytes must be >= 0, "
+                                "got ", config_.dram_bytes, "."));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -79,7 +91,9 @@ class EVHandleOp : public OpKernel {
                             handle.container(), handle.name(), &ev,
                             [this](EVStorage** out) {
                               *out = new EVStorage(config_);
-                              return Status();
+                              Status s = (*out)->OpenTier();
+                              if (!s.ok()) (*out)->Unref();
+                              return s;
                             }));
     const int64_t dim = ev->dim();
     ev->Unref();
@@ -126,7 +140,8 @@ class EVEnsureSlotOp : public OpKernel {
     RefCountPtr<EVStorage> ev;
     OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
     tensorflow::mutex_lock lock(*ev->mu());
-    ev->EnsureSlot(name_, init_);
+    int index = 0;
+    OP_REQUIRES_OK(ctx, ev->EnsureSlot(name_, init_, &index));
   }
 
  private:
@@ -170,6 +185,40 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
     "GroupEmbeddingEVSize", "EVSize",
     EVSizeOp);
 
+// The SSD tier's counters: keys in DRAM, keys on disk, promotions (disk ->
+// DRAM, i.e. misses of the DRAM tier), spills (DRAM -> disk) and the bytes
+// of the tier's in-memory index; all 0 but the first without a tier.
+// A new op: no pre-rename alias.
+REGISTER_OP("GroupEmbeddingEVTierStats")
+    .Input("handle: resource")
+    .Output("stats: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(5));
+      return Status();
+    });
+
+class EVTierStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    RefCountPtr<EVStorage> ev;
+    OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
+    tensorflow::tf_shared_lock lock(*ev->mu());
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({5}), &out));
+    auto v = out->flat<int64_t>();
+    v(1) = ev->tier_size();
+    v(0) = ev->size() - v(1);
+    v(2) = ev->promotions();
+    v(3) = ev->spills();
+    v(4) = ev->tier_index_bytes();
+  }
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("GroupEmbeddingEVTierStats").Device(DEVICE_CPU), EVTierStatsOp);
+
 // Outputs 0-7 of GroupEmbeddingEVExport and GroupEmbeddingEVExportChanges:
 // keys, values, freqs, versions, slot_names, slot_inits, slots [n, S * D],
 // step.
@@ -188,11 +237,14 @@ Status SnapshotShapes(InferenceContext* c) {
   return Status();
 }
 
-// Writes `rows` of `ev` (the caller holds its lock) to outputs 0-7.
+// Writes `rows` of `ev` (the caller holds its lock), then the SSD tier's
+// records of `tier_keys`, to outputs 0-7.
 template <typename Row>
 Status WriteSnapshot(OpKernelContext* ctx, EVStorage* ev,
-                     const std::vector<Row>& rows) {
-  const int64_t n = rows.size();
+                     const std::vector<Row>& rows,
+                     const std::vector<int64_t>& tier_keys = {}) {
+  const int64_t dram = rows.size();
+  const int64_t n = dram + static_cast<int64_t>(tier_keys.size());
   const int64_t dim = ev->dim();
   const int64_t s = ev->slot_names().size();
   Tensor *keys, *values, *freqs, *versions, *names, *inits, *slots, *step;
@@ -215,7 +267,16 @@ Status WriteSnapshot(OpKernelContext* ctx, EVStorage* ev,
     names->flat<tensorflow::tstring>()(i) = ev->slot_names()[i];
     inits->flat<float>()(i) = ev->slot_inits()[i];
   }
-  for (int64_t i = 0; i < n; ++i) {
+  TierRecord rec;
+  for (int64_t i = dram; i < n; ++i) {
+    TF_RETURN_IF_ERROR(ev->ReadTier(tier_keys[i - dram], &rec));
+    k(i) = rec.key;
+    f(i) = rec.freq;
+    v(i) = rec.version;
+    std::memcpy(val + i * dim, rec.row.data(), sizeof(float) * dim);
+    std::memcpy(sl + i * s * dim, rec.slots.data(), sizeof(float) * s * dim);
+  }
+  for (int64_t i = 0; i < dram; ++i) {
     const int64_t r = rows[i];
     k(i) = ev->Key(r);
     f(i) = *ev->Freq(r);
@@ -254,7 +315,7 @@ class EVExportOp : public OpKernel {
     // One lock for the whole snapshot: keys, values and slots agree.
     tensorflow::tf_shared_lock lock(*ev->mu());
     const std::vector<uint32_t> rows = ev->LiveRows();
-    OP_REQUIRES_OK(ctx, WriteSnapshot(ctx, ev.get(), rows));
+    OP_REQUIRES_OK(ctx, WriteSnapshot(ctx, ev.get(), rows, ev->TierKeys()));
   }
 };
 
@@ -315,9 +376,11 @@ class EVExportChangesOp : public OpKernel {
                     "); save in full."));
     const int64_t id = ev->StartExport();
     OP_REQUIRES_OK(ctx, since == 0
-                            ? WriteSnapshot(ctx, ev.get(), ev->LiveRows())
+                            ? WriteSnapshot(ctx, ev.get(), ev->LiveRows(),
+                                            ev->TierKeys())
                             : WriteSnapshot(ctx, ev.get(),
-                                            ev->ExportedRows()));
+                                            ev->ExportedRows(),
+                                            ev->ExportedTierKeys()));
     const std::vector<int64_t> removed =
         since == 0 ? std::vector<int64_t>() : ev->RemovedKeys();
     Tensor *gone, *covered;
@@ -459,13 +522,16 @@ class EVImportOp : public OpKernel {
                                 slots.shape().DebugString()));
     tensorflow::mutex_lock lock(*ev->mu());
     ev->Clear();
-    ev->Reserve(n);
+    OP_REQUIRES_OK(ctx, ev->ClearTier());
+    // With a tier, the rows go to DRAM and spill as the budget fills.
+    if (!ev->has_tier()) ev->Reserve(n);
     std::vector<int> slot_index(s);
     for (int64_t j = 0; j < s; ++j) {
       const std::string name(names.flat<tensorflow::tstring>()(j));
       // The initial value travels with the slot, so keys inserted after a
       // restore (before the optimizer runs) start like uninterrupted ones.
-      slot_index[j] = ev->EnsureSlot(name, inits.flat<float>()(j));
+      OP_REQUIRES_OK(ctx, ev->EnsureSlot(name, inits.flat<float>()(j),
+                                         &slot_index[j]));
     }
     const float* val = values.flat<float>().data();
     const float* sl = slots.flat<float>().data();
@@ -481,7 +547,12 @@ class EVImportOp : public OpKernel {
         std::memcpy(ev->Slot(slot_index[j], r), sl + (i * s + j) * dim,
                     sizeof(float) * dim);
       }
+      // Spill as we go: the checkpoint may not fit in the DRAM tier.
+      if (ev->has_tier() && (i & 4095) == 4095) {
+        OP_REQUIRES_OK(ctx, ev->SpillToBudget());
+      }
     }
+    if (ev->has_tier()) OP_REQUIRES_OK(ctx, ev->SpillToBudget());
     ev->AdvanceStep(ctx->input(8).scalar<int64_t>()());
   }
 };
@@ -505,20 +576,31 @@ class EVEvictOp : public OpKernel {
     OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
     tensorflow::mutex_lock lock(*ev->mu());
     const EVConfig& cfg = ev->config();
-    std::vector<int64_t> doomed;
-    for (uint32_t r : ev->LiveRows()) {
-      bool evict = false;
+    auto doomed_row = [&](int64_t version, const float* v) {
       if (cfg.steps_to_live > 0) {
         // Both are steps in [0, 2^63): the difference cannot overflow.
-        evict = ev->current_step() - *ev->Version(r) > cfg.steps_to_live;
+        return ev->current_step() - version > cfg.steps_to_live;
       } else if (cfg.l2_threshold >= 0.0f) {
         // DeepRec's rule: half the squared L2 norm below the threshold.
-        const float* v = ev->Value(r);
         double ss = 0.0;
         for (int64_t d = 0; d < ev->dim(); ++d) ss += double(v[d]) * v[d];
-        evict = 0.5 * ss < cfg.l2_threshold;
+        return 0.5 * ss < cfg.l2_threshold;
       }
-      if (evict) doomed.push_back(ev->Key(r));
+      return false;
+    };
+    std::vector<int64_t> doomed;
+    for (uint32_t r : ev->LiveRows()) {
+      if (doomed_row(*ev->Version(r), ev->Value(r))) {
+        doomed.push_back(ev->Key(r));
+      }
+    }
+    // The SSD tier's keys face the same rule.
+    if (ev->has_tier() && (cfg.steps_to_live > 0 || cfg.l2_threshold >= 0)) {
+      TierRecord rec;
+      for (int64_t key : ev->TierKeys()) {
+        OP_REQUIRES_OK(ctx, ev->ReadTier(key, &rec));
+        if (doomed_row(rec.version, rec.row.data())) doomed.push_back(key);
+      }
     }
     for (int64_t key : doomed) ev->Erase(key);
     Tensor* out = nullptr;

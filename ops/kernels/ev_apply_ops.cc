@@ -52,6 +52,8 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   }
   ev->AdvanceStep(step);
   const int64_t* k = keys.flat<int64_t>().data();
+  // Keys of the SSD tier come back to DRAM (ev_storage.h).
+  if (ev->has_tier()) OP_REQUIRES_OK(ctx, ev->PrepareTier(k, n));
   const float* g = grad.flat<float>().data();
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
 

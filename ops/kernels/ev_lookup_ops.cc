@@ -37,13 +37,15 @@ using ::tensorflow::OpOutputList;
 
 // Locks of the distinct variables of a group (one variable may serve
 // several tables, e.g. shared embedding columns), taken in address order
-// so that two groups cannot deadlock; exclusive when keys are inserted.
+// so that two groups cannot deadlock; exclusive when keys are inserted or
+// a variable has an SSD tier (PrepareTier moves rows).
 class EVGroupLocks {
  public:
   EVGroupLocks(std::vector<EVStorage*> evs, bool exclusive)
       : evs_(std::move(evs)), exclusive_(exclusive) {
     std::sort(evs_.begin(), evs_.end());
     evs_.erase(std::unique(evs_.begin(), evs_.end()), evs_.end());
+    for (EVStorage* ev : evs_) exclusive_ = exclusive_ || ev->has_tier();
     for (EVStorage* ev : evs_) {
       if (exclusive_) {
         ev->mu()->lock();
@@ -229,6 +231,20 @@ class ResolvedGroup {
     const std::vector<EVStorage*>& distinct = locks_->distinct();
     const int k = evs.size();
     const int64_t n = distinct.size();
+    // SSD tiers first, serially: the batch's keys get DRAM rows, which
+    // stay until the next op on the variable (see ev_storage.h). One
+    // spill per variable, then its tables' keys, so that no promoted row
+    // of one table is spilled for another.
+    for (EVStorage* ev : distinct) {
+      if (!ev->has_tier()) continue;
+      TF_RETURN_IF_ERROR(ev->SpillToBudget());
+      for (int t = 0; t < k; ++t) {
+        if (evs[t] != ev) continue;
+        TF_RETURN_IF_ERROR(ev->PrepareTier(keys[t].flat<int64_t>().data(),
+                                           keys[t].NumElements(),
+                                           /*spill=*/false));
+      }
+    }
     std::vector<Status> status(n);  // one writer per entry
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t e = begin; e < end; ++e) {
@@ -502,14 +518,23 @@ class EVWeightGradOp : public PooledEVKernel {
       const int64_t nnz = in.nnz(t);
       std::vector<const float*> rows(nnz);
       const std::vector<float> no_permission(dim, ev->config().no_permission);
-      {
-        tensorflow::tf_shared_lock lock(*ev->mu());
-        OP_REQUIRES_OK(ctx, ResolveKeys(ev, in.ids[t].flat<int64_t>().data(),
-                                        nnz, in.defaults[t],
+      const int64_t* ids = in.ids[t].flat<int64_t>().data();
+      auto resolve = [&]() {
+        OP_REQUIRES_OK(ctx, ResolveKeys(ev, ids, nnz, in.defaults[t],
                                         /*training=*/false,
                                         no_permission.data(), rows.data()));
         WeightGrad(t, in, grads[t], pooled[t], rows, o->flat<float>().data());
+      };
+      if (ev->has_tier()) {
+        // Rows of the SSD tier come back to DRAM first (exclusive).
+        tensorflow::mutex_lock lock(*ev->mu());
+        OP_REQUIRES_OK(ctx, ev->PrepareTier(ids, nnz));
+        resolve();
+      } else {
+        tensorflow::tf_shared_lock lock(*ev->mu());
+        resolve();
       }
+      if (!ctx->status().ok()) return;
     }
   }
 

@@ -2,9 +2,9 @@
 #define GROUP_EMBEDDING_OPS_KERNELS_EV_SSD_TIER_H_
 
 // The SSD tier of an EmbeddingVariable (issue 36): an append-only file of
-// fixed-size records under the EV's own folder, and an in-memory index
-// key -> record offset. Not yet wired into the EV table (ev_storage.h);
-// TF-free so that it is tested on its own (tests/group_embedding/
+// fixed-size records under the EV's own folder, and a compact in-memory
+// index key -> record number (TierIndex, 12 bytes a slot), used by the EV table (ev_storage.h) for
+// StorageType.DRAM_SSDHASH and SSDHASH; TF-free so that it is tested on its own (tests/group_embedding/
 // test_ev_ssd_tier_file.py builds a driver with g++).
 //
 // File layout (little-endian, as written by this host):
@@ -30,8 +30,10 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <unordered_map>
+#include <utility>
 #include <vector>
+
+#include "hash_mix.h"
 
 namespace group_embedding {
 
@@ -53,6 +55,141 @@ inline uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0) {
   for (size_t i = 0; i < n; ++i) crc = table.v[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
   return ~crc;
 }
+
+// The tier's index: key -> record number and two mark bits, by open
+// addressing (linear probing, backward-shift deletion: no tombstones) in
+// two parallel arrays: the key (8 bytes) and a uint32 holding the record
+// number (low 30 bits) and the marks (top 2), 12 bytes a slot. The table
+// has any number of slots (a key's home is Mix(key) scaled to it), grows
+// by a quarter when 80% full, so its load stays in [0.64, 0.8]: 15 to 19
+// bytes a key. An std::unordered_map<int64, uint64> took about 41 (a
+// 32-byte node and a bucket pointer). At the issue's scale (200M keys on
+// disk) that is about 3.4 GiB instead of 7.6. Record numbers stop at
+// 2^30 - 2 (dead records included; compaction keeps those below the live
+// ones, so about 2^29 live keys per tier file).
+class TierIndex {
+ public:
+  static constexpr uint32_t kNone = 0xffffffffu;
+  static constexpr uint64_t kMaxRecords = (uint64_t{1} << 30) - 2;
+  static constexpr uint32_t kRecordMask = (uint32_t{1} << 30) - 1;
+
+  TierIndex() { Reset(kMinSlots); }
+
+  uint64_t size() const { return size_; }
+  // Bytes of the two arrays.
+  uint64_t Bytes() const { return keys_.size() * (8 + 4); }
+
+  // The slot of `key`, or -1.
+  int64_t Find(int64_t key) const {
+    uint64_t h = Home(key);
+    while (recs_[h] != kNone) {
+      if (keys_[h] == key) return static_cast<int64_t>(h);
+      h = Next(h);
+    }
+    return -1;
+  }
+  uint32_t record(int64_t slot) const { return recs_[slot] & kRecordMask; }
+  uint8_t marks(int64_t slot) const { return recs_[slot] >> 30; }
+  void set_marks(int64_t slot, uint8_t m) {
+    recs_[slot] = (recs_[slot] & kRecordMask) | (uint32_t{m} << 30);
+  }
+
+  // Points `key` at record `rec` (<= kMaxRecords; keeps its marks if
+  // present, else 0).
+  void Set(int64_t key, uint32_t rec) {
+    const int64_t at = Find(key);
+    if (at >= 0) {
+      recs_[at] = (recs_[at] & ~kRecordMask) | rec;
+      return;
+    }
+    if ((size_ + 1) * 5 > keys_.size() * 4) {
+      Reset(keys_.size() + keys_.size() / 4);
+    }
+    uint64_t h = Home(key);
+    while (recs_[h] != kNone) h = Next(h);
+    keys_[h] = key;
+    recs_[h] = rec;
+    ++size_;
+  }
+
+  // Removes `key`; returns whether it was there.
+  bool Erase(int64_t key) {
+    const int64_t at = Find(key);
+    if (at < 0) return false;
+    uint64_t hole = static_cast<uint64_t>(at);
+    recs_[hole] = kNone;
+    --size_;
+    for (uint64_t j = Next(hole); recs_[j] != kNone; j = Next(j)) {
+      const uint64_t home = Home(keys_[j]);
+      // Move j into the hole if its home is not in (hole, j] cyclically.
+      const bool stays = hole <= j ? (home > hole && home <= j)
+                                   : (home > hole || home <= j);
+      if (stays) continue;
+      keys_[hole] = keys_[j];
+      recs_[hole] = recs_[j];
+      recs_[j] = kNone;
+      hole = j;
+    }
+    return true;
+  }
+
+  void Clear() {
+    keys_.clear();
+    recs_.clear();
+    size_ = 0;
+    Reset(kMinSlots);
+  }
+  void Swap(TierIndex& other) {
+    keys_.swap(other.keys_);
+    recs_.swap(other.recs_);
+    std::swap(size_, other.size_);
+  }
+
+  // f(key, record, marks) for every entry.
+  template <typename F>
+  void ForEach(F f) const {
+    for (uint64_t h = 0; h < keys_.size(); ++h) {
+      if (recs_[h] != kNone) f(keys_[h], recs_[h] & kRecordMask, recs_[h] >> 30);
+    }
+  }
+  // m = f(key, m) for the marks of every entry.
+  template <typename F>
+  void UpdateMarks(F f) {
+    for (uint64_t h = 0; h < keys_.size(); ++h) {
+      if (recs_[h] != kNone) set_marks(h, f(keys_[h], marks(h)));
+    }
+  }
+
+ private:
+  static constexpr uint64_t kMinSlots = 64;
+
+  // Mix(key) scaled to [0, slots): any table size, no modulo.
+  uint64_t Home(int64_t key) const {
+    return static_cast<uint64_t>(
+        (static_cast<unsigned __int128>(Mix(static_cast<uint64_t>(key))) *
+         keys_.size()) >> 64);
+  }
+  uint64_t Next(uint64_t h) const { return h + 1 == keys_.size() ? 0 : h + 1; }
+
+  // Rebuilds with `capacity` slots (more than size()).
+  void Reset(uint64_t capacity) {
+    std::vector<int64_t> keys(capacity);
+    std::vector<uint32_t> recs(capacity, kNone);
+    keys.swap(keys_);
+    recs.swap(recs_);
+    for (uint64_t h = 0; h < keys.size(); ++h) {
+      if (recs[h] == kNone) continue;
+      uint64_t at = Home(keys[h]);
+      while (recs_[at] != kNone) at = Next(at);
+      keys_[at] = keys[h];
+      recs_[at] = recs[h];
+    }
+  }
+
+  std::vector<int64_t> keys_;
+  std::vector<uint32_t> recs_;
+  uint64_t size_ = 0;
+};
 
 // One key's full state, as moved between tiers.
 struct TierRecord {
@@ -83,7 +220,7 @@ class SsdTierFile {
     Close();
     fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd_ < 0) return Error("cannot create", errno);
-    index_.clear();
+    index_.Clear();
     end_ = 0;
     dead_ = 0;
     std::string header = Header();
@@ -98,6 +235,12 @@ class SsdTierFile {
     fd_ = -1;
   }
 
+  // Closes and deletes the file (the EV is gone).
+  void CloseAndRemove() {
+    Close();
+    ::unlink(path_.c_str());
+  }
+
   // Appends the record; on success the index points at it (a former record
   // of the key becomes dead). On failure the file is cut back to its former
   // end and the index is unchanged.
@@ -106,40 +249,82 @@ class SsdTierFile {
       return Error("record of the wrong width for key " + std::to_string(r.key), 0);
     std::vector<char> buf(record_bytes_);
     Encode(r, buf.data());
-    std::string err = WriteAll(buf.data(), buf.size(), end_);
+    return PutEncoded(buf.data(), &r.key, 1);
+  }
+
+  // Put of `n` records of distinct `keys`, already Encode()d one after
+  // the other in `buf` (n * record_bytes() bytes), in one write: a spill
+  // of many rows costs one system call, not one per row. On failure the
+  // file is cut back and none of them is indexed.
+  std::string PutEncoded(const char* buf, const int64_t* keys, uint64_t n) {
+    const uint64_t first = (end_ - kHeaderBytes) / record_bytes_;
+    if (first + n > TierIndex::kMaxRecords + 1)
+      return Error("is full (" + std::to_string(first) + " records, the "
+                   "most its index numbers is " +
+                   std::to_string(TierIndex::kMaxRecords + 1) + ")", 0);
+    std::string err = WriteAll(buf, n * record_bytes_, end_);
     if (!err.empty()) {
       // Best effort: the bytes past end_ are unreachable from the index.
       if (::ftruncate(fd_, static_cast<off_t>(end_)) != 0) {}
       return err;
     }
-    auto it = index_.find(r.key);
-    if (it != index_.end()) {
-      dead_ += record_bytes_;
-      it->second = end_;
-    } else {
-      index_.emplace(r.key, end_);
+    for (uint64_t i = 0; i < n; ++i) {
+      if (index_.Find(keys[i]) >= 0) dead_ += record_bytes_;
+      index_.Set(keys[i], static_cast<uint32_t>(first + i));
     }
-    end_ += record_bytes_;
+    end_ += n * record_bytes_;
     return "";
   }
 
-  bool Contains(int64_t key) const { return index_.count(key) != 0; }
+  // Lays `r` (of this file's widths) out as a record at `p`
+  // (record_bytes() bytes), checksum included.
+  void Encode(const TierRecord& r, char* p) const {
+    std::memcpy(p, &r.key, 8);
+    std::memcpy(p + 8, &r.freq, 8);
+    std::memcpy(p + 16, &r.version, 8);
+    std::memcpy(p + 24, r.row.data(), 4 * uint64_t(dim_));
+    std::memcpy(p + 24 + 4 * uint64_t(dim_), r.slots.data(), 4 * uint64_t(slot_floats_));
+    uint32_t crc = Crc32c(p, record_bytes_ - 4);
+    std::memcpy(p + record_bytes_ - 4, &crc, 4);
+  }
+
+  bool Contains(int64_t key) const { return index_.Find(key) >= 0; }
+
+  // The two mark bits the EV keeps per key (its change tracking, see
+  // ev_storage.h); 0 for a key not here. They follow the key through
+  // Put and compaction and go with Erase.
+  uint8_t Marks(int64_t key) const {
+    const int64_t at = index_.Find(key);
+    return at < 0 ? 0 : index_.marks(at);
+  }
+  void SetMarks(int64_t key, uint8_t marks) {
+    const int64_t at = index_.Find(key);
+    if (at >= 0) index_.set_marks(at, marks);
+  }
+  // f(key, marks&) for every key: change the marks in place.
+  template <typename F>
+  void ForEachMarks(F f) {
+    index_.UpdateMarks([&f](int64_t key, uint8_t m) {
+      f(key, m);
+      return m;
+    });
+  }
+  // Bytes of the in-memory index.
+  uint64_t IndexBytes() const { return index_.Bytes(); }
 
   // Reads the key's record into *out; *found is false if the key is not in
   // this tier. A short read, a checksum mismatch or a record of another key
   // is an error naming the EV and the file.
   std::string Get(int64_t key, TierRecord* out, bool* found) const {
-    auto it = index_.find(key);
-    *found = it != index_.end();
+    const int64_t at = index_.Find(key);
+    *found = at >= 0;
     if (!*found) return "";
-    return ReadAt(it->second, key, out);
+    return ReadAt(Offset(index_.record(at)), key, out);
   }
 
   // Drops the key (its record becomes dead); returns whether it was here.
   bool Erase(int64_t key) {
-    auto it = index_.find(key);
-    if (it == index_.end()) return false;
-    index_.erase(it);
+    if (!index_.Erase(key)) return false;
     dead_ += record_bytes_;
     return true;
   }
@@ -147,19 +332,30 @@ class SsdTierFile {
   // Rewrites the live records into path + ".compact" and renames it over
   // the file. Each record is verified as it is copied; on any error the
   // old file and index stay in use.
-  std::string Compact() {
-    SsdTierFile next(ev_name_, path_ + ".compact", dim_, slot_floats_);
+  std::string Compact() { return Rewrite(slot_floats_, 0.0f); }
+
+  // Compact, and widens every record to `slot_floats` slot floats (at
+  // least the current ones), the new ones set to `init`: an optimizer
+  // slot created while keys are in this tier.
+  std::string Rewrite(uint32_t slot_floats, float init) {
+    SsdTierFile next(ev_name_, path_ + ".compact", dim_, slot_floats);
     std::string err = next.Open();
     if (!err.empty()) return err;
     TierRecord r;
-    for (const auto& kv : index_) {
-      err = ReadAt(kv.second, kv.first, &r);
-      if (err.empty()) err = next.Put(r);
-      if (!err.empty()) {
-        next.Close();
-        ::unlink(next.path_.c_str());
-        return err;
+    const TierIndex& index = index_;
+    index.ForEach([&](int64_t key, uint32_t rec, uint8_t marks) {
+      if (!err.empty()) return;
+      err = ReadAt(Offset(rec), key, &r);
+      if (err.empty()) {
+        r.slots.resize(slot_floats, init);
+        err = next.Put(r);
       }
+      if (err.empty()) next.SetMarks(key, marks);
+    });
+    if (!err.empty()) {
+      next.Close();
+      ::unlink(next.path_.c_str());
+      return err;
     }
     if (::rename(next.path_.c_str(), path_.c_str()) != 0) {
       int e = errno;
@@ -170,9 +366,11 @@ class SsdTierFile {
     Close();
     fd_ = next.fd_;
     next.fd_ = -1;
-    index_.swap(next.index_);
+    index_.Swap(next.index_);
     end_ = next.end_;
     dead_ = 0;
+    slot_floats_ = slot_floats;
+    record_bytes_ = next.record_bytes_;
     return "";
   }
 
@@ -182,34 +380,29 @@ class SsdTierFile {
     return dead_ > (1u << 20) && dead_ > LiveBytes();
   }
 
-  uint64_t size() const { return index_.size(); }
+  uint64_t size() const { return index_.size(); }  // keys
   uint64_t file_bytes() const { return end_; }
   uint64_t dead_bytes() const { return dead_; }
   uint64_t LiveBytes() const { return index_.size() * record_bytes_; }
   uint64_t record_bytes() const { return record_bytes_; }
+  uint32_t slot_floats() const { return slot_floats_; }
   const std::string& path() const { return path_; }
   // The keys of this tier (for export, filters and eviction scans).
   template <typename F>
   void ForEachKey(F f) const {
-    for (const auto& kv : index_) f(kv.first);
+    index_.ForEach([&f](int64_t key, uint32_t, uint8_t) { f(key); });
   }
 
  private:
+  uint64_t Offset(uint32_t rec) const {
+    return kHeaderBytes + uint64_t{rec} * record_bytes_;
+  }
+
   std::string Header() const {
     std::string h(kMagic, 8);
     h.append(reinterpret_cast<const char*>(&dim_), 4);
     h.append(reinterpret_cast<const char*>(&slot_floats_), 4);
     return h;
-  }
-
-  void Encode(const TierRecord& r, char* p) const {
-    std::memcpy(p, &r.key, 8);
-    std::memcpy(p + 8, &r.freq, 8);
-    std::memcpy(p + 16, &r.version, 8);
-    std::memcpy(p + 24, r.row.data(), 4 * uint64_t(dim_));
-    std::memcpy(p + 24 + 4 * uint64_t(dim_), r.slots.data(), 4 * uint64_t(slot_floats_));
-    uint32_t crc = Crc32c(p, record_bytes_ - 4);
-    std::memcpy(p + record_bytes_ - 4, &crc, 4);
   }
 
   std::string ReadAt(uint64_t offset, int64_t key, TierRecord* out) const {
@@ -278,7 +471,7 @@ class SsdTierFile {
   int fd_ = -1;
   uint64_t end_ = 0;   // bytes written, header included
   uint64_t dead_ = 0;  // bytes of superseded or erased records
-  std::unordered_map<int64_t, uint64_t> index_;  // key -> record offset
+  TierIndex index_;  // key -> record number (and the EV's marks)
 };
 
 }  // namespace group_embedding

@@ -31,13 +31,31 @@
 // the next delta. Keys evicted are recorded with the sequence of the next
 // export (once an incremental export asked for them); a change no delta can
 // express (an untracked eviction, a new slot, an import) leaves no base.
+//
+// SSD tier (StorageType.DRAM_SSDHASH / SSDHASH, issue 36): with
+// `tier_dir` set, the rows above the DRAM budget (`dram_bytes`, which also
+// pays for the tier's in-memory index, TierIndex: 15-19 bytes a key) live in
+// an SsdTierFile (ev_ssd_tier.h) as whole records: key, freq, version,
+// value and every slot, bit for bit. The ops that take rows by index run
+// PrepareTier(keys) first, under the exclusive lock: it spills the coldest
+// rows (LFU: least freq; LRU: oldest version, the last step seen; ties by
+// key) down to the budget, then promotes the batch's keys found in the
+// tier. So the kernels below only ever see DRAM rows, and DRAM holds at
+// most the budget plus the keys of one op's batch. A spilled row carries
+// its two change marks into the tier's index, so incremental exports see it.
+// Whole-table ops (size, export, eviction) visit both tiers. The tier file
+// is a cache of one process: checkpoints are the truth.
 
 #include <algorithm>
+#include <climits>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -47,6 +65,7 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "ev_ssd_tier.h"
 #include "id_map.h"
 #include "op_checks.h"
 
@@ -156,7 +175,27 @@ struct EVConfig {
   float no_permission = 0.0f;   // value read by keys not admitted
   int64_t steps_to_live = 0;    // 0: no GlobalStepEvict
   float l2_threshold = -1.0f;   // < 0: no L2WeightEvict
+  // SSD tier: a folder owned by this EV alone ("" = DRAM only), the DRAM
+  // budget in bytes (rows, slots and the tier's index) and the policy.
+  std::string tier_dir;
+  int64_t dram_bytes = 0;
+  bool tier_lru = false;        // false: LFU
 };
+
+// Per DRAM row beyond its key, counters, value and slots: its hash bucket
+// (4 bytes at load >= 0.4, up to 10) and two change bits, rounded up.
+constexpr int64_t kDramRowOverheadBytes = 12;
+
+// The tier folders of the live EVs of this process: two EVs writing one
+// folder would overwrite each other's rows.
+inline std::mutex& TierDirsMu() {
+  static std::mutex mu;
+  return mu;
+}
+inline std::map<std::string, std::string>& TierDirs() {
+  static std::map<std::string, std::string> dirs;  // folder -> EV name
+  return dirs;
+}
 
 // A counting Bloom filter whose counter array would take more than this
 // keeps only its non-zero counters, in a hash map: DeepRec's model zoo
@@ -180,6 +219,16 @@ class EVStorage : public tensorflow::ResourceBase {
     }
   }
 
+  ~EVStorage() override {
+    // The tier file is of no use to anyone after this EV (a new one
+    // starts empty): its disk space goes back now.
+    if (tier_) tier_->CloseAndRemove();
+    if (!tier_dir_key_.empty()) {
+      std::lock_guard<std::mutex> l(TierDirsMu());
+      TierDirs().erase(tier_dir_key_);
+    }
+  }
+
   std::string DebugString() const override {
     return "EmbeddingVariable " + config_.name;
   }
@@ -188,7 +237,10 @@ class EVStorage : public tensorflow::ResourceBase {
   tensorflow::mutex* mu() { return &mu_; }
   const EVConfig& config() const { return config_; }
   int64_t dim() const { return config_.dim; }
-  int64_t size() const { return size_; }
+  // Keys in both tiers.
+  int64_t size() const {
+    return size_ + (tier_ ? static_cast<int64_t>(tier_->size()) : 0);
+  }
   // Rows ever allocated (live + free): row indices lie in [0, num_rows).
   int64_t num_rows() const { return num_rows_; }
   int64_t current_step() const { return current_step_; }
@@ -226,11 +278,8 @@ class EVStorage : public tensorflow::ResourceBase {
                        int64_t default_rows) {
     int64_t r = Find(key);
     if (r >= 0) return r;
-    if (free_rows_.empty() && num_rows_ >= config_.max_rows) return -1;
-    if ((size_ + 1) * 5 > static_cast<int64_t>(buckets_.size()) * 4) {
-      Rehash(buckets_.size() * 2);
-    }
-    r = AllocateRow();
+    r = InsertRow(key);
+    if (r < 0) return -1;
     *meta_.Row(r) = {key, 0, ClampStep(current_step_)};
     MarkChangedExclusive(r);
     // Re-inserted: the delta carries its row, not its removal.
@@ -240,6 +289,275 @@ class EVStorage : public tensorflow::ResourceBase {
     for (size_t s = 0; s < slots_.size(); ++s) {
       std::fill(slots_[s].Row(r), slots_[s].Row(r) + dim(), slot_inits_[s]);
     }
+    return r;
+  }
+
+  // Removes `key` from whichever tier holds it (eviction).
+  void Erase(int64_t key) {
+    const uint64_t h = BucketOf(key);
+    if (buckets_[h] == kEmpty) {
+      if (tier_ && tier_->Erase(key)) RecordRemoval(key);
+      return;
+    }
+    // A free row is in no delta; its key is, as removed.
+    const uint64_t bit = uint64_t{1} << (buckets_[h] & 63);
+    changed_[buckets_[h] >> 6] &= ~bit;
+    exported_[buckets_[h] >> 6] &= ~bit;
+    RecordRemoval(key);
+    FreeBucket(h);
+  }
+
+  Status FullError() const {
+    return tensorflow::errors::ResourceExhausted(
+        config_.name, ": EmbeddingVariable is full, it holds ",
+        num_rows_, " rows, the most its uint32 row index allows (",
+        config_.max_rows, "); evict keys or split the table.");
+  }
+
+  // ------------------------------------------------------------------
+  // SSD tier (see the top of this file). All of it needs the exclusive
+  // lock except TierKeys and ReadTier (const reads: pread).
+  // ------------------------------------------------------------------
+  bool has_tier() const { return tier_ != nullptr; }
+  // The tier's file ("" without a tier).
+  std::string tier_path() const { return tier_ ? tier_->path() : ""; }
+  int64_t tier_size() const {
+    return tier_ ? static_cast<int64_t>(tier_->size()) : 0;
+  }
+  // Rows moved so far: disk -> DRAM (misses of the DRAM tier) and back.
+  int64_t promotions() const { return promotions_; }
+  int64_t spills() const { return spills_; }
+  int64_t tier_index_bytes() const {
+    return tier_ ? static_cast<int64_t>(tier_->IndexBytes()) : 0;
+  }
+
+  // Claims `tier_dir` for this EV and creates its tier file; called once,
+  // right after construction. Fails (naming the EV) when another live EV
+  // of the process owns the folder, when the file cannot be created, or
+  // when the DRAM budget cannot hold one row.
+  Status OpenTier() {
+    if (config_.tier_dir.empty()) return Status();
+    char resolved[PATH_MAX];
+    if (::realpath(config_.tier_dir.c_str(), resolved) == nullptr) {
+      return InvalidArgument("EmbeddingVariable '", config_.name,
+                             "': storage_path '", config_.tier_dir,
+                             "' is not an existing folder: ",
+                             std::strerror(errno));
+    }
+    {
+      std::lock_guard<std::mutex> l(TierDirsMu());
+      auto it = TierDirs().find(resolved);
+      if (it != TierDirs().end()) {
+        return InvalidArgument(
+            "EmbeddingVariable '", config_.name, "': storage_path '",
+            config_.tier_dir, "' is already used by EmbeddingVariable '",
+            it->second, "'; give each EmbeddingVariable its own folder.");
+      }
+      TierDirs()[resolved] = config_.name;
+      tier_dir_key_ = resolved;
+    }
+    TF_RETURN_IF_ERROR(CheckBudget(slot_names_.size()));
+    std::string file = config_.name;
+    for (char& c : file) {
+      if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' &&
+          c != '.') {
+        c = '_';
+      }
+    }
+    tier_.reset(new SsdTierFile(config_.name,
+                                std::string(resolved) + "/" + file + ".tier",
+                                static_cast<uint32_t>(dim()), 0));
+    return TierStatus(tier_->Open());
+  }
+
+  // Spills the coldest DRAM rows to the tier down to the budget, then
+  // brings the tier's rows of `keys` (n of them, duplicates allowed) back
+  // into DRAM: after it, every stored key of `keys` has a DRAM row, until
+  // the next PrepareTier. A failed spill (disk full) leaves the row in
+  // DRAM, a failed read (corruption) changes nothing: nothing is lost.
+  // `spill` false: only the promotion (the caller spilled already).
+  Status PrepareTier(const int64_t* keys, int64_t n, bool spill = true) {
+    if (spill) TF_RETURN_IF_ERROR(SpillToBudget());
+    return Promote(keys, n);
+  }
+  // PrepareTier without keys: only the spill (imports, slot creation).
+  Status SpillToBudget() {
+    const int64_t keep = DramRowBudget();
+    if (size_ <= keep) return Status();
+    // Spill an eighth of the budget more than needed, so that the scan
+    // below runs once per keep/8 new keys, not once per op.
+    const int64_t target = keep - keep / 8;
+    std::vector<uint32_t> rows = LiveRows();
+    const int64_t spill = size_ - target;
+    auto score = [this](uint32_t r) {
+      const KeyMeta* m = meta_.Row(r);
+      return config_.tier_lru ? m->version : m->freq;
+    };
+    std::nth_element(rows.begin(), rows.begin() + (spill - 1), rows.end(),
+                     [&](uint32_t a, uint32_t b) {
+                       const int64_t sa = score(a), sb = score(b);
+                       return sa != sb ? sa < sb : Key(a) < Key(b);
+                     });
+    // Written in chunks of up to 4 MiB, one write each; a chunk that
+    // fails stays in DRAM (the earlier ones are on disk, nothing is lost).
+    TierRecord rec;
+    rec.row.resize(dim());
+    rec.slots.resize(slots_.size() * dim());
+    const int64_t record = static_cast<int64_t>(tier_->record_bytes());
+    const int64_t per_chunk = std::max<int64_t>(1, (4 << 20) / record);
+    std::vector<char> buf(std::min(per_chunk, spill) * record);
+    std::vector<int64_t> keys;
+    for (int64_t begin = 0; begin < spill; begin += per_chunk) {
+      const int64_t end = std::min(spill, begin + per_chunk);
+      keys.clear();
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t r = rows[i];
+        const KeyMeta* m = meta_.Row(r);
+        rec.key = m->key;
+        rec.freq = m->freq;
+        rec.version = m->version;
+        std::memcpy(rec.row.data(), values_.Row(r), sizeof(float) * dim());
+        for (size_t s = 0; s < slots_.size(); ++s) {
+          std::memcpy(rec.slots.data() + s * dim(), slots_[s].Row(r),
+                      sizeof(float) * dim());
+        }
+        tier_->Encode(rec, buf.data() + (i - begin) * record);
+        keys.push_back(rec.key);
+      }
+      TF_RETURN_IF_ERROR(TierStatus(
+          tier_->PutEncoded(buf.data(), keys.data(), keys.size())));
+      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i]);
+      spills_ += end - begin;
+    }
+    if (tier_->WantsCompaction()) {
+      TF_RETURN_IF_ERROR(TierStatus(tier_->Compact()));
+    }
+    return Status();
+  }
+
+  // The keys in the tier, sorted (export, eviction scans).
+  std::vector<int64_t> TierKeys() const {
+    std::vector<int64_t> keys;
+    if (!tier_) return keys;
+    keys.reserve(tier_->size());
+    tier_->ForEachKey([&keys](int64_t k) { keys.push_back(k); });
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  }
+  // Keys in the tier whose rows an incremental export must write (as
+  // ExportedRows for DRAM rows), sorted.
+  std::vector<int64_t> ExportedTierKeys() const {
+    std::vector<int64_t> keys;
+    if (!tier_) return keys;
+    tier_->ForEachMarks([&keys](int64_t key, uint8_t& m) {
+      if (m & kTierExported) keys.push_back(key);
+    });
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  }
+  // `key`'s record in the tier (a key TierKeys listed).
+  Status ReadTier(int64_t key, TierRecord* out) const {
+    bool found = false;
+    TF_RETURN_IF_ERROR(TierStatus(tier_->Get(key, out, &found)));
+    if (!found) {
+      return tensorflow::errors::Internal(config_.name, ": key ", key,
+                                          " is not in the SSD tier.");
+    }
+    return Status();
+  }
+  // Empties the tier (a restore replaces the whole content).
+  Status ClearTier() {
+    if (!tier_) return Status();
+    tier_.reset(new SsdTierFile(config_.name, tier_->path(),
+                                static_cast<uint32_t>(dim()),
+                                static_cast<uint32_t>(slots_.size() * dim())));
+    return TierStatus(tier_->Open());
+  }
+
+ private:
+  static constexpr uint8_t kTierChanged = 1;
+  static constexpr uint8_t kTierExported = 2;
+
+  Status TierStatus(const std::string& err) const {
+    if (err.empty()) return Status();
+    return tensorflow::errors::Internal(err);
+  }
+
+  // Rows the DRAM budget holds besides the tier's index (0: only the
+  // current op's keys stay in DRAM, SSDHASH).
+  int64_t DramRowBudget() const {
+    const int64_t row =
+        static_cast<int64_t>(sizeof(KeyMeta)) + kDramRowOverheadBytes +
+        static_cast<int64_t>(sizeof(float)) * dim() *
+            static_cast<int64_t>(1 + slots_.size());
+    const int64_t left = config_.dram_bytes -
+                         static_cast<int64_t>(tier_->IndexBytes());
+    return left > 0 ? left / row : 0;
+  }
+
+  // A DRAM_SSDHASH budget must hold at least one row with `slots` slots.
+  Status CheckBudget(size_t slots) const {
+    if (config_.dram_bytes == 0) return Status();  // SSDHASH
+    const int64_t row =
+        static_cast<int64_t>(sizeof(KeyMeta)) + kDramRowOverheadBytes +
+        static_cast<int64_t>(sizeof(float)) * dim() *
+            static_cast<int64_t>(1 + slots);
+    if (config_.dram_bytes >= row) return Status();
+    return InvalidArgument(
+        "EmbeddingVariable '", config_.name, "': `storage_size[0]` of ",
+        config_.dram_bytes, " bytes cannot hold one row (", row,
+        " bytes with dim ", dim(), " and ", slots,
+        " optimizer slots); give the DRAM tier at least that.");
+  }
+
+  // Moves DRAM row `r` out (its record is in the tier): its change marks
+  // go to the tier's index, and it is no removal.
+  void DetachRow(uint32_t r) {
+    const int64_t key = Key(r);
+    const uint64_t bit = uint64_t{1} << (r & 63);
+    uint8_t marks = 0;
+    if (changed_[r >> 6] & bit) marks |= kTierChanged;
+    if (exported_[r >> 6] & bit) marks |= kTierExported;
+    changed_[r >> 6] &= ~bit;
+    exported_[r >> 6] &= ~bit;
+    tier_->SetMarks(key, marks);
+    FreeBucket(BucketOf(key));
+  }
+
+  // Brings the tier's rows of `keys` into DRAM, exactly as spilled.
+  Status Promote(const int64_t* keys, int64_t n) {
+    if (tier_->size() == 0) return Status();
+    TierRecord rec;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!tier_->Contains(keys[j]) || Find(keys[j]) >= 0) continue;
+      bool found = false;
+      TF_RETURN_IF_ERROR(TierStatus(tier_->Get(keys[j], &rec, &found)));
+      const int64_t r = InsertRow(keys[j]);
+      if (r < 0) return FullError();
+      *meta_.Row(r) = {rec.key, rec.freq, rec.version};
+      std::memcpy(values_.Row(r), rec.row.data(), sizeof(float) * dim());
+      for (size_t s = 0; s < slots_.size(); ++s) {
+        std::memcpy(slots_[s].Row(r), rec.slots.data() + s * dim(),
+                    sizeof(float) * dim());
+      }
+      const uint8_t marks = tier_->Marks(keys[j]);
+      const uint64_t bit = uint64_t{1} << (r & 63);
+      if (marks & kTierChanged) changed_[r >> 6] |= bit;
+      if (marks & kTierExported) exported_[r >> 6] |= bit;
+      tier_->Erase(keys[j]);
+      ++promotions_;
+    }
+    return Status();
+  }
+
+  // A fresh DRAM row for `key` (not stored), linked into the hash map;
+  // the caller fills it. -1 when the table is full.
+  int64_t InsertRow(int64_t key) {
+    if (free_rows_.empty() && num_rows_ >= config_.max_rows) return -1;
+    if ((size_ + 1) * 5 > static_cast<int64_t>(buckets_.size()) * 4) {
+      Rehash(buckets_.size() * 2);
+    }
+    const int64_t r = AllocateRow();
     uint64_t h = Mix(static_cast<uint64_t>(key)) & mask();
     while (buckets_[h] != kEmpty) h = (h + 1) & mask();
     buckets_[h] = static_cast<uint32_t>(r);
@@ -247,22 +565,26 @@ class EVStorage : public tensorflow::ResourceBase {
     return r;
   }
 
-  // Removes `key` (backward-shift deletion keeps probes tombstone-free).
-  void Erase(int64_t key) {
+  // The bucket holding `key`, or the empty bucket ending its probe.
+  uint64_t BucketOf(int64_t key) const {
     uint64_t h = Mix(static_cast<uint64_t>(key)) & mask();
     while (buckets_[h] != kEmpty && meta_.Row(buckets_[h])->key != key) {
       h = (h + 1) & mask();
     }
-    if (buckets_[h] == kEmpty) return;
-    // A free row is in no delta; its key is, as removed.
-    const uint64_t bit = uint64_t{1} << (buckets_[h] & 63);
-    changed_[buckets_[h] >> 6] &= ~bit;
-    exported_[buckets_[h] >> 6] &= ~bit;
+    return h;
+  }
+
+  void RecordRemoval(int64_t key) {
     if (tracking_removals_) {
       removed_[key] = exports_ + 1;
     } else {
       delta_base_ = 0;
     }
+  }
+
+  // Frees bucket h's row (backward-shift deletion keeps probes
+  // tombstone-free).
+  void FreeBucket(uint64_t h) {
     free_rows_.push_back(buckets_[h]);
     buckets_[h] = kEmpty;
     --size_;
@@ -283,13 +605,7 @@ class EVStorage : public tensorflow::ResourceBase {
     }
   }
 
-  Status FullError() const {
-    return tensorflow::errors::ResourceExhausted(
-        config_.name, ": EmbeddingVariable is full, it holds ",
-        num_rows_, " rows, the most its uint32 row index allows (",
-        config_.max_rows, "); evict keys or split the table.");
-  }
-
+ public:
   bool has_cbf() const { return config_.cbf_counters > 0; }
 
   // Whether a stored row may be read and updated. A CBFFilter stores a
@@ -362,6 +678,11 @@ class EVStorage : public tensorflow::ResourceBase {
       exported_[w] |= changed_[w];
       changed_[w] = 0;
     }
+    if (tier_) {
+      tier_->ForEachMarks([](int64_t, uint8_t& m) {
+        if (m & kTierChanged) m = kTierExported;
+      });
+    }
     return ++exports_;
   }
   std::vector<int64_t> ExportedRows() const {
@@ -391,6 +712,9 @@ class EVStorage : public tensorflow::ResourceBase {
       return;
     }
     std::fill(exported_.begin(), exported_.end(), 0);
+    if (tier_) {
+      tier_->ForEachMarks([](int64_t, uint8_t& m) { m &= ~kTierExported; });
+    }
     for (auto it = removed_.begin(); it != removed_.end();) {
       it = it->second <= id ? removed_.erase(it) : std::next(it);
     }
@@ -401,6 +725,7 @@ class EVStorage : public tensorflow::ResourceBase {
   int64_t MarkRestored() {
     std::fill(changed_.begin(), changed_.end(), 0);
     std::fill(exported_.begin(), exported_.end(), 0);
+    if (tier_) tier_->ForEachMarks([](int64_t, uint8_t& m) { m = 0; });
     removed_.clear();
     tracking_removals_ = true;
     delta_base_ = ++exports_;
@@ -414,14 +739,23 @@ class EVStorage : public tensorflow::ResourceBase {
   float* Value(int64_t r) { return values_.Row(r); }
   float* Slot(int s, int64_t r) { return slots_[s].Row(r); }
 
-  // Index of slot `name`, created (existing rows set to `init`) if new;
-  // an existing slot only takes the new initial value for future rows.
-  int EnsureSlot(const std::string& name, float init) {
+  // Sets *index to slot `name`, created (existing rows set to `init`,
+  // in both tiers) if new; an existing slot only takes the new initial
+  // value for future rows. With a tier, fails when the DRAM budget
+  // cannot hold one row with the new slot or the tier cannot be
+  // rewritten (then nothing changed).
+  Status EnsureSlot(const std::string& name, float init, int* index) {
     for (size_t s = 0; s < slot_names_.size(); ++s) {
       if (slot_names_[s] == name) {
         slot_inits_[s] = init;
-        return static_cast<int>(s);
+        *index = static_cast<int>(s);
+        return Status();
       }
+    }
+    if (tier_) {
+      TF_RETURN_IF_ERROR(CheckBudget(slot_names_.size() + 1));
+      TF_RETURN_IF_ERROR(TierStatus(tier_->Rewrite(
+          static_cast<uint32_t>((slots_.size() + 1) * dim()), init)));
     }
     // A delta cannot add a slot column to the rows it leaves out.
     delta_base_ = 0;
@@ -432,7 +766,8 @@ class EVStorage : public tensorflow::ResourceBase {
     for (int64_t r = 0; r < num_rows_; ++r) {
       std::fill(slots_.back().Row(r), slots_.back().Row(r) + dim(), init);
     }
-    return static_cast<int>(slots_.size() - 1);
+    *index = static_cast<int>(slots_.size() - 1);
+    return Status();
   }
 
   int SlotIndex(const std::string& name) const {
@@ -465,6 +800,7 @@ class EVStorage : public tensorflow::ResourceBase {
     current_step_ = 0;
     // The content is replaced wholesale: no delta reaches across.
     removed_.clear();
+    // The tier itself (and its marks): ClearTier.
     changed_.clear();
     exported_.clear();
     delta_base_ = 0;
@@ -494,7 +830,10 @@ class EVStorage : public tensorflow::ResourceBase {
     const int64_t removed = static_cast<int64_t>(removed_.size() * 32);
     const int64_t bits = static_cast<int64_t>(
         (changed_.capacity() + exported_.capacity()) * sizeof(uint64_t));
-    return b + static_cast<int64_t>(cbf_.size()) + sparse + removed + bits;
+    const int64_t tier =
+        tier_ ? static_cast<int64_t>(tier_->IndexBytes()) : 0;
+    return b + static_cast<int64_t>(cbf_.size()) + sparse + removed + bits +
+           tier;
   }
 
  private:
@@ -589,6 +928,13 @@ class EVStorage : public tensorflow::ResourceBase {
   // The same counters when the array would be too large:
   // counter index -> count, zero counters absent.
   std::unordered_map<uint64_t, int64_t> sparse_cbf_;
+  // SSD tier (DRAM_SSDHASH / SSDHASH): the record file (its index holds
+  // the change marks of its keys, kTierChanged / kTierExported) and the
+  // folder claimed in TierDirs().
+  std::unique_ptr<SsdTierFile> tier_;
+  int64_t promotions_ = 0;
+  int64_t spills_ = 0;
+  std::string tier_dir_key_;
 };
 
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import group_embedding as ge
 from group_embedding.deeprec import checkpoint as deeprec_checkpoint
+from group_embedding.ops import ev_storage
 
 DATA = os.path.join(os.path.dirname(__file__), "deeprec_checkpoints")
 FEATURES = ["user_ev", "item_ev"]
@@ -52,17 +53,26 @@ def _slots_of(entry):
     return None
 
 
-def _make_evs(cfg):
+def _make_evs(cfg, storage_dir=None):
+    """The fixture's EVs; with `storage_dir`, DRAM_SSDHASH EVs whose DRAM
+    tier holds a few rows (most keys on disk)."""
     init = np.array(cfg["init_table"], np.float32)
     evs = {}
     for f in FEATURES:
         freq = cfg["filter_freq"][f]
+        storage = ge.StorageOption() if storage_dir is None else \
+            ge.StorageOption(ge.StorageType.DRAM_SSDHASH,
+                             storage_path=os.path.join(storage_dir, f),
+                             # The disk index (768 bytes while small)
+                             # and two rows with two slots.
+                             storage_size=[768 + 2 * (36 + 12 * cfg["dim"])])
         evs[f] = ge.get_embedding_variable(
             f, cfg["dim"], ev_option=ge.EmbeddingVariableOption(
                 filter_option=ge.CounterFilter(freq) if freq else None,
                 init_option=ge.InitializerOption(
                     initializer=tf.constant_initializer(init),
-                    default_value_dim=cfg["default_value_dim"])))
+                    default_value_dim=cfg["default_value_dim"]),
+                storage_option=storage))
     return evs
 
 
@@ -142,10 +152,10 @@ def _atol(cfg):
     return 1e-6 if cfg["optimizer"] == "adam" else 1e-7
 
 
-def _restore(case, prefix="model", **kwargs):
+def _restore(case, prefix="model", storage_dir=None, **kwargs):
     exp = _expected(case)
     cfg = exp["config"]
-    evs = _make_evs(cfg)
+    evs = _make_evs(cfg, storage_dir)
     opt = _make_optimizer(cfg)
     out = ge.restore_deeprec_checkpoint(
         os.path.join(DATA, case, prefix), [evs[f] for f in FEATURES], opt,
@@ -187,6 +197,22 @@ def test_training_continues_as_deepray(case):
     np.testing.assert_allclose(losses, cont["losses_deepray"], rtol=1e-5)
     assert exp["keys"]["user_ev"]["3"]["admitted"] is False
     assert cont["keys"]["user_ev"]["3"]["admitted"] is True
+    _check_state(evs, cont["keys"], cfg, 10 * _atol(cfg),
+                 versions=cfg["optimizer"] != "ftrl")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_restores_into_ssd_tiered_evs(case, tmp_path):
+    """StorageType.DRAM_SSDHASH EVs with a few DRAM rows restore every key
+    (most of them onto disk) and train on as Deepray did."""
+    exp, cfg, evs, opt, _ = _restore(case, storage_dir=str(tmp_path))
+    on_disk = [int(ev_storage.tier_stats(evs[f].handle)[1])
+               for f in FEATURES]
+    assert max(on_disk) > 0, on_disk
+    _check_state(evs, exp["keys"], cfg, _atol(cfg))
+    cont = exp["continuation"]
+    losses = [_train_step(evs, opt, b) for b in cont["batches"]]
+    np.testing.assert_allclose(losses, cont["losses_deepray"], rtol=1e-5)
     _check_state(evs, cont["keys"], cfg, 10 * _atol(cfg),
                  versions=cfg["optimizer"] != "ftrl")
 

@@ -76,6 +76,17 @@ def test_storage_option_dram_only(compat):
         ge.StorageOption(storage_type="fast")
 
 
+def test_storage_option_dram_ssdhash(compat, tmp_path):
+    opt = tf.StorageOption(
+        storage_type=config_pb2.StorageType.DRAM_SSDHASH,
+        storage_path=str(tmp_path), storage_size=[1 << 20],
+        cache_strategy=config_pb2.CacheStrategy.LRU)
+    assert opt.cache_strategy == tf.CacheStrategy.LRU
+    ev_opt = tf.EmbeddingVariableOption(storage_option=opt)
+    again = ge.EmbeddingVariableOption.from_config(ev_opt.get_config())
+    assert again.storage_option == opt
+
+
 def test_ev_init_collections_in_graph_mode(compat):
     with tf.Graph().as_default():
         ev = V1.get_embedding_variable("coll", 2)

@@ -46,13 +46,28 @@ def _head():
 class EVTower(keras.Model):
     """Two EV tables (one fused group) and a dense head."""
 
-    def __init__(self, tag):
+    def __init__(self, tag, storage_dir=None):
         super().__init__()
         self.tag = tag
+        self.storage_dir = storage_dir
         self.head = _head()
 
+    def _ev_option(self, name):
+        """None, or DRAM_SSDHASH with room for the disk index (768 bytes
+        while small) and two rows with Adagrad's slot (dim 4)."""
+        if self.storage_dir is None:
+            return None
+        return ge.EmbeddingVariableOption(
+            init_option=ge.InitializerOption(
+                default_value_dim=ev_cases.DEFAULT_ROWS),
+            storage_option=ge.StorageOption(
+                ge.StorageType.DRAM_SSDHASH,
+                storage_path=f"{self.storage_dir}/{name}",
+                storage_size=[768 + 2 * (36 + 4 * 4 * 2)]))
+
     def build(self, input_shape=None):
-        self.evs = {name: ev_cases.make_ev(f"{self.tag}_{name}", seed=i)
+        self.evs = {name: ev_cases.make_ev(f"{self.tag}_{name}", seed=i,
+                                           ev_option=self._ev_option(name))
                     for i, name in enumerate(COMBINERS)}
         self.ev_weights = [KerasEmbeddingVariable(ev)
                            for ev in self.evs.values()]
@@ -98,9 +113,11 @@ def _to_rows(feats):
             for n, f in feats.items()}
 
 
-def test_fit_equals_plain_tables_with_stock_optimizer():
+@pytest.mark.parametrize("tiered", [False, True], ids=["dram", "ssd"])
+def test_fit_equals_plain_tables_with_stock_optimizer(tiered, tmp_path):
     feats, labels = _data()
-    ev_model = EVTower("fit_ev")
+    # Tiered: most keys on disk (StorageType.DRAM_SSDHASH), same numbers.
+    ev_model = EVTower("fit_ev", str(tmp_path) if tiered else None)
     ev_model.build()
     # Insert every key first: the EVs then hold exactly the oracle rows.
     ge.group_embedding_lookup_sparse(

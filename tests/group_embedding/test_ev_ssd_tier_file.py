@@ -201,3 +201,28 @@ def test_full_disk_loses_nothing_stored(driver, tmp_path):
     assert tier.stats()[1] == 16 + 268 * 10
     assert os.path.getsize(tmp_path / "t") == 16 + 268 * 10
     tier.close()
+
+
+def test_index_grows_and_shrinks(driver, tmp_path):
+    """Thousands of keys through the open-addressing index: growth,
+    backward-shift erases and a compaction keep every record."""
+    rng = np.random.default_rng(7)
+    tier = Tier(driver, tmp_path / "grow.tier", 2, 1)
+    assert tier.opened == "ok"
+    keys = rng.choice(2**62, size=3000, replace=False) - 2**61
+    oracle = {}
+    for i, key in enumerate(keys):
+        values = _values(rng, 3)
+        assert tier.put(int(key), i, -i, values) == "ok"
+        oracle[int(key)] = (i, -i, values)
+    for key in keys[::3]:
+        assert tier.ask(f"erase {int(key)}") == "1"
+        del oracle[int(key)]
+    assert tier.ask(f"erase {int(keys[0])}") == "0"
+    _assert_same(tier, oracle)
+    assert tier.ask("compact") == "ok"
+    _assert_same(tier, oracle)
+    assert tier.stats()[0] == len(oracle)
+    for key in keys[::3]:
+        assert tier.get(int(key)) == "missing"
+    tier.close()

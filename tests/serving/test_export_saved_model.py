@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import group_embedding as ge
 from group_embedding.export import ev_snapshot
+from group_embedding.ops import ev_storage
 
 from test_keras_export import ev_pending_keys
 from test_keras_export import pending_keys
@@ -18,14 +19,22 @@ from test_keras_export import serve
 _v1 = tf.compat.v1
 
 
-def _ev_option():
+def _ev_option(storage=None):
     return ge.EmbeddingVariableOption(
         filter_option=ge.CounterFilter(filter_freq=2),
-        init_option=ge.InitializerOption(default_value_no_permission=-0.5))
+        init_option=ge.InitializerOption(default_value_no_permission=-0.5),
+        storage_option=storage or ge.StorageOption())
 
 
-def test_tf2_module(tmp_path):
-    ev = ge.get_embedding_variable("module_ev", 4, ev_option=_ev_option())
+@pytest.mark.parametrize("tiered", [False, True], ids=["dram", "ssd"])
+def test_tf2_module(tmp_path, tiered):
+    # Tiered: DRAM_SSDHASH with room for the disk index (768 bytes) and
+    # two rows, so that most keys are exported from disk.
+    storage = ge.StorageOption(
+        ge.StorageType.DRAM_SSDHASH, storage_path=str(tmp_path / "tier"),
+        storage_size=[768 + 2 * (36 + 4 * 4 * 2)]) if tiered else None
+    ev = ge.get_embedding_variable("module_ev", 4,
+                                   ev_option=_ev_option(storage))
     dense = tf.Variable(tf.random.normal([4, 1], seed=1))
     opt = ge.optimizers.Adagrad(0.2)
     for step in range(3):
@@ -53,6 +62,11 @@ def test_tf2_module(tmp_path):
                                  tf.int64)
     assert ev_pending_keys(ev, request.values) == [6]
     want = serve_fn(request).numpy()
+    if tiered:
+        # A lookup spills the DRAM tier to its two rows: the export reads
+        # the other keys from disk.
+        serve_fn(tf.ragged.constant([[1]], tf.int64))
+        assert int(ev_storage.tier_stats(ev.handle)[1]) >= 4
     path = str(tmp_path / "module")
     assert ge.export_saved_model(module, path) == path
     got = serve(path, {"ids": request}, "serve", tmp_path)

@@ -1,0 +1,392 @@
+"""EmbeddingVariables with a disk tier (StorageType.DRAM_SSDHASH, SSDHASH).
+
+The reference is an all-DRAM EV trained on the same ids: an EV whose DRAM
+tier holds a few rows (most keys on disk, moved back and forth every
+step) must end bitwise equal to it in rows, slots, frequencies, versions
+and size, through SGD and Adagrad, filters, eviction, checkpoints both
+ways and incremental exports. Bad storage options are errors naming the
+EV; a corrupted tier file is an error naming the EV and the file.
+"""
+
+import gc
+import os
+import resource
+import signal
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import group_embedding as ge
+from group_embedding.ops import ev_storage
+
+import ev_cases
+
+DIM = 4
+NUM_KEYS = 40
+# One DRAM row with one optimizer slot (Adagrad): 24 bytes of key, freq
+# and version, 12 of bucket and marks, the value and the slot.
+ROW_BYTES = 24 + 12 + 4 * DIM * 2
+# The disk tier's index while it holds at most 51 keys: 64 slots of 12
+# bytes. The DRAM budget pays for it first.
+INDEX_BYTES = 64 * 12
+
+
+def _option(storage=None, **kwargs):
+    return ge.EmbeddingVariableOption(
+        init_option=ge.InitializerOption(
+            default_value_dim=ev_cases.DEFAULT_ROWS),
+        storage_option=storage or ge.StorageOption(), **kwargs)
+
+
+def _ssd(path, rows=4, strategy=None, kind=None):
+    if kind == ge.StorageType.SSDHASH:
+        return ge.StorageOption(ge.StorageType.SSDHASH,
+                                storage_path=str(path))
+    return ge.StorageOption(ge.StorageType.DRAM_SSDHASH,
+                            storage_path=str(path),
+                            storage_size=[INDEX_BYTES + rows * ROW_BYTES],
+                            cache_strategy=strategy)
+
+
+def _batches(seed, steps, batch=8, num_keys=NUM_KEYS):
+    """Ragged batches of random keys with duplicates (negative keys too)."""
+    rng = np.random.default_rng(seed)
+    keys = np.arange(num_keys, dtype=np.int64) * 7 - 50
+    out = []
+    for _ in range(steps):
+        rows = [list(rng.choice(keys, size=rng.integers(0, 5)))
+                for _ in range(batch)]
+        out.append(tf.ragged.constant(rows, dtype=tf.int64,
+                                      row_splits_dtype=tf.int64))
+    return out
+
+
+def _train(ev, opt, batches):
+    for ids in batches:
+        with tf.GradientTape() as tape:
+            (emb,) = ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+            loss = tf.reduce_sum(tf.square(emb - 0.5))
+        opt.apply_gradients([(tape.gradient(loss, ev), ev)])
+
+
+def _snapshot(ev):
+    """Every output of the EV's export, rows sorted by key, as numpy."""
+    keys, values, freqs, versions, names, inits, slots, step = (
+        x.numpy() for x in ev_storage.export(ev.handle, ev.embedding_dim))
+    order = np.argsort(keys)
+    return {"keys": keys[order], "values": values[order],
+            "freqs": freqs[order], "versions": versions[order],
+            "slot_names": names, "slot_inits": inits,
+            "slots": slots[order], "step": step}
+
+
+def _assert_same(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        # Bitwise: compare the bytes, not the float values.
+        np.testing.assert_array_equal(
+            np.asarray(got[name]).view(np.uint8)
+            if np.asarray(got[name]).dtype == np.float32
+            else got[name],
+            np.asarray(want[name]).view(np.uint8)
+            if np.asarray(want[name]).dtype == np.float32
+            else want[name], err_msg=name)
+
+
+def _pair(tmp_path, name, storage_kwargs=None, **option_kwargs):
+    """(all-DRAM EV, tiered EV) with the same default matrix."""
+    dram = ev_cases.make_ev(f"{name}_dram", DIM,
+                            ev_option=_option(**option_kwargs))
+    ssd = ev_cases.make_ev(
+        f"{name}_ssd", DIM,
+        ev_option=_option(_ssd(tmp_path / name, **(storage_kwargs or {})),
+                          **option_kwargs))
+    return dram, ssd
+
+
+OPTIMIZERS = {"sgd": lambda: ge.optimizers.SGD(0.1),
+              "adagrad": lambda: ge.optimizers.Adagrad(0.1),
+              "adam": lambda: ge.optimizers.Adam(0.05),
+              "ftrl": lambda: ge.optimizers.Ftrl(
+                  0.2, l1_regularization_strength=0.01,
+                  l2_regularization_strength=0.02, beta=0.1)}
+STRATEGIES = {"lfu": ge.CacheStrategy.LFU, "lru": ge.CacheStrategy.LRU}
+
+
+class TestTieredTraining:
+
+    @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+    @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+    def test_matches_dram_bitwise(self, tmp_path, optimizer, strategy):
+        dram, ssd = _pair(tmp_path, f"t_{optimizer}_{strategy}",
+                          {"strategy": STRATEGIES[strategy]})
+        batches = _batches(1, 12)
+        _train(dram, OPTIMIZERS[optimizer](), batches)
+        _train(ssd, OPTIMIZERS[optimizer](), batches)
+        want = _snapshot(dram)
+        assert int(ssd.size()) == int(dram.size()) == len(want["keys"])
+        # Most keys are on disk: the DRAM tier holds the rows its budget
+        # pays for (4 with one slot) and the last op's keys.
+        in_dram, on_disk, promoted, spilled, index = (
+            int(x) for x in ev_storage.tier_stats(ssd.handle))
+        assert in_dram + on_disk == len(want["keys"])
+        slots = len(want["slot_names"])
+        keep = 4 * ROW_BYTES // (24 + 12 + 4 * DIM * (1 + slots))
+        last = len(np.unique(batches[-1].values.numpy()))
+        assert keep <= in_dram <= keep + last
+        assert promoted > 0 and spilled > 0 and index == INDEX_BYTES
+        _assert_same(_snapshot(ssd), want)
+        # Lookups outside training read the same rows (promoting them).
+        ids = batches[0]
+        (a,) = ge.group_embedding_lookup_sparse([dram], [ids], "sum",
+                                                training=False)
+        (b,) = ge.group_embedding_lookup_sparse([ssd], [ids], "sum",
+                                                training=False)
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        keys = tf.constant(want["keys"][::-1])
+        np.testing.assert_array_equal(
+            ssd.lookup_rows(keys, training=False).numpy(),
+            dram.lookup_rows(keys, training=False).numpy())
+        _assert_same(_snapshot(ssd), want)
+
+    def test_ssdhash_matches_dram_bitwise(self, tmp_path):
+        dram, ssd = _pair(tmp_path, "t_ssdhash",
+                          {"kind": ge.StorageType.SSDHASH})
+        batches = _batches(2, 8)
+        _train(dram, ge.optimizers.Adagrad(0.1), batches)
+        _train(ssd, ge.optimizers.Adagrad(0.1), batches)
+        _assert_same(_snapshot(ssd), _snapshot(dram))
+        assert int(ssd.size()) == int(dram.size())
+        # Between ops only the last op's keys are in DRAM.
+        in_dram = int(ev_storage.tier_stats(ssd.handle)[0])
+        assert in_dram <= len(np.unique(batches[-1].values.numpy()))
+
+    def test_counter_filter_over_cold_keys(self, tmp_path):
+        dram, ssd = _pair(tmp_path, "t_filter",
+                          filter_option=ge.CounterFilter(filter_freq=3))
+        batches = _batches(3, 12)
+        _train(dram, ge.optimizers.Adagrad(0.1), batches)
+        _train(ssd, ge.optimizers.Adagrad(0.1), batches)
+        _assert_same(_snapshot(ssd), _snapshot(dram))
+
+    @pytest.mark.parametrize("evict", ["global_step", "l2"])
+    def test_eviction_over_both_tiers(self, tmp_path, evict):
+        policy = (ge.GlobalStepEvict(steps_to_live=3)
+                  if evict == "global_step"
+                  else ge.L2WeightEvict(l2_weight_threshold=0.3))
+        dram, ssd = _pair(tmp_path, f"t_evict_{evict}", evict_option=policy)
+        # Early batches use keys the late ones never see again.
+        batches = _batches(4, 6) + _batches(5, 6, num_keys=8)
+        _train(dram, ge.optimizers.SGD(0.1), batches)
+        _train(ssd, ge.optimizers.SGD(0.1), batches)
+        n = int(dram.evict())
+        assert n > 0
+        assert int(ssd.evict()) == n
+        _assert_same(_snapshot(ssd), _snapshot(dram))
+        assert int(ssd.size()) == int(dram.size())
+
+
+class TestTieredCheckpoints:
+
+    def test_round_trip_both_ways(self, tmp_path):
+        dram, ssd = _pair(tmp_path, "c_rt")
+        batches = _batches(6, 10)
+        _train(ssd, ge.optimizers.Adagrad(0.1), batches)
+        want = _snapshot(ssd)
+        path = tf.train.Checkpoint(ev=ssd).write(str(tmp_path / "ckpt_a"))
+        tf.train.Checkpoint(ev=dram).read(path).assert_consumed()
+        _assert_same(_snapshot(dram), want)
+        # And back: a fresh tiered EV restores the DRAM EV's checkpoint.
+        path = tf.train.Checkpoint(ev=dram).write(str(tmp_path / "ckpt_b"))
+        back = ev_cases.make_ev(
+            "c_rt_back", DIM, ev_option=_option(_ssd(tmp_path / "back")))
+        tf.train.Checkpoint(ev=back).read(path).assert_consumed()
+        _assert_same(_snapshot(back), want)
+        assert int(back.size()) == len(want["keys"])
+        # The restored tiered EV keeps training like the DRAM one.
+        more = _batches(7, 6)
+        opt_a, opt_b = ge.optimizers.Adagrad(0.1), ge.optimizers.Adagrad(0.1)
+        _train(dram, opt_a, more)
+        _train(back, opt_b, more)
+        _assert_same(_snapshot(back), _snapshot(dram))
+
+    def test_incremental_export_matches_dram(self, tmp_path):
+        dram, ssd = _pair(tmp_path, "c_inc")
+        opt_a, opt_b = ge.optimizers.Adagrad(0.1), ge.optimizers.Adagrad(0.1)
+        _train(dram, opt_a, _batches(8, 6))
+        _train(ssd, opt_b, _batches(8, 6))
+        covered = []
+        for ev in (dram, ssd):
+            out = ev_storage.export_changes(ev.handle, DIM, 0)
+            covered.append(int(out[-1]))
+            ev_storage.confirm_save(ev.handle, out[-1])
+        more = _batches(9, 3, num_keys=NUM_KEYS // 2)
+        _train(dram, opt_a, more)
+        _train(ssd, opt_b, more)
+        deltas = []
+        for ev, since in zip((dram, ssd), covered):
+            keys, values, freqs, versions, _, _, slots, _, removed, _ = (
+                x.numpy() for x in ev_storage.export_changes(
+                    ev.handle, DIM, since))
+            order = np.argsort(keys)
+            deltas.append({"keys": keys[order], "values": values[order],
+                           "freqs": freqs[order],
+                           "versions": versions[order],
+                           "slots": slots[order], "removed": removed})
+        assert 0 < len(deltas[0]["keys"]) < int(dram.size())
+        _assert_same(deltas[1], deltas[0])
+
+
+def _dense_batches(seed, steps):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(-20, 20, size=(8, 3)) for _ in range(steps)]
+
+
+def _graph_run(storage, name, batches, restore_from=None, save_to=None):
+    """Trains a fresh EV in a TF1 graph (ge.train Adagrad, a Saver) and
+    returns its snapshot; restores `restore_from` first, saves to
+    `save_to` last."""
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        ev = ev_cases.make_ev(name, DIM, ev_option=_option(storage))
+        ids = v1.placeholder(tf.int64, [None, 3])
+        (emb,) = ge.group_embedding_lookup([ev], [ids])
+        loss = tf.reduce_sum(tf.square(emb - 0.5))
+        step = v1.train.create_global_step()
+        train = ge.train.AdagradOptimizer(0.1).minimize(loss,
+                                                        global_step=step)
+        export = ev_storage.export(ev.handle, DIM)
+        saver = v1.train.Saver()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            if restore_from:
+                saver.restore(sess, restore_from)
+            for batch in batches:
+                sess.run(train, {ids: batch})
+            if save_to:
+                saver.save(sess, save_to)
+            keys, values, freqs, versions, names, inits, slots, st = (
+                sess.run(export))
+    order = np.argsort(keys)
+    return {"keys": keys[order], "values": values[order],
+            "freqs": freqs[order], "versions": versions[order],
+            "slot_names": names, "slot_inits": inits,
+            "slots": slots[order], "step": st}
+
+
+def test_graph_mode_saver_round_trip(tmp_path):
+    batches = _dense_batches(12, 8)
+    dram = _graph_run(None, "g_ev", batches)
+    ssd = _graph_run(_ssd(tmp_path / "g1"), "g_ev", batches,
+                     save_to=str(tmp_path / "ckpt" / "model"))
+    _assert_same(ssd, dram)
+    # The tiered EV's checkpoint restores into a DRAM EV and into a
+    # fresh tiered one, and training goes on alike in both.
+    more = _dense_batches(13, 4)
+    a = _graph_run(None, "g_ev", more,
+                   restore_from=str(tmp_path / "ckpt" / "model"))
+    b = _graph_run(_ssd(tmp_path / "g2"), "g_ev", more,
+                   restore_from=str(tmp_path / "ckpt" / "model"))
+    _assert_same(b, a)
+
+
+class TestTieredErrors:
+
+    def test_shared_path_fails(self, tmp_path):
+        first = ev_cases.make_ev(
+            "e_first", DIM, ev_option=_option(_ssd(tmp_path / "one")))
+        with pytest.raises(ValueError, match="e_second.*already used by "
+                           "EmbeddingVariable 'e_first'"):
+            ev_cases.make_ev(
+                "e_second", DIM, ev_option=_option(_ssd(tmp_path / "one")))
+        del first
+
+    def test_path_free_again_after_the_ev_is_gone(self, tmp_path):
+        ev = ev_cases.make_ev(
+            "e_gone", DIM, ev_option=_option(_ssd(tmp_path / "gone")))
+        _train(ev, ge.optimizers.SGD(0.1), _batches(0, 2))
+        assert (tmp_path / "gone" / "e_gone.tier").exists()
+        del ev
+        gc.collect()
+        # The file (a cache of that EV only) is deleted, the folder free.
+        assert not (tmp_path / "gone" / "e_gone.tier").exists()
+        ev_cases.make_ev(
+            "e_gone_2", DIM, ev_option=_option(_ssd(tmp_path / "gone")))
+
+    def test_unwritable_path_fails(self, tmp_path):
+        blocker = tmp_path / "a_file"
+        blocker.write_text("not a folder")
+        with pytest.raises(ValueError, match="e_unwritable.*cannot create"):
+            ev_cases.make_ev("e_unwritable", DIM, ev_option=_option(
+                _ssd(blocker / "tier")))
+
+    def test_storage_size_too_small_fails(self, tmp_path):
+        with pytest.raises(ValueError, match="e_small.*storage_size"):
+            ev_cases.make_ev("e_small", DIM, ev_option=_option(
+                ge.StorageOption(ge.StorageType.DRAM_SSDHASH,
+                                 storage_path=str(tmp_path / "s"),
+                                 storage_size=[10])))
+
+    def test_storage_size_too_small_for_slots_fails(self, tmp_path):
+        # One row fits, not one row with Adagrad's accumulator.
+        ev = ev_cases.make_ev("e_slots", DIM, ev_option=_option(
+            ge.StorageOption(ge.StorageType.DRAM_SSDHASH,
+                             storage_path=str(tmp_path / "s"),
+                             storage_size=[ROW_BYTES - 4 * DIM])))
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="e_slots.*storage_size"):
+            _train(ev, ge.optimizers.Adagrad(0.1), _batches(0, 1))
+
+    @pytest.mark.parametrize("bad", [
+        dict(storage_type=ge.StorageType.DRAM_SSDHASH),
+        dict(storage_type=ge.StorageType.DRAM_SSDHASH, storage_path="x",
+             storage_size=[0]),
+        dict(storage_type=ge.StorageType.DRAM_SSDHASH, storage_path="x",
+             cache_strategy="fifo"),
+    ])
+    def test_bad_option_fails(self, bad):
+        with pytest.raises(ValueError):
+            ge.StorageOption(**bad)
+
+    def test_option_round_trip(self, tmp_path):
+        opt = _ssd(tmp_path, strategy=ge.CacheStrategy.LRU)
+        again = ge.StorageOption.from_config(opt.get_config())
+        assert again == opt
+
+    def test_corrupted_tier_file_fails(self, tmp_path):
+        ev = ev_cases.make_ev("e_corrupt", DIM,
+                              ev_option=_option(_ssd(tmp_path / "c")))
+        batches = _batches(10, 6)
+        _train(ev, ge.optimizers.SGD(0.1), batches)
+        tier = tmp_path / "c" / "e_corrupt.tier"
+        data = bytearray(tier.read_bytes())
+        for i in range(40, len(data), 7):  # past the header, in records
+            data[i] ^= 0x5A
+        tier.write_bytes(bytes(data))
+        with pytest.raises(tf.errors.InternalError,
+                           match="e_corrupt.*checksum.*e_corrupt.tier"):
+            _train(ev, ge.optimizers.SGD(0.1), batches)
+
+    def test_full_disk_loses_nothing(self, tmp_path):
+        dram, ssd = _pair(tmp_path, "e_full")
+        batches = _batches(11, 12)
+        opt_a, opt_b = ge.optimizers.SGD(0.1), ge.optimizers.SGD(0.1)
+        _train(dram, opt_a, batches[:4])
+        _train(ssd, opt_b, batches[:4])
+        tier = tmp_path / "e_full" / "e_full_ssd.tier"
+        # The file size limit stands in for a full disk (EFBIG, not a
+        # signal, once SIGXFSZ is ignored).
+        old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE,
+                           (os.path.getsize(tier), old_limit[1]))
+        try:
+            with pytest.raises(tf.errors.InternalError,
+                               match="e_full_ssd.*cannot write"):
+                _train(ssd, opt_b, batches[4:])
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+            signal.signal(signal.SIGXFSZ, old_handler)
+        # Nothing stored was lost: the failed step changed nothing.
+        _assert_same(_snapshot(ssd), _snapshot(dram))
