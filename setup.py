@@ -19,10 +19,11 @@ The kernel sources ship too: a TensorFlow other than the one of the build
 gets its library compiled into the user cache on first use.
 """
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
+import types
 
 import setuptools
 from setuptools.command.build_ext import build_ext
@@ -46,13 +47,30 @@ def _packages():
 
 
 def _kernel_library():
-    # Loaded by path: the package itself cannot be imported before it is
-    # installed, and this keeps one definition of the compiler command.
-    spec = importlib.util.spec_from_file_location(
-        "_ge_kernel_library", os.path.join(_HERE, "ops", "kernel_library.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # The package cannot be imported before it is installed (on a fresh
+    # machine nothing named group_embedding exists yet), yet
+    # ops/kernel_library.py is the one definition of the compiler command
+    # and imports its siblings (ops/config.py) by their package names.
+    # For the load, `group_embedding` and `group_embedding.ops` are bare
+    # module objects whose path is this tree's ops/: no __init__ runs,
+    # and only the stdlib-only modules kernel_library names are loaded.
+    names = ("group_embedding", "group_embedding.ops")
+    saved = {n: sys.modules.pop(n) for n in list(sys.modules)
+             if n in names or n.startswith("group_embedding.")}
+    package = types.ModuleType("group_embedding")
+    package.__path__ = []
+    ops = types.ModuleType("group_embedding.ops")
+    ops.__path__ = [os.path.join(_HERE, "ops")]
+    package.ops = ops
+    sys.modules.update({"group_embedding": package,
+                        "group_embedding.ops": ops})
+    try:
+        return importlib.import_module("group_embedding.ops.kernel_library")
+    finally:
+        for n in [n for n in sys.modules if n in names
+                  or n.startswith("group_embedding.")]:
+            del sys.modules[n]
+        sys.modules.update(saved)
 
 
 class BuildKernels(build_ext):

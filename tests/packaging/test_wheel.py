@@ -52,9 +52,19 @@ def wheel(tmp_path_factory):
     work = tmp_path_factory.mktemp("wheel")
     src = work / "src"
     shutil.copytree(REPO, src, ignore=_ignore)
+    # On a fresh machine the build runs before anything named
+    # group_embedding is installed; here the editable install is, so a
+    # `group_embedding` that fails to import shadows it for the build (CI
+    # once failed on a build step that imported the package).
+    poison = work / "poison" / "group_embedding"
+    poison.mkdir(parents=True)
+    (poison / "__init__.py").write_text(
+        "raise ImportError('the build imported group_embedding, which a "
+        "fresh machine does not have yet')\n")
     _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation",
           "--no-deps", "-w", work / "dist", src], timeout=1500,
-         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+              "PYTHONPATH": str(poison.parent)})
     (whl,) = (work / "dist").glob("group_embedding-*.whl")
     return whl
 
