@@ -785,42 +785,31 @@ class ClipGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList uniq, grads;
-    OP_REQUIRES_OK(ctx, ctx->input_list("unique_ids", &uniq));
-    OP_REQUIRES_OK(ctx, ctx->input_list("id_grads", &grads));
-    const int k = uniq.size();
-    LockedTables locked;
-    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    ClipGradInputs in;
+    OP_REQUIRES_OK(ctx, in.Open(ctx));
+    const int k = in.size();
     CoreGroup group(k);
     std::vector<std::string> names(k);
     int64_t dim = -1;
     for (int t = 0; t < k; ++t) {
       names[t] = absl::StrCat("table ", t);
-      const Tensor* table = locked.vars()[t]->tensor();
-      OP_REQUIRES_OK(ctx, CheckTable(names[t], *table, &dim));
-      OP_REQUIRES(ctx, uniq[t].dims() == 1,
-                  InvalidArgument(names[t], ": unique_ids must be a vector, "
-                                  "got shape ",
-                                  uniq[t].shape().DebugString()));
-      const int64_t u = uniq[t].NumElements();
-      OP_REQUIRES_OK(ctx, CheckMatrix(names[t] + ": id_grads", grads[t], u,
-                                      dim));
-      // The incoming gradients are dead after this op: the core rewrites
-      // them in place when TF lets us.
+      const Tensor* table = nullptr;
       Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
-                              {2 * k + t}, t, grads[t].shape(), &o));
+      // The core rewrites the gradients in place when `o` is their buffer.
+      OP_REQUIRES_OK(ctx, in.Table(ctx, t, &dim, &table, &o));
+      const Tensor& uniq = in.unique_ids(t);
+      const int64_t u = uniq.NumElements();
       GeTable& d = group.descs[t];
       std::memset(&d, 0, sizeof(d));
       d.table = DataOr<float>(*table);
       d.vocab = table->dim_size(0);
-      d.ids = DataOr<int64_t>(uniq[t]);
+      d.ids = DataOr<int64_t>(uniq);
       d.nnz = d.batch = u;
-      d.grad = DataOr<float>(grads[t]);
+      d.grad = DataOr<float>(in.id_grads(t));
       d.grad_stride = dim;
       d.out = DataOr<float>(*o);
       d.out_stride = dim;
-      group.SetIds(t, uniq[t]);
+      group.SetIds(t, uniq);
     }
     OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_clip_grads, &group, dim,
                                  max_norm_, names, ids_checked_));
@@ -843,11 +832,9 @@ class TableSnapshotOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     RefCountPtr<Var> var;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
-    const Tensor& ids = ctx->input(1);
-    OP_REQUIRES(ctx, ids.dims() == 1,
-                InvalidArgument(name_, ": ids must be a vector, got shape ",
-                                ids.shape().DebugString(), "."));
+    const Tensor* ids_in = nullptr;
+    OP_REQUIRES_OK(ctx, SnapshotInputs(ctx, name_, &var, &ids_in));
+    const Tensor& ids = *ids_in;
     ::tensorflow::tf_shared_lock lock(*var->mu());
     const Tensor* table = var->tensor();
     int64_t dim = -1;

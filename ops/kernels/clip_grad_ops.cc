@@ -54,47 +54,29 @@ class GroupEmbeddingClipGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList uniq, grads;
-    OP_REQUIRES_OK(ctx, ctx->input_list("unique_ids", &uniq));
-    OP_REQUIRES_OK(ctx, ctx->input_list("id_grads", &grads));
-    const int k = uniq.size();
-    LockedTables locked;
-    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
-    const std::vector<Var*>& vars = locked.vars();
+    ClipGradInputs in;
+    OP_REQUIRES_OK(ctx, in.Open(ctx));
+    const int k = in.size();
     std::vector<const float*> tables(k);
     std::vector<const int64_t*> ids(k);
     std::vector<float*> outs(k);
     std::vector<int64_t> first(k + 1, 0);
     int64_t dim = -1;
     for (int t = 0; t < k; ++t) {
-      const std::string name = absl::StrCat("table ", t);
-      const Tensor* table = vars[t]->tensor();
-      OP_REQUIRES(ctx, table->dtype() == tensorflow::DT_FLOAT &&
-                           table->dims() == 2 &&
-                           (dim < 0 || table->dim_size(1) == dim),
-                  InvalidArgument(name, ": expected a float32 [vocab, dim] "
-                                  "table of the group's dim, got ",
-                                  table->shape().DebugString()));
-      dim = table->dim_size(1);
-      OP_REQUIRES(ctx, uniq[t].dims() == 1,
-                  InvalidArgument(name, ": unique_ids must be a vector, got "
-                                  "shape ", uniq[t].shape().DebugString()));
-      const int64_t u = uniq[t].NumElements();
-      OP_REQUIRES_OK(ctx, CheckMatrix(name + ": id_grads", grads[t], u, dim));
-      const int64_t* v = uniq[t].flat<int64_t>().data();
+      const Tensor* table = nullptr;
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, in.Table(ctx, t, &dim, &table, &o));
+      const Tensor& grads = in.id_grads(t);
+      const int64_t u = in.unique_ids(t).NumElements();
+      const int64_t* v = in.unique_ids(t).flat<int64_t>().data();
       const int64_t vocab = table->dim_size(0);
       for (int64_t j = 0; j < u; ++j) {
         OP_REQUIRES(ctx, v[j] >= 0 && v[j] < vocab,
-                    InvalidArgument(name, ": unique_ids ", v[j],
+                    InvalidArgument("table ", t, ": unique_ids ", v[j],
                                     " is out of range [0, ", vocab, ")."));
       }
-      Tensor* o = nullptr;
-      // The incoming gradients are dead after this op: rewrite them in
-      // place when TF lets us.
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
-                              {2 * k + t}, t, grads[t].shape(), &o));
-      if (o->data() != grads[t].data() && u * dim > 0) {
-        std::memcpy(o->data(), grads[t].data(), grads[t].TotalBytes());
+      if (o->data() != grads.data() && u * dim > 0) {
+        std::memcpy(o->data(), grads.data(), grads.TotalBytes());
       }
       tables[t] = table->flat<float>().data();
       ids[t] = v;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
@@ -16,6 +17,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "id_map.h"
+#include "op_checks.h"
 #include "pooling.h"
 
 namespace group_embedding {
@@ -199,6 +201,68 @@ template <typename GradTableOf>
   for (const auto& st : status) TF_RETURN_IF_ERROR(st);
   return ::tensorflow::Status();
 }
+
+// The inputs of GroupEmbeddingTableSnapshot, read alike by its CPU kernel
+// (weight_grad_ops.cc) and its GPU kernel (cuda/tf_gpu_kernels.cc): the
+// variable of input 0 and the ids of input 1, which must be a vector. The
+// caller takes the variable's lock.
+inline ::tensorflow::Status SnapshotInputs(
+    ::tensorflow::OpKernelContext* ctx, const std::string& name,
+    ::tensorflow::core::RefCountPtr<Var>* var, const ::tensorflow::Tensor** ids) {
+  TF_RETURN_IF_ERROR(::tensorflow::LookupResource(
+      ctx, ::tensorflow::HandleFromInput(ctx, 0), var));
+  *ids = &ctx->input(1);
+  if ((*ids)->dims() != 1) {
+    return ::tensorflow::errors::InvalidArgument(
+        name, ": ids must be a vector, got shape ",
+        (*ids)->shape().DebugString(), ".");
+  }
+  return ::tensorflow::Status();
+}
+
+// The inputs of GroupEmbeddingClipGrad (the max_norm clip's backward),
+// read alike by its CPU kernel (clip_grad_ops.cc) and its GPU kernel
+// (cuda/tf_gpu_kernels.cc): each table's distinct ids and their summed
+// gradients, the tables locked for reading from Open() on.
+class ClipGradInputs {
+ public:
+  ::tensorflow::Status Open(::tensorflow::OpKernelContext* ctx) {
+    TF_RETURN_IF_ERROR(ctx->input_list("unique_ids", &uniq_));
+    TF_RETURN_IF_ERROR(ctx->input_list("id_grads", &grads_));
+    return locked_.Open(ctx, uniq_.size());
+  }
+  int size() const { return uniq_.size(); }
+  const ::tensorflow::Tensor& unique_ids(int t) const { return uniq_[t]; }
+  const ::tensorflow::Tensor& id_grads(int t) const { return grads_[t]; }
+
+  // Table t ("table t" in errors): a float32 [vocab, dim] table of the
+  // group's dim (*dim, set by the first table), distinct ids in a vector,
+  // gradients [distinct, dim]. Output t is where the clipped gradients go:
+  // the incoming ones' buffer when TF lets us rewrite it (they are dead
+  // after this op), else a new tensor (`*copied` false: the caller copies
+  // the gradients in first).
+  ::tensorflow::Status Table(::tensorflow::OpKernelContext* ctx, int t,
+                             int64_t* dim, const ::tensorflow::Tensor** table,
+                             ::tensorflow::Tensor** out) const {
+    const std::string name = absl::StrCat("table ", t);
+    *table = locked_.vars()[t]->tensor();
+    TF_RETURN_IF_ERROR(CheckFloatTable(name, **table, *dim));
+    *dim = (*table)->dim_size(1);
+    if (uniq_[t].dims() != 1) {
+      return ::tensorflow::errors::InvalidArgument(
+          name, ": unique_ids must be a vector, got shape ",
+          uniq_[t].shape().DebugString(), ".");
+    }
+    TF_RETURN_IF_ERROR(CheckMatrix(name + ": id_grads", grads_[t],
+                                   uniq_[t].NumElements(), *dim));
+    return ctx->forward_input_or_allocate_output({2 * size() + t}, t,
+                                                 grads_[t].shape(), out);
+  }
+
+ private:
+  ::tensorflow::OpInputList uniq_, grads_;
+  LockedTables locked_;
+};
 
 }  // namespace group_embedding
 

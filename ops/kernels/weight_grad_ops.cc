@@ -127,11 +127,9 @@ class GroupEmbeddingTableSnapshotOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     RefCountPtr<Var> var;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
-    const Tensor& ids = ctx->input(1);
-    OP_REQUIRES(ctx, ids.dims() == 1,
-                InvalidArgument(name_, ": ids must be a vector, got shape ",
-                                ids.shape().DebugString(), "."));
+    const Tensor* ids_in = nullptr;
+    OP_REQUIRES_OK(ctx, SnapshotInputs(ctx, name_, &var, &ids_in));
+    const Tensor& ids = *ids_in;
     tensorflow::tf_shared_lock lock(*var->mu());
     const Tensor* table = var->tensor();
     OP_REQUIRES_OK(ctx, CheckFloatTable(name_, *table));
