@@ -13,6 +13,7 @@ the per-worker TF1 checkpoints) and registers the collective lookups with
 the core (`group_embedding.model_parallel`); `strategy` holds the state.
 """
 
+import time
 import warnings
 from typing import Any
 from typing import Mapping
@@ -133,6 +134,9 @@ def enable_distributed_strategy(
     # Horovod settings for the transport the step will use (see
     # horovod_settings); the user's environment wins.
     horovod_settings.apply_defaults(transport.expects_sockets())
+    # Taken before the start barrier (hvd.init returns on no worker before
+    # every worker entered it): no checkpoint this job writes predates it.
+    joined_ns = time.time_ns()
     hvd.init()
     # Planned before any collective: a bad argument fails on every worker.
     state.update(placement=state.placement_settings(hvd.size(), *placement),
@@ -143,7 +147,7 @@ def enable_distributed_strategy(
     transport.connect(hvd, timeout)
     # Each worker holds other rows: its TF1 Saver files go to its own
     # directory even when the script gives every worker the same one.
-    worker_checkpoints.install()
+    worker_checkpoints.install(joined_ns)
     state.update(timeout=timeout, strategy=strategy)
     # The core's one door to this layer (see model_parallel).
     model_parallel.register(model_parallel.Runtime(

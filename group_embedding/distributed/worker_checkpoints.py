@@ -25,7 +25,6 @@ EmbeddingVariables also refuse, at restore, keys another worker owns
 
 import os
 import re
-import time
 from typing import Any
 from typing import Dict
 from typing import List
@@ -41,7 +40,7 @@ WORKER_DIR = "worker-{}"
 _WORKER_DIR_RE = re.compile(r"worker-(\d+)")
 # Workers start and save at different moments: at a fresh start one may
 # have saved its first checkpoint before another looks. Only checkpoint
-# states older than this worker's joining the job (`install`) are compared.
+# states older than the job's start (see `install`) are compared.
 _originals: Dict[str, Any] = {}
 _joined_ns = [0]
 
@@ -168,12 +167,21 @@ def _restore(self, sess, save_path):
     return _originals["restore"](self, sess, save_path)
 
 
-def install() -> None:
+def install(joined_ns: int) -> None:
     """Routes TF1 Saver files and checkpoint lookups per worker (see the
-    module docstring). Idempotent; a no-op outside collective mode."""
+    module docstring). Idempotent; a no-op outside collective mode.
+
+    Args:
+        joined_ns: `time.time_ns()` taken before the job's start barrier
+            (`hvd.init()`), so that it precedes every save of this job on
+            every worker: checkpoint states written later belong to this
+            run and are not compared. (A worker that takes it after the
+            barrier may already find the first checkpoint of a faster
+            worker, and refuse it as a save this worker did not make.)
+    """
     if _originals:
         return
-    _joined_ns[0] = time.time_ns()
+    _joined_ns[0] = joined_ns
     _originals["get_checkpoint_state"] = \
         checkpoint_management.get_checkpoint_state
     _originals["save"] = saver_lib.Saver.save
