@@ -103,19 +103,14 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const int k = num_tables_;
-    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k &&
-                         static_cast<int>(table_names_.size()) == k,
-                InvalidArgument("combiners/table_names must have ", k,
-                                " entries."));
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
     // Ids are range-checked by the (parallel) pooling below, before any
     // row is read: a serial pass over every id cost ~15% of the op.
     RaggedGroup in;
-    OP_REQUIRES_OK(ctx, ReadRaggedGroup(
-                            ctx, "ids", kWithWeights, dim_,
-                            [this](int t) { return table_names_[t]; }, &in));
-
     LockedTables locked;
-    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    OP_REQUIRES_OK(ctx, OpenPlainLookup(ctx, table_names_, k, kWithWeights,
+                                        dim_, &in, &locked));
     const std::vector<Var*>& vars = locked.vars();
 
     // Tables may have different batch sizes (dense lookups of any shape);
@@ -126,7 +121,6 @@ class GroupEmbeddingPooledLookupOp : public OpKernel {
     int64_t total_nnz = 0;
     for (int t = 0; t < k; ++t) {
       const Tensor* table = vars[t]->tensor();
-      OP_REQUIRES_OK(ctx, CheckFloatTable(table_names_[t], *table, dim_));
       first_row[t + 1] = first_row[t] + in.batch(t);
       total_nnz += in.nnz(t);
       vocabs[t] = table->dim_size(0);

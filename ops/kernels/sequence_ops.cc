@@ -70,15 +70,11 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const int k = num_tables_;
-    OP_REQUIRES(ctx, static_cast<int>(table_names_.size()) == k,
-                InvalidArgument("table_names must have ", k, " entries, got ",
-                                table_names_.size(), "."));
     RaggedGroup in;
-    OP_REQUIRES_OK(ctx, ReadRaggedGroup(
-                            ctx, "ids", kWithWeights | kWithMaxLens, dim_,
-                            [this](int t) { return table_names_[t]; }, &in));
     LockedTables locked;
-    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    OP_REQUIRES_OK(ctx, OpenPlainLookup(ctx, table_names_, k,
+                                        kWithWeights | kWithMaxLens, dim_,
+                                        &in, &locked));
     const std::vector<Var*>& vars = locked.vars();
 
     std::vector<int64_t> first_row(k + 1, 0);
@@ -89,7 +85,6 @@ class GroupEmbeddingSequenceLookupOp : public OpKernel {
     for (int t = 0; t < k; ++t) {
       const std::string& name = table_names_[t];
       const Tensor* table = vars[t]->tensor();
-      OP_REQUIRES_OK(ctx, CheckFloatTable(name, *table, dim_));
       // Every id is read: range-checked here, before any row is.
       const int64_t* ids = in.ids[t].flat<int64_t>().data();
       OP_REQUIRES_OK(ctx, CheckIdRange(name, ids, in.nnz(t),

@@ -141,6 +141,29 @@ class LockedTables {
   std::optional<SharedVarLocks> locks_;  // released before refs_
 };
 
+// How a lookup kernel over a group of plain tables starts (the CPU
+// pooled, concat and sequence kernels): `names` holds one name per table
+// (k of them); the group's ragged inputs are read and checked
+// (ReadRaggedGroup with `lists`), then the tables locked for reading and
+// each checked to be float32 [vocab, dim], all before any row is read.
+inline ::tensorflow::Status OpenPlainLookup(
+    ::tensorflow::OpKernelContext* ctx, const std::vector<std::string>& names,
+    int k, unsigned lists, int64_t dim, RaggedGroup* in,
+    LockedTables* locked) {
+  if (static_cast<int>(names.size()) != k) {
+    return ::tensorflow::errors::InvalidArgument(
+        "table_names must have ", k, " entries, got ", names.size(), ".");
+  }
+  TF_RETURN_IF_ERROR(ReadRaggedGroup(
+      ctx, "ids", lists, dim, [&names](int t) { return names[t]; }, in));
+  TF_RETURN_IF_ERROR(locked->Open(ctx, k));
+  for (int t = 0; t < k; ++t) {
+    TF_RETURN_IF_ERROR(
+        CheckFloatTable(names[t], *locked->vars()[t]->tensor(), dim));
+  }
+  return ::tensorflow::Status();
+}
+
 // How every per-unique-row backward starts, for one table: the slot of
 // each of the `nnz` ids `v` (first-occurrence order) into `slot`; output
 // `t` of `uniq_out` allocated and holding the distinct ids; output `t` of
