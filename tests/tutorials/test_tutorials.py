@@ -16,11 +16,10 @@ _TUTORIALS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir,
                           "tutorials")
 sys.path.insert(0, os.path.abspath(_TUTORIALS))
 
+import data  # noqa: E402
 import deepfm_keras  # noqa: E402
 import deepfm_tf1  # noqa: E402
 import serving  # noqa: E402
-
-import data  # noqa: E402
 
 
 @pytest.fixture(scope="module")
