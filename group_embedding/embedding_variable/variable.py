@@ -9,6 +9,8 @@ import logging
 import math
 import os
 import shutil
+import weakref
+from typing import Dict
 from typing import Optional
 
 import tensorflow as tf
@@ -30,6 +32,11 @@ from group_embedding.ops import ev_storage
 
 SUPPORTED_KEY_DTYPES = (tf.int64, tf.int32)
 _uid = itertools.count()
+# Graph -> {disk tier folder: EV name}: in a graph the kernel's own claim
+# of a folder (OpenTier) only runs with the graph, so a second EV given
+# the same folder is refused here, when it is built.
+_GRAPH_TIER_DIRS: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, str]]" = \
+    weakref.WeakKeyDictionary()
 _logger = logging.getLogger(__name__)
 
 
@@ -217,6 +224,8 @@ class EmbeddingVariable(tf.Module):
         if storage.is_tiered():
             path = _prepare_storage_path(self._ev_name, storage,
                                          self.embedding_dim)
+            if not tf.executing_eagerly():
+                _claim_in_graph(self._ev_name, path)
         try:
             return ev_storage.create_handle(
                 self._ev_name, shared, self.embedding_dim, freq,
@@ -228,8 +237,9 @@ class EmbeddingVariable(tf.Module):
                 dram_bytes=storage.dram_bytes(),
                 cache_lru=storage.cache_strategy == CacheStrategy.LRU)
         except tf.errors.InvalidArgumentError as e:
-            # A folder another EV owns, a file that cannot be created: a
-            # bad storage_path (eager; a graph reports it at its first run).
+            # A folder another live EV owns, a file that cannot be
+            # created: a bad storage_path (eager; a graph reports what
+            # _claim_in_graph cannot see at its first run).
             raise ValueError(e.message) from None
 
     # False for the SAVEABLE_OBJECTS view (see __init__): a Saver given
@@ -652,6 +662,21 @@ def _prepare_storage_path(name: str, storage, embedding_dim: int) -> str:
         raise ValueError(f"EmbeddingVariable '{name}': `storage_path` "
                          f"'{path}' is full (no room for one row).")
     return path
+
+
+def _claim_in_graph(name: str, path: str) -> None:
+    """Refuses, when EV `name` is built in a graph, a disk tier folder
+    that another EV of the same graph was given (the kernel's check of
+    live EVs only runs with the graph)."""
+    claims = _GRAPH_TIER_DIRS.setdefault(
+        tf.compat.v1.get_default_graph(), {})
+    folder = os.path.realpath(path)
+    owner = claims.setdefault(folder, name)
+    if owner != name:
+        raise ValueError(
+            f"EmbeddingVariable '{name}': storage_path '{path}' is already "
+            f"used by EmbeddingVariable '{owner}'; give each "
+            "EmbeddingVariable its own folder.")
 
 
 def is_embedding_variable(x: object) -> bool:

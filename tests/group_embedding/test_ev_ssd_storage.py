@@ -302,6 +302,23 @@ class TestTieredErrors:
                 "e_second", DIM, ev_option=_option(_ssd(tmp_path / "one")))
         del first
 
+    def test_shared_path_fails_when_a_graph_is_built(self, tmp_path):
+        # In a graph the kernels' own claim only runs with the graph: the
+        # second EV is refused when it is built, before any session.
+        with tf.Graph().as_default():
+            ge.get_embedding_variable(
+                "g_first", DIM, ev_option=_option(_ssd(tmp_path / "g")))
+            with pytest.raises(ValueError, match="g_second.*already used "
+                               "by EmbeddingVariable 'g_first'"):
+                ge.get_embedding_variable(
+                    "g_second", DIM,
+                    ev_option=_option(_ssd(tmp_path / "g" / ".")))
+        # Another graph may use the folder (each graph's EVs are built
+        # anew there).
+        with tf.Graph().as_default():
+            ge.get_embedding_variable(
+                "g_second", DIM, ev_option=_option(_ssd(tmp_path / "g")))
+
     def test_path_free_again_after_the_ev_is_gone(self, tmp_path):
         ev = ev_cases.make_ev(
             "e_gone", DIM, ev_option=_option(_ssd(tmp_path / "gone")))
