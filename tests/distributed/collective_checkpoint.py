@@ -11,9 +11,13 @@ tables with other seeds, restores, and checks the probe lookups are equal,
 and that each EV key sits on its owner.
 `--fail-save` makes worker 0 fail while writing a second checkpoint: the
 save must raise on every worker and `latest` must still be the first.
+`--tier` gives the EV a disk tier (DRAM_SSDHASH) whose DRAM holds 3 rows:
+at the save some of each worker's keys are on disk (checked), and the
+restore at M workers goes into tiered EVs too.
 """
 
 import argparse
+import glob
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -24,6 +28,7 @@ import tensorflow as tf  # noqa: E402
 import group_embedding as ge  # noqa: E402
 from group_embedding import model_parallel  # noqa: E402
 from group_embedding.distributed import checkpoint as sharded_checkpoint  # noqa: E402
+from group_embedding.ops import ev_storage  # noqa: E402
 
 # (vocab, dim, partition); the tiny one stays replicated; "table": whole
 # on the last worker (at 2 workers rank 1, at 3 rank 2, at 1 rank 0), so
@@ -41,7 +46,13 @@ def placement_args(name, partition, size):
     return {"partition_strategy": partition, "replicate": False}
 
 
-def build(seed_offset):
+# The disk tier's index (64 slots of 12 bytes while it holds <= 51 keys)
+# plus 3 rows of dim 8 with one Adagrad slot (24 + 12 + 2 * 4 * 8 bytes).
+TIER_DRAM_BYTES = 64 * 12 + 3 * (24 + 12 + 2 * 4 * 8)
+
+
+def build(seed_offset, tier=None):
+    """The tables; `tier`: the EV's disk tier folder (None: all DRAM)."""
     size = model_parallel.world()[1]
     tables = {name: ge.get_embedding_table(
                   name, v, d, seed=seed_offset + i,
@@ -52,7 +63,12 @@ def build(seed_offset):
         assert genres.owner_rank == size - 1, genres.partition_strategy
         assert genres.shard.shape[0] == (70 if genres.shard_index
                                          == size - 1 else 0)
-    tables["tags"] = ge.get_embedding_variable("tags", 8)
+    option = None
+    if tier:
+        option = ge.EmbeddingVariableOption(storage_option=ge.StorageOption(
+            ge.StorageType.DRAM_SSDHASH, storage_path=tier,
+            storage_size=[TIER_DRAM_BYTES]))
+    tables["tags"] = ge.get_embedding_variable("tags", 8, ev_option=option)
     ge.broadcast_variables([tables["tags"]])
     return tables
 
@@ -122,16 +138,30 @@ def main():
     parser.add_argument("--phase", choices=["save", "restore"])
     parser.add_argument("--dir")
     parser.add_argument("--fail-save", action="store_true")
+    parser.add_argument("--tier", action="store_true")
     args = parser.parse_args()
     hvd = ge.enable_distributed_strategy("collective")
     rank, size = hvd.rank(), hvd.size()
     expected_path = os.path.join(args.dir, "expected.npy")
+    tier = (os.path.join(args.dir, f"tier-{args.phase}-{rank}")
+            if args.tier else None)
 
     if args.phase == "save":
-        tables = build(0)
+        tables = build(0, tier)
         opt = train(tables, 2)
+        if tier:
+            in_dram, on_disk = ev_storage.tier_stats(
+                tables["tags"].handle).numpy()[:2]
+            # The last step's keys were promoted into DRAM (it may exceed
+            # its budget by one op's keys); the others are on disk.
+            assert on_disk > 0 and in_dram > 0, (in_dram, on_disk)
         check_tf_checkpoint(tables, opt, args.dir, rank)
         first = ge.save_tables(args.dir, tables, step=1)
+        keys, values = (x.numpy() for x in tables["tags"].export()[:2])
+        if tier:
+            assert len(keys) == in_dram + on_disk, (len(keys), on_disk)
+        np.savez(os.path.join(args.dir, f"ev-{rank}.npz"), keys=keys,
+                 values=values)
         probe = lookup(tables, batch(7), training=False).numpy()
         if rank == 0:
             np.save(expected_path, probe)
@@ -154,15 +184,26 @@ def main():
         print(f"worker {rank}/{size}: saved", flush=True)
         return
 
-    tables = build(1000)  # other initial values than the saved ones
+    tables = build(1000, tier)  # other initial values than the saved ones
     before = lookup(tables, batch(7), training=False).numpy()
     expected = np.load(expected_path)
     assert not np.allclose(before, expected), "restore would prove nothing"
     ge.restore_tables(args.dir, tables)
     got = lookup(tables, batch(7), training=False).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
-    keys = tables["tags"].export()[0].numpy()
+    keys, values = (x.numpy() for x in tables["tags"].export()[:2])
     assert len(keys) > 0 and np.all(np.mod(keys, size) == rank)
+    # Every saved key this worker owns now, whichever tier held it, with
+    # its row (the oracle: what each saving worker exported).
+    saved = [np.load(f) for f in sorted(glob.glob(
+        os.path.join(args.dir, "ev-*.npz")))]
+    want_keys = np.concatenate([z["keys"] for z in saved])
+    want_values = np.concatenate([z["values"] for z in saved])
+    mine = np.mod(want_keys, size) == rank
+    order, want_order = np.argsort(keys), np.argsort(want_keys[mine])
+    np.testing.assert_array_equal(keys[order], want_keys[mine][want_order])
+    np.testing.assert_array_equal(values[order],
+                                  want_values[mine][want_order])
     print(f"worker {rank}/{size}: restored, probe lookups equal", flush=True)
 
 

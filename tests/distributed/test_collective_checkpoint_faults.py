@@ -10,11 +10,13 @@ import pytest
 from test_collective_training import run_workers
 
 
-@pytest.mark.parametrize("save_at,restore_at", [(2, 1), (1, 2), (2, 3)],
-                         ids=lambda n: str(n))
+@pytest.mark.parametrize("save_at,restore_at,tier", [
+    (2, 1, False), (1, 2, False), (2, 3, False),
+    # The EV's keys mostly on disk (DRAM_SSDHASH) when saved and restored.
+    (2, 3, True)], ids=lambda n: str(n))
 def test_checkpoint_restores_at_other_worker_count(tmp_path, save_at,
-                                                   restore_at):
-    args = ["--dir", str(tmp_path)]
+                                                   restore_at, tier):
+    args = ["--dir", str(tmp_path)] + (["--tier"] if tier else [])
     saved = run_workers(save_at, "collective_checkpoint.py", "--phase",
                         "save", "--fail-save", *args)
     out = saved.stdout + saved.stderr
