@@ -291,6 +291,31 @@ def test_graph_mode_saver_round_trip(tmp_path):
     _assert_same(b, a)
 
 
+class TestTieredWeightedAndMaxNorm:
+
+    def test_weighted_max_norm_matches_dram_bitwise(self, tmp_path):
+        # The weighted and max_norm lookups read and clip rows through
+        # their own kernels (weight gradients, clip gradients): each must
+        # see the disk tier's keys as DRAM rows.
+        dram, ssd = _pair(tmp_path, "t_weighted")
+        for ev in (dram, ssd):
+            opt = ge.optimizers.Adagrad(0.1)
+            for ids in _batches(3, 10):
+                n = int(ids.values.shape[0])
+                weights = tf.RaggedTensor.from_row_splits(tf.constant(
+                    np.random.default_rng(n).uniform(0.5, 2.0, n),
+                    tf.float32), ids.row_splits)
+                with tf.GradientTape() as tape:
+                    (emb,) = ge.group_embedding_lookup_sparse(
+                        [ev], [ids], "sqrtn", sp_weights=[weights],
+                        max_norm=0.3)
+                    loss = tf.reduce_sum(tf.square(emb - 0.5))
+                opt.apply_gradients([(tape.gradient(loss, ev), ev)])
+        want = _snapshot(dram)
+        assert int(ev_storage.tier_stats(ssd.handle)[1]) > 0
+        _assert_same(_snapshot(ssd), want)
+
+
 class TestTieredErrors:
 
     def test_shared_path_fails(self, tmp_path):
