@@ -1,0 +1,334 @@
+"""EmbeddingVariables in GPU memory (StorageType.HBM), on the CUDA core's
+host stand-in: this machine has no GPU, so `GROUP_EMBEDDING_HBM_ON_HOST=1`
+runs the GPU op library built against the stand-in (same adaptor, same
+core interface and placement rules; the GPU machine runs the CUDA core).
+
+The oracle is a DRAM EV (the C++ CPU storage, its own lookup kernels and
+sparse updates) given the same default matrix and the same batches: an
+HBM EV must read the same rows and end with the same keys, frequencies
+and versions (exactly) and the same rows and optimizer slots (to float
+tolerance: the two paths compute a pooled row's gradient with different
+but equivalent float expressions, the CPU kernel in C++, the HBM path as
+the DRAM EV's TF path does, so the last bits may differ; without
+duplicates or combiner scales the updates are bitwise equal, which one
+case checks). Without a GPU and without the test hook, an HBM EV is an
+error naming it.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import group_embedding as ge
+from group_embedding.ops import capabilities
+from group_embedding.ops import config
+
+DIM = 4
+DEFAULT_ROWS = 5
+# No INT64_MIN: the HBM table reserves it for free slots (tested apart).
+KEYS = np.array([-7, 0, 3, 11, 2**40 + 5, 2**63 - 1, -2**62, 12, 19, 40],
+                np.int64)
+
+
+@pytest.fixture
+def hbm(monkeypatch):
+    """HBM EVs run on the host stand-in for the test."""
+    monkeypatch.setenv(config.HBM_ON_HOST, "1")
+
+
+def _option(storage, filter_freq=0, no_permission=0.0):
+    return ge.EmbeddingVariableOption(
+        init_option=ge.InitializerOption(
+            default_value_dim=DEFAULT_ROWS,
+            default_value_no_permission=no_permission),
+        filter_option=(ge.CounterFilter(filter_freq) if filter_freq
+                       else None),
+        storage_option=storage)
+
+
+def _pair(name, filter_freq=0, hbm_bytes=1 << 20, strategy=None):
+    """(HBM EV, DRAM EV) with the same default matrix."""
+    init = tf.keras.initializers.RandomUniform(-1.0, 1.0, seed=7)
+    out = []
+    for kind, storage in (
+            ("hbm", ge.StorageOption(ge.StorageType.HBM,
+                                     storage_size=[hbm_bytes],
+                                     cache_strategy=strategy)),
+            ("dram", ge.StorageOption())):
+        out.append(ge.get_embedding_variable(
+            f"{name}_{kind}", DIM, initializer=init,
+            ev_option=_option(storage, filter_freq, no_permission=0.25)))
+    out[1].default_values.assign(out[0].default_values)
+    return out
+
+
+def _batches(seed, steps, batch=6, weighted=False):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        rows = [list(rng.choice(KEYS, size=rng.integers(0, 5)))
+                for _ in range(batch)]
+        ids = tf.ragged.constant(rows, dtype=tf.int64,
+                                 row_splits_dtype=tf.int64)
+        w = None
+        if weighted:
+            w = tf.RaggedTensor.from_row_splits(
+                tf.constant(rng.uniform(0.2, 2.0, ids.values.shape[0]),
+                            tf.float32), ids.row_splits)
+        out.append((ids, w))
+    return out
+
+
+def _state(ev):
+    """Every key's state as numpy, sorted by key: keys, values, freqs,
+    versions, slot names, slots [n, S * D], step."""
+    keys, values, freqs, versions, names, _, slots, step = (
+        x.numpy() for x in ev.storage.export(ev.handle, DIM))
+    order = np.argsort(keys)
+    return (keys[order], values[order], freqs[order], versions[order],
+            list(names), slots[order], int(step))
+
+
+def _assert_same_state(hbm_ev, dram_ev, exact=False):
+    got, want = _state(hbm_ev), _state(dram_ev)
+    np.testing.assert_array_equal(got[0], want[0])   # keys
+    np.testing.assert_array_equal(got[2], want[2])   # freqs
+    np.testing.assert_array_equal(got[3], want[3])   # versions
+    assert got[4] == want[4] and got[6] == want[6]   # slot names, step
+    for g, w in ((got[1], want[1]), (got[5], want[5])):
+        if exact:
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+
+
+def _train(ev, optimizer, batches, combiner, max_norm=None):
+    outs = []
+    for ids, w in batches:
+        with tf.GradientTape() as tape:
+            (out,) = ge.group_embedding_lookup_sparse(
+                [ev], [ids], combiner, None if w is None else [w],
+                max_norm=max_norm)
+            loss = tf.reduce_sum(out * tf.sin(out + 1.0))
+        optimizer.apply(tape.gradient(loss, [ev]), [ev])
+        outs.append(out.numpy())
+    return outs
+
+
+# -- 34.2: the storage options and the refusal without a GPU ----------------
+def test_storage_option_accepts_hbm_and_hbm_dram():
+    hbm = ge.StorageOption(ge.StorageType.HBM)
+    assert hbm.storage_size == [1 << 30] and hbm.hbm_bytes() == 1 << 30
+    assert hbm.cache_strategy == ge.CacheStrategy.LFU and hbm.is_hbm()
+    both = ge.StorageOption(ge.StorageType.HBM_DRAM, storage_size=[4096],
+                            cache_strategy=ge.CacheStrategy.LRU)
+    assert both.hbm_bytes() == 4096 and not both.is_tiered()
+    for opt in (hbm, both):
+        again = ge.EmbeddingVariableOption.from_config(
+            ge.EmbeddingVariableOption(storage_option=opt).get_config())
+        assert again.storage_option == opt
+    with pytest.raises(ValueError, match=r"\[hbm_bytes\].*HBM_DRAM"):
+        ge.StorageOption(ge.StorageType.HBM_DRAM, storage_size=[0])
+    with pytest.raises(NotImplementedError, match="HBM keeps no disk"):
+        ge.StorageOption(ge.StorageType.HBM, storage_path="/tmp/x")
+    with pytest.raises(NotImplementedError, match="LEVELDB"):
+        ge.StorageOption(ge.StorageType.LEVELDB)
+
+
+@pytest.mark.parametrize("kind", [ge.StorageType.HBM,
+                                  ge.StorageType.HBM_DRAM])
+def test_without_gpu_an_hbm_ev_is_an_error_naming_it(monkeypatch, kind):
+    monkeypatch.setenv(config.HBM_ON_HOST, "0")
+    monkeypatch.setattr(capabilities, "_hbm_support", {})
+    monkeypatch.setattr(capabilities, "_snapshots", {})
+    option = ge.EmbeddingVariableOption(
+        storage_option=ge.StorageOption(kind))
+    with pytest.raises(RuntimeError, match=r"'user_hbm'.*StorageType.HBM "
+                                           r"needs the GPU kernels.*sees no "
+                                           r"GPU"):
+        ge.get_embedding_variable("user_hbm", DIM, ev_option=option)
+
+
+def test_the_test_hook_is_checked(monkeypatch):
+    monkeypatch.setenv(config.HBM_ON_HOST, "yes")
+    with pytest.raises(ValueError, match=config.HBM_ON_HOST):
+        config.hbm_on_host()
+
+
+def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
+    cases = [
+        (ge.StorageOption(ge.StorageType.HBM_DRAM), {}, "HBM_DRAM"),
+        (ge.StorageOption(ge.StorageType.HBM),
+         {"filter_option": ge.CBFFilter(2, 10, 0.01)}, "CBFFilter"),
+        (ge.StorageOption(ge.StorageType.HBM),
+         {"evict_option": ge.GlobalStepEvict(3)}, "evict_option"),
+    ]
+    for storage, extra, what in cases:
+        option = ge.EmbeddingVariableOption(storage_option=storage, **extra)
+        with pytest.raises(NotImplementedError, match=f"'todo'.*{what}"):
+            ge.get_embedding_variable("todo", DIM, ev_option=option)
+    ev = ge.get_embedding_variable("seq", DIM, ev_option=_option(
+        ge.StorageOption(ge.StorageType.HBM)))
+    ids = tf.ragged.constant([[1, 2]], tf.int64)
+    with pytest.raises(NotImplementedError, match=r"\(seq\).*sequence"):
+        ge.group_embedding_lookup_sparse([ev], [ids], "sum",
+                                         is_sequence=True)
+
+
+# -- 34.3: lookups and updates against the DRAM EV --------------------------
+def test_plan_gives_hbm_evs_their_own_group_and_backend(hbm):
+    from group_embedding import lookup_plan
+    hbm_ev, dram_ev = _pair("plan")
+    # Pooled plans read no feature of an EV group.
+    call = lookup_plan.LookupCall(mode=lookup_plan.Mode.POOLED)
+    groups = lookup_plan.group_tables(
+        [hbm_ev, dram_ev], [None, None], ["h", "d"], ["sum", "sum"], call,
+        params_num_per_group=8)
+    assert [(g.kind.value, g.backend.value) for g in groups] == [
+        ("hbm_ev", "gpu_kernels"), ("ev", "cpu_kernels")]
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lookup_and_adagrad_equal_the_dram_ev(hbm, combiner, weighted):
+    hbm_ev, dram_ev = _pair(f"ada_{combiner}_{weighted}")
+    batches = _batches(3 + weighted, steps=4, weighted=weighted)
+    got = _train(hbm_ev, ge.optimizers.Adagrad(0.1), batches, combiner)
+    want = _train(dram_ev, ge.optimizers.Adagrad(0.1), batches, combiner)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+@pytest.mark.parametrize("name,make", [
+    ("sgd", lambda: ge.optimizers.SGD(0.2)),
+    ("adam", lambda: ge.optimizers.Adam(0.05)),
+    ("ftrl", lambda: ge.optimizers.Ftrl(0.1, l1_regularization_strength=0.01,
+                                        l2_regularization_strength=0.02)),
+])
+def test_every_optimizer_equals_the_dram_ev(hbm, name, make):
+    hbm_ev, dram_ev = _pair(f"opt_{name}")
+    batches = _batches(11, steps=4)
+    got = _train(hbm_ev, make(), batches, "mean")
+    want = _train(dram_ev, make(), batches, "mean")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+def test_max_norm_equals_the_dram_ev(hbm):
+    hbm_ev, dram_ev = _pair("clip")
+    batches = _batches(5, steps=3, weighted=True)
+    got = _train(hbm_ev, ge.optimizers.SGD(0.5), batches, "sqrtn", 0.3)
+    want = _train(dram_ev, ge.optimizers.SGD(0.5), batches, "sqrtn", 0.3)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+def test_distinct_keys_with_sgd_are_bitwise_equal(hbm):
+    """One key per row, no duplicates, sum: nothing is summed or scaled,
+    so both paths do the same float operations."""
+    hbm_ev, dram_ev = _pair("bitwise")
+    ids = tf.ragged.constant([[k] for k in KEYS], tf.int64)
+    batches = [(ids, None)] * 3
+    got = _train(hbm_ev, ge.optimizers.SGD(0.5), batches, "sum")
+    want = _train(dram_ev, ge.optimizers.SGD(0.5), batches, "sum")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    _assert_same_state(hbm_ev, dram_ev, exact=True)
+
+
+def test_counter_filter_admission_and_duplicates(hbm):
+    """CounterFilter(3): keys read no_permission for their first 3
+    occurrences (counted per occurrence, duplicates in one batch read the
+    same row), get no update until admitted, and are stamped anyway."""
+    hbm_ev, dram_ev = _pair("filter", filter_freq=3)
+    ids = tf.ragged.constant([[1, 1, 2], [1], [5, 5, 5, 5], []], tf.int64)
+    batches = [(ids, None)] * 2 + _batches(2, steps=3)
+    got = _train(hbm_ev, ge.optimizers.Adagrad(0.1), batches, "mean")
+    want = _train(dram_ev, ge.optimizers.Adagrad(0.1), batches, "mean")
+    # The first batch reads only no_permission rows.
+    np.testing.assert_array_equal(got[0][:3], np.full((3, DIM), 0.25))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+def test_group_of_several_hbm_evs_with_a_shared_table(hbm):
+    """Three features over two HBM EVs (one shared) in one fused op."""
+    a, a_ref = _pair("grp_a")
+    b, b_ref = _pair("grp_b")
+    batches = _batches(8, steps=6)
+
+    def run(tables):
+        opt = ge.optimizers.Adagrad(0.1)
+        outs = []
+        for i in range(0, len(batches), 3):
+            ids = [batches[i + j][0] for j in range(3)]
+            with tf.GradientTape() as tape:
+                out = ge.group_embedding_lookup_sparse(
+                    tables, ids, ["sum", "mean", "sqrtn"])
+                loss = tf.add_n([tf.reduce_sum(o * o) for o in out])
+            distinct = [tables[0], tables[2]]
+            opt.apply(tape.gradient(loss, distinct), distinct)
+            outs.append([o.numpy() for o in out])
+        return outs
+
+    got = run([a, a, b])
+    want = run([a_ref, a_ref, b_ref])
+    for gs, ws in zip(got, want):
+        for g, w in zip(gs, ws):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(a, a_ref)
+    _assert_same_state(b, b_ref)
+
+
+def test_inference_reads_without_inserting(hbm):
+    hbm_ev, dram_ev = _pair("infer")
+    ids = tf.ragged.constant([[3, 4], [2**40 + 5]], tf.int64)
+    for ev in (hbm_ev, dram_ev):
+        ge.group_embedding_lookup_sparse([ev], [ids[:1]], "sum")
+    got = ge.group_embedding_lookup_sparse([hbm_ev], [ids], "mean",
+                                           training=False)[0]
+    want = ge.group_embedding_lookup_sparse([dram_ev], [ids], "mean",
+                                            training=False)[0]
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert int(hbm_ev.size()) == int(dram_ev.size()) == 2
+    np.testing.assert_array_equal(hbm_ev.lookup_rows([3, 9]).numpy(),
+                                  dram_ev.lookup_rows([3, 9]).numpy())
+
+
+def test_traced_training_step_equals_the_dram_ev(hbm):
+    hbm_ev, dram_ev = _pair("traced")
+    batches = _batches(21, steps=3)
+
+    def run(ev):
+        opt = ge.optimizers.Adam(0.05)
+
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                (out,) = ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+                loss = tf.reduce_sum(out * out)
+            opt.apply(tape.gradient(loss, [ev]), [ev])
+            return out
+
+        return [step(ids).numpy() for ids, _ in batches]
+
+    for g, w in zip(run(hbm_ev), run(dram_ev)):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+def test_reserved_key_and_full_bucket_are_errors_naming_the_ev(hbm):
+    (ev, _) = _pair("limits", hbm_bytes=1)  # one bucket of 128 keys
+    assert ev.storage.capacity == 128
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="limits_hbm.*int64 min"):
+        ge.group_embedding_lookup_sparse(
+            [ev], [tf.ragged.constant([[-2**63]], tf.int64)], "sum")
+    many = tf.ragged.constant([list(range(129))], tf.int64)
+    with pytest.raises(tf.errors.ResourceExhaustedError,
+                       match="limits_hbm.*could not store 1 keys"):
+        ge.group_embedding_lookup_sparse([ev], [many], "sum")
