@@ -12,7 +12,8 @@ but equivalent float expressions, the CPU kernel in C++, the HBM path as
 the DRAM EV's TF path does, so the last bits may differ; without
 duplicates or combiner scales the updates are bitwise equal, which one
 case checks). Without a GPU and without the test hook, an HBM EV is an
-error naming it.
+error naming it. Checkpoints: an HBM EV writes the CPU EV's entries
+(names, dtypes, shapes) and either kind restores the other's bitwise.
 """
 
 import numpy as np
@@ -332,3 +333,97 @@ def test_reserved_key_and_full_bucket_are_errors_naming_the_ev(hbm):
     with pytest.raises(tf.errors.ResourceExhaustedError,
                        match="limits_hbm.*could not store 1 keys"):
         ge.group_embedding_lookup_sparse([ev], [many], "sum")
+
+
+# -- 34.4: checkpoints in the CPU EV's format, restored into either kind -----
+def _checkpoint_entries(path):
+    """{checkpoint key: (dtype, shape)} of a checkpoint, without the
+    object graph (which names the saving program's Python objects)."""
+    reader = tf.train.load_checkpoint(path)
+    shapes = reader.get_variable_to_shape_map()
+    return {k: (dtype, tuple(shapes[k]))
+            for k, dtype in reader.get_variable_to_dtype_map().items()
+            if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+
+
+def _fresh(kind, name):
+    storage = (ge.StorageOption(ge.StorageType.HBM, storage_size=[1 << 20])
+               if kind == "hbm" else ge.StorageOption())
+    return ge.get_embedding_variable(name, DIM, ev_option=_option(
+        storage, filter_freq=2, no_permission=0.25))
+
+
+def _assert_exact_state(a, b):
+    sa, sb = _state(a), _state(b)
+    for x, y in zip(sa, sb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("saved,restored", [("hbm", "dram"), ("dram", "hbm"),
+                                            ("hbm", "hbm")])
+def test_checkpoint_format_and_restore_both_ways(hbm, tmp_path, saved,
+                                                 restored):
+    hbm_ev, dram_ev = _pair(f"ck_{saved}_{restored}", filter_freq=2)
+    batches = _batches(31, steps=4)
+    opts = [ge.optimizers.Adam(0.05), ge.optimizers.Adam(0.05)]
+    for ev, opt in zip((hbm_ev, dram_ev), opts):
+        _train(ev, opt, batches, "mean")
+    paths = {kind: tf.train.Checkpoint(ev=ev).write(str(tmp_path / kind))
+             for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev))}
+    # The same entries (names, dtypes, shapes) whichever kind saved.
+    assert _checkpoint_entries(paths["hbm"]) == _checkpoint_entries(
+        paths["dram"])
+    source = hbm_ev if saved == "hbm" else dram_ev
+    target = _fresh(restored, f"ck_{saved}_{restored}_into")
+    tf.train.Checkpoint(ev=target).read(paths[saved]).assert_consumed()
+    # Bitwise: keys, rows, slots, freqs, versions, step and the default
+    # matrix.
+    _assert_exact_state(target, source)
+    np.testing.assert_array_equal(target.default_values.numpy(),
+                                  source.default_values.numpy())
+    # Training continues alike (Adam's moments restored with the keys).
+    more = _batches(32, steps=2)
+    opt_a, opt_b = ge.optimizers.Adam(0.05), ge.optimizers.Adam(0.05)
+    for opt in (opt_a, opt_b):
+        opt.iterations.assign(4)
+    got = _train(target, opt_a, more, "sum")
+    want = _train(source, opt_b, more, "sum")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(target, source)
+
+
+def test_v1_saver_names_and_restores_an_hbm_ev(hbm, tmp_path):
+    """A TF1 graph's Saver writes DeepRec's `<name>-keys`, ... for an HBM
+    EV, and a DRAM EV of the same name restores them."""
+    keys = np.array([5, -3, 5, 2**40], np.int64)
+    path = str(tmp_path / "v1")
+    states = []
+    for kind in ("hbm", "dram"):
+        with tf.Graph().as_default():
+            ev = _fresh(kind, "v1_ev")
+            ids = tf.RaggedTensor.from_row_splits(
+                tf.constant(keys), tf.constant([0, 2, 4], tf.int64))
+            (out,) = ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+            grads = tf.gradients(tf.reduce_sum(out * out), [ev.handle])
+            train = ge.train.GradientDescentOptimizer(0.1).apply_gradients(
+                [(grads[0], ev)])
+            saver = tf.compat.v1.train.Saver()
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                if kind == "hbm":
+                    for _ in range(3):
+                        sess.run(train)
+                    saver.save(sess, path)
+                else:
+                    saver.restore(sess, path)
+                states.append([x for x in sess.run(
+                    ev.storage.export(ev.handle, DIM))])
+    names = set(_checkpoint_entries(path))
+    assert {"v1_ev-keys", "v1_ev-values", "v1_ev-freqs", "v1_ev-versions",
+            "v1_ev/default_values"} <= names
+    (hk, *hrest), (dk, *drest) = states
+    ho, do = np.argsort(hk), np.argsort(dk)
+    np.testing.assert_array_equal(hk[ho], dk[do])
+    for i in (0, 1, 2):  # values, freqs, versions
+        np.testing.assert_array_equal(hrest[i][ho], drest[i][do])
