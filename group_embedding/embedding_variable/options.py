@@ -378,7 +378,9 @@ class StorageOption(_Config):
 
     storage_type: Any = StorageType.DRAM
     storage_path: Optional[str] = None
-    storage_size: Any = None
+    # A list (DeepRec's), left out of the hash: feature columns holding
+    # this option are dict keys.
+    storage_size: Any = dataclasses.field(default=None, hash=False)
     cache_strategy: Any = None
 
     def __post_init__(self):

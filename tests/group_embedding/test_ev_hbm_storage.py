@@ -121,6 +121,8 @@ def test_storage_option_accepts_hbm_and_hbm_dram():
     hbm = ge.StorageOption(ge.StorageType.HBM)
     assert hbm.storage_size == [1 << 30] and hbm.hbm_bytes() == 1 << 30
     assert hbm.cache_strategy == ge.CacheStrategy.LFU and hbm.is_hbm()
+    # Hashable (feature columns holding it are dict keys).
+    assert hash(hbm) == hash(ge.StorageOption(ge.StorageType.HBM))
     both = ge.StorageOption(ge.StorageType.HBM_DRAM, storage_size=[4096],
                             cache_strategy=ge.CacheStrategy.LRU)
     assert both.hbm_bytes() == 4096 and not both.is_tiered()
@@ -427,3 +429,55 @@ def test_v1_saver_names_and_restores_an_hbm_ev(hbm, tmp_path):
     np.testing.assert_array_equal(hk[ho], dk[do])
     for i in (0, 1, 2):  # values, freqs, versions
         np.testing.assert_array_equal(hrest[i][ho], drest[i][do])
+
+
+def test_feature_columns_with_hbm_evs_fit_like_dram_evs(hbm):
+    """`group_embedding_column_scope` + `GroupEmbeddingFeatures` in a
+    Keras model trained by `model.fit`: HBM EV columns give the DRAM EV
+    columns' losses, rows and sizes."""
+    import keras
+    from group_embedding import feature_column as ge_fc
+
+    rng = np.random.default_rng(0)
+    uid = rng.integers(0, 6, 32)
+    city = rng.choice(["sf", "ny", "la"], 32)
+    y = ((uid % 2 == 0) ^ (city == "sf")).astype("float32")[:, None]
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({"uid": uid, "city": city}, y)).batch(8)
+    results = []
+    for kind in ("hbm", "dram"):
+        storage = (ge.StorageOption(ge.StorageType.HBM,
+                                    storage_size=[1 << 16])
+                   if kind == "hbm" else ge.StorageOption())
+        option = ge.EmbeddingVariableOption(
+            init_option=ge.InitializerOption(
+                initializer=tf.keras.initializers.RandomUniform(
+                    -0.5, 0.5, seed=1), default_value_dim=7),
+            storage_option=storage)
+        with ge_fc.group_embedding_column_scope(f"fc_{kind}"):
+            cols = [ge_fc.embedding_column(
+                        ge_fc.categorical_column_with_embedding(
+                            "uid", dtype=tf.int64, ev_option=option), 4,
+                        "sum"),
+                    ge_fc.embedding_column(
+                        ge_fc.categorical_column_with_embedding(
+                            "city", ev_option=option), 4)]
+        features = ge_fc.GroupEmbeddingFeatures(cols)
+        inputs = {"uid": keras.Input((), dtype="int64", name="uid"),
+                  "city": keras.Input((), dtype="string", name="city")}
+        out = keras.layers.Dense(
+            1, kernel_initializer=keras.initializers.Constant(0.2))(
+                features(inputs))
+        model = keras.Model(inputs, out)
+        model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
+        losses = model.fit(ds, epochs=4, verbose=0).history["loss"]
+        evs = features.embedding_variables
+        assert [ev.ge_table_kind for ev in evs] == (
+            ["hbm_ev"] * 2 if kind == "hbm" else ["ev"] * 2)
+        results.append((losses, [_state(ev) for ev in evs]))
+    (got_losses, got), (want_losses, want) = results
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g[0], w[0])  # keys
+        np.testing.assert_array_equal(g[2], w[2])  # freqs
+        np.testing.assert_allclose(g[1], w[1], rtol=1e-5, atol=1e-6)
