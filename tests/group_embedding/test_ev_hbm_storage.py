@@ -16,11 +16,14 @@ error naming it. Checkpoints: an HBM EV writes the CPU EV's entries
 (names, dtypes, shapes) and either kind restores the other's bitwise.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import group_embedding as ge
+from group_embedding import feature_column as ge_fc
+from group_embedding import lookup_plan
 from group_embedding.ops import capabilities
 from group_embedding.ops import config
 
@@ -180,7 +183,6 @@ def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
 
 # -- 34.3: lookups and updates against the DRAM EV --------------------------
 def test_plan_gives_hbm_evs_their_own_group_and_backend(hbm):
-    from group_embedding import lookup_plan
     hbm_ev, dram_ev = _pair("plan")
     # Pooled plans read no feature of an EV group.
     call = lookup_plan.LookupCall(mode=lookup_plan.Mode.POOLED)
@@ -435,9 +437,6 @@ def test_feature_columns_with_hbm_evs_fit_like_dram_evs(hbm):
     """`group_embedding_column_scope` + `GroupEmbeddingFeatures` in a
     Keras model trained by `model.fit`: HBM EV columns give the DRAM EV
     columns' losses, rows and sizes."""
-    import keras
-    from group_embedding import feature_column as ge_fc
-
     rng = np.random.default_rng(0)
     uid = rng.integers(0, 6, 32)
     city = rng.choice(["sf", "ny", "la"], 32)
