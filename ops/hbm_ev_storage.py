@@ -9,13 +9,26 @@ same arguments and results, so the EV, its checkpoints and the
 optimizers treat both alike; `pooled_lookup` is the group's fused
 find-or-insert + pooling (`lookup_plan`'s HBM EV backend).
 
+Fused backward-apply: the lookup's gradient function gives each EV
+IndexedSlices (one row per occurrence) and remembers, for those values,
+the feature's ids and its pooled output's gradient. When an optimizer
+applies exactly those slices (`apply_*`, any `ge.optimizers` or
+`ge.train` optimizer), the update op takes the feature's ids and pooled
+gradient instead, and the core computes, sums and applies each key's
+gradient in one pass: in a traced step the per-occurrence rows are then
+never computed (their ops have no consumer). Slices changed on the way
+(scaled, clipped, summed over two lookups) take the per-key update.
+
 Where TF sees no GPU, the op library is the adaptor built against the
 core's host stand-in (tests, `GROUP_EMBEDDING_HBM_ON_HOST=1`), whose
 kernels run on the CPU: same ops, same results.
 """
 
+import collections
 from typing import Any
 from typing import List
+from typing import NamedTuple
+from typing import Optional
 from typing import Sequence
 
 import tensorflow as tf
@@ -32,6 +45,40 @@ KEY_BYTES = 8 + 1 + 16
 # Optimizer slots a table's budget makes room for (Adam, FTRL: two).
 BUDGET_SLOTS = 2
 LOOKUP_OP = "GroupEmbeddingHbmEVLookup"
+# Gradients remembered for a fused backward-apply (the newest first out:
+# slices nobody applies are forgotten).
+_MAX_REMEMBERED = 256
+
+
+class _Forward(NamedTuple):
+    """One feature of a lookup, as its gradient's update needs it."""
+
+    values: Any       # the IndexedSlices values it was remembered for
+    keys: Any
+    row_splits: Any
+    weights: Any      # empty: none
+    grads: Any        # d loss / d pooled output [B, D]
+    combiner: str
+    max_norm: float
+
+
+_remembered: "collections.OrderedDict[int, _Forward]" = (
+    collections.OrderedDict())
+
+
+def _remember(forward: _Forward) -> None:
+    _remembered[id(forward.values)] = forward
+    while len(_remembered) > _MAX_REMEMBERED:
+        _remembered.popitem(last=False)
+
+
+def _forward_of(keys, values) -> Optional[_Forward]:
+    """The lookup feature whose untouched gradient is (keys, values)."""
+    found = _remembered.get(id(values))
+    if found is None or found.values is not values or found.keys is not keys:
+        return None
+    del _remembered[id(values)]
+    return found
 
 
 def num_buckets(hbm_bytes: int, embedding_dim: int) -> int:
@@ -123,12 +170,22 @@ class HbmStorage:
     # -- optimizer updates (`ev_storage.apply_*`) --------------------------
     def _apply(self, handle, keys, grad, step, optimizer, slot_names,
                **hyperparameters):
+        forward = _forward_of(keys, grad)
+        if forward is not None:
+            # The fused backward-apply of the lookup's feature.
+            return self.module.group_embedding_hbm_ev_apply(
+                handle, forward.keys, forward.row_splits, forward.weights,
+                forward.grads, tf.cast(step, tf.int64),
+                hyper(**hyperparameters), combiner=forward.combiner,
+                max_norm=forward.max_norm, optimizer=optimizer,
+                slot_names=list(slot_names))
         keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
         splits = tf.range(tf.size(keys, out_type=tf.int64) + 1)
         return self.module.group_embedding_hbm_ev_apply(
-            handle, keys, tf.cast(grad, tf.float32), splits,
-            tf.cast(step, tf.int64), hyper(**hyperparameters),
-            optimizer=optimizer, slot_names=list(slot_names))
+            handle, keys, splits, tf.zeros([0], tf.float32),
+            tf.cast(grad, tf.float32), tf.cast(step, tf.int64),
+            hyper(**hyperparameters), optimizer=optimizer,
+            slot_names=list(slot_names))
 
     def apply_sgd(self, handle, keys, grad, step, lr):
         """`var -= lr * g` on the admitted keys (duplicates summed)."""
@@ -218,4 +275,7 @@ def _lookup_grad(op, *grads):
     row_grads = tape.gradient(pooled, rows, output_gradients=upstream)
     parts = tf.split(row_grads, tf.stack([tf.size(x) for x in keys]), num=k)
     slices = [tf.IndexedSlices(p, key) for p, key in zip(parts, keys)]
+    for t, p in enumerate(parts):
+        _remember(_Forward(p, keys[t], splits[t], weights[t], upstream[t],
+                           combiners[t], max_norm))
     return slices + [None] * (4 * k) + [None, None]

@@ -452,18 +452,27 @@ class LookupOp : public OpKernel {
 };
 
 // ---------------------------------------------------------------------------
-// Optimizer step on the keys of a gradient: ge_ev_stamp (the rows to
-// update; versions), then the core's sparse update (ge_backward_apply,
-// one key per "row", duplicates summed) in place on the table's values
-// and slots.
+// Optimizer step of one EV: ge_ev_stamp (each key's row, -1 for keys
+// absent or not admitted, which the update skips; every stored key's
+// version), then the core's sparse update (ge_backward_apply) in place
+// on the table's values and slots, duplicates summed. Two uses, one op:
+// * the fused backward-apply of a lookup: `keys`, `row_splits`,
+//   `weights` of one feature of the forward, `grads` its pooled output's
+//   gradient [B, D], the forward's combiner and max_norm: the per-key
+//   gradients are never written;
+// * a gradient given per key (IndexedSlices): row_splits 0 .. n (a key a
+//   row), no weights, `grads` [n, D], sum, no max_norm.
 // ---------------------------------------------------------------------------
 REGISTER_OP("GroupEmbeddingHbmEVApply")
     .Input("handle: resource")
     .Input("keys: int64")
-    .Input("grad: float")
     .Input("row_splits: int64")
+    .Input("weights: float")
+    .Input("grads: float")
     .Input("global_step: int64")
     .Input("hyper: float")
+    .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
+    .Attr("max_norm: float = -1.0")
     .Attr("optimizer: {'sgd', 'adagrad', 'adam', 'ftrl'}")
     .Attr("slot_names: list(string) >= 0")
     .SetIsStateful()
@@ -472,9 +481,13 @@ REGISTER_OP("GroupEmbeddingHbmEVApply")
 class ApplyOp : public OpKernel {
  public:
   explicit ApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string optimizer;
+    std::string optimizer, combiner;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+    combiner_ = combiner == "mean" ? GE_MEAN
+                : combiner == "sqrtn" ? GE_SQRTN : GE_SUM;
     kind_ = optimizer == "sgd"       ? GE_OPT_SGD
             : optimizer == "adagrad" ? GE_OPT_ADAGRAD
             : optimizer == "adam"    ? GE_OPT_ADAM
@@ -491,21 +504,17 @@ class ApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
     const std::string& var = table->name;
     const Tensor& keys = ctx->input(1);
-    const Tensor& grad = ctx->input(2);
-    const Tensor& splits = ctx->input(3);
-    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(4), "global_step"));
-    const int64_t step = ctx->input(4).scalar<int64_t>()();
-    const Tensor& hyper = ctx->input(5);
+    const Tensor& splits = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    const Tensor& grads = ctx->input(4);
+    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(5), "global_step"));
+    const int64_t step = ctx->input(5).scalar<int64_t>()();
+    const Tensor& hyper = ctx->input(6);
     const int64_t dim = table->desc.dim;
-    OP_REQUIRES(ctx, keys.dims() == 1,
-                InvalidArgument(var, ": keys must be a vector, got shape ",
-                                keys.shape().DebugString(), "."));
+    OP_REQUIRES_OK(ctx, CheckRaggedShapes(var, keys, splits, weights));
     const int64_t n = keys.NumElements();
-    OP_REQUIRES_OK(ctx, CheckMatrix(var + ": gradient", grad, n, dim));
-    OP_REQUIRES(ctx, splits.dims() == 1 && splits.NumElements() == n + 1,
-                InvalidArgument(var, ": row_splits must be [", n + 1,
-                                "] (0 .. n), got ",
-                                splits.shape().DebugString(), "."));
+    const int64_t batch = splits.NumElements() - 1;
+    OP_REQUIRES_OK(ctx, CheckMatrix(var + ": gradient", grads, batch, dim));
     OP_REQUIRES(ctx, hyper.dims() == 1 && hyper.NumElements() == 8,
                 InvalidArgument(var, ": hyper must have 8 values."));
     const float* h = hyper.flat<float>().data();
@@ -540,18 +549,19 @@ class ApplyOp : public OpKernel {
         static_cast<unsigned long long*>(counters), stream)));
     const int64_t cap = table->capacity();
     float* planes = DataOr<float>(table->slots);
-    CoreGroup group(1);
-    GeTable& d = group.descs[0];
+    GeTable d;
     std::memset(&d, 0, sizeof(d));
     d.table = table->desc.values;
     d.vocab = cap;
-    // Keys absent or not admitted have slot -1: the core skips them.
+    // Keys absent or not admitted have row -1: the core skips them (the
+    // combiner's scale still counts them, as the forward did).
     d.ids = slot_of;
     d.splits = DataOr<int64_t>(splits);
+    d.weights = DataOr<float>(weights);
     d.nnz = n;
-    d.batch = n;
-    d.combiner = GE_SUM;
-    d.grad = DataOr<float>(grad);
+    d.batch = batch;
+    d.combiner = combiner_;
+    d.grad = DataOr<float>(grads);
     d.grad_stride = dim;
     d.slot0 = idx.size() > 0 ? planes + idx[0] * cap * dim : nullptr;
     d.slot1 = idx.size() > 1 ? planes + idx[1] * cap * dim : nullptr;
@@ -562,9 +572,10 @@ class ApplyOp : public OpKernel {
     CoreScratch s;
     OP_REQUIRES_OK(ctx, s.Allocate(ctx, bytes, stream));
     OP_REQUIRES_OK(ctx, CoreStatus(var, ge_backward_apply(
-        &d, 1, dim, -1.0f, &config, s.scratch, s.bytes, s.errors(), stream)));
+        &d, 1, dim, max_norm_, &config, s.scratch, s.bytes, s.errors(),
+        stream)));
     // The skipped keys are counted as bad ids by design; only the
-    // reserved key is an error.
+    // reserved key is an error (the forward refused it already).
     uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
     OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
                                      GE_EV_NUM_COUNTERS));
@@ -574,6 +585,8 @@ class ApplyOp : public OpKernel {
  private:
   std::vector<std::string> slots_;
   int32_t kind_;
+  int32_t combiner_;
+  float max_norm_;
 };
 
 // ---------------------------------------------------------------------------

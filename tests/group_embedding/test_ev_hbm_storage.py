@@ -480,3 +480,47 @@ def test_feature_columns_with_hbm_evs_fit_like_dram_evs(hbm):
         np.testing.assert_array_equal(g[0], w[0])  # keys
         np.testing.assert_array_equal(g[2], w[2])  # freqs
         np.testing.assert_allclose(g[1], w[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_untouched_gradients_take_the_fused_backward_apply(hbm, monkeypatch,
+                                                           traced):
+    """An optimizer applying the lookup's own slices runs the fused
+    backward-apply (the feature's ids and pooled gradient into one core
+    update); slices changed on the way (here scaled by 1) take the
+    per-key update. Both equal the DRAM EV."""
+    from group_embedding.ops import hbm_ev_storage
+    found = []
+    real = hbm_ev_storage._forward_of
+
+    def spy(keys, values):
+        forward = real(keys, values)
+        found.append(forward is not None)
+        return forward
+
+    monkeypatch.setattr(hbm_ev_storage, "_forward_of", spy)
+    batches = _batches(41, steps=3, weighted=True)
+    for scale in (None, 1.0):
+        hbm_ev, dram_ev = _pair(f"fused_{traced}_{scale}")
+        outs = []
+        for ev in (hbm_ev, dram_ev):
+            opt = ge.optimizers.Adagrad(0.1)
+
+            def step(ids, w, ev=ev, opt=opt):
+                with tf.GradientTape() as tape:
+                    (out,) = ge.group_embedding_lookup_sparse(
+                        [ev], [ids], "sqrtn", [w], max_norm=0.4)
+                    loss = tf.reduce_sum(out * tf.sin(out + 1.0))
+                (g,) = tape.gradient(loss, [ev])
+                if scale is not None:
+                    g = tf.IndexedSlices(g.values * scale, g.indices)
+                opt.apply([g], [ev])
+                return out
+
+            run = tf.function(step) if traced else step
+            outs.append([run(ids, w).numpy() for ids, w in batches])
+        for g, w in zip(*outs):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+        _assert_same_state(hbm_ev, dram_ev)
+        assert found and all(found) == (scale is None), (scale, found)
+        found.clear()
