@@ -215,6 +215,13 @@ _DISPATCH: Dict[_Key, _Run] = {
     (TableKind.HBM_EV, Backend.GPU_KERNELS, Mode.POOLED): _hbm_ev_pooled,
     (TableKind.HBM_EV, Backend.GPU_KERNELS, Mode.CONCAT):
         _concat_of(_hbm_ev_pooled),
+    # Inside a SavedModel save only: the frozen snapshots' stock ops.
+    (TableKind.HBM_EV, Backend.TF_OPS, Mode.POOLED): _ev_tf_pooled,
+    (TableKind.HBM_EV, Backend.TF_OPS, Mode.CONCAT):
+        _concat_of(_ev_tf_pooled),
+    (TableKind.HBM_EV, Backend.TF_OPS, Mode.SEQUENCE):
+        lambda g, c: lookup_tf.sequence_ev(g.tables, g.feats, c.max_norm,
+                                           c.training),
     (TableKind.EV, Backend.TF_OPS, Mode.POOLED): _ev_tf_pooled,
     (TableKind.EV, Backend.TF_OPS, Mode.CONCAT): _concat_of(_ev_tf_pooled),
     (TableKind.EV, Backend.TF_OPS, Mode.SEQUENCE):

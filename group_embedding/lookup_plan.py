@@ -209,13 +209,17 @@ def _backend(kind: TableKind, tables: Sequence[Any],
 def _hbm_backend(names: Sequence[str], call: LookupCall,
                  found: Capabilities) -> Backend:
     """HBM EVs (their tables in GPU memory) have one backend: the GPU
-    library's HBM EV ops (on the host stand-in in tests).
+    library's HBM EV ops (on the host stand-in in tests). Inside a
+    SavedModel save, the stock-TF path, which reads the EVs' frozen
+    snapshots as for DRAM EVs (export/ev_snapshot.py).
 
     Raises:
         RuntimeError: no GPU kernels serve HBM EVs here (naming the EVs).
         NotImplementedError: what the HBM ops do not do yet (naming the
             EVs): sequence lookups, collective mode, a tensor max_norm.
     """
+    if found.in_save:
+        return Backend.TF_OPS
     found.hbm_ev_module(names)
     runtime = model_parallel.runtime()
     refused = None
