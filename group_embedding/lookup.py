@@ -31,6 +31,7 @@ from group_embedding.lookup_plan import LookupCall
 from group_embedding.lookup_plan import Mode
 from group_embedding.lookup_plan import TableGroup
 from group_embedding.lookup_plan import TableKind
+from group_embedding.ops import hbm_ev_storage
 from group_embedding.ops import lookup_kernels
 from group_embedding.ops import lookup_tf
 from group_embedding.ops.ragged_ids import FeatureIds
@@ -171,6 +172,12 @@ def _ev_tf_pooled(g: TableGroup, c: LookupCall) -> Any:
                                c.training)
 
 
+def _hbm_ev_pooled(g: TableGroup, c: LookupCall) -> Any:
+    return hbm_ev_storage.pooled_lookup(
+        g.capabilities.hbm_ev_module(g.names), g.tables, g.feats,
+        g.combiners, c.max_norm, c.training)
+
+
 _Key = Tuple[TableKind, Backend, Mode]
 
 
@@ -205,6 +212,16 @@ _DISPATCH: Dict[_Key, _Run] = {
     (TableKind.EV, Backend.CPU_KERNELS, Mode.SEQUENCE):
         lambda g, c: lookup_kernels.sequence_ev(g.tables, g.feats,
                                                 c.training),
+    (TableKind.HBM_EV, Backend.GPU_KERNELS, Mode.POOLED): _hbm_ev_pooled,
+    (TableKind.HBM_EV, Backend.GPU_KERNELS, Mode.CONCAT):
+        _concat_of(_hbm_ev_pooled),
+    # Inside a SavedModel save only: the frozen snapshots' stock ops.
+    (TableKind.HBM_EV, Backend.TF_OPS, Mode.POOLED): _ev_tf_pooled,
+    (TableKind.HBM_EV, Backend.TF_OPS, Mode.CONCAT):
+        _concat_of(_ev_tf_pooled),
+    (TableKind.HBM_EV, Backend.TF_OPS, Mode.SEQUENCE):
+        lambda g, c: lookup_tf.sequence_ev(g.tables, g.feats, c.max_norm,
+                                           c.training),
     (TableKind.EV, Backend.TF_OPS, Mode.POOLED): _ev_tf_pooled,
     (TableKind.EV, Backend.TF_OPS, Mode.CONCAT): _concat_of(_ev_tf_pooled),
     (TableKind.EV, Backend.TF_OPS, Mode.SEQUENCE):

@@ -33,11 +33,13 @@ from group_embedding.ops.ragged_ids import FeatureIds
 
 class TableKind(Choice):
     """What a table is. A table class states its own kind in
-    `ge_table_kind` (EmbeddingVariable: "ev", ShardedVariable: "sharded");
-    anything else that reaches the plan is a plain `tf.Variable`."""
+    `ge_table_kind` (EmbeddingVariable: "ev", or "hbm_ev" for one in GPU
+    memory, StorageType.HBM; ShardedVariable: "sharded"); anything else
+    that reaches the plan is a plain `tf.Variable`."""
 
     VARIABLE = "variable"
     EV = "ev"
+    HBM_EV = "hbm_ev"
     SHARDED = "sharded"
 
 
@@ -181,6 +183,8 @@ def _backend(kind: TableKind, tables: Sequence[Any],
              call: LookupCall, found: Capabilities) -> Backend:
     if kind == TableKind.SHARDED:
         return Backend.COLLECTIVE
+    if kind == TableKind.HBM_EV:
+        return _hbm_backend(names, call, found)
     if kind == TableKind.EV:
         runtime = model_parallel.runtime()
         if runtime is not None and runtime.size > 1:
@@ -200,6 +204,36 @@ def _backend(kind: TableKind, tables: Sequence[Any],
             _warn_pure_tf_on_gpu(names, tables)
         return Backend.TF_OPS
     return Backend.GPU_KERNELS if found.gpu else Backend.CPU_KERNELS
+
+
+def _hbm_backend(names: Sequence[str], call: LookupCall,
+                 found: Capabilities) -> Backend:
+    """HBM EVs (their tables in GPU memory) have one backend: the GPU
+    library's HBM EV ops (on the host stand-in in tests). Inside a
+    SavedModel save, the stock-TF path, which reads the EVs' frozen
+    snapshots as for DRAM EVs (export/ev_snapshot.py).
+
+    Raises:
+        RuntimeError: no GPU kernels serve HBM EVs here (naming the EVs).
+        NotImplementedError: what the HBM ops do not do yet (naming the
+            EVs): sequence lookups, collective mode, a tensor max_norm.
+    """
+    if found.in_save:
+        return Backend.TF_OPS
+    found.hbm_ev_module(names)
+    runtime = model_parallel.runtime()
+    refused = None
+    if runtime is not None and runtime.size > 1:
+        refused = "collective mode"
+    elif call.mode == Mode.SEQUENCE:
+        refused = "sequence lookups (is_sequence=True)"
+    elif lookup_kernels.kernel_max_norm(call.max_norm) is None:
+        refused = "a max_norm that is not a number >= 0"
+    if refused is not None:
+        raise NotImplementedError(
+            f"{', '.join(names)}: StorageType.HBM tables do not support "
+            f"{refused} yet.")
+    return Backend.GPU_KERNELS
 
 
 def group_tables(tables: Sequence[Any], feats: Sequence[FeatureIds],

@@ -31,6 +31,7 @@ from typing import Dict
 from typing import FrozenSet
 from typing import List
 from typing import Optional
+from typing import Sequence
 from typing import Set
 from typing import Tuple
 from typing import TypeVar
@@ -50,8 +51,28 @@ from group_embedding.ops.config import KernelMode
 # the family existed (an old cached build) lacks them.
 ROUTING_OP = "GroupEmbeddingCollectiveRouteIds"
 PEER_EXCHANGE_OP = "GroupEmbeddingPeerAllToAll"
-# The GPU EmbeddingVariable's lookup: its GPU kernel marks GPU EV support.
-GPU_EV_OP = "GroupEmbeddingEVLookup"
+# The HBM EmbeddingVariable's fused lookup (ops/cuda/tf_ev_table_kernels.cc):
+# its kernel marks a GPU library that serves HBM EVs.
+GPU_EV_OP = "GroupEmbeddingHbmEVLookup"
+HBM_EV_PREFIX = "GroupEmbeddingHbmEV"
+
+
+@dataclasses.dataclass(frozen=True)
+class HbmEvSupport:
+    """What serves `StorageType.HBM` EmbeddingVariables in this process.
+
+    Attributes:
+        module: the op module with the HBM EV ops (the GPU library where
+            TF sees a GPU; the adaptor built against the core's host
+            stand-in under `GROUP_EMBEDDING_HBM_ON_HOST=1`, tests only),
+            or None.
+        on_host: `module` is the host stand-in.
+        error: why there is no module, or None.
+    """
+
+    module: Any
+    on_host: bool
+    error: Optional[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +94,8 @@ class Capabilities:
             without `kernels`).
         gpu_ops: the library's op names that have a GPU kernel (empty
             without `gpu_kernels`).
+        hbm_ev: what serves HBM EVs (`hbm_ev_support()`), or None while
+            no HBM EV was created in this process (nothing probed).
     """
 
     mode: KernelMode
@@ -83,6 +106,7 @@ class Capabilities:
     gpu_kernels_error: Optional[str]
     kernel_ops: FrozenSet[str]
     gpu_ops: FrozenSet[str]
+    hbm_ev: Optional[HbmEvSupport] = None
 
     @property
     def collective_routing(self) -> bool:
@@ -98,9 +122,22 @@ class Capabilities:
 
     @property
     def gpu_ev_ops(self) -> bool:
-        """The GPU kernels serve EmbeddingVariable lookups (for a GPU EV
-        backend, `StorageType.HBM`)."""
+        """The GPU kernels serve HBM EmbeddingVariable lookups."""
         return GPU_EV_OP in self.gpu_ops
+
+    def hbm_ev_module(self, names: Sequence[str]) -> Any:
+        """The op module that serves the HBM EVs `names` (how errors
+        name them).
+
+        Raises:
+            RuntimeError: none here, naming the EVs and why.
+        """
+        support = self.hbm_ev or hbm_ev_support()
+        if support.module is None:
+            raise RuntimeError(
+                f"{', '.join(names)}: StorageType.HBM needs the GPU "
+                f"kernels: {support.error}")
+        return support.module
 
     def use_gpu_kernels(self) -> bool:
         """Whether GPU lookups of plain variables go to the GPU kernels.
@@ -130,8 +167,11 @@ def not_converted(function: _F) -> _F:
     return cast(_F, tf.autograph.experimental.do_not_convert(function))
 
 
-_snapshots: Dict[Tuple[KernelMode, bool], Capabilities] = {}
+_snapshots: Dict[Tuple[KernelMode, bool, bool], Capabilities] = {}
 _library_ops: List[FrozenSet[str]] = []
+# GROUP_EMBEDDING_HBM_ON_HOST -> what serves HBM EVs, probed on the first
+# HBM EV (so that processes without one never build the GPU library).
+_hbm_support: Dict[bool, HbmEvSupport] = {}
 
 
 @not_converted
@@ -146,14 +186,52 @@ def current() -> Capabilities:
             the C++ kernels could not be built (outside a save; nothing is
             kept, so every call says so).
     """
-    key = (config.kernel_mode(), save_context.in_save_context())
+    key = (config.kernel_mode(), save_context.in_save_context(),
+           config.hbm_on_host())
     snapshot = _snapshots.get(key)
     if snapshot is None:
         snapshot = _snapshots[key] = _probe(*key)
     return snapshot
 
 
-def _probe(mode: KernelMode, in_save: bool) -> Capabilities:
+def hbm_ev_support() -> HbmEvSupport:
+    """What serves HBM EmbeddingVariables here, probed once per process
+    (and per `GROUP_EMBEDDING_HBM_ON_HOST`): the GPU library where TF sees
+    a GPU, whatever `GROUP_EMBEDDING_KERNELS` says (an HBM table has no
+    other path); else, with `GROUP_EMBEDDING_HBM_ON_HOST=1`, the adaptor
+    built against the host stand-in; else nothing, and why. Snapshots
+    made before the probe are dropped, so the next `current()` holds it.
+    """
+    on_host = config.hbm_on_host()
+    found = _hbm_support.get(on_host)
+    if found is not None:
+        return found
+    module, error, stand_in = None, None, False
+    if gpu_kernel_library.gpu_present():
+        module = gpu_kernel_library.library()
+        if module is None:
+            error = gpu_kernel_library.unavailable_reason()
+        elif GPU_EV_OP not in _registered_ops()[1]:
+            module, error = None, ("the loaded GPU kernel library has no "
+                                   "HBM EV ops (an older build)")
+    elif on_host:
+        stand_in = True
+        try:
+            module = gpu_kernel_library.host_stand_in_library()
+        except RuntimeError as e:
+            error = f"the host stand-in could not be built: {e}"
+    else:
+        error = ("TensorFlow sees no GPU, and an HBM table has no CPU "
+                 "fallback; use StorageType.DRAM on this machine (tests "
+                 f"set {config.HBM_ON_HOST}=1 to run HBM EVs on the CUDA "
+                 "core's host stand-in)")
+    found = _hbm_support[on_host] = HbmEvSupport(module, stand_in, error)
+    _snapshots.clear()
+    return found
+
+
+def _probe(mode: KernelMode, in_save: bool,
+           hbm_on_host: bool = False) -> Capabilities:
     kernels = None
     if mode != KernelMode.TF and not in_save:
         kernels = kernel_library.library()
@@ -174,7 +252,8 @@ def _probe(mode: KernelMode, in_save: bool) -> Capabilities:
         gpu_kernels=gpu_kernels, gpu_kernels_error=gpu_error,
         kernel_ops=library_ops() if kernels is not None else frozenset(),
         gpu_ops=(_registered_ops()[1] if gpu_kernels is not None
-                 else frozenset()))
+                 else frozenset()),
+        hbm_ev=_hbm_support.get(hbm_on_host))
 
 
 def _registered_ops() -> Tuple[FrozenSet[str], FrozenSet[str]]:
@@ -185,6 +264,10 @@ def _registered_ops() -> Tuple[FrozenSet[str], FrozenSet[str]]:
     gpu: Set[str] = set()
     for k in tf_kernels.get_all_registered_kernels().kernel:
         if not k.op.startswith(op_names.PREFIX):
+            continue
+        if k.device_type == "CPU" and k.op.startswith(HBM_EV_PREFIX):
+            # The GPU library's HBM EV ops, registered on the CPU by its
+            # host stand-in (tests): not the C++ CPU library's.
             continue
         if k.device_type == "CPU":
             cpu.add(k.op)

@@ -97,6 +97,7 @@ TRANSPORT_HOST = "GROUP_EMBEDDING_TRANSPORT_HOST"
 TRANSPORT_SAME_HOST = "GROUP_EMBEDDING_TRANSPORT_SAME_HOST"
 TRANSPORT_SHM_BYTES = "GROUP_EMBEDDING_TRANSPORT_SHM_BYTES"
 TRANSPORT_MAX_BYTES = "GROUP_EMBEDDING_TRANSPORT_MAX_BYTES"
+HBM_ON_HOST = "GROUP_EMBEDDING_HBM_ON_HOST"
 
 # Defaults that other modules quote (messages, docstrings).
 DEFAULT_CUDA_ARCHS: Tuple[str, ...] = ("75", "80", "86", "89", "90")
@@ -146,6 +147,13 @@ VARIABLES: Tuple[Variable, ...] = (
              "The most a peer may make this worker allocate with one "
              "exchange whose counts it cannot know (ids and the rows they "
              "turn into)."),
+    Variable(HBM_ON_HOST, "0 | 1", "0",
+             "For tests on machines without a GPU: 1 runs "
+             "`StorageType.HBM` EmbeddingVariables on the GPU adaptor "
+             "built against the CUDA core's host stand-in (host memory, "
+             "DEVICE_CPU) where TF sees no GPU, instead of refusing to "
+             "create them. A test double, not a CPU backend: it is slow "
+             "and never chosen on its own. Ignored where TF sees a GPU."),
 )
 
 
@@ -232,6 +240,19 @@ def collective_timeout() -> float:
             f"Invalid {COLLECTIVE_TIMEOUT}: {raw!r}, use seconds >= 0 (0 "
             f"disables the collective timeout).")
     return value
+
+
+def hbm_on_host() -> bool:
+    """`GROUP_EMBEDDING_HBM_ON_HOST`: whether HBM EVs may run on the host
+    stand-in where TF sees no GPU (tests only; default 0).
+
+    Raises:
+        ValueError: a value other than 0 or 1.
+    """
+    raw = os.environ.get(HBM_ON_HOST, "0").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"Invalid `{HBM_ON_HOST}`: {raw!r}, use 0 or 1.")
+    return raw == "1"
 
 
 def transport() -> Transport:

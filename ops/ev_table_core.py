@@ -91,6 +91,7 @@ def _typed(lib):
         "ge_ev_init": (c_int, [t, vp]),
         "ge_ev_scratch_bytes": (size, [t, i64]),
         "ge_ev_find": (c_int, [t, vp, i64, vp, vp, vp, vp]),
+        "ge_ev_stamp": (c_int, [t, vp, i64, i64, vp, vp, vp]),
         "ge_ev_find_or_insert": (c_int, [t, vp, i64, i64, vp, vp, e, vp,
                                          size, vp, vp]),
         "ge_ev_insert": (c_int, [t, vp, i64, vp, vp, vp, vp, i64, e, vp,
@@ -250,6 +251,20 @@ class EvTable:
         self.launch_find(d_keys, out, slots)
         m.sync()
         return m.get(out), m.get(slots)
+
+    def stamp(self, keys, step):
+        """The keys of an optimizer step: each key's slot if stored and
+        admitted, else -1 (numpy); every stored key's version becomes
+        max(step, 0)."""
+        m = self.m
+        keys = np.asarray(keys, np.int64)
+        d_keys = m.put(keys)
+        slots = m.empty((max(keys.size, 1),), np.int64)
+        self.check("ge_ev_stamp", self.lib.ge_ev_stamp(
+            ctypes.byref(self.desc), m.ptr(d_keys), keys.size, int(step),
+            m.ptr(slots), m.ptr(self._keep["counters"]), m.stream))
+        m.sync()
+        return m.get(slots)[:keys.size]
 
     def find_or_insert(self, keys, step=0, keep_evicted=False):
         """Training read: (rows, slots, evicted) as numpy; `evicted` is a

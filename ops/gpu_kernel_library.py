@@ -40,7 +40,8 @@ from group_embedding.ops import kernel_library
 CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 CORE_SOURCES = ("lookup_kernels.cu", "backward_kernels.cu",
                 "ev_table_kernels.cu")
-ADAPTOR_SOURCE = "tf_gpu_kernels.cc"
+# The TF adaptor: the plain-variable lookups, the HBM EV table.
+ADAPTOR_SOURCES = ("tf_gpu_kernels.cc", "tf_ev_table_kernels.cc")
 HOST_CORE_SOURCES = ("host_core.cc", "ev_table_host.cc")
 # Compute capabilities of the fat binary (CUDA 13's lowest is 7.5), plus
 # PTX of the last for newer GPUs. GROUP_EMBEDDING_CUDA_ARCHS overrides,
@@ -56,6 +57,9 @@ _PREFIX = "_group_embedding_gpu_ops_"
 GPU_KERNELS_BY_DEFAULT = True
 _state: Dict[str, Any] = {"tried": False, "module": None, "error": None,
                           "path": None}
+# The adaptor built against the host stand-in (tests): loaded once per
+# process, since two copies would register the same ops twice.
+_host_state: Dict[str, Any] = {"module": None, "path": None}
 _gpus: List[bool] = []
 
 
@@ -202,11 +206,14 @@ def compile_tf_library(path, on_host=False, nvcc=None, capabilities=None,
     compiler = os.environ.get("CXX", "g++")
     compile_flags = tf.sysconfig.get_compile_flags()
     with tempfile.TemporaryDirectory(prefix="ge_cuda_tf_") as objdir:
-        adaptor = os.path.join(objdir, "adaptor.o")
-        _run([compiler, "-c"] + list(_CXX_FLAGS)
-             + (["-DGE_ADAPTOR_ON_HOST"] if on_host else [])
-             + [os.path.join(CUDA_DIR, ADAPTOR_SOURCE), "-o", adaptor]
-             + compile_flags, "compiling the TF adaptor", verbose)
+        adaptors = []
+        for src in ADAPTOR_SOURCES:
+            adaptors.append(os.path.join(objdir, src + ".o"))
+            _run([compiler, "-c"] + list(_CXX_FLAGS)
+                 + (["-DGE_ADAPTOR_ON_HOST"] if on_host else [])
+                 + [os.path.join(CUDA_DIR, src), "-o", adaptors[-1]]
+                 + compile_flags, f"compiling the TF adaptor ({src})",
+                 verbose)
         if on_host:
             objects, runtime = [], []
             for src in HOST_CORE_SOURCES:
@@ -223,7 +230,7 @@ def compile_tf_library(path, on_host=False, nvcc=None, capabilities=None,
             runtime = ["-L" + _cuda_lib_dir(nvcc), "-l:libcudart_static.a",
                        "-ldl", "-lrt", "-lpthread"]
         tmp = f"{path}.tmp{os.getpid()}"
-        _run([compiler, "-shared", adaptor] + objects + ["-o", tmp]
+        _run([compiler, "-shared"] + adaptors + objects + ["-o", tmp]
              + tf.sysconfig.get_link_flags() + runtime
              + ["-Wl,--no-undefined"], "linking the GPU op library",
              verbose)
@@ -303,6 +310,38 @@ def status():
     return {"loaded": module is not None, "path": _state["path"],
             "error": _state["error"], "nvcc": find_nvcc(),
             "built_with_cuda": tf.test.is_built_with_cuda()}
+
+
+def host_stand_in_library(verbose=False) -> Any:
+    """The TF adaptor built against the core's host stand-in
+    (`compile_tf_library(on_host=True)`), cached and loaded once per
+    process; what CPU-only CI runs the GPU ops through (the plain
+    lookups under the kernel label "ge_host_core", the HBM EV ops on
+    DEVICE_CPU). Its path is `host_stand_in_path()`.
+
+    Raises:
+        RuntimeError: the C++ CPU kernels (which define the shared ops)
+            or the build failed.
+    """
+    if _host_state["module"] is None:
+        if kernel_library.library() is None:
+            raise RuntimeError(
+                "the C++ kernels, which define the ops, are unavailable: "
+                f"{kernel_library.unavailable_reason()}")
+        folder = config.cache_dir()
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{_PREFIX}host_tf{tf.__version__}_"
+                                    f"{sources_digest(['host'])}.so")
+        if not os.path.exists(path):
+            compile_tf_library(path, on_host=True, verbose=verbose)
+        _host_state["module"] = tf.load_op_library(path)
+        _host_state["path"] = path
+    return _host_state["module"]
+
+
+def host_stand_in_path() -> Optional[str]:
+    """Where the loaded host stand-in library is, or None."""
+    return _host_state["path"]
 
 
 def build_at_install(verbose=False):

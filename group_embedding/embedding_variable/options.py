@@ -275,10 +275,11 @@ class StorageType(enum.IntEnum):
     """DeepRec's `config_pb2.StorageType` names (multi-tier EV storage).
 
     `DRAM` (and `DEFAULT`, which means DRAM), `DRAM_SSDHASH` (the hottest
-    keys in DRAM, the rest in a file on disk) and `SSDHASH` (every key on
-    disk between steps) exist here. The other names are listed so that a
-    script naming them gets `StorageOption`'s clear error, not an
-    AttributeError.
+    keys in DRAM, the rest in a file on disk), `SSDHASH` (every key on
+    disk between steps) and `HBM` (the table in GPU memory) exist here;
+    `HBM_DRAM` is accepted by `StorageOption` but not built yet (creating
+    such an EV says so). The other names are listed so that a script
+    naming them gets `StorageOption`'s clear error, not an AttributeError.
     """
 
     DEFAULT = 0
@@ -309,8 +310,13 @@ class CacheStrategy(enum.IntEnum):
 
 
 SUPPORTED_STORAGE_TYPES = (StorageType.DEFAULT, StorageType.DRAM,
-                           StorageType.DRAM_SSDHASH, StorageType.SSDHASH)
+                           StorageType.DRAM_SSDHASH, StorageType.SSDHASH,
+                           StorageType.HBM, StorageType.HBM_DRAM)
 SSD_STORAGE_TYPES = (StorageType.DRAM_SSDHASH, StorageType.SSDHASH)
+# Tables in GPU memory (the CUDA core's EV table, ops/cuda/ev_table.h).
+HBM_STORAGE_TYPES = (StorageType.HBM, StorageType.HBM_DRAM)
+# Tiers with a byte budget in `storage_size[0]` and a `cache_strategy`.
+_SIZED_STORAGE_TYPES = (StorageType.DRAM_SSDHASH,) + HBM_STORAGE_TYPES
 # DeepRec's default `storage_size`: one DRAM tier of 1 GiB.
 DEFAULT_DRAM_BYTES = 1 << 30
 
@@ -332,20 +338,31 @@ class StorageOption(_Config):
 
     Args:
         storage_type: `StorageType.DRAM` (default), `DEFAULT`,
-            `DRAM_SSDHASH` or `SSDHASH`; an int or a
+            `DRAM_SSDHASH`, `SSDHASH`, `HBM` or `HBM_DRAM`; an int or a
             `config_pb2.StorageType` value is accepted too.
         storage_path: the folder of the disk tier (DRAM_SSDHASH and
             SSDHASH only, required there); created if missing, owned by
             one EmbeddingVariable of the process.
-        storage_size: DRAM_SSDHASH only: `[dram_bytes]` (DeepRec's
-            per-tier list; default `[2**30]`, DeepRec's). The budget
-            covers the DRAM rows with their slots AND the disk tier's
-            in-memory index (12 bytes a slot of an open-addressing table,
-            15 to 19 bytes a key on disk); it must hold
-            one row with its optimizer slots. One op's keys may exceed it
-            until the next op on the EV.
-        cache_strategy: DRAM_SSDHASH only: `CacheStrategy.LFU` (default,
-            DeepRec's) or `LRU`.
+        storage_size: DRAM_SSDHASH: `[dram_bytes]`; HBM, HBM_DRAM:
+            `[hbm_bytes]` (DeepRec's per-tier list; default `[2**30]`,
+            DeepRec's). DRAM_SSDHASH's budget covers the DRAM rows with
+            their slots AND the disk tier's in-memory index (12 bytes a
+            slot of an open-addressing table, 15 to 19 bytes a key on
+            disk); it must hold one row with its optimizer slots. One
+            op's keys may exceed it until the next op on the EV.
+        cache_strategy: DRAM_SSDHASH, HBM, HBM_DRAM: `CacheStrategy.LFU`
+            (default, DeepRec's) or `LRU`.
+
+    With `HBM`, the EV's table lives in GPU memory (the CUDA core's hash
+    table): `storage_size[0]` bytes (default `[2**30]`) bound the table
+    with room for two optimizer slots per key, and when a bucket of it is
+    full a new key evicts its least valuable key by `cache_strategy`
+    (default LFU). `HBM_DRAM` (the same, with a host-memory tier under
+    it, `storage_size[0]` the HBM budget) is accepted here; creating such
+    an EV raises NotImplementedError naming it (not built yet). Both need
+    a GPU that TF sees: creating one elsewhere raises RuntimeError naming
+    the EV (there is no CPU fallback); CI runs HBM EVs on the core's host
+    stand-in (`GROUP_EMBEDDING_HBM_ON_HOST`, ops/config.py).
 
     Note: the disk tier is a cache of one process, not a checkpoint: a
     restarted job restores from its checkpoint, and the file is rewritten
@@ -353,14 +370,17 @@ class StorageOption(_Config):
 
     Raises:
         NotImplementedError: a storage type other than DRAM, DEFAULT,
-            DRAM_SSDHASH or SSDHASH, or a storage path or size for DRAM.
+            DRAM_SSDHASH, SSDHASH, HBM or HBM_DRAM, or a storage path or
+            size for DRAM (a storage path for HBM / HBM_DRAM).
         ValueError: an unknown storage type, a missing `storage_path`, a
             bad `storage_size` or `cache_strategy`.
     """
 
     storage_type: Any = StorageType.DRAM
     storage_path: Optional[str] = None
-    storage_size: Any = None
+    # A list (DeepRec's), left out of the hash: feature columns holding
+    # this option are dict keys.
+    storage_size: Any = dataclasses.field(default=None, hash=False)
     cache_strategy: Any = None
 
     def __post_init__(self):
@@ -372,9 +392,16 @@ class StorageOption(_Config):
         if kind not in SUPPORTED_STORAGE_TYPES:
             raise NotImplementedError(
                 f"StorageOption: storage_type {kind.name} is not supported "
-                "by group_embedding; use StorageType.DRAM, DRAM_SSDHASH or "
-                "SSDHASH.")
+                "by group_embedding; use StorageType.DRAM, DRAM_SSDHASH, "
+                "SSDHASH, HBM or HBM_DRAM.")
         object.__setattr__(self, "storage_type", kind)
+        if kind in HBM_STORAGE_TYPES:
+            if self.storage_path is not None:
+                raise NotImplementedError(
+                    f"StorageOption: {kind.name} keeps no disk tier, so "
+                    "`storage_path` names nothing; leave it None.")
+            self._set_budget(kind)
+            return
         if kind not in SSD_STORAGE_TYPES:
             if self.storage_path is not None or self.storage_size is not None:
                 raise NotImplementedError(
@@ -397,14 +424,22 @@ class StorageOption(_Config):
                     "StorageOption: SSDHASH keeps no DRAM tier, so "
                     "`cache_strategy` chooses nothing; leave it None.")
             return
+        self._set_budget(kind)
+
+    def _set_budget(self, kind: StorageType) -> None:
+        """Checks and normalises `storage_size` ([bytes] of the first
+        tier, DRAM for DRAM_SSDHASH, HBM for HBM / HBM_DRAM) and
+        `cache_strategy`."""
         size = self.storage_size
         if size is None:
             size = [DEFAULT_DRAM_BYTES]
+        tier = "dram_bytes" if kind == StorageType.DRAM_SSDHASH \
+            else "hbm_bytes"
         if (not isinstance(size, (list, tuple)) or len(size) != 1
                 or not _is_int(size[0]) or size[0] < 1):
-            raise ValueError("StorageOption: `storage_size` must be "
-                             "[dram_bytes] with dram_bytes >= 1 for "
-                             f"DRAM_SSDHASH, got {self.storage_size!r}.")
+            raise ValueError(f"StorageOption: `storage_size` must be "
+                             f"[{tier}] with {tier} >= 1 for {kind.name}, "
+                             f"got {self.storage_size!r}.")
         object.__setattr__(self, "storage_size", [int(size[0])])
         strategy = self.cache_strategy
         if strategy is None:
@@ -421,6 +456,16 @@ class StorageOption(_Config):
         """Whether rows may live on disk (DRAM_SSDHASH or SSDHASH)."""
         return self.storage_type in SSD_STORAGE_TYPES
 
+    def is_hbm(self) -> bool:
+        """Whether the table lives in GPU memory (HBM or HBM_DRAM)."""
+        return self.storage_type in HBM_STORAGE_TYPES
+
+    def hbm_bytes(self) -> int:
+        """The GPU memory budget of an HBM / HBM_DRAM table (0 else)."""
+        if not self.is_hbm():
+            return 0
+        return int(self.storage_size[0])
+
     def dram_bytes(self) -> int:
         """The DRAM tier's budget in bytes (0 for SSDHASH and DRAM)."""
         if self.storage_type != StorageType.DRAM_SSDHASH:
@@ -429,8 +474,9 @@ class StorageOption(_Config):
 
     def get_config(self) -> Dict[str, Any]:
         config: Dict[str, Any] = {"storage_type": int(self.storage_type)}
-        if self.is_tiered():
-            config["storage_path"] = self.storage_path
+        if self.is_tiered() or self.is_hbm():
+            if self.is_tiered():
+                config["storage_path"] = self.storage_path
             config["storage_size"] = self.storage_size
             config["cache_strategy"] = (
                 None if self.cache_strategy is None

@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import weakref
+from typing import Any
 from typing import Dict
 from typing import Optional
 
@@ -28,7 +29,10 @@ from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.embedding_variable.options import GlobalStepEvict
 from group_embedding.embedding_variable.options import L2WeightEvict
 from group_embedding.embedding_variable.options import StorageType
+from group_embedding.ops import capabilities
 from group_embedding.ops import ev_storage
+from group_embedding.ops import hbm_ev_storage
+from group_embedding.ops.ragged_ids import FeatureIds
 
 SUPPORTED_KEY_DTYPES = (tf.int64, tf.int32)
 _uid = itertools.count()
@@ -126,8 +130,12 @@ class EmbeddingVariable(tf.Module):
     """
 
     _should_act_as_resource_variable = True  # tape/gradients use `.handle`
-    # What `lookup_plan` plans for it (no type probes below the plan).
+    # What `lookup_plan` plans for it (no type probes below the plan);
+    # "hbm_ev" for a table in GPU memory (StorageType.HBM).
     ge_table_kind = "ev"
+    # The storage calls (export, import, slots, updates): the C++ CPU
+    # storage, or an `hbm_ev_storage.HbmStorage` (StorageType.HBM).
+    storage: Any = ev_storage
 
     def __init__(self, name: str, embedding_dim: int, key_dtype, value_dtype,
                  initializer, trainable: bool,
@@ -220,6 +228,8 @@ class EmbeddingVariable(tf.Module):
             shared = tf.compat.v1.get_default_graph().unique_name(
                 self._ev_name + "/storage", mark_as_used=True)
         storage = opt.storage_option
+        if storage.is_hbm():
+            return self._create_hbm_handle(shared, freq)
         path = ""
         if storage.is_tiered():
             path = _prepare_storage_path(self._ev_name, storage,
@@ -241,6 +251,40 @@ class EmbeddingVariable(tf.Module):
             # created: a bad storage_path (eager; a graph reports what
             # _claim_in_graph cannot see at its first run).
             raise ValueError(e.message) from None
+
+    def _create_hbm_handle(self, shared: str, filter_freq: int):
+        """The table in GPU memory (StorageType.HBM).
+
+        Raises:
+            RuntimeError: no GPU kernels here (TF sees no GPU, naming the
+                EV; no CPU fallback).
+            NotImplementedError: HBM_DRAM, a CBFFilter or an eviction
+                policy (not on the GPU table yet).
+        """
+        opt = self.ev_option
+        storage = opt.storage_option
+        module = capabilities.current().hbm_ev_module(
+            [f"EmbeddingVariable '{self._ev_name}'"])
+        for what, refused in (
+                ("StorageType.HBM_DRAM (its host-memory tier)",
+                 storage.storage_type == StorageType.HBM_DRAM),
+                ("a CBFFilter", isinstance(opt.filter_option, CBFFilter)),
+                ("an evict_option", opt.evict_option is not None)):
+            if refused:
+                raise NotImplementedError(
+                    f"EmbeddingVariable '{self._ev_name}': {what} is not "
+                    "built for GPU tables yet; use StorageType.HBM without "
+                    "it, or StorageType.DRAM.")
+        buckets = hbm_ev_storage.num_buckets(storage.hbm_bytes(),
+                                             self.embedding_dim)
+        hbm = hbm_ev_storage.HbmStorage(module, self._ev_name,
+                                        self.embedding_dim, buckets)
+        self.storage = hbm
+        self.ge_table_kind = "hbm_ev"
+        return hbm.create_handle(
+            shared, filter_freq,
+            float(opt.init_option.default_value_no_permission),
+            lfu=storage.cache_strategy != CacheStrategy.LRU)
 
     # False for the SAVEABLE_OBJECTS view (see __init__): a Saver given
     # the EV in `var_list` saves its default matrix too.
@@ -318,19 +362,30 @@ class EmbeddingVariable(tf.Module):
         """
         keys = tf.convert_to_tensor(keys)
         self.check_keys(keys, "keys")
-        rows = ev_storage.group_gather([self], [tf.reshape(keys, [-1])],
-                                       training)
+        flat = tf.cast(tf.reshape(keys, [-1]), tf.int64)
+        if self.ge_table_kind == "hbm_ev":
+            # One key per pooled row, summed: the key's row.
+            one_each = FeatureIds(
+                values=flat, row_splits=tf.range(
+                    tf.size(flat, out_type=tf.int64) + 1),
+                weights=None, positions=None, max_len=None, name="keys")
+            rows = hbm_ev_storage.pooled_lookup(
+                self.storage.module, [self], [one_each], ["sum"], None,
+                training)[0]
+        else:
+            rows = ev_storage.group_gather([self], [flat], training)
         return tf.reshape(rows, tf.concat(
             [tf.shape(keys), [self.embedding_dim]], 0))
 
     def ensure_slot(self, slot_name: str, initial_value: float):
         """Creates optimizer slot `slot_name` if missing (keys present get
         `initial_value`); returns the op (None when run eagerly)."""
-        return ev_storage.ensure_slot(self._handle, slot_name, initial_value)
+        return self.storage.ensure_slot(self._handle, slot_name,
+                                        initial_value)
 
     def size(self) -> tf.Tensor:
         """Number of live keys (int64 scalar)."""
-        return ev_storage.size(self._handle)[0]
+        return self.storage.size(self._handle)[0]
 
     def bytes_per_key(self) -> tf.Tensor:
         """Bytes held by the storage per live key (float64 scalar).
@@ -339,20 +394,20 @@ class EmbeddingVariable(tf.Module):
         version, all slots) and the free list; rows are allocated in
         chunks of 1024, so small tables read higher.
         """
-        n, b = ev_storage.size(self._handle)
+        n, b = self.storage.size(self._handle)
         return tf.cast(b, tf.float64) / tf.cast(tf.maximum(n, 1), tf.float64)
 
     def export(self):
         """Returns (keys [n], values [n, D], versions [n], freqs [n]),
         DeepRec's order, from one consistent snapshot."""
-        keys, values, freqs, versions, _, _, _, _ = ev_storage.export(
+        keys, values, freqs, versions, _, _, _, _ = self.storage.export(
             self._handle, self.embedding_dim)
         return keys, values, versions, freqs
 
     def evict(self) -> tf.Tensor:
         """Runs the eviction policy now; returns how many keys it removed
         (always 0 without an `evict_option`)."""
-        return ev_storage.evict(self._handle)
+        return self.storage.evict(self._handle)
 
     # --- DeepRec's statistics accessors (read from one export snapshot) ---
     def total_count(self) -> tf.Tensor:
@@ -413,7 +468,7 @@ class EmbeddingVariable(tf.Module):
             deps.append(self.evict())
         with tf.control_dependencies(deps if not tf.executing_eagerly()
                                      else []):
-            out = ev_storage.export(self._handle, self.embedding_dim)
+            out = self.storage.export(self._handle, self.embedding_dim)
         names = ("keys", "values", "freqs", "versions", "slot_names",
                  "slot_inits", "slots", "step")
         return dict(zip(names, out))
@@ -478,7 +533,7 @@ class EmbeddingVariable(tf.Module):
                 f"embedding_dim {dim} but the variable has "
                 f"{self.embedding_dim}.")
         with tf.control_dependencies(self._check_restored_keys(t["keys"])):
-            return ev_storage.import_(
+            return self.storage.import_(
                 self._handle, t["keys"], values, t["freqs"], t["versions"],
                 t["slot_names"], t["slot_inits"], t["slots"], t["step"])
 

@@ -4,7 +4,6 @@ import keras
 import tensorflow as tf
 
 from group_embedding.ops import backward_apply
-from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
 
@@ -57,7 +56,7 @@ class Adagrad(BaseOptimizer, keras.optimizers.Optimizer):
         return [(EV_ACCUMULATOR, self.initial_accumulator_value)]
 
     def _ev_update_step(self, gradient, variable, learning_rate):
-        ev_storage.apply_adagrad(variable.handle, gradient.indices,
+        variable.storage.apply_adagrad(variable.handle, gradient.indices,
                                  gradient.values, self._ev_step(),
                                  learning_rate, self.epsilon, EV_ACCUMULATOR)
 

@@ -4,7 +4,6 @@ import keras
 import tensorflow as tf
 
 from group_embedding.ops import backward_apply
-from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
 
@@ -46,7 +45,7 @@ class Adam(BaseOptimizer, keras.optimizers.Adam):
 
     def _ev_update_step(self, gradient, variable, learning_rate):
         self._check_amsgrad(variable.name)
-        ev_storage.apply_adam(variable.handle, gradient.indices,
+        variable.storage.apply_adam(variable.handle, gradient.indices,
                               gradient.values, self._ev_step(),
                               self._alpha(learning_rate), self.beta_1,
                               self.beta_2, self.epsilon, list(EV_SLOTS))

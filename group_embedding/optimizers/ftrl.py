@@ -4,7 +4,6 @@ import keras
 import tensorflow as tf
 
 from group_embedding.ops import backward_apply
-from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
 
@@ -32,7 +31,7 @@ class Ftrl(BaseOptimizer, keras.optimizers.Ftrl):
 
     def _ev_update_step(self, gradient, variable, learning_rate):
         lr = tf.cast(learning_rate, tf.float32)
-        ev_storage.apply_ftrl(
+        variable.storage.apply_ftrl(
             variable.handle, gradient.indices, gradient.values,
             self._ev_step(), lr, self.l1_regularization_strength,
             self._l2(lr), self.l2_shrinkage_regularization_strength,

@@ -4,7 +4,6 @@ import keras
 import tensorflow as tf
 
 from group_embedding.ops import backward_apply
-from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 from group_embedding.optimizers.base_optimizer import BaseOptimizer
 
@@ -28,7 +27,7 @@ class SGD(BaseOptimizer, keras.optimizers.SGD):
             raise NotImplementedError(
                 f"SGD: `momentum`={self.momentum} is not supported for "
                 f"EmbeddingVariable '{variable.name}'; use momentum=0.")
-        ev_storage.apply_sgd(variable.handle, gradient.indices,
+        variable.storage.apply_sgd(variable.handle, gradient.indices,
                              gradient.values, self._ev_step(),
                              learning_rate)
 

@@ -14,7 +14,6 @@ import tensorflow.compat.v1 as _v1
 from group_embedding.embedding_variable.variable import EV_INIT_SLOT_OPS
 from group_embedding.embedding_variable.variable import is_embedding_variable
 from group_embedding.ops import backward_apply
-from group_embedding.ops import ev_storage
 from group_embedding.ops import sparse_apply
 
 
@@ -145,7 +144,7 @@ class GradientDescentOptimizer(_EVOptimizerMixin,
     g` on the touched keys."""
 
     def _ev_apply(self, grad, ev, step):
-        return ev_storage.apply_sgd(ev.handle, grad.indices, grad.values,
+        return ev.storage.apply_sgd(ev.handle, grad.indices, grad.values,
                                     step, self._ev_learning_rate())
 
     def _fused_rule(self):
@@ -183,7 +182,7 @@ class AdagradOptimizer(_EVOptimizerMixin, _v1.train.AdagradOptimizer):
                                     lr, 0.0, indices, grad)
 
     def _ev_apply(self, grad, ev, step):
-        return ev_storage.apply_adagrad(ev.handle, grad.indices, grad.values,
+        return ev.storage.apply_adagrad(ev.handle, grad.indices, grad.values,
                                         step, self._ev_learning_rate(), 0.0,
                                         "adagrad/accumulator")
 
@@ -231,7 +230,7 @@ class AdamOptimizer(_EVOptimizerMixin, _v1.train.AdamOptimizer):
         b1p, b2p = tf.cast(b1p, tf.float32), tf.cast(b2p, tf.float32)
         lr = self._ev_learning_rate()
         alpha = lr * tf.sqrt(1 - b2p) / (1 - b1p)
-        return ev_storage.apply_adam(
+        return ev.storage.apply_adam(
             ev.handle, grad.indices, grad.values, step, alpha,
             self._call_if_callable(self._beta1),
             self._call_if_callable(self._beta2),
@@ -273,7 +272,7 @@ class FtrlOptimizer(_EVOptimizerMixin, _v1.train.FtrlOptimizer):
     def _ev_apply(self, grad, ev, step):
         lr = self._ev_learning_rate()
         l2 = self._l2(lr)
-        return ev_storage.apply_ftrl(
+        return ev.storage.apply_ftrl(
             ev.handle, grad.indices, grad.values, step, lr,
             self._l1_regularization_strength, l2,
             self._l2_shrinkage_regularization_strength,
@@ -410,7 +409,7 @@ class AdamAsyncOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
         b1p, b2p = self._ev_powers[ev.name]
         lr, beta1, beta2, eps = self._constants(tf.float32)
         alpha = lr * tf.sqrt(1 - b2p) / (1 - b1p)
-        update = ev_storage.apply_adam(
+        update = ev.storage.apply_adam(
             ev.handle, grad.indices, grad.values, step, alpha, beta1, beta2,
             eps, ["adam_async/m", "adam_async/v"])
         deps = [update] if update is not None else []
@@ -536,7 +535,7 @@ class AdagradDecayOptimizer(_EVOptimizerMixin, _v1.train.Optimizer):
         # The rule of `_update_rows`, per key, in one storage op.
         t = tf.cast(self._global_step, tf.int64) + 1
         period = t // tf.cast(self._decay_step, tf.int64)
-        return ev_storage.apply_adagrad_decay(
+        return ev.storage.apply_adagrad_decay(
             ev.handle, grad.indices, grad.values, step,
             self._ev_learning_rate(), self._decay_rate,
             self._initial_accumulator_value, period,

@@ -116,6 +116,16 @@ int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
                float* out, int64_t* out_slots, unsigned long long* counters,
                void* stream);
 
+// The keys of an optimizer step (duplicates allowed): out_slots [n] gets
+// each key's slot if stored and admitted, else -1 (the rows to update,
+// as the CPU EV's sparse updates skip absent and unadmitted keys), and
+// every stored key, admitted or not, gets version max(step, 0) (it was
+// seen). Nothing is inserted, read or counted.
+GE_API
+int ge_ev_stamp(const GeEvTable* table, const int64_t* keys, int64_t n,
+                int64_t step, int64_t* out_slots,
+                unsigned long long* counters, void* stream);
+
 // Training read of n keys (duplicates allowed): absent keys are inserted
 // (evicting by the policy when their bucket is full), out [n, dim] (or
 // NULL) gets what each key reads (see the top), out_slots [n] (or NULL)

@@ -319,6 +319,29 @@ int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
   return GE_OK;
 }
 
+int ge_ev_stamp(const GeEvTable* table, const int64_t* keys, int64_t n,
+                int64_t step, int64_t* out_slots,
+                unsigned long long* counters, void* stream) {
+  (void)stream;
+  const int status = ge_ev::CheckBatch(table, keys, n);
+  if (status != GE_OK) return status;
+  if (counters == nullptr || (n > 0 && out_slots == nullptr)) {
+    return GE_ERR_ARGUMENT;
+  }
+  const GeEvTable& t = *table;
+  const int64_t version = step > 0 ? step : 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const bool bad = keys[j] == GE_EV_EMPTY_KEY;
+    if (bad) ++counters[GE_EV_BAD_KEYS];
+    const int64_t s = bad ? -1 : Find(t, keys[j]);
+    if (s >= 0) *ge_ev::VersionOf(t.meta, s) = version;
+    const bool admitted =
+        s >= 0 && Admitted(*ge_ev::FreqOf(t.meta, s), t.filter_freq);
+    out_slots[j] = admitted ? s : -1;
+  }
+  return GE_OK;
+}
+
 int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
                          int64_t n, int64_t step, float* out, int64_t* out_slots,
                          const GeEvEvicted* evicted, void* scratch,

@@ -145,6 +145,26 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// ge_ev_stamp: one tile per key; lane 0 stamps and writes the slot.
+// Duplicates of a key all store the same version.
+__global__ void __launch_bounds__(kBlock)
+    StampKernel(GeEvTable t, const int64_t* __restrict__ keys, int64_t n,
+                int64_t version, int64_t* out_slots,
+                unsigned long long* counters) {
+  const Tile me = MyTile();
+  const bool active = me.j < n;
+  const int64_t key = active ? keys[me.j] : 0;
+  const bool bad = key == GE_EV_EMPTY_KEY;
+  const uint64_t h = Mix(static_cast<uint64_t>(key));
+  const int64_t s = TileFind(t, active && !bad, key, h, me.lane, me.tile);
+  if (!active || me.lane != 0) return;
+  if (bad) Count(counters, GE_EV_BAD_KEYS);
+  if (s >= 0) *ge_ev::VersionOf(t.meta, s) = version;
+  const bool admitted =
+      s >= 0 && Admitted(*ge_ev::FreqOf(t.meta, s), t.filter_freq);
+  out_slots[me.j] = admitted ? s : -1;
+}
+
 // What an import writes besides the key (NULL arrays: initial state).
 struct ImportRows {
   bool on;
@@ -817,6 +837,21 @@ int ge_ev_find(const GeEvTable* table, const int64_t* keys, int64_t n,
   FindKernel<<<Blocks(n * kTile), kBlock, 0,
                static_cast<cudaStream_t>(stream)>>>(
       *table, keys, n, out, out_slots, counters, Vec4(*table, {out}));
+  return Launched();
+}
+
+int ge_ev_stamp(const GeEvTable* table, const int64_t* keys, int64_t n,
+                int64_t step, int64_t* out_slots,
+                unsigned long long* counters, void* stream) {
+  const int status = ge_ev::CheckBatch(table, keys, n);
+  if (status != GE_OK) return status;
+  if (counters == nullptr || (n > 0 && out_slots == nullptr)) {
+    return GE_ERR_ARGUMENT;
+  }
+  if (n == 0) return GE_OK;
+  StampKernel<<<Blocks(n * kTile), kBlock, 0,
+                static_cast<cudaStream_t>(stream)>>>(
+      *table, keys, n, step > 0 ? step : 0, out_slots, counters);
   return Launched();
 }
 

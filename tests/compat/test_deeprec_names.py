@@ -70,8 +70,13 @@ def test_storage_option_dram_only(compat):
     ev_opt = tf.EmbeddingVariableOption(storage_option=opt)
     again = ge.EmbeddingVariableOption.from_config(ev_opt.get_config())
     assert again.storage_option.storage_type == ge.StorageType.DRAM
-    with pytest.raises(NotImplementedError, match="HBM_DRAM"):
-        tf.StorageOption(storage_type=config_pb2.StorageType.HBM_DRAM)
+    with pytest.raises(NotImplementedError, match="LEVELDB"):
+        tf.StorageOption(storage_type=config_pb2.StorageType.LEVELDB)
+    # DeepRec's GPU tiers are options here (creating such an EV needs a
+    # GPU; tests/group_embedding/test_ev_hbm_storage.py).
+    hbm = tf.StorageOption(storage_type=config_pb2.StorageType.HBM_DRAM,
+                           storage_size=[1 << 20])
+    assert hbm.storage_type == ge.StorageType.HBM_DRAM
     with pytest.raises(ValueError, match="storage_type"):
         ge.StorageOption(storage_type="fast")
 

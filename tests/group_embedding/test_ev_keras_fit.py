@@ -17,6 +17,7 @@ from group_embedding import feature_column as ge_fc
 from group_embedding.embedding_variable.keras_variable import (
     KerasEmbeddingVariable,
 )
+from group_embedding.ops import config
 
 import ev_cases
 
@@ -46,15 +47,23 @@ def _head():
 class EVTower(keras.Model):
     """Two EV tables (one fused group) and a dense head."""
 
-    def __init__(self, tag, storage_dir=None):
+    def __init__(self, tag, storage_dir=None, hbm=False):
         super().__init__()
         self.tag = tag
         self.storage_dir = storage_dir
+        self.hbm = hbm
         self.head = _head()
 
     def _ev_option(self, name):
-        """None, or DRAM_SSDHASH with room for the disk index (768 bytes
-        while small) and two rows with Adagrad's slot (dim 4)."""
+        """None, StorageType.HBM (one bucket), or DRAM_SSDHASH with room
+        for the disk index (768 bytes while small) and two rows with
+        Adagrad's slot (dim 4)."""
+        if self.hbm:
+            return ge.EmbeddingVariableOption(
+                init_option=ge.InitializerOption(
+                    default_value_dim=ev_cases.DEFAULT_ROWS),
+                storage_option=ge.StorageOption(ge.StorageType.HBM,
+                                                storage_size=[1]))
         if self.storage_dir is None:
             return None
         return ge.EmbeddingVariableOption(
@@ -113,11 +122,16 @@ def _to_rows(feats):
             for n, f in feats.items()}
 
 
-@pytest.mark.parametrize("tiered", [False, True], ids=["dram", "ssd"])
-def test_fit_equals_plain_tables_with_stock_optimizer(tiered, tmp_path):
+@pytest.mark.parametrize("storage", ["dram", "ssd", "hbm"])
+def test_fit_equals_plain_tables_with_stock_optimizer(storage, tmp_path,
+                                                      monkeypatch):
     feats, labels = _data()
-    # Tiered: most keys on disk (StorageType.DRAM_SSDHASH), same numbers.
-    ev_model = EVTower("fit_ev", str(tmp_path) if tiered else None)
+    # ssd: most keys on disk (StorageType.DRAM_SSDHASH), same numbers;
+    # hbm: the GPU table (StorageType.HBM) on the core's host stand-in.
+    monkeypatch.setenv(config.HBM_ON_HOST, "1")
+    ev_model = EVTower(f"fit_ev_{storage}",
+                       str(tmp_path) if storage == "ssd" else None,
+                       hbm=storage == "hbm")
     ev_model.build()
     # Insert every key first: the EVs then hold exactly the oracle rows.
     ge.group_embedding_lookup_sparse(

@@ -127,6 +127,19 @@ class Model:
                 self.absent_row(key)
         return rows
 
+    def stamp(self, keys, step):
+        """ge_ev_stamp: slots of stored admitted keys (else -1); every
+        stored key's version becomes max(step, 0)."""
+        out = np.full(len(keys), -1, np.int64)
+        for j, key in enumerate(keys):
+            e = self.bucket(key).get(int(key))
+            if e is None:
+                continue
+            e[3] = max(int(step), 0)
+            if self.admitted(e):
+                out[j] = e[4]
+        return out
+
     def find_or_insert(self, keys, step):
         """(rows, stored per occurrence, evicted dict, full count)."""
         self.now = version = max(int(step), 0)
@@ -463,6 +476,26 @@ def case_bad_keys(ctx, seed):
         raise Failure(f"size {table.size()} after 2 distinct keys")
 
 
+def case_stamp(ctx, seed):
+    """ge_ev_stamp (an optimizer step's keys): stored admitted keys give
+    their slot, absent and unadmitted ones -1; every stored key, admitted
+    or not, takes the step as its version; nothing is inserted; the
+    reserved key is counted."""
+    rng = np.random.default_rng(seed)
+    table, model = ctx.pair(4, 4, 1, filter_freq=2, seed=seed)
+    for step in range(3):
+        train_batch(table, model, keys_of(rng, 80, 70, dup=0.5), step,
+                    f"stamp train {step}")
+        probe = keys_of(rng, 120, 100, dup=0.4)
+        probe[0] = et.EMPTY_KEY
+        before = table.counters()["bad_keys"]
+        _same(f"stamp slots {step}", table.stamp(probe, 10 + step),
+              model.stamp(probe, 10 + step))
+        if table.counters()["bad_keys"] != before + 1:
+            raise Failure("the reserved key was not counted by stamp")
+        check_state(table, model, f"after stamp {step}")
+
+
 def case_refusals(ctx, seed):
     """Bad host arguments are refused before anything runs."""
     table, _ = ctx.pair(2, 4, seed=seed)
@@ -565,6 +598,7 @@ def all_cases(quick=False):
     cases.append(("rule_eviction", lambda c: case_rule_eviction(c, 11)))
     cases.append(("export_import", lambda c: case_export_import(c, 13)))
     cases.append(("bad_keys", lambda c: case_bad_keys(c, 17)))
+    cases.append(("stamp", lambda c: case_stamp(c, 29)))
     cases.append(("group", lambda c: case_group(c, 23)))
     cases.append(("refusals", lambda c: case_refusals(c, 19)))
     for seed in (1, 2):

@@ -269,12 +269,11 @@ _ADAPTOR = {}
 
 
 @pytest.fixture(scope="module")
-def host_adaptor(tmp_path_factory):
+def host_adaptor():
     _cpu_lib()
-    path = tmp_path_factory.mktemp("adaptor") / "adaptor_on_host.so"
-    gpu_kernel_library.compile_tf_library(str(path), on_host=True)
-    tf.load_op_library(str(path))
-    _ADAPTOR["path"] = str(path)
+    # The process's one copy (the HBM EV tests load the same library).
+    gpu_kernel_library.host_stand_in_library()
+    _ADAPTOR["path"] = gpu_kernel_library.host_stand_in_path()
     return _cpu_lib()
 
 

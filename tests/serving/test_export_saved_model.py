@@ -26,13 +26,18 @@ def _ev_option(storage=None):
         storage_option=storage or ge.StorageOption())
 
 
-@pytest.mark.parametrize("tiered", [False, True], ids=["dram", "ssd"])
-def test_tf2_module(tmp_path, tiered):
-    # Tiered: DRAM_SSDHASH with room for the disk index (768 bytes) and
-    # two rows, so that most keys are exported from disk.
+@pytest.mark.parametrize("kind", ["dram", "ssd", "hbm"])
+def test_tf2_module(tmp_path, kind, monkeypatch):
+    # ssd: DRAM_SSDHASH with room for the disk index (768 bytes) and two
+    # rows, so that most keys are exported from disk; hbm: the GPU table
+    # (StorageType.HBM) on the CUDA core's host stand-in.
+    monkeypatch.setenv("GROUP_EMBEDDING_HBM_ON_HOST", "1")
+    tiered = kind == "ssd"
     storage = ge.StorageOption(
         ge.StorageType.DRAM_SSDHASH, storage_path=str(tmp_path / "tier"),
         storage_size=[768 + 2 * (36 + 4 * 4 * 2)]) if tiered else None
+    if kind == "hbm":
+        storage = ge.StorageOption(ge.StorageType.HBM, storage_size=[1])
     ev = ge.get_embedding_variable("module_ev", 4,
                                    ev_option=_ev_option(storage))
     dense = tf.Variable(tf.random.normal([4, 1], seed=1))

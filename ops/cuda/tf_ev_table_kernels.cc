@@ -1,0 +1,962 @@
+// TensorFlow ops of the HBM EmbeddingVariable (StorageType.HBM): a TF
+// resource over the CUDA core's EV table (ev_table.h) and the ops on it,
+// a thin adaptor like tf_gpu_kernels.cc: it owns the table's arrays (TF
+// temporaries kept by the resource), builds descriptors, takes TF's
+// stream and calls the core; the hashing, admission, eviction and the
+// optimizer arithmetic are all in the core.
+//
+// Unlike the plain-variable ops, these ops are defined here (not in the
+// C++ CPU library): an HBM EV exists only where this library loads. The
+// GPU build registers them on DEVICE_GPU; built with -DGE_ADAPTOR_ON_HOST
+// (the core's host stand-in, CPU-only CI) on DEVICE_CPU, where nothing
+// else registers them.
+//
+// Semantics are the CPU EV's (ops/kernels/ev_lookup_ops.cc,
+// ev_apply_ops.cc): a lookup in training inserts new keys (row `key mod
+// default_rows` of the default matrix), counts every occurrence and
+// stamps the keys with the last step applied; CounterFilter keys read
+// `no_permission` until admitted; an update skips keys absent or not
+// admitted and stamps every stored key of the gradient with its step.
+// The table is bounded (num_buckets * 128 keys): a key arriving at a full
+// bucket evicts the bucket's least valuable key (LRU / LFU); a step that
+// brings more distinct keys to one bucket than it has unpinned slots
+// fails (ResourceExhausted, naming the EV) instead of losing keys.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "ev_table.h"
+#include "tf_adaptor.h"
+
+namespace group_embedding {
+namespace gpu_kernels {
+namespace {
+
+using ::tensorflow::ResourceHandle;
+using ::tensorflow::errors::FailedPrecondition;
+using ::tensorflow::errors::ResourceExhausted;
+using ::tensorflow::shape_inference::InferenceContext;
+
+// One HBM EV: the core table's arrays (TF tensors on the op's device,
+// kept alive here), its descriptor, the names of its optimizer slots and
+// the last step an update applied (the version lookups stamp, as the CPU
+// EV's current step).
+class HbmEvTable : public ::tensorflow::ResourceBase {
+ public:
+  std::string DebugString() const override {
+    return absl::StrCat("HbmEvTable ", name);
+  }
+
+  ::tensorflow::mutex* mu() { return &mu_; }
+  int64_t capacity() const { return desc.num_buckets * GE_EV_BUCKET; }
+  int SlotIndex(const std::string& slot) const {
+    for (size_t s = 0; s < slot_names.size(); ++s) {
+      if (slot_names[s] == slot) return static_cast<int>(s);
+    }
+    return -1;
+  }
+  // The descriptor with `defaults` (a call that reads no default row
+  // passes the resource's own one-row placeholder).
+  GeEvTable With(const float* defaults, int64_t rows) const {
+    GeEvTable d = desc;
+    d.defaults = defaults ? defaults : DataOr<float>(placeholder);
+    d.default_rows = defaults ? rows : 1;
+    return d;
+  }
+  // Points the descriptor at the slot arrays.
+  void SetSlots() {
+    desc.num_slots = static_cast<int32_t>(slot_names.size());
+    desc.slots = slot_names.empty() ? nullptr : DataOr<float>(slots);
+    desc.slot_inits =
+        slot_names.empty() ? nullptr : DataOr<float>(slot_inits);
+  }
+
+  std::string name;
+  GeEvTable desc;
+  Tensor keys, digests, meta, values, slots, slot_inits, placeholder,
+      counters;
+  std::vector<std::string> slot_names;
+  int64_t step = 0;
+
+ private:
+  ::tensorflow::mutex mu_;
+};
+
+Status Allocate(OpKernelContext* ctx, ::tensorflow::DataType dtype,
+                const TensorShape& shape, Tensor* t) {
+  return ctx->allocate_temp(dtype, shape, t);
+}
+
+// Reads `n` device counters to `host` (one wait for the stream).
+Status ReadCounters(void* stream, const Tensor& counters, uint64_t* host,
+                    int n) {
+  int code = ge_copy_async(host, counters.flat<uint8_t>().data(),
+                           sizeof(uint64_t) * n, 1, stream);
+  if (code == GE_OK) code = ge_synchronize(stream);
+  return CoreStatus("reading the table's counters", code);
+}
+
+// Table errors of a call, naming the EV: the reserved key, a bucket that
+// one step filled with pinned keys.
+Status TableErrors(const std::string& name, const uint64_t* c) {
+  if (c[GE_EV_BAD_KEYS] != 0) {
+    return InvalidArgument(name, ": ", c[GE_EV_BAD_KEYS], " keys are ",
+                           GE_EV_EMPTY_KEY, " (int64 min), which the HBM "
+                           "table reserves for free slots.");
+  }
+  if (c[GE_EV_FULL] != 0) {
+    return ResourceExhausted(
+        name, ": the HBM table could not store ", c[GE_EV_FULL], " keys: "
+        "one step brought more distinct keys to one bucket of 128 than it "
+        "has slots not seen in this step; raise storage_size[0].");
+  }
+  return Status();
+}
+
+Status GetTable(OpKernelContext* ctx, int input,
+                ::tensorflow::core::RefCountPtr<HbmEvTable>* out) {
+  return ::tensorflow::LookupResource(
+      ctx, ::tensorflow::HandleFromInput(ctx, input), out);
+}
+
+// ---------------------------------------------------------------------------
+// Handle: creates the table on first use.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingHbmEVHandle")
+    .Output("handle: resource")
+    .Attr("container: string = ''")
+    .Attr("shared_name: string")
+    .Attr("variable_name: string")
+    .Attr("embedding_dim: int >= 1")
+    .Attr("num_buckets: int >= 1")
+    .Attr("filter_freq: int >= 0 = 0")
+    .Attr("default_value_no_permission: float = 0.0")
+    .Attr("lfu: bool = true")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+class HandleOp : public OpKernel {
+ public:
+  explicit HandleOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("variable_name", &name_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_buckets", &num_buckets_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("filter_freq", &filter_freq_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("default_value_no_permission",
+                                     &no_permission_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lfu", &lfu_));
+    OP_REQUIRES(ctx, (num_buckets_ & (num_buckets_ - 1)) == 0,
+                InvalidArgument(name_, ": num_buckets must be a power of "
+                                "two, got ", num_buckets_, "."));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ResourceHandle handle = ::tensorflow::MakeResourceHandle<HbmEvTable>(
+        ctx, container_, shared_name_);
+    HbmEvTable* table = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->resource_manager()->LookupOrCreate<HbmEvTable>(
+                            handle.container(), handle.name(), &table,
+                            [this, ctx](HbmEvTable** out) {
+                              return Create(ctx, out);
+                            }));
+    const int64_t dim = table->desc.dim;
+    table->Unref();
+    OP_REQUIRES(ctx, dim == dim_,
+                InvalidArgument(name_, ": an EmbeddingVariable named ",
+                                shared_name_, " already exists with dim ",
+                                dim, ", not ", dim_, "."));
+    Tensor* out = nullptr;
+    ::tensorflow::AllocatorAttributes attr;
+    attr.set_on_host(true);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out, attr));
+    out->scalar<ResourceHandle>()() = handle;
+  }
+
+ private:
+  Status Create(OpKernelContext* ctx, HbmEvTable** out) {
+    std::unique_ptr<HbmEvTable, void (*)(HbmEvTable*)> t(
+        new HbmEvTable, [](HbmEvTable* p) { p->Unref(); });
+    t->name = name_;
+    const int64_t cap = num_buckets_ * GE_EV_BUCKET;
+    TF_RETURN_IF_ERROR(Allocate(ctx, DT_INT64, TensorShape({cap}), &t->keys));
+    // One byte a slot, read as 16-byte words: allocated as int64.
+    TF_RETURN_IF_ERROR(
+        Allocate(ctx, DT_INT64, TensorShape({(cap + 7) / 8}), &t->digests));
+    TF_RETURN_IF_ERROR(
+        Allocate(ctx, DT_INT64, TensorShape({cap, 2}), &t->meta));
+    TF_RETURN_IF_ERROR(
+        Allocate(ctx, DT_FLOAT, TensorShape({cap, dim_}), &t->values));
+    TF_RETURN_IF_ERROR(
+        Allocate(ctx, DT_FLOAT, TensorShape({1, dim_}), &t->placeholder));
+    TF_RETURN_IF_ERROR(Allocate(ctx, DT_UINT8,
+                                TensorShape({8 * GE_EV_NUM_COUNTERS}),
+                                &t->counters));
+    GeEvTable& d = t->desc;
+    std::memset(&d, 0, sizeof(d));
+    d.keys = t->keys.flat<int64_t>().data();
+    d.digests = reinterpret_cast<uint8_t*>(t->digests.flat<int64_t>().data());
+    d.meta = t->meta.flat<int64_t>().data();
+    d.values = t->values.flat<float>().data();
+    d.num_buckets = num_buckets_;
+    d.dim = dim_;
+    d.policy = lfu_ ? GE_EV_LFU : GE_EV_LRU;
+    d.filter_freq = filter_freq_;
+    d.no_permission = no_permission_;
+    t->SetSlots();
+    void* stream = StreamOf(ctx);
+    // Rows of free slots are never read, but zeroed all the same.
+    int code = ge_zero_async(d.values, t->values.TotalBytes(), stream);
+    if (code == GE_OK) {
+      code = ge_zero_async(DataOr<float>(t->placeholder),
+                           t->placeholder.TotalBytes(), stream);
+    }
+    if (code == GE_OK) {
+      const GeEvTable init = t->With(nullptr, 0);
+      code = ge_ev_init(&init, stream);
+    }
+    TF_RETURN_IF_ERROR(CoreStatus(name_ + ": creating the HBM table", code));
+    *out = t.release();
+    return Status();
+  }
+
+  std::string container_, shared_name_, name_;
+  int64_t dim_, num_buckets_, filter_freq_;
+  float no_permission_;
+  bool lfu_;
+};
+
+// ---------------------------------------------------------------------------
+// The group's lookup: find-or-insert of every feature's keys (one core
+// call per distinct step of its tables), then the pooling of the rows
+// read (one core call), max_norm and every combiner included.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingHbmEVLookup")
+    .Input("handles: num_tables * resource")
+    .Input("keys: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("default_values: num_tables * float")
+    .Input("positions: int64")
+    .Input("training: bool")
+    .Output("pooled: num_tables * float")
+    .Output("rows: float")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
+    .Attr("embedding_dim: int >= 1")
+    .Attr("max_norm: float = -1.0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int k = 0, dim = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &k));
+      TF_RETURN_IF_ERROR(c->GetAttr("embedding_dim", &dim));
+      for (int t = 0; t < k; ++t) {
+        c->set_output(t, c->Matrix(c->UnknownDim(), dim));
+      }
+      c->set_output(k, c->Matrix(c->UnknownDim(), dim));
+      return Status();
+    });
+
+// The distinct tables of a call, locked exclusively in address order (a
+// table named by several features appears once).
+struct LockedHbmTables {
+  std::vector<::tensorflow::core::RefCountPtr<HbmEvTable>> refs;
+  std::vector<HbmEvTable*> distinct;
+  std::vector<int> index;  // feature -> its table in `distinct`
+  std::vector<std::unique_ptr<::tensorflow::mutex_lock>> locks;
+
+  Status Open(OpKernelContext* ctx, int k) {
+    refs.resize(k);
+    for (int t = 0; t < k; ++t) TF_RETURN_IF_ERROR(GetTable(ctx, t, &refs[t]));
+    for (int t = 0; t < k; ++t) distinct.push_back(refs[t].get());
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()),
+                   distinct.end());
+    for (int t = 0; t < k; ++t) {
+      index.push_back(static_cast<int>(
+          std::lower_bound(distinct.begin(), distinct.end(), refs[t].get()) -
+          distinct.begin()));
+    }
+    for (HbmEvTable* table : distinct) {
+      locks.push_back(std::make_unique<::tensorflow::mutex_lock>(*table->mu()));
+    }
+    return Status();
+  }
+};
+
+class LookupOp : public OpKernel {
+ public:
+  explicit LookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+    OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList keys, splits, weights, defaults;
+    OP_REQUIRES_OK(ctx, ctx->input_list("keys", &keys));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    OP_REQUIRES_OK(ctx, ctx->input_list("default_values", &defaults));
+    const int k = keys.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
+    const Tensor& positions = ctx->input(5 * k);
+    const Tensor& training_t = ctx->input(5 * k + 1);
+    OP_REQUIRES_OK(ctx, CheckScalar(training_t, "training"));
+    const bool training = training_t.scalar<bool>()();
+    LockedHbmTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    std::vector<std::string> names(k);
+    int64_t total = 0;
+    for (int t = 0; t < k; ++t) {
+      HbmEvTable* table = locked.refs[t].get();
+      names[t] = table->name;
+      OP_REQUIRES(ctx, table->desc.dim == dim_,
+                  InvalidArgument(names[t], ": has embedding_dim ",
+                                  table->desc.dim, ", the group ", dim_,
+                                  "."));
+      OP_REQUIRES_OK(ctx, CheckRaggedShapes(names[t], keys[t], splits[t],
+                                            weights[t]));
+      OP_REQUIRES(ctx, defaults[t].dims() == 2 &&
+                           defaults[t].dim_size(0) >= 1 &&
+                           defaults[t].dim_size(1) == dim_,
+                  InvalidArgument(names[t], ": default_values must be [>= 1, ",
+                                  dim_, "], got ",
+                                  defaults[t].shape().DebugString(), "."));
+      total += keys[t].NumElements();
+    }
+    OP_REQUIRES(ctx, positions.dims() == 1,
+                InvalidArgument("positions must be a vector."));
+    for (int t = 0; t < k; ++t) {
+      OP_REQUIRES(ctx, positions.NumElements() >= keys[t].NumElements(),
+                  InvalidArgument(names[t], ": positions holds ",
+                                  positions.NumElements(), " entries for ",
+                                  keys[t].NumElements(), " keys."));
+    }
+    Tensor* rows = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(k, TensorShape({total, dim_}),
+                                             &rows));
+    void* stream = StreamOf(ctx);
+    // 1. The rows every key reads, [sum nnz, D], features in order.
+    std::vector<GeEvTable> descs(locked.distinct.size());
+    for (int t = 0; t < k; ++t) {
+      // A table's defaults: those of its first feature (all the same).
+      GeEvTable& d = descs[locked.index[t]];
+      if (d.keys == nullptr) {
+        d = locked.refs[t]->With(DataOr<float>(defaults[t]),
+                                 defaults[t].dim_size(0));
+      }
+    }
+    Tensor counters_t;
+    void* counters = nullptr;
+    OP_REQUIRES_OK(ctx, Temp(ctx, 8 * GE_EV_NUM_COUNTERS, &counters_t,
+                             &counters));
+    auto* c = static_cast<unsigned long long*>(counters);
+    OP_REQUIRES_OK(ctx, CoreStatus("zeroing the counters",
+                                   ge_zero_async(counters,
+                                                 8 * GE_EV_NUM_COUNTERS,
+                                                 stream)));
+    float* out = DataOr<float>(*rows);
+    std::vector<int64_t> offset(k + 1, 0);
+    for (int t = 0; t < k; ++t) {
+      offset[t + 1] = offset[t] + keys[t].NumElements();
+    }
+    if (!training) {
+      for (int t = 0; t < k; ++t) {
+        const int64_t n = keys[t].NumElements();
+        if (n == 0) continue;
+        OP_REQUIRES_OK(ctx, CoreStatus(names[t], ge_ev_find(
+            &descs[locked.index[t]], DataOr<int64_t>(keys[t]), n,
+            out + offset[t] * dim_, nullptr, c, stream)));
+      }
+    } else {
+      // One group call per distinct step (tables trained together share
+      // theirs): each table stamps its own last applied step.
+      std::map<int64_t, std::vector<int>> by_step;
+      for (int t = 0; t < k; ++t) {
+        by_step[locked.refs[t]->step].push_back(t);
+      }
+      for (const auto& entry : by_step) {
+        std::vector<GeEvBatch> batches;
+        for (int t : entry.second) {
+          GeEvBatch b;
+          std::memset(&b, 0, sizeof(b));
+          b.table = locked.index[t];
+          b.keys = DataOr<int64_t>(keys[t]);
+          b.n = keys[t].NumElements();
+          b.out = b.n ? out + offset[t] * dim_ : nullptr;
+          batches.push_back(b);
+        }
+        const int nt = static_cast<int>(descs.size());
+        const int nb = static_cast<int>(batches.size());
+        const size_t bytes =
+            ge_ev_group_scratch_bytes(descs.data(), nt, batches.data(), nb);
+        OP_REQUIRES(ctx, bytes > 0,
+                    InvalidArgument(name(), ": the CUDA core refused the "
+                                    "tables of the group."));
+        Tensor scratch_t;
+        void* scratch = nullptr;
+        OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
+        OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_ev_find_or_insert_group(
+            descs.data(), nt, batches.data(), nb, entry.first, nullptr,
+            scratch, bytes, c, stream)));
+      }
+    }
+    uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
+    OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
+                                     GE_EV_NUM_COUNTERS));
+    OP_REQUIRES_OK(ctx, TableErrors(absl::StrJoin(names, ", "), host));
+    // 2. Pooled: row j of feature t's block is its key j's row.
+    OpOutputList pooled;
+    OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &pooled));
+    CoreGroup group(k);
+    for (int t = 0; t < k; ++t) {
+      GeTable& d = group.descs[t];
+      std::memset(&d, 0, sizeof(d));
+      d.nnz = keys[t].NumElements();
+      d.table = d.nnz ? out + offset[t] * dim_ : nullptr;
+      d.vocab = d.nnz;
+      d.ids = d.nnz ? DataOr<int64_t>(positions) : nullptr;
+      d.splits = DataOr<int64_t>(splits[t]);
+      d.weights = DataOr<float>(weights[t]);
+      d.batch = splits[t].NumElements() - 1;
+      d.combiner = combiners_[t];
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, pooled.allocate(t, TensorShape({d.batch, dim_}),
+                                          &o));
+      d.out = DataOr<float>(*o);
+      d.out_stride = dim_;
+      group.SetIds(t, positions);
+      group.vocabs[t] = d.nnz;
+    }
+    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_lookup_pooled, &group, dim_,
+                                 max_norm_, names));
+  }
+
+ private:
+  std::vector<int32_t> combiners_;
+  int64_t dim_;
+  float max_norm_;
+};
+
+// ---------------------------------------------------------------------------
+// Optimizer step of one EV: ge_ev_stamp (each key's row, -1 for keys
+// absent or not admitted, which the update skips; every stored key's
+// version), then the core's sparse update (ge_backward_apply) in place
+// on the table's values and slots, duplicates summed. Two uses, one op:
+// * the fused backward-apply of a lookup: `keys`, `row_splits`,
+//   `weights` of one feature of the forward, `grads` its pooled output's
+//   gradient [B, D], the forward's combiner and max_norm: the per-key
+//   gradients are never written;
+// * a gradient given per key (IndexedSlices): row_splits 0 .. n (a key a
+//   row), no weights, `grads` [n, D], sum, no max_norm.
+// ---------------------------------------------------------------------------
+REGISTER_OP("GroupEmbeddingHbmEVApply")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("row_splits: int64")
+    .Input("weights: float")
+    .Input("grads: float")
+    .Input("global_step: int64")
+    .Input("hyper: float")
+    .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
+    .Attr("max_norm: float = -1.0")
+    .Attr("optimizer: {'sgd', 'adagrad', 'adam', 'ftrl'}")
+    .Attr("slot_names: list(string) >= 0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
+
+class ApplyOp : public OpKernel {
+ public:
+  explicit ApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string optimizer, combiner;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
+    combiner_ = combiner == "mean" ? GE_MEAN
+                : combiner == "sqrtn" ? GE_SQRTN : GE_SUM;
+    kind_ = optimizer == "sgd"       ? GE_OPT_SGD
+            : optimizer == "adagrad" ? GE_OPT_ADAGRAD
+            : optimizer == "adam"    ? GE_OPT_ADAM
+                                     : GE_OPT_FTRL;
+    const size_t need = kind_ == GE_OPT_SGD ? 0 : kind_ == GE_OPT_ADAGRAD ? 1
+                                                                          : 2;
+    OP_REQUIRES(ctx, slots_.size() == need,
+                InvalidArgument(optimizer, " needs ", need,
+                                " slot names, got ", slots_.size(), "."));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    const std::string& var = table->name;
+    const Tensor& keys = ctx->input(1);
+    const Tensor& splits = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    const Tensor& grads = ctx->input(4);
+    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(5), "global_step"));
+    const int64_t step = ctx->input(5).scalar<int64_t>()();
+    const Tensor& hyper = ctx->input(6);
+    const int64_t dim = table->desc.dim;
+    OP_REQUIRES_OK(ctx, CheckRaggedShapes(var, keys, splits, weights));
+    const int64_t n = keys.NumElements();
+    const int64_t batch = splits.NumElements() - 1;
+    OP_REQUIRES_OK(ctx, CheckMatrix(var + ": gradient", grads, batch, dim));
+    OP_REQUIRES(ctx, hyper.dims() == 1 && hyper.NumElements() == 8,
+                InvalidArgument(var, ": hyper must have 8 values."));
+    const float* h = hyper.flat<float>().data();
+    const GeOptimizerConfig config = {kind_, 0,    h[0], h[1], h[2],
+                                      h[3],  h[4], h[5], h[6], h[7]};
+    ::tensorflow::mutex_lock lock(*table->mu());
+    std::vector<int> idx;
+    for (const auto& s : slots_) {
+      idx.push_back(table->SlotIndex(s));
+      OP_REQUIRES(ctx, idx.back() >= 0,
+                  InvalidArgument(var, ": optimizer slot '", s,
+                                  "' was not created; build the optimizer "
+                                  "first."));
+    }
+    table->step = std::max(table->step, step);
+    if (n == 0) return;
+    void* stream = StreamOf(ctx);
+    const GeEvTable desc = table->With(nullptr, 0);
+    Tensor slot_of_t, counters_t;
+    OP_REQUIRES_OK(ctx, Allocate(ctx, DT_INT64, TensorShape({n}),
+                                 &slot_of_t));
+    void* counters = nullptr;
+    OP_REQUIRES_OK(ctx, Temp(ctx, 8 * GE_EV_NUM_COUNTERS, &counters_t,
+                             &counters));
+    OP_REQUIRES_OK(ctx, CoreStatus("zeroing the counters",
+                                   ge_zero_async(counters,
+                                                 8 * GE_EV_NUM_COUNTERS,
+                                                 stream)));
+    int64_t* slot_of = slot_of_t.flat<int64_t>().data();
+    OP_REQUIRES_OK(ctx, CoreStatus(var, ge_ev_stamp(
+        &desc, DataOr<int64_t>(keys), n, step, slot_of,
+        static_cast<unsigned long long*>(counters), stream)));
+    const int64_t cap = table->capacity();
+    float* planes = DataOr<float>(table->slots);
+    GeTable d;
+    std::memset(&d, 0, sizeof(d));
+    d.table = table->desc.values;
+    d.vocab = cap;
+    // Keys absent or not admitted have row -1: the core skips them (the
+    // combiner's scale still counts them, as the forward did).
+    d.ids = slot_of;
+    d.splits = DataOr<int64_t>(splits);
+    d.weights = DataOr<float>(weights);
+    d.nnz = n;
+    d.batch = batch;
+    d.combiner = combiner_;
+    d.grad = DataOr<float>(grads);
+    d.grad_stride = dim;
+    d.slot0 = idx.size() > 0 ? planes + idx[0] * cap * dim : nullptr;
+    d.slot1 = idx.size() > 1 ? planes + idx[1] * cap * dim : nullptr;
+    const size_t bytes = ge_backward_scratch_bytes(&d, 1, dim);
+    OP_REQUIRES(ctx, bytes > 0,
+                InvalidArgument(var, ": the CUDA core refused the update's "
+                                "arguments."));
+    CoreScratch s;
+    OP_REQUIRES_OK(ctx, s.Allocate(ctx, bytes, stream));
+    OP_REQUIRES_OK(ctx, CoreStatus(var, ge_backward_apply(
+        &d, 1, dim, max_norm_, &config, s.scratch, s.bytes, s.errors(),
+        stream)));
+    // The skipped keys are counted as bad ids by design; only the
+    // reserved key is an error (the forward refused it already).
+    uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
+    OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
+                                     GE_EV_NUM_COUNTERS));
+    OP_REQUIRES_OK(ctx, TableErrors(var, host));
+  }
+
+ private:
+  std::vector<std::string> slots_;
+  int32_t kind_;
+  int32_t combiner_;
+  float max_norm_;
+};
+
+// ---------------------------------------------------------------------------
+// Slots, size, export, import.
+// ---------------------------------------------------------------------------
+// Adds slot `slot_name` unless present: its array is `plane` ([capacity,
+// D], every entry the slot's initial value, made by the caller's fill),
+// copied in; the initial value new keys get is plane[0][0].
+REGISTER_OP("GroupEmbeddingHbmEVEnsureSlot")
+    .Input("handle: resource")
+    .Input("plane: float")
+    .Attr("slot_name: string")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
+
+// Replaces a table's slots with `names`, their initial values `inits`
+// ([S], device) and arrays `planes` ([S, capacity, D]).
+Status SetSlotArrays(OpKernelContext* ctx, HbmEvTable* table,
+                     const std::vector<std::string>& names,
+                     const float* inits, const float* planes,
+                     const float* old_planes, int64_t old_count,
+                     void* stream) {
+  const int64_t cap = table->capacity(), dim = table->desc.dim;
+  const int64_t s_count = static_cast<int64_t>(names.size());
+  if (s_count > 8) {
+    return InvalidArgument(table->name, ": the HBM table holds at most 8 "
+                           "optimizer slots, got ", s_count, ".");
+  }
+  Tensor slots, slot_inits;
+  TF_RETURN_IF_ERROR(Allocate(ctx, DT_FLOAT, TensorShape({s_count, cap, dim}),
+                              &slots));
+  TF_RETURN_IF_ERROR(Allocate(ctx, DT_FLOAT, TensorShape({s_count}),
+                              &slot_inits));
+  const size_t plane_bytes = sizeof(float) * cap * dim;
+  float* dst = DataOr<float>(slots);
+  float* init_dst = DataOr<float>(slot_inits);
+  int code = GE_OK;
+  // The old planes first (ensure_slot), then the new ones.
+  if (old_count > 0) {
+    code = ge_copy_async(dst, old_planes, plane_bytes * old_count, 0, stream);
+    if (code == GE_OK) {
+      code = ge_copy_async(init_dst, DataOr<float>(table->slot_inits),
+                           sizeof(float) * old_count, 0, stream);
+    }
+  }
+  const int64_t fresh = s_count - old_count;
+  if (code == GE_OK && fresh > 0) {
+    code = ge_copy_async(dst + old_count * cap * dim, planes,
+                         plane_bytes * fresh, 0, stream);
+  }
+  if (code == GE_OK && fresh > 0) {
+    code = inits != nullptr
+               ? ge_copy_async(init_dst + old_count, inits,
+                               sizeof(float) * fresh, 0, stream)
+               // ensure_slot: the plane's first entry.
+               : ge_copy_async(init_dst + old_count, planes, sizeof(float),
+                               0, stream);
+  }
+  TF_RETURN_IF_ERROR(CoreStatus(table->name + ": setting slots", code));
+  // The old arrays are released when the stream is done with them: TF's
+  // device allocators order frees after the stream's work.
+  table->slots = slots;
+  table->slot_inits = slot_inits;
+  table->slot_names = names;
+  table->SetSlots();
+  return Status();
+}
+
+class EnsureSlotOp : public OpKernel {
+ public:
+  explicit EnsureSlotOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_name", &slot_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    const Tensor& plane = ctx->input(1);
+    ::tensorflow::mutex_lock lock(*table->mu());
+    if (table->SlotIndex(slot_) >= 0) return;
+    OP_REQUIRES(ctx, plane.dims() == 2 &&
+                         plane.dim_size(0) == table->capacity() &&
+                         plane.dim_size(1) == table->desc.dim,
+                InvalidArgument(table->name, ": the slot's plane must be [",
+                                table->capacity(), ", ", table->desc.dim,
+                                "], got ", plane.shape().DebugString(), "."));
+    std::vector<std::string> names = table->slot_names;
+    names.push_back(slot_);
+    const int64_t old = static_cast<int64_t>(table->slot_names.size());
+    const Tensor keep = table->slots;  // alive until copied
+    OP_REQUIRES_OK(ctx, SetSlotArrays(ctx, table.get(), names, nullptr,
+                                      DataOr<float>(plane),
+                                      DataOr<float>(keep), old,
+                                      StreamOf(ctx)));
+  }
+
+ private:
+  std::string slot_;
+};
+
+// Number of stored keys, a host scalar (one wait).
+Status StoredKeys(OpKernelContext* ctx, HbmEvTable* table, void* stream,
+                  int64_t* n) {
+  Tensor count_t;
+  void* count = nullptr;
+  TF_RETURN_IF_ERROR(Temp(ctx, 8, &count_t, &count));
+  int code = ge_zero_async(count, 8, stream);
+  const GeEvTable desc = table->With(nullptr, 0);
+  if (code == GE_OK) {
+    code = ge_ev_size(&desc, static_cast<unsigned long long*>(count),
+                      stream);
+  }
+  uint64_t host = 0;
+  if (code == GE_OK) code = ge_copy_async(&host, count, 8, 1, stream);
+  if (code == GE_OK) code = ge_synchronize(stream);
+  TF_RETURN_IF_ERROR(CoreStatus(table->name + ": counting keys", code));
+  *n = static_cast<int64_t>(host);
+  return Status();
+}
+
+REGISTER_OP("GroupEmbeddingHbmEVSize")
+    .Input("handle: resource")
+    .Output("size: int64")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+class SizeOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    ::tensorflow::tf_shared_lock lock(*table->mu());
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), StreamOf(ctx), &n));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = n;
+  }
+};
+
+// Every stored key with its state, under the table's lock: the CPU EV's
+// export (GroupEmbeddingEVExport) but for the slots, [S, n, D] here
+// (the caller lays them out as the CPU EV's [n, S * D]).
+REGISTER_OP("GroupEmbeddingHbmEVExport")
+    .Input("handle: resource")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("freqs: int64")
+    .Output("versions: int64")
+    .Output("slot_names: string")
+    .Output("slot_inits: float")
+    .Output("slots: float")
+    .Output("step: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Matrix(c->UnknownDim(), c->UnknownDim()));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      c->set_output(4, c->Vector(c->UnknownDim()));
+      c->set_output(5, c->Vector(c->UnknownDim()));
+      c->set_output(6, c->UnknownShapeOfRank(3));
+      c->set_output(7, c->Scalar());
+      return Status();
+    });
+
+class ExportOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    ::tensorflow::mutex_lock lock(*table->mu());
+    void* stream = StreamOf(ctx);
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), stream, &n));
+    const int64_t dim = table->desc.dim;
+    const int64_t s_count = static_cast<int64_t>(table->slot_names.size());
+    Tensor *keys, *values, *freqs, *versions, *names, *inits, *slots, *step;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &keys));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, dim}),
+                                             &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n}), &freqs));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}),
+                                             &versions));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({s_count}),
+                                             &names));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(5, TensorShape({s_count}),
+                                             &inits));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            6, TensorShape({s_count, n, dim}), &slots));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(7, TensorShape({}), &step));
+    for (int64_t s = 0; s < s_count; ++s) {
+      names->flat<::tensorflow::tstring>()(s) = table->slot_names[s];
+    }
+    step->scalar<int64_t>()() = table->step;
+    int code = GE_OK;
+    if (s_count > 0) {
+      code = ge_copy_async(DataOr<float>(*inits),
+                           DataOr<float>(table->slot_inits),
+                           sizeof(float) * s_count, 0, stream);
+    }
+    OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": exporting", code));
+    if (n == 0) return;
+    const GeEvTable desc = table->With(nullptr, 0);
+    const size_t bytes = ge_ev_export_scratch_bytes(&desc);
+    Tensor scratch_t, count_t;
+    void *scratch = nullptr, *count = nullptr;
+    OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
+    OP_REQUIRES_OK(ctx, Temp(ctx, 8, &count_t, &count));
+    code = ge_zero_async(count, 8, stream);
+    if (code == GE_OK) {
+      code = ge_ev_export(&desc, DataOr<int64_t>(*keys),
+                          DataOr<float>(*values), DataOr<float>(*slots),
+                          DataOr<int64_t>(*freqs), DataOr<int64_t>(*versions),
+                          n, static_cast<unsigned long long*>(count), scratch,
+                          bytes, stream);
+    }
+    uint64_t got = 0;
+    if (code == GE_OK) code = ge_copy_async(&got, count, 8, 1, stream);
+    if (code == GE_OK) code = ge_synchronize(stream);
+    OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": exporting", code));
+    OP_REQUIRES(ctx, static_cast<int64_t>(got) == n,
+                ::tensorflow::errors::Internal(
+                    table->name, ": the export found ", got, " keys, the "
+                    "count ", n, "."));
+  }
+};
+
+// Replaces the whole content with an export snapshot: keys [n], values
+// [n, D], freqs, versions [n], slot names [S], their initial values [S],
+// their arrays `planes` [S, capacity, D] filled with those values by the
+// caller, the snapshot's slots [S, n, D] and its step.
+REGISTER_OP("GroupEmbeddingHbmEVImport")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("values: float")
+    .Input("freqs: int64")
+    .Input("versions: int64")
+    .Input("slot_names: string")
+    .Input("slot_inits: float")
+    .Input("planes: float")
+    .Input("slots: float")
+    .Input("step: int64")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
+
+class ImportOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    const std::string& var = table->name;
+    const Tensor& keys = ctx->input(1);
+    const Tensor& values = ctx->input(2);
+    const Tensor& freqs = ctx->input(3);
+    const Tensor& versions = ctx->input(4);
+    const Tensor& names_t = ctx->input(5);
+    const Tensor& inits = ctx->input(6);
+    const Tensor& planes = ctx->input(7);
+    const Tensor& slots = ctx->input(8);
+    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(9), "step"));
+    const int64_t step = ctx->input(9).scalar<int64_t>()();
+    const int64_t dim = table->desc.dim, cap = table->capacity();
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                InvalidArgument(var, ": keys must be a vector."));
+    const int64_t n = keys.NumElements();
+    OP_REQUIRES_OK(ctx, CheckMatrix(var + ": values", values, n, dim));
+    OP_REQUIRES(ctx, freqs.dims() == 1 && freqs.NumElements() == n &&
+                         versions.dims() == 1 && versions.NumElements() == n,
+                InvalidArgument(var, ": freqs and versions must be [", n,
+                                "]."));
+    OP_REQUIRES(ctx, names_t.dims() == 1,
+                InvalidArgument(var, ": slot_names must be a vector."));
+    const int64_t s_count = names_t.NumElements();
+    OP_REQUIRES(ctx, inits.dims() == 1 && inits.NumElements() == s_count,
+                InvalidArgument(var, ": slot_inits must be [", s_count,
+                                "]."));
+    OP_REQUIRES(ctx, planes.dims() == 3 && planes.dim_size(0) == s_count &&
+                         planes.dim_size(1) == cap &&
+                         planes.dim_size(2) == dim,
+                InvalidArgument(var, ": planes must be [", s_count, ", ",
+                                cap, ", ", dim, "], got ",
+                                planes.shape().DebugString(), "."));
+    OP_REQUIRES(ctx, slots.dims() == 3 && slots.dim_size(0) == s_count &&
+                         slots.dim_size(1) == n && slots.dim_size(2) == dim,
+                InvalidArgument(var, ": slots must be [", s_count, ", ", n,
+                                ", ", dim, "], got ",
+                                slots.shape().DebugString(), "."));
+    OP_REQUIRES(ctx, n <= cap,
+                ResourceExhausted(var, ": the checkpoint holds ", n,
+                                  " keys, the HBM table ", cap, "; raise "
+                                  "storage_size[0]."));
+    std::vector<std::string> names;
+    for (int64_t s = 0; s < s_count; ++s) {
+      names.push_back(names_t.flat<::tensorflow::tstring>()(s));
+    }
+    ::tensorflow::mutex_lock lock(*table->mu());
+    void* stream = StreamOf(ctx);
+    OP_REQUIRES_OK(ctx, SetSlotArrays(ctx, table.get(), names,
+                                      DataOr<float>(inits),
+                                      DataOr<float>(planes), nullptr, 0,
+                                      stream));
+    table->step = step;
+    const GeEvTable desc = table->With(nullptr, 0);
+    OP_REQUIRES_OK(ctx, CoreStatus(var + ": clearing",
+                                   ge_ev_init(&desc, stream)));
+    if (n == 0) return;
+    const size_t bytes = ge_ev_scratch_bytes(&desc, n);
+    OP_REQUIRES(ctx, bytes > 0,
+                InvalidArgument(var, ": the CUDA core refused the import."));
+    Tensor scratch_t, counters_t;
+    void *scratch = nullptr, *counters = nullptr;
+    OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
+    OP_REQUIRES_OK(ctx, Temp(ctx, 8 * GE_EV_NUM_COUNTERS, &counters_t,
+                             &counters));
+    int code = ge_zero_async(counters, 8 * GE_EV_NUM_COUNTERS, stream);
+    if (code == GE_OK) {
+      code = ge_ev_insert(&desc, DataOr<int64_t>(keys), n,
+                          DataOr<float>(values), DataOr<float>(slots),
+                          DataOr<int64_t>(freqs), DataOr<int64_t>(versions),
+                          step, nullptr, scratch, bytes,
+                          static_cast<unsigned long long*>(counters), stream);
+    }
+    OP_REQUIRES_OK(ctx, CoreStatus(var + ": importing", code));
+    uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
+    OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
+                                     GE_EV_NUM_COUNTERS));
+    OP_REQUIRES_OK(ctx, TableErrors(var, host));
+  }
+};
+
+#ifdef GE_ADAPTOR_ON_HOST
+#define GE_EV_KERNEL(op) Name(op).Device(::tensorflow::DEVICE_CPU)
+#else
+#define GE_EV_KERNEL(op) Name(op).Device(::tensorflow::DEVICE_GPU)
+#endif
+
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVHandle")
+                            .HostMemory("handle"),
+                        HandleOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVLookup")
+                            .HostMemory("handles")
+                            .HostMemory("training"),
+                        LookupOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVApply")
+                            .HostMemory("handle")
+                            .HostMemory("global_step")
+                            .HostMemory("hyper"),
+                        ApplyOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVEnsureSlot")
+                            .HostMemory("handle"),
+                        EnsureSlotOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVSize")
+                            .HostMemory("handle")
+                            .HostMemory("size"),
+                        SizeOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVExport")
+                            .HostMemory("handle")
+                            .HostMemory("slot_names")
+                            .HostMemory("step"),
+                        ExportOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVImport")
+                            .HostMemory("handle")
+                            .HostMemory("slot_names")
+                            .HostMemory("step"),
+                        ImportOp);
+
+}  // namespace
+}  // namespace gpu_kernels
+}  // namespace group_embedding

@@ -1,0 +1,281 @@
+"""Python wrappers of the HBM EmbeddingVariable ops
+(`ops/cuda/tf_ev_table_kernels.cc`): `StorageType.HBM`.
+
+An HBM EV's table is the CUDA core's EV table (`ops/cuda/ev_table.h`) in
+GPU memory, owned by a TF resource of the GPU op library. `HbmStorage`
+is what such an EV holds instead of the `ev_storage` module: the same
+calls (`ensure_slot`, `size`, `export`, `import_`, `apply_*`) with the
+same arguments and results, so the EV, its checkpoints and the
+optimizers treat both alike; `pooled_lookup` is the group's fused
+find-or-insert + pooling (`lookup_plan`'s HBM EV backend).
+
+Fused backward-apply: the lookup's gradient function gives each EV
+IndexedSlices (one row per occurrence) and remembers, for those values,
+the feature's ids and its pooled output's gradient. When an optimizer
+applies exactly those slices (`apply_*`, any `ge.optimizers` or
+`ge.train` optimizer), the update op takes the feature's ids and pooled
+gradient instead, and the core computes, sums and applies each key's
+gradient in one pass: in a traced step the per-occurrence rows are then
+never computed (their ops have no consumer). Slices changed on the way
+(scaled, clipped, summed over two lookups) take the per-key update.
+
+Where TF sees no GPU, the op library is the adaptor built against the
+core's host stand-in (tests, `GROUP_EMBEDDING_HBM_ON_HOST=1`), whose
+kernels run on the CPU: same ops, same results.
+"""
+
+import collections
+from typing import Any
+from typing import List
+from typing import NamedTuple
+from typing import Optional
+from typing import Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+from group_embedding.ops import lookup_tf
+from group_embedding.ops import op_names
+from group_embedding.ops.backward_apply import hyper
+from group_embedding.ops.ragged_ids import FeatureIds
+
+BUCKET = 128
+# Bytes of a key besides its floats: key, digest, freq and version.
+KEY_BYTES = 8 + 1 + 16
+# Optimizer slots a table's budget makes room for (Adam, FTRL: two).
+BUDGET_SLOTS = 2
+LOOKUP_OP = "GroupEmbeddingHbmEVLookup"
+# Gradients remembered for a fused backward-apply (the newest first out:
+# slices nobody applies are forgotten).
+_MAX_REMEMBERED = 256
+
+
+class _Forward(NamedTuple):
+    """One feature of a lookup, as its gradient's update needs it."""
+
+    values: Any       # the IndexedSlices values it was remembered for
+    keys: Any
+    row_splits: Any
+    weights: Any      # empty: none
+    grads: Any        # d loss / d pooled output [B, D]
+    combiner: str
+    max_norm: float
+
+
+_remembered: "collections.OrderedDict[int, _Forward]" = (
+    collections.OrderedDict())
+
+
+def _remember(forward: _Forward) -> None:
+    _remembered[id(forward.values)] = forward
+    while len(_remembered) > _MAX_REMEMBERED:
+        _remembered.popitem(last=False)
+
+
+def _forward_of(keys, values) -> Optional[_Forward]:
+    """The lookup feature whose untouched gradient is (keys, values)."""
+    found = _remembered.get(id(values))
+    if found is None or found.values is not values or found.keys is not keys:
+        return None
+    del _remembered[id(values)]
+    return found
+
+
+def num_buckets(hbm_bytes: int, embedding_dim: int) -> int:
+    """Buckets of 128 keys (a power of two, at least one) that fit
+    `hbm_bytes` with each key's row and two optimizer slots."""
+    per_key = KEY_BYTES + 4 * embedding_dim * (1 + BUDGET_SLOTS)
+    buckets = max(1, hbm_bytes // (per_key * BUCKET))
+    return 1 << (int(buckets).bit_length() - 1)
+
+
+class HbmStorage:
+    """The storage calls of one HBM EV, on the op module that serves it.
+
+    Args:
+        module: the loaded op library with the HBM EV ops.
+        name: the EV's name (for errors).
+        embedding_dim: D.
+        buckets: the table's buckets (`num_buckets`); capacity is
+            `buckets * 128` keys.
+    """
+
+    def __init__(self, module: Any, name: str, embedding_dim: int,
+                 buckets: int):
+        self.module = module
+        self.name = name
+        self.embedding_dim = embedding_dim
+        self.capacity = buckets * BUCKET
+        self.buckets = buckets
+
+    def create_handle(self, shared_name: str, filter_freq: int,
+                      no_permission: float, lfu: bool) -> tf.Tensor:
+        """Creates (or finds) the table's resource; its handle."""
+        return self.module.group_embedding_hbm_ev_handle(
+            shared_name=shared_name, variable_name=self.name,
+            embedding_dim=self.embedding_dim, num_buckets=self.buckets,
+            filter_freq=filter_freq,
+            default_value_no_permission=no_permission, lfu=lfu)
+
+    def ensure_slot(self, handle, slot_name: str, initial_value: float):
+        """Creates slot `slot_name` (every key's entry `initial_value`)."""
+        plane = tf.fill([self.capacity, self.embedding_dim],
+                        tf.constant(initial_value, tf.float32))
+        return self.module.group_embedding_hbm_ev_ensure_slot(
+            handle, plane, slot_name=slot_name)
+
+    def size(self, handle):
+        """(number of stored keys, bytes the table holds), int64."""
+        slots = BUDGET_SLOTS  # the budget's, not the current count
+        held = self.capacity * (KEY_BYTES + 4 * self.embedding_dim
+                                * (1 + slots))
+        return (self.module.group_embedding_hbm_ev_size(handle),
+                tf.constant(held, tf.int64))
+
+    def export(self, handle, embedding_dim: int):
+        """The CPU EV's snapshot (`ev_storage.export`): keys, values,
+        freqs, versions, slot_names, slot_inits, slots [n, S * D], step."""
+        (keys, values, freqs, versions, names, inits, slots,
+         step) = self.module.group_embedding_hbm_ev_export(handle)
+        n = tf.shape(keys)[0]
+        flat = tf.reshape(tf.transpose(slots, [1, 0, 2]),
+                          [n, tf.size(names) * embedding_dim])
+        return keys, values, freqs, versions, names, inits, flat, step
+
+    def import_(self, handle, keys, values, freqs, versions, slot_names,
+                slot_inits, slots, step):
+        """Replaces the whole content with a snapshot in the CPU EV's
+        layout (`ev_storage.import_`)."""
+        d = self.embedding_dim
+        keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
+        n = tf.size(keys)
+        s = tf.size(slot_names)
+        inits = tf.cast(slot_inits, tf.float32)
+        planes = tf.broadcast_to(tf.reshape(inits, [-1, 1, 1]),
+                                 tf.stack([s, self.capacity, d]))
+        by_slot = tf.transpose(tf.reshape(tf.cast(slots, tf.float32),
+                                          tf.stack([n, s, d])), [1, 0, 2])
+        return self.module.group_embedding_hbm_ev_import(
+            handle, keys, tf.reshape(tf.cast(values, tf.float32),
+                                     tf.stack([n, d])),
+            tf.cast(freqs, tf.int64), tf.cast(versions, tf.int64),
+            slot_names, inits, planes, by_slot, tf.cast(step, tf.int64))
+
+    def evict(self, handle):
+        """No eviction policy runs on an HBM table (refused at creation):
+        removes nothing."""
+        del handle
+        return tf.constant(0, tf.int64)
+
+    # -- optimizer updates (`ev_storage.apply_*`) --------------------------
+    def _apply(self, handle, keys, grad, step, optimizer, slot_names,
+               **hyperparameters):
+        forward = _forward_of(keys, grad)
+        if forward is not None:
+            # The fused backward-apply of the lookup's feature.
+            return self.module.group_embedding_hbm_ev_apply(
+                handle, forward.keys, forward.row_splits, forward.weights,
+                forward.grads, tf.cast(step, tf.int64),
+                hyper(**hyperparameters), combiner=forward.combiner,
+                max_norm=forward.max_norm, optimizer=optimizer,
+                slot_names=list(slot_names))
+        keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
+        splits = tf.range(tf.size(keys, out_type=tf.int64) + 1)
+        return self.module.group_embedding_hbm_ev_apply(
+            handle, keys, splits, tf.zeros([0], tf.float32),
+            tf.cast(grad, tf.float32), tf.cast(step, tf.int64),
+            hyper(**hyperparameters), optimizer=optimizer,
+            slot_names=list(slot_names))
+
+    def apply_sgd(self, handle, keys, grad, step, lr):
+        """`var -= lr * g` on the admitted keys (duplicates summed)."""
+        return self._apply(handle, keys, grad, step, "sgd", [], lr=lr)
+
+    def apply_adagrad(self, handle, keys, grad, step, lr, epsilon,
+                      slot_name):
+        """`accum += g^2; var -= lr * g / sqrt(accum + epsilon)`."""
+        return self._apply(handle, keys, grad, step, "adagrad", [slot_name],
+                           lr=lr, epsilon=epsilon)
+
+    def apply_adam(self, handle, keys, grad, step, alpha, beta1, beta2,
+                   epsilon, slot_names):
+        """Lazy Adam, `alpha` bias-corrected by the caller."""
+        return self._apply(handle, keys, grad, step, "adam", slot_names,
+                           lr=alpha, beta_1=beta1, beta_2=beta2,
+                           epsilon=epsilon)
+
+    def apply_ftrl(self, handle, keys, grad, step, lr, l1, l2, l2_shrinkage,
+                   lr_power, slot_names):
+        """TF's FTRL-proximal (ApplyFtrlV2) on the touched keys."""
+        return self._apply(handle, keys, grad, step, "ftrl", slot_names,
+                           lr=lr, l1=l1, l2=l2, l2_shrinkage=l2_shrinkage,
+                           lr_power=lr_power)
+
+    def apply_adagrad_decay(self, *args, **kwargs):
+        """Not on the GPU table yet."""
+        del args, kwargs
+        raise NotImplementedError(
+            f"EmbeddingVariable '{self.name}': AdagradDecay does not run on "
+            "StorageType.HBM tables yet; use Adagrad, Adam, FTRL or SGD.")
+
+
+def pooled_lookup(module: Any, variables: Sequence[Any],
+                  feats: Sequence[FeatureIds], combiners: Sequence[str],
+                  max_norm: Any, training: Any) -> List[tf.Tensor]:
+    """`GroupEmbeddingHbmEVLookup`: the group's find-or-insert and its
+    pooled `[B_i, D]` outputs (weights, every combiner, `max_norm`) in one
+    op. The gradient is each EV's IndexedSlices keyed by key, one row per
+    occurrence (the updates sum duplicates), as the TF path of a DRAM EV
+    computes it from the rows read."""
+    for v in variables:
+        resource_variable_ops.variable_accessed(v)
+    empty = tf.zeros([0], tf.float32)
+    sizes = [tf.size(f.values, out_type=tf.int64) for f in feats]
+    positions = tf.range(tf.reduce_max(tf.stack(sizes)))
+    out = module.group_embedding_hbm_ev_lookup(
+        handles=[v.handle for v in variables],
+        keys=[tf.cast(f.values, tf.int64) for f in feats],
+        row_splits=[f.row_splits for f in feats],
+        weights=[empty if f.weights is None else f.weights for f in feats],
+        default_values=[v.default_values for v in variables],
+        positions=positions,
+        training=tf.convert_to_tensor(training, tf.bool),
+        combiners=list(combiners),
+        embedding_dim=int(variables[0].embedding_dim),
+        max_norm=-1.0 if max_norm is None else float(max_norm))
+    return list(out[0])
+
+
+@op_names.register_gradient(LOOKUP_OP)
+def _lookup_grad(op, *grads):
+    k = op.get_attr("num_tables")
+    keys = op.inputs[k:2 * k]
+    splits = op.inputs[2 * k:3 * k]
+    weights = op.inputs[3 * k:4 * k]
+    rows = op.outputs[k]
+    max_norm = op.get_attr("max_norm")
+    combiners = [c.decode() if isinstance(c, bytes) else c
+                 for c in op.get_attr("combiners")]
+    feats = []
+    for t in range(k):
+        n = tf.size(keys[t])
+        # Absent weights are ones: the same scales for every combiner.
+        w = tf.cond(tf.equal(tf.size(weights[t]), 0),
+                    lambda n=n: tf.ones([n], tf.float32),
+                    lambda t=t: weights[t])
+        feats.append(FeatureIds(values=keys[t], row_splits=splits[t],
+                                weights=w, positions=None, max_len=None,
+                                name=f"table {t}"))
+    with tf.GradientTape() as tape:
+        tape.watch(rows)
+        read = rows if max_norm < 0 else lookup_tf.clip_rows(rows, max_norm)
+        pooled = lookup_tf.pool_rows(read, feats, combiners)
+    upstream = [tf.zeros_like(p) if g is None else g
+                for p, g in zip(pooled, grads[:k])]
+    row_grads = tape.gradient(pooled, rows, output_gradients=upstream)
+    parts = tf.split(row_grads, tf.stack([tf.size(x) for x in keys]), num=k)
+    slices = [tf.IndexedSlices(p, key) for p, key in zip(parts, keys)]
+    for t, p in enumerate(parts):
+        _remember(_Forward(p, keys[t], splits[t], weights[t], upstream[t],
+                           combiners[t], max_norm))
+    return slices + [None] * (4 * k) + [None, None]

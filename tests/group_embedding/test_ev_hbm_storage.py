@@ -1,0 +1,526 @@
+"""EmbeddingVariables in GPU memory (StorageType.HBM), on the CUDA core's
+host stand-in: this machine has no GPU, so `GROUP_EMBEDDING_HBM_ON_HOST=1`
+runs the GPU op library built against the stand-in (same adaptor, same
+core interface and placement rules; the GPU machine runs the CUDA core).
+
+The oracle is a DRAM EV (the C++ CPU storage, its own lookup kernels and
+sparse updates) given the same default matrix and the same batches: an
+HBM EV must read the same rows and end with the same keys, frequencies
+and versions (exactly) and the same rows and optimizer slots (to float
+tolerance: the two paths compute a pooled row's gradient with different
+but equivalent float expressions, the CPU kernel in C++, the HBM path as
+the DRAM EV's TF path does, so the last bits may differ; without
+duplicates or combiner scales the updates are bitwise equal, which one
+case checks). Without a GPU and without the test hook, an HBM EV is an
+error naming it. Checkpoints: an HBM EV writes the CPU EV's entries
+(names, dtypes, shapes) and either kind restores the other's bitwise.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import group_embedding as ge
+from group_embedding import feature_column as ge_fc
+from group_embedding import lookup_plan
+from group_embedding.ops import capabilities
+from group_embedding.ops import config
+
+DIM = 4
+DEFAULT_ROWS = 5
+# No INT64_MIN: the HBM table reserves it for free slots (tested apart).
+KEYS = np.array([-7, 0, 3, 11, 2**40 + 5, 2**63 - 1, -2**62, 12, 19, 40],
+                np.int64)
+
+
+@pytest.fixture
+def hbm(monkeypatch):
+    """HBM EVs run on the host stand-in for the test."""
+    monkeypatch.setenv(config.HBM_ON_HOST, "1")
+
+
+def _option(storage, filter_freq=0, no_permission=0.0):
+    return ge.EmbeddingVariableOption(
+        init_option=ge.InitializerOption(
+            default_value_dim=DEFAULT_ROWS,
+            default_value_no_permission=no_permission),
+        filter_option=(ge.CounterFilter(filter_freq) if filter_freq
+                       else None),
+        storage_option=storage)
+
+
+def _pair(name, filter_freq=0, hbm_bytes=1 << 20, strategy=None):
+    """(HBM EV, DRAM EV) with the same default matrix."""
+    init = tf.keras.initializers.RandomUniform(-1.0, 1.0, seed=7)
+    out = []
+    for kind, storage in (
+            ("hbm", ge.StorageOption(ge.StorageType.HBM,
+                                     storage_size=[hbm_bytes],
+                                     cache_strategy=strategy)),
+            ("dram", ge.StorageOption())):
+        out.append(ge.get_embedding_variable(
+            f"{name}_{kind}", DIM, initializer=init,
+            ev_option=_option(storage, filter_freq, no_permission=0.25)))
+    out[1].default_values.assign(out[0].default_values)
+    return out
+
+
+def _batches(seed, steps, batch=6, weighted=False):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        rows = [list(rng.choice(KEYS, size=rng.integers(0, 5)))
+                for _ in range(batch)]
+        ids = tf.ragged.constant(rows, dtype=tf.int64,
+                                 row_splits_dtype=tf.int64)
+        w = None
+        if weighted:
+            w = tf.RaggedTensor.from_row_splits(
+                tf.constant(rng.uniform(0.2, 2.0, ids.values.shape[0]),
+                            tf.float32), ids.row_splits)
+        out.append((ids, w))
+    return out
+
+
+def _state(ev):
+    """Every key's state as numpy, sorted by key: keys, values, freqs,
+    versions, slot names, slots [n, S * D], step."""
+    keys, values, freqs, versions, names, _, slots, step = (
+        x.numpy() for x in ev.storage.export(ev.handle, DIM))
+    order = np.argsort(keys)
+    return (keys[order], values[order], freqs[order], versions[order],
+            list(names), slots[order], int(step))
+
+
+def _assert_same_state(hbm_ev, dram_ev, exact=False):
+    got, want = _state(hbm_ev), _state(dram_ev)
+    np.testing.assert_array_equal(got[0], want[0])   # keys
+    np.testing.assert_array_equal(got[2], want[2])   # freqs
+    np.testing.assert_array_equal(got[3], want[3])   # versions
+    assert got[4] == want[4] and got[6] == want[6]   # slot names, step
+    for g, w in ((got[1], want[1]), (got[5], want[5])):
+        if exact:
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+
+
+def _train(ev, optimizer, batches, combiner, max_norm=None):
+    outs = []
+    for ids, w in batches:
+        with tf.GradientTape() as tape:
+            (out,) = ge.group_embedding_lookup_sparse(
+                [ev], [ids], combiner, None if w is None else [w],
+                max_norm=max_norm)
+            loss = tf.reduce_sum(out * tf.sin(out + 1.0))
+        optimizer.apply(tape.gradient(loss, [ev]), [ev])
+        outs.append(out.numpy())
+    return outs
+
+
+# -- 34.2: the storage options and the refusal without a GPU ----------------
+def test_storage_option_accepts_hbm_and_hbm_dram():
+    hbm = ge.StorageOption(ge.StorageType.HBM)
+    assert hbm.storage_size == [1 << 30] and hbm.hbm_bytes() == 1 << 30
+    assert hbm.cache_strategy == ge.CacheStrategy.LFU and hbm.is_hbm()
+    # Hashable (feature columns holding it are dict keys).
+    assert hash(hbm) == hash(ge.StorageOption(ge.StorageType.HBM))
+    both = ge.StorageOption(ge.StorageType.HBM_DRAM, storage_size=[4096],
+                            cache_strategy=ge.CacheStrategy.LRU)
+    assert both.hbm_bytes() == 4096 and not both.is_tiered()
+    for opt in (hbm, both):
+        again = ge.EmbeddingVariableOption.from_config(
+            ge.EmbeddingVariableOption(storage_option=opt).get_config())
+        assert again.storage_option == opt
+    with pytest.raises(ValueError, match=r"\[hbm_bytes\].*HBM_DRAM"):
+        ge.StorageOption(ge.StorageType.HBM_DRAM, storage_size=[0])
+    with pytest.raises(NotImplementedError, match="HBM keeps no disk"):
+        ge.StorageOption(ge.StorageType.HBM, storage_path="/tmp/x")
+    with pytest.raises(NotImplementedError, match="LEVELDB"):
+        ge.StorageOption(ge.StorageType.LEVELDB)
+
+
+@pytest.mark.parametrize("kind", [ge.StorageType.HBM,
+                                  ge.StorageType.HBM_DRAM])
+def test_without_gpu_an_hbm_ev_is_an_error_naming_it(monkeypatch, kind):
+    monkeypatch.setenv(config.HBM_ON_HOST, "0")
+    monkeypatch.setattr(capabilities, "_hbm_support", {})
+    monkeypatch.setattr(capabilities, "_snapshots", {})
+    option = ge.EmbeddingVariableOption(
+        storage_option=ge.StorageOption(kind))
+    with pytest.raises(RuntimeError, match=r"'user_hbm'.*StorageType.HBM "
+                                           r"needs the GPU kernels.*sees no "
+                                           r"GPU"):
+        ge.get_embedding_variable("user_hbm", DIM, ev_option=option)
+
+
+def test_the_test_hook_is_checked(monkeypatch):
+    monkeypatch.setenv(config.HBM_ON_HOST, "yes")
+    with pytest.raises(ValueError, match=config.HBM_ON_HOST):
+        config.hbm_on_host()
+
+
+def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
+    cases = [
+        (ge.StorageOption(ge.StorageType.HBM_DRAM), {}, "HBM_DRAM"),
+        (ge.StorageOption(ge.StorageType.HBM),
+         {"filter_option": ge.CBFFilter(2, 10, 0.01)}, "CBFFilter"),
+        (ge.StorageOption(ge.StorageType.HBM),
+         {"evict_option": ge.GlobalStepEvict(3)}, "evict_option"),
+    ]
+    for storage, extra, what in cases:
+        option = ge.EmbeddingVariableOption(storage_option=storage, **extra)
+        with pytest.raises(NotImplementedError, match=f"'todo'.*{what}"):
+            ge.get_embedding_variable("todo", DIM, ev_option=option)
+    ev = ge.get_embedding_variable("seq", DIM, ev_option=_option(
+        ge.StorageOption(ge.StorageType.HBM)))
+    ids = tf.ragged.constant([[1, 2]], tf.int64)
+    with pytest.raises(NotImplementedError, match=r"\(seq\).*sequence"):
+        ge.group_embedding_lookup_sparse([ev], [ids], "sum",
+                                         is_sequence=True)
+
+
+# -- 34.3: lookups and updates against the DRAM EV --------------------------
+def test_plan_gives_hbm_evs_their_own_group_and_backend(hbm):
+    hbm_ev, dram_ev = _pair("plan")
+    # Pooled plans read no feature of an EV group.
+    call = lookup_plan.LookupCall(mode=lookup_plan.Mode.POOLED)
+    groups = lookup_plan.group_tables(
+        [hbm_ev, dram_ev], [None, None], ["h", "d"], ["sum", "sum"], call,
+        params_num_per_group=8)
+    assert [(g.kind.value, g.backend.value) for g in groups] == [
+        ("hbm_ev", "gpu_kernels"), ("ev", "cpu_kernels")]
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lookup_and_adagrad_equal_the_dram_ev(hbm, combiner, weighted):
+    hbm_ev, dram_ev = _pair(f"ada_{combiner}_{weighted}")
+    batches = _batches(3 + weighted, steps=4, weighted=weighted)
+    got = _train(hbm_ev, ge.optimizers.Adagrad(0.1), batches, combiner)
+    want = _train(dram_ev, ge.optimizers.Adagrad(0.1), batches, combiner)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+@pytest.mark.parametrize("name,make", [
+    ("sgd", lambda: ge.optimizers.SGD(0.2)),
+    ("adam", lambda: ge.optimizers.Adam(0.05)),
+    ("ftrl", lambda: ge.optimizers.Ftrl(0.1, l1_regularization_strength=0.01,
+                                        l2_regularization_strength=0.02)),
+])
+def test_every_optimizer_equals_the_dram_ev(hbm, name, make):
+    hbm_ev, dram_ev = _pair(f"opt_{name}")
+    batches = _batches(11, steps=4)
+    got = _train(hbm_ev, make(), batches, "mean")
+    want = _train(dram_ev, make(), batches, "mean")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+def test_max_norm_equals_the_dram_ev(hbm):
+    hbm_ev, dram_ev = _pair("clip")
+    batches = _batches(5, steps=3, weighted=True)
+    got = _train(hbm_ev, ge.optimizers.SGD(0.5), batches, "sqrtn", 0.3)
+    want = _train(dram_ev, ge.optimizers.SGD(0.5), batches, "sqrtn", 0.3)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+def test_distinct_keys_with_sgd_are_bitwise_equal(hbm):
+    """One key per row, no duplicates, sum: nothing is summed or scaled,
+    so both paths do the same float operations."""
+    hbm_ev, dram_ev = _pair("bitwise")
+    ids = tf.ragged.constant([[k] for k in KEYS], tf.int64)
+    batches = [(ids, None)] * 3
+    got = _train(hbm_ev, ge.optimizers.SGD(0.5), batches, "sum")
+    want = _train(dram_ev, ge.optimizers.SGD(0.5), batches, "sum")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    _assert_same_state(hbm_ev, dram_ev, exact=True)
+
+
+def test_counter_filter_admission_and_duplicates(hbm):
+    """CounterFilter(3): keys read no_permission for their first 3
+    occurrences (counted per occurrence, duplicates in one batch read the
+    same row), get no update until admitted, and are stamped anyway."""
+    hbm_ev, dram_ev = _pair("filter", filter_freq=3)
+    ids = tf.ragged.constant([[1, 1, 2], [1], [5, 5, 5, 5], []], tf.int64)
+    batches = [(ids, None)] * 2 + _batches(2, steps=3)
+    got = _train(hbm_ev, ge.optimizers.Adagrad(0.1), batches, "mean")
+    want = _train(dram_ev, ge.optimizers.Adagrad(0.1), batches, "mean")
+    # The first batch reads only no_permission rows.
+    np.testing.assert_array_equal(got[0][:3], np.full((3, DIM), 0.25))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+def test_group_of_several_hbm_evs_with_a_shared_table(hbm):
+    """Three features over two HBM EVs (one shared) in one fused op."""
+    a, a_ref = _pair("grp_a")
+    b, b_ref = _pair("grp_b")
+    batches = _batches(8, steps=6)
+
+    def run(tables):
+        opt = ge.optimizers.Adagrad(0.1)
+        outs = []
+        for i in range(0, len(batches), 3):
+            ids = [batches[i + j][0] for j in range(3)]
+            with tf.GradientTape() as tape:
+                out = ge.group_embedding_lookup_sparse(
+                    tables, ids, ["sum", "mean", "sqrtn"])
+                loss = tf.add_n([tf.reduce_sum(o * o) for o in out])
+            distinct = [tables[0], tables[2]]
+            opt.apply(tape.gradient(loss, distinct), distinct)
+            outs.append([o.numpy() for o in out])
+        return outs
+
+    got = run([a, a, b])
+    want = run([a_ref, a_ref, b_ref])
+    for gs, ws in zip(got, want):
+        for g, w in zip(gs, ws):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(a, a_ref)
+    _assert_same_state(b, b_ref)
+
+
+def test_inference_reads_without_inserting(hbm):
+    hbm_ev, dram_ev = _pair("infer")
+    ids = tf.ragged.constant([[3, 4], [2**40 + 5]], tf.int64)
+    for ev in (hbm_ev, dram_ev):
+        ge.group_embedding_lookup_sparse([ev], [ids[:1]], "sum")
+    got = ge.group_embedding_lookup_sparse([hbm_ev], [ids], "mean",
+                                           training=False)[0]
+    want = ge.group_embedding_lookup_sparse([dram_ev], [ids], "mean",
+                                            training=False)[0]
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert int(hbm_ev.size()) == int(dram_ev.size()) == 2
+    np.testing.assert_array_equal(hbm_ev.lookup_rows([3, 9]).numpy(),
+                                  dram_ev.lookup_rows([3, 9]).numpy())
+
+
+def test_traced_training_step_equals_the_dram_ev(hbm):
+    hbm_ev, dram_ev = _pair("traced")
+    batches = _batches(21, steps=3)
+
+    def run(ev):
+        opt = ge.optimizers.Adam(0.05)
+
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                (out,) = ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+                loss = tf.reduce_sum(out * out)
+            opt.apply(tape.gradient(loss, [ev]), [ev])
+            return out
+
+        return [step(ids).numpy() for ids, _ in batches]
+
+    for g, w in zip(run(hbm_ev), run(dram_ev)):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
+def test_reserved_key_and_full_bucket_are_errors_naming_the_ev(hbm):
+    (ev, _) = _pair("limits", hbm_bytes=1)  # one bucket of 128 keys
+    assert ev.storage.capacity == 128
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="limits_hbm.*int64 min"):
+        ge.group_embedding_lookup_sparse(
+            [ev], [tf.ragged.constant([[-2**63]], tf.int64)], "sum")
+    many = tf.ragged.constant([list(range(129))], tf.int64)
+    with pytest.raises(tf.errors.ResourceExhaustedError,
+                       match="limits_hbm.*could not store 1 keys"):
+        ge.group_embedding_lookup_sparse([ev], [many], "sum")
+
+
+# -- 34.4: checkpoints in the CPU EV's format, restored into either kind -----
+def _checkpoint_entries(path):
+    """{checkpoint key: (dtype, shape)} of a checkpoint, without the
+    object graph (which names the saving program's Python objects)."""
+    reader = tf.train.load_checkpoint(path)
+    shapes = reader.get_variable_to_shape_map()
+    return {k: (dtype, tuple(shapes[k]))
+            for k, dtype in reader.get_variable_to_dtype_map().items()
+            if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+
+
+def _fresh(kind, name):
+    storage = (ge.StorageOption(ge.StorageType.HBM, storage_size=[1 << 20])
+               if kind == "hbm" else ge.StorageOption())
+    return ge.get_embedding_variable(name, DIM, ev_option=_option(
+        storage, filter_freq=2, no_permission=0.25))
+
+
+def _assert_exact_state(a, b):
+    sa, sb = _state(a), _state(b)
+    for x, y in zip(sa, sb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("saved,restored", [("hbm", "dram"), ("dram", "hbm"),
+                                            ("hbm", "hbm")])
+def test_checkpoint_format_and_restore_both_ways(hbm, tmp_path, saved,
+                                                 restored):
+    hbm_ev, dram_ev = _pair(f"ck_{saved}_{restored}", filter_freq=2)
+    batches = _batches(31, steps=4)
+    opts = [ge.optimizers.Adam(0.05), ge.optimizers.Adam(0.05)]
+    for ev, opt in zip((hbm_ev, dram_ev), opts):
+        _train(ev, opt, batches, "mean")
+    paths = {kind: tf.train.Checkpoint(ev=ev).write(str(tmp_path / kind))
+             for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev))}
+    # The same entries (names, dtypes, shapes) whichever kind saved.
+    assert _checkpoint_entries(paths["hbm"]) == _checkpoint_entries(
+        paths["dram"])
+    source = hbm_ev if saved == "hbm" else dram_ev
+    target = _fresh(restored, f"ck_{saved}_{restored}_into")
+    tf.train.Checkpoint(ev=target).read(paths[saved]).assert_consumed()
+    # Bitwise: keys, rows, slots, freqs, versions, step and the default
+    # matrix.
+    _assert_exact_state(target, source)
+    np.testing.assert_array_equal(target.default_values.numpy(),
+                                  source.default_values.numpy())
+    # Training continues alike (Adam's moments restored with the keys).
+    more = _batches(32, steps=2)
+    opt_a, opt_b = ge.optimizers.Adam(0.05), ge.optimizers.Adam(0.05)
+    for opt in (opt_a, opt_b):
+        opt.iterations.assign(4)
+    got = _train(target, opt_a, more, "sum")
+    want = _train(source, opt_b, more, "sum")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(target, source)
+
+
+def test_v1_saver_names_and_restores_an_hbm_ev(hbm, tmp_path):
+    """A TF1 graph's Saver writes DeepRec's `<name>-keys`, ... for an HBM
+    EV, and a DRAM EV of the same name restores them."""
+    keys = np.array([5, -3, 5, 2**40], np.int64)
+    path = str(tmp_path / "v1")
+    states = []
+    for kind in ("hbm", "dram"):
+        with tf.Graph().as_default():
+            ev = _fresh(kind, "v1_ev")
+            ids = tf.RaggedTensor.from_row_splits(
+                tf.constant(keys), tf.constant([0, 2, 4], tf.int64))
+            (out,) = ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+            grads = tf.gradients(tf.reduce_sum(out * out), [ev.handle])
+            train = ge.train.GradientDescentOptimizer(0.1).apply_gradients(
+                [(grads[0], ev)])
+            saver = tf.compat.v1.train.Saver()
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                if kind == "hbm":
+                    for _ in range(3):
+                        sess.run(train)
+                    saver.save(sess, path)
+                else:
+                    saver.restore(sess, path)
+                states.append([x for x in sess.run(
+                    ev.storage.export(ev.handle, DIM))])
+    names = set(_checkpoint_entries(path))
+    assert {"v1_ev-keys", "v1_ev-values", "v1_ev-freqs", "v1_ev-versions",
+            "v1_ev/default_values"} <= names
+    (hk, *hrest), (dk, *drest) = states
+    ho, do = np.argsort(hk), np.argsort(dk)
+    np.testing.assert_array_equal(hk[ho], dk[do])
+    for i in (0, 1, 2):  # values, freqs, versions
+        np.testing.assert_array_equal(hrest[i][ho], drest[i][do])
+
+
+def test_feature_columns_with_hbm_evs_fit_like_dram_evs(hbm):
+    """`group_embedding_column_scope` + `GroupEmbeddingFeatures` in a
+    Keras model trained by `model.fit`: HBM EV columns give the DRAM EV
+    columns' losses, rows and sizes."""
+    rng = np.random.default_rng(0)
+    uid = rng.integers(0, 6, 32)
+    city = rng.choice(["sf", "ny", "la"], 32)
+    y = ((uid % 2 == 0) ^ (city == "sf")).astype("float32")[:, None]
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({"uid": uid, "city": city}, y)).batch(8)
+    results = []
+    for kind in ("hbm", "dram"):
+        storage = (ge.StorageOption(ge.StorageType.HBM,
+                                    storage_size=[1 << 16])
+                   if kind == "hbm" else ge.StorageOption())
+        option = ge.EmbeddingVariableOption(
+            init_option=ge.InitializerOption(
+                initializer=tf.keras.initializers.RandomUniform(
+                    -0.5, 0.5, seed=1), default_value_dim=7),
+            storage_option=storage)
+        with ge_fc.group_embedding_column_scope(f"fc_{kind}"):
+            cols = [ge_fc.embedding_column(
+                        ge_fc.categorical_column_with_embedding(
+                            "uid", dtype=tf.int64, ev_option=option), 4,
+                        "sum"),
+                    ge_fc.embedding_column(
+                        ge_fc.categorical_column_with_embedding(
+                            "city", ev_option=option), 4)]
+        features = ge_fc.GroupEmbeddingFeatures(cols)
+        inputs = {"uid": keras.Input((), dtype="int64", name="uid"),
+                  "city": keras.Input((), dtype="string", name="city")}
+        out = keras.layers.Dense(
+            1, kernel_initializer=keras.initializers.Constant(0.2))(
+                features(inputs))
+        model = keras.Model(inputs, out)
+        model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
+        losses = model.fit(ds, epochs=4, verbose=0).history["loss"]
+        evs = features.embedding_variables
+        assert [ev.ge_table_kind for ev in evs] == (
+            ["hbm_ev"] * 2 if kind == "hbm" else ["ev"] * 2)
+        results.append((losses, [_state(ev) for ev in evs]))
+    (got_losses, got), (want_losses, want) = results
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g[0], w[0])  # keys
+        np.testing.assert_array_equal(g[2], w[2])  # freqs
+        np.testing.assert_allclose(g[1], w[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_untouched_gradients_take_the_fused_backward_apply(hbm, monkeypatch,
+                                                           traced):
+    """An optimizer applying the lookup's own slices runs the fused
+    backward-apply (the feature's ids and pooled gradient into one core
+    update); slices changed on the way (here scaled by 1) take the
+    per-key update. Both equal the DRAM EV."""
+    from group_embedding.ops import hbm_ev_storage
+    found = []
+    real = hbm_ev_storage._forward_of
+
+    def spy(keys, values):
+        forward = real(keys, values)
+        found.append(forward is not None)
+        return forward
+
+    monkeypatch.setattr(hbm_ev_storage, "_forward_of", spy)
+    batches = _batches(41, steps=3, weighted=True)
+    for scale in (None, 1.0):
+        hbm_ev, dram_ev = _pair(f"fused_{traced}_{scale}")
+        outs = []
+        for ev in (hbm_ev, dram_ev):
+            opt = ge.optimizers.Adagrad(0.1)
+
+            def step(ids, w, ev=ev, opt=opt):
+                with tf.GradientTape() as tape:
+                    (out,) = ge.group_embedding_lookup_sparse(
+                        [ev], [ids], "sqrtn", [w], max_norm=0.4)
+                    loss = tf.reduce_sum(out * tf.sin(out + 1.0))
+                (g,) = tape.gradient(loss, [ev])
+                if scale is not None:
+                    g = tf.IndexedSlices(g.values * scale, g.indices)
+                opt.apply([g], [ev])
+                return out
+
+            run = tf.function(step) if traced else step
+            outs.append([run(ids, w).numpy() for ids, w in batches])
+        for g, w in zip(*outs):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+        _assert_same_state(hbm_ev, dram_ev)
+        assert found and all(found) == (scale is None), (scale, found)
+        found.clear()
