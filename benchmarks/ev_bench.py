@@ -28,7 +28,9 @@ import group_embedding as ge  # noqa: E402
 import criteo_like  # noqa: E402
 
 
-def _make_step(tables, optimizer):
+def make_step(tables, optimizer):
+    """The criteo-like training step on `tables` (a `tf.function` of the
+    26 SparseTensors): grouped lookup, concat, mean of squares, update."""
     @tf.function
     def step(sp_ids):
         with tf.GradientTape() as tape:
@@ -46,7 +48,8 @@ def _evs(dim, seed):
             for i in range(len(criteo_like.CARDINALITIES))]
 
 
-def _timed(step, batches, steps):
+def timed(step, batches, steps):
+    """Seconds per step over `steps` steps cycling through `batches`."""
     start = time.perf_counter()
     for i in range(steps):
         loss = step(batches[i % len(batches)])
@@ -81,8 +84,8 @@ def main(argv=None):
     fixed = [tf.Variable(t) for t in
              criteo_like.initial_tables(args.cap, args.dim)]
     evs = _evs(args.dim, seed=0)
-    fixed_step = _make_step(fixed, ge.optimizers.Adagrad(0.01, 0.1))
-    ev_step = _make_step(evs, ge.optimizers.Adagrad(0.01, 0.1))
+    fixed_step = make_step(fixed, ge.optimizers.Adagrad(0.01, 0.1))
+    ev_step = make_step(evs, ge.optimizers.Adagrad(0.01, 0.1))
 
     # Fill-up phase: the first pass over the batches inserts most keys.
     ev_step(batches[0]).numpy()  # trace
@@ -96,8 +99,8 @@ def main(argv=None):
 
     fixed_t, ev_t = [], []
     for _ in range(args.rounds):  # interleaved rounds share machine noise
-        fixed_t.append(_timed(fixed_step, batches, args.steps))
-        ev_t.append(_timed(ev_step, batches, args.steps))
+        fixed_t.append(timed(fixed_step, batches, args.steps))
+        ev_t.append(timed(ev_step, batches, args.steps))
     keys = sum(int(ev.size()) for ev in evs)
     total_bytes = sum(float(ev.bytes_per_key()) * int(ev.size())
                       for ev in evs)

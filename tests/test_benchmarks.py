@@ -4,12 +4,17 @@
 batches and raises when their losses differ (stock TF vs this library,
 forward, backward and update over the warmup steps). Here it runs a few
 families for two steps on small tables (about 20 s); the timings it
-prints are meaningless at this size and are not checked.
+prints are meaningless at this size and are not checked. So does
+`benchmarks/ev_step_vs_deepray.py`, with its Deepray side only where a
+Deepray venv is named by $DEEPRAY_PYTHON.
 """
 
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 _BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       os.pardir, "benchmarks", "lookup_bench.py")
@@ -36,3 +41,44 @@ def test_lookup_bench_losses_agree_with_stock(tmp_path):
         assert f"correctness [{family}]: losses of " in proc.stdout, (
             family, proc.stdout[-3000:])
     assert os.path.getsize(out) > 0
+
+
+_EV_VS_DEEPRAY = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              os.pardir, "benchmarks",
+                              "ev_step_vs_deepray.py")
+_TINY = ["--quick", "--batch", "64", "--cap", "500", "--rounds", "2",
+         "--steps", "2", "--num-batches", "2", "--lookup-keys", "3000",
+         "--lookup-rows", "500", "--lookup-reps", "1"]
+
+
+def _run_ev_vs_deepray(tmp_path, env):
+    out = str(tmp_path / "bench.json")
+    proc = subprocess.run([sys.executable, _EV_VS_DEEPRAY, *_TINY,
+                           "--out", out], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_ev_step_vs_deepray_our_side(tmp_path):
+    # Our EV step and the training=False lookup vs tf.gather; without a
+    # Deepray venv the benchmark says so instead of a ratio.
+    env = {k: v for k, v in os.environ.items() if k != "DEEPRAY_PYTHON"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    result = _run_ev_vs_deepray(tmp_path, env)
+    assert result["step"]["ours_live_keys"] > 0
+    assert "not run" in result["step"]["deepray"]
+    assert result["lookup"]["lookup_rows"] == 500
+
+
+def test_ev_step_vs_deepray_both_sides(tmp_path):
+    # Only where a Deepray venv was made (../shared/peers/deepray/setup.sh)
+    # and named by $DEEPRAY_PYTHON: both sides train on the same ids, so
+    # they store the same keys (the benchmark raises otherwise).
+    python = os.environ.get("DEEPRAY_PYTHON")
+    if not python or not os.path.exists(python):
+        pytest.skip("no Deepray venv ($DEEPRAY_PYTHON)")
+    result = _run_ev_vs_deepray(tmp_path, dict(os.environ,
+                                               TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result["step"]["speedup_over_deepray"] > 0
