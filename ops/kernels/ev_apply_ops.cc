@@ -52,8 +52,13 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   }
   ev->AdvanceStep(step);
   const int64_t* k = keys.flat<int64_t>().data();
-  // Keys of the SSD tier come back to DRAM (ev_storage.h).
-  if (ev->has_tier()) OP_REQUIRES_OK(ctx, ev->PrepareTier(k, n));
+  // Keys of the SSD tier come back to DRAM (ev_storage.h); right after
+  // the lookup of the same keys DRAM is over its budget by at most them,
+  // and that is no reason to spill (slack n).
+  if (ev->has_tier()) {
+    OP_REQUIRES_OK(ctx, ev->SpillToBudget(/*slack=*/n));
+    OP_REQUIRES_OK(ctx, ev->PrepareTier(k, n, /*spill=*/false));
+  }
   const float* g = grad.flat<float>().data();
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
 

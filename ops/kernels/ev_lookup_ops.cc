@@ -526,9 +526,11 @@ class EVWeightGradOp : public PooledEVKernel {
         WeightGrad(t, in, grads[t], pooled[t], rows, o->flat<float>().data());
       };
       if (ev->has_tier()) {
-        // Rows of the SSD tier come back to DRAM first (exclusive).
+        // Rows of the SSD tier come back to DRAM first (exclusive); no
+        // spill of the forward pass's rows (slack nnz, as the update's).
         tensorflow::mutex_lock lock(*ev->mu());
-        OP_REQUIRES_OK(ctx, ev->PrepareTier(ids, nnz));
+        OP_REQUIRES_OK(ctx, ev->SpillToBudget(/*slack=*/nnz));
+        OP_REQUIRES_OK(ctx, ev->PrepareTier(ids, nnz, /*spill=*/false));
         resolve();
       } else {
         tensorflow::tf_shared_lock lock(*ev->mu());

@@ -40,13 +40,17 @@
 // PrepareTier(keys) first, under the exclusive lock: it spills the coldest
 // rows (LFU: least freq; LRU: oldest version, the last step seen; ties by
 // key) down to the budget, then promotes the batch's keys found in the
-// tier. So the kernels below only ever see DRAM rows, and DRAM holds at
-// most the budget plus the keys of one op's batch. A spilled row carries
+// tier. So the kernels below only ever see DRAM rows. The updates (and
+// the weighted lookup's backward pass) spill only when DRAM is over the
+// budget by more than their own keys: right after the lookup of those
+// keys, their rows stay. DRAM holds at most the budget plus the keys of
+// two ops' batches. A spilled row carries
 // its two change marks into the tier's index, so incremental exports see it.
 // Whole-table ops (size, export, eviction) visit both tiers. The tier file
 // is a cache of one process: checkpoints are the truth.
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cctype>
 #include <cmath>
@@ -327,6 +331,11 @@ class EVStorage : public tensorflow::ResourceBase {
   // Rows moved so far: disk -> DRAM (misses of the DRAM tier) and back.
   int64_t promotions() const { return promotions_; }
   int64_t spills() const { return spills_; }
+  // Time spent in promotions and in spills (compactions included), and
+  // the compactions: where a step's tier overhead goes (benchmarks).
+  int64_t promote_ns() const { return promote_ns_; }
+  int64_t spill_ns() const { return spill_ns_; }
+  int64_t compactions() const { return compactions_; }
   int64_t tier_index_bytes() const {
     return tier_ ? static_cast<int64_t>(tier_->IndexBytes()) : 0;
   }
@@ -381,22 +390,41 @@ class EVStorage : public tensorflow::ResourceBase {
     return Promote(keys, n);
   }
   // PrepareTier without keys: only the spill (imports, slot creation).
-  Status SpillToBudget() {
+  // With `slack`, only when DRAM holds more than `slack` rows over the
+  // budget: an update right after its lookup (slack = its keys) finds
+  // the lookup's rows still in DRAM, instead of spilling them (the
+  // coldest by LFU: new keys) and reading them back at once.
+  Status SpillToBudget(int64_t slack = 0) {
     const int64_t keep = DramRowBudget();
-    if (size_ <= keep) return Status();
+    if (size_ <= keep + std::max<int64_t>(slack, 0)) return Status();
+    const TierTimer timer(&spill_ns_);
     // Spill an eighth of the budget more than needed, so that the scan
     // below runs once per keep/8 new keys, not once per op.
     const int64_t target = keep - keep / 8;
-    std::vector<uint32_t> rows = LiveRows();
     const int64_t spill = size_ - target;
-    auto score = [this](uint32_t r) {
-      const KeyMeta* m = meta_.Row(r);
-      return config_.tier_lru ? m->version : m->freq;
+    // The live rows' scores and keys, read in row order (sequential
+    // memory, the free rows skipped by a bitmap) into one array that the
+    // selection sorts in place: comparing through the rows' scattered
+    // KeyMeta cost a cache miss per comparison.
+    struct Candidate {
+      int64_t score;
+      int64_t key;
+      uint32_t row;
     };
+    std::vector<uint64_t> free_bits((num_rows_ + 63) / 64, 0);
+    for (uint32_t r : free_rows_) free_bits[r >> 6] |= uint64_t{1} << (r & 63);
+    std::vector<Candidate> rows;
+    rows.reserve(size_);
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      if (free_bits[r >> 6] >> (r & 63) & 1) continue;
+      const KeyMeta* m = meta_.Row(r);
+      rows.push_back({config_.tier_lru ? m->version : m->freq, m->key,
+                      static_cast<uint32_t>(r)});
+    }
     std::nth_element(rows.begin(), rows.begin() + (spill - 1), rows.end(),
-                     [&](uint32_t a, uint32_t b) {
-                       const int64_t sa = score(a), sb = score(b);
-                       return sa != sb ? sa < sb : Key(a) < Key(b);
+                     [](const Candidate& a, const Candidate& b) {
+                       return a.score != b.score ? a.score < b.score
+                                                 : a.key < b.key;
                      });
     // Written in chunks of up to 4 MiB, one write each; a chunk that
     // fails stays in DRAM (the earlier ones are on disk, nothing is lost).
@@ -407,11 +435,13 @@ class EVStorage : public tensorflow::ResourceBase {
     const int64_t per_chunk = std::max<int64_t>(1, (4 << 20) / record);
     std::vector<char> buf(std::min(per_chunk, spill) * record);
     std::vector<int64_t> keys;
+    std::vector<uint8_t> marks;
     for (int64_t begin = 0; begin < spill; begin += per_chunk) {
       const int64_t end = std::min(spill, begin + per_chunk);
       keys.clear();
+      marks.clear();
       for (int64_t i = begin; i < end; ++i) {
-        const uint32_t r = rows[i];
+        const uint32_t r = rows[i].row;
         const KeyMeta* m = meta_.Row(r);
         rec.key = m->key;
         rec.freq = m->freq;
@@ -423,13 +453,15 @@ class EVStorage : public tensorflow::ResourceBase {
         }
         tier_->Encode(rec, buf.data() + (i - begin) * record);
         keys.push_back(rec.key);
+        marks.push_back(RowMarks(r));
       }
-      TF_RETURN_IF_ERROR(TierStatus(
-          tier_->PutEncoded(buf.data(), keys.data(), keys.size())));
-      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i]);
+      TF_RETURN_IF_ERROR(TierStatus(tier_->PutEncoded(
+          buf.data(), keys.data(), keys.size(), marks.data())));
+      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i].row);
       spills_ += end - begin;
     }
     if (tier_->WantsCompaction()) {
+      ++compactions_;
       TF_RETURN_IF_ERROR(TierStatus(tier_->Compact()));
     }
     return Status();
@@ -475,6 +507,21 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
  private:
+  // Adds the nanoseconds of its scope to *total.
+  class TierTimer {
+   public:
+    explicit TierTimer(int64_t* total)
+        : total_(total), start_(std::chrono::steady_clock::now()) {}
+    ~TierTimer() {
+      *total_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::steady_clock::now() - start_).count();
+    }
+
+   private:
+    int64_t* total_;
+    std::chrono::steady_clock::time_point start_;
+  };
+
   static constexpr uint8_t kTierChanged = 1;
   static constexpr uint8_t kTierExported = 2;
 
@@ -510,42 +557,80 @@ class EVStorage : public tensorflow::ResourceBase {
         " optimizer slots); give the DRAM tier at least that.");
   }
 
-  // Moves DRAM row `r` out (its record is in the tier): its change marks
-  // go to the tier's index, and it is no removal.
-  void DetachRow(uint32_t r) {
-    const int64_t key = Key(r);
+  // DRAM row `r`'s change marks, as the tier's index keeps them.
+  uint8_t RowMarks(uint32_t r) const {
     const uint64_t bit = uint64_t{1} << (r & 63);
     uint8_t marks = 0;
     if (changed_[r >> 6] & bit) marks |= kTierChanged;
     if (exported_[r >> 6] & bit) marks |= kTierExported;
+    return marks;
+  }
+
+  // Moves DRAM row `r` out (its record and RowMarks are in the tier): it
+  // is no removal.
+  void DetachRow(uint32_t r) {
+    const uint64_t bit = uint64_t{1} << (r & 63);
     changed_[r >> 6] &= ~bit;
     exported_[r >> 6] &= ~bit;
-    tier_->SetMarks(key, marks);
-    FreeBucket(BucketOf(key));
+    FreeBucket(BucketOf(Key(r)));
   }
 
   // Brings the tier's rows of `keys` into DRAM, exactly as spilled.
+  // Most keys of a batch are in DRAM (the hot ones) or new: they cost a
+  // DRAM probe (prefetched, as the lookup's) and a probe of the tier's
+  // index. The rest are read in batches of up to kPromoteBatch records,
+  // each deduplicated and sorted by file offset (SsdTierFile::ReadMany),
+  // all checked before any is moved: a bad record changes nothing of its
+  // batch, and the earlier batches are in DRAM, whole.
+  static constexpr int64_t kPromoteBatch = 16384;
   Status Promote(const int64_t* keys, int64_t n) {
     if (tier_->size() == 0) return Status();
-    TierRecord rec;
+    const TierTimer timer(&promote_ns_);
+    std::vector<std::pair<uint32_t, int64_t>> want;  // (record, key)
+    constexpr int64_t kAhead = 8;
     for (int64_t j = 0; j < n; ++j) {
-      if (!tier_->Contains(keys[j]) || Find(keys[j]) >= 0) continue;
-      bool found = false;
-      TF_RETURN_IF_ERROR(TierStatus(tier_->Get(keys[j], &rec, &found)));
-      const int64_t r = InsertRow(keys[j]);
-      if (r < 0) return FullError();
-      *meta_.Row(r) = {rec.key, rec.freq, rec.version};
-      std::memcpy(values_.Row(r), rec.row.data(), sizeof(float) * dim());
-      for (size_t s = 0; s < slots_.size(); ++s) {
-        std::memcpy(slots_[s].Row(r), rec.slots.data() + s * dim(),
-                    sizeof(float) * dim());
+      if (j + 2 * kAhead < n) PrefetchBucket(keys[j + 2 * kAhead]);
+      if (j + kAhead < n) PrefetchKeyRow(keys[j + kAhead]);
+      if (Find(keys[j]) >= 0) continue;
+      const int64_t rec = tier_->RecordOf(keys[j]);
+      if (rec >= 0) want.emplace_back(static_cast<uint32_t>(rec), keys[j]);
+    }
+    if (want.empty()) return Status();
+    std::sort(want.begin(), want.end());
+    want.erase(std::unique(want.begin(), want.end()), want.end());
+    const int64_t record = static_cast<int64_t>(tier_->record_bytes());
+    std::vector<uint32_t> recs;
+    std::vector<int64_t> batch_keys;
+    std::vector<char> buf;
+    TierRecord rec;
+    for (size_t begin = 0; begin < want.size(); begin += kPromoteBatch) {
+      const size_t end = std::min(want.size(), begin + kPromoteBatch);
+      recs.clear();
+      batch_keys.clear();
+      for (size_t i = begin; i < end; ++i) {
+        recs.push_back(want[i].first);
+        batch_keys.push_back(want[i].second);
       }
-      const uint8_t marks = tier_->Marks(keys[j]);
-      const uint64_t bit = uint64_t{1} << (r & 63);
-      if (marks & kTierChanged) changed_[r >> 6] |= bit;
-      if (marks & kTierExported) exported_[r >> 6] |= bit;
-      tier_->Erase(keys[j]);
-      ++promotions_;
+      buf.resize(recs.size() * record);
+      TF_RETURN_IF_ERROR(TierStatus(tier_->ReadMany(
+          recs.data(), batch_keys.data(), recs.size(), buf.data())));
+      for (size_t i = 0; i < recs.size(); ++i) {
+        tier_->Decode(buf.data() + i * record, &rec);
+        const int64_t r = InsertRow(rec.key);
+        if (r < 0) return FullError();
+        *meta_.Row(r) = {rec.key, rec.freq, rec.version};
+        std::memcpy(values_.Row(r), rec.row.data(), sizeof(float) * dim());
+        for (size_t s = 0; s < slots_.size(); ++s) {
+          std::memcpy(slots_[s].Row(r), rec.slots.data() + s * dim(),
+                      sizeof(float) * dim());
+        }
+        uint8_t marks = 0;
+        tier_->Erase(rec.key, &marks);
+        const uint64_t bit = uint64_t{1} << (r & 63);
+        if (marks & kTierChanged) changed_[r >> 6] |= bit;
+        if (marks & kTierExported) exported_[r >> 6] |= bit;
+        ++promotions_;
+      }
     }
     return Status();
   }
@@ -934,6 +1019,9 @@ class EVStorage : public tensorflow::ResourceBase {
   std::unique_ptr<SsdTierFile> tier_;
   int64_t promotions_ = 0;
   int64_t spills_ = 0;
+  int64_t promote_ns_ = 0;
+  int64_t spill_ns_ = 0;
+  int64_t compactions_ = 0;
   std::string tier_dir_key_;
 };
 
