@@ -139,6 +139,14 @@ class TierIndex {
     const int64_t at = tables_[t].Find(key, Local(hash));
     return at < 0 ? -1 : static_cast<int64_t>((t << 40) | uint64_t(at));
   }
+  // Starts loading the cache lines where Find(key) begins.
+  void Prefetch(int64_t key) const {
+    const uint64_t hash = Mix(static_cast<uint64_t>(key));
+    const Table& t = tables_[TableOf(hash)];
+    const uint64_t h = t.Home(Local(hash));
+    __builtin_prefetch(&t.keys[h]);
+    __builtin_prefetch(&t.recs[h]);
+  }
   uint32_t record(int64_t slot) const { return Rec(slot) & kRecordMask; }
   uint8_t marks(int64_t slot) const { return Rec(slot) >> 30; }
   void set_marks(int64_t slot, uint8_t m) {
@@ -461,6 +469,7 @@ class SsdTierFile {
     return err;
   }
 
+  void PrefetchKey(int64_t key) const { index_.Prefetch(key); }
   // The record number of `key`, or -1 when it is not in this tier.
   int64_t RecordOf(int64_t key) const {
     const int64_t at = index_.Find(key);

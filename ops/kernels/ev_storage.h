@@ -385,9 +385,12 @@ class EVStorage : public tensorflow::ResourceBase {
   // the next PrepareTier. A failed spill (disk full) leaves the row in
   // DRAM, a failed read (corruption) changes nothing: nothing is lost.
   // `spill` false: only the promotion (the caller spilled already).
-  Status PrepareTier(const int64_t* keys, int64_t n, bool spill = true) {
+  // With `rows`, rows[j] is set to keys[j]'s DRAM row where the DRAM
+  // probe found it (a promoted key's is left as it was: look it up).
+  Status PrepareTier(const int64_t* keys, int64_t n, bool spill = true,
+                     int64_t* rows = nullptr) {
     if (spill) TF_RETURN_IF_ERROR(SpillToBudget());
-    return Promote(keys, n);
+    return Promote(keys, n, rows);
   }
   // PrepareTier without keys: only the spill (imports, slot creation).
   // With `slack`, only when DRAM holds more than `slack` rows over the
@@ -441,6 +444,12 @@ class EVStorage : public tensorflow::ResourceBase {
       keys.clear();
       marks.clear();
       for (int64_t i = begin; i < end; ++i) {
+        if (i + 8 < end) {  // rows in random order: load ahead
+          const uint32_t a = rows[i + 8].row;
+          __builtin_prefetch(meta_.Row(a));
+          __builtin_prefetch(values_.Row(a));
+          for (const auto& slot : slots_) __builtin_prefetch(slot.Row(a));
+        }
         const uint32_t r = rows[i].row;
         const KeyMeta* m = meta_.Row(r);
         rec.key = m->key;
@@ -583,15 +592,22 @@ class EVStorage : public tensorflow::ResourceBase {
   // all checked before any is moved: a bad record changes nothing of its
   // batch, and the earlier batches are in DRAM, whole.
   static constexpr int64_t kPromoteBatch = 16384;
-  Status Promote(const int64_t* keys, int64_t n) {
+  Status Promote(const int64_t* keys, int64_t n, int64_t* rows = nullptr) {
     if (tier_->size() == 0) return Status();
     const TierTimer timer(&promote_ns_);
     std::vector<std::pair<uint32_t, int64_t>> want;  // (record, key)
     constexpr int64_t kAhead = 8;
     for (int64_t j = 0; j < n; ++j) {
       if (j + 2 * kAhead < n) PrefetchBucket(keys[j + 2 * kAhead]);
-      if (j + kAhead < n) PrefetchKeyRow(keys[j + kAhead]);
-      if (Find(keys[j]) >= 0) continue;
+      if (j + kAhead < n) {
+        PrefetchKeyRow(keys[j + kAhead]);
+        // Wasted on the keys in DRAM, but a miss of the tier's index
+        // (hundreds of MB) would stall every new or cold key.
+        tier_->PrefetchKey(keys[j + kAhead]);
+      }
+      const int64_t row = Find(keys[j]);
+      if (rows != nullptr && row >= 0) rows[j] = row;
+      if (row >= 0) continue;
       const int64_t rec = tier_->RecordOf(keys[j]);
       if (rec >= 0) want.emplace_back(static_cast<uint32_t>(rec), keys[j]);
     }
