@@ -33,7 +33,6 @@ import json
 import os
 import resource
 import shutil
-import sys
 import tempfile
 import time
 
@@ -148,12 +147,16 @@ def fill(step, num_keys, chunk, deadline=None, log=None):
 
 
 def timed(step, batches, steps, offset):
-    start = time.perf_counter()
+    """(wall seconds, process CPU seconds) per step. The CPU time of all
+    the process's threads is the steadier measure on a shared machine:
+    other processes' load stretches wall time, not this one's CPU."""
+    start, cpu = time.perf_counter(), time.process_time()
     loss = None
     for i in range(steps):
         loss = step(batches[(offset + i) % len(batches)])
     loss.numpy()
-    return (time.perf_counter() - start) / steps
+    return ((time.perf_counter() - start) / steps,
+            (time.process_time() - cpu) / steps)
 
 
 def rows_of(ev, keys):
@@ -249,11 +252,13 @@ def run_compare(args, path):
         tier_step(b).numpy()
     offset = args.warmup
     before = tier_stats(tier_ev)
-    dram_t, tier_t = [], []
+    dram_t, tier_t, dram_cpu, tier_cpu = [], [], [], []
     for r in range(args.rounds):  # alternating order shares machine noise
-        pair = [(dram_step, dram_t), (tier_step, tier_t)]
-        for step, times in (pair if r % 2 == 0 else pair[::-1]):
-            times.append(timed(step, batches, args.steps, offset))
+        pair = [(dram_step, dram_t, dram_cpu), (tier_step, tier_t, tier_cpu)]
+        for step, times, cpus in (pair if r % 2 == 0 else pair[::-1]):
+            wall, cpu = timed(step, batches, args.steps, offset)
+            times.append(wall)
+            cpus.append(cpu)
         offset += args.steps
     after = tier_stats(tier_ev)
     spills = after["spills"] - before["spills"]
@@ -287,6 +292,12 @@ def run_compare(args, path):
         "dram_step_ms_rounds": [1e3 * t for t in dram_t],
         "tier_step_ms_rounds": [1e3 * t for t in tier_t],
         "ratio_tier_over_dram": tier_ms / dram_ms,
+        "dram_step_cpu_ms": 1e3 * float(np.median(dram_cpu)),
+        "tier_step_cpu_ms": 1e3 * float(np.median(tier_cpu)),
+        "ratio_tier_over_dram_cpu": float(np.median(tier_cpu) /
+                                          np.median(dram_cpu)),
+        "ratio_tier_over_dram_per_round": [
+            t / d for t, d in zip(tier_t, dram_t)],
         "target_ratio": 1.3,
         "hit_rate_distinct_keys": 1.0 - promoted / looked_up,
         "promotions_per_step": promoted / (args.rounds * args.steps),
@@ -330,7 +341,7 @@ def run_scale(args, path):
     for i in range(args.warmup):
         step(batches[i % len(batches)]).numpy()
     before = tier_stats(ev)
-    times = [timed(step, batches, args.steps, args.warmup + r * args.steps)
+    times = [timed(step, batches, args.steps, args.warmup + r * args.steps)[0]
              for r in range(args.rounds)]
     after = tier_stats(ev)
     looked_up = sum(distinct[(args.warmup + i) % len(batches)]

@@ -49,6 +49,8 @@
 // Whole-table ops (size, export, eviction) visit both tiers. The tier file
 // is a cache of one process: checkpoints are the truth.
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -114,6 +116,21 @@ class ChunkedArray {
   void Clear() {
     chunks_.clear();
     capacity_ = 0;
+  }
+  // Frees the last chunks while the rest still hold `rows` rows.
+  void Shrink(int64_t rows) {
+    while (!chunks_.empty()) {
+      const int64_t last = ChunkRows(static_cast<int>(chunks_.size()) - 1);
+      if (capacity_ - last < rows) break;
+      chunks_.pop_back();
+      capacity_ -= last;
+    }
+  }
+  // The fewest rows >= `rows` that end a chunk.
+  static int64_t ChunkEnd(int64_t rows) {
+    int64_t end = 0;
+    for (int c = 0; end < rows; ++c) end += ChunkRows(c);
+    return end;
   }
   int64_t Bytes() const { return capacity_ * width_ * sizeof(T); }
 
@@ -473,6 +490,9 @@ class EVStorage : public tensorflow::ResourceBase {
       ++compactions_;
       TF_RETURN_IF_ERROR(TierStatus(tier_->Compact()));
     }
+    // The index grows with the keys on disk and takes its bytes from
+    // the rows': give the memory of rows no longer paid for back.
+    if (num_rows_ > keep + keep / 4 + 1024) PackRows();
     return Status();
   }
 
@@ -564,6 +584,55 @@ class EVStorage : public tensorflow::ResourceBase {
         config_.dram_bytes, " bytes cannot hold one row (", row,
         " bytes with dim ", dim(), " and ", slots,
         " optimizer slots); give the DRAM tier at least that.");
+  }
+
+  // Moves the live rows past the first ChunkEnd(size_) rows into free
+  // rows below it and frees the chunks past it (and, with glibc, gives
+  // the freed pages back to the system). Rows move only here, between
+  // ops' row work: every caller of SpillToBudget resolves rows after it.
+  void PackRows() {
+    const int64_t end = ChunkedArray<KeyMeta>::ChunkEnd(size_);
+    if (end >= num_rows_) return;
+    std::vector<uint32_t> holes;  // free rows below `end`
+    for (uint32_t r : free_rows_) {
+      if (r < end) holes.push_back(r);
+    }
+    for (uint32_t& b : buckets_) {
+      if (b == kEmpty || b < end) continue;
+      const uint32_t to = holes.back();  // there are enough: see ChunkEnd
+      holes.pop_back();
+      *meta_.Row(to) = *meta_.Row(b);
+      std::memcpy(values_.Row(to), values_.Row(b), sizeof(float) * dim());
+      for (auto& slot : slots_) {
+        std::memcpy(slot.Row(to), slot.Row(b), sizeof(float) * dim());
+      }
+      const uint64_t from_bit = uint64_t{1} << (b & 63);
+      const uint64_t to_bit = uint64_t{1} << (to & 63);
+      changed_[to >> 6] &= ~to_bit;
+      exported_[to >> 6] &= ~to_bit;
+      if (changed_[b >> 6] & from_bit) changed_[to >> 6] |= to_bit;
+      if (exported_[b >> 6] & from_bit) exported_[to >> 6] |= to_bit;
+      b = to;
+    }
+    free_rows_.swap(holes);
+    free_rows_.shrink_to_fit();
+    num_rows_ = end;
+    meta_.Shrink(end);
+    values_.Shrink(end);
+    for (auto& slot : slots_) slot.Shrink(end);
+    changed_.resize((end + 63) / 64);
+    exported_.resize((end + 63) / 64);
+    changed_.shrink_to_fit();
+    exported_.shrink_to_fit();
+    // The bits of the rows dropped past `end` in the last word.
+    if (end % 64 != 0) {
+      const uint64_t keep_bits = (uint64_t{1} << (end % 64)) - 1;
+      changed_.back() &= keep_bits;
+      exported_.back() &= keep_bits;
+    }
+#ifdef __GLIBC__
+    malloc_trim(0);
+#endif
   }
 
   // DRAM row `r`'s change marks, as the tier's index keeps them.

@@ -200,11 +200,19 @@ class TestTieredTraining:
         # A step on another key spills the first batch's rows (an update
         # right after its lookup does not).
         other = tf.ragged.constant([[2**41]], tf.int64)
-        _train(dram, opt_a, [first, other])
-        _train(ssd, opt_b, [first, other])
+        _train(dram, opt_a, [first])
+        _train(ssd, opt_b, [first])
+        held = float(ssd.bytes_per_key()) * int(ssd.size())
+        _train(dram, opt_a, [other])
+        _train(ssd, opt_b, [other])
         in_dram, on_disk = (int(x) for x in
                             ev_storage.tier_stats(ssd.handle)[:2])
         assert on_disk >= 20000 - 4 and in_dram <= 4 + 1
+        # The spilled rows' memory went back (PackRows), not only to the
+        # free list: the 20000 rows' bytes are gone.
+        rows_bytes = 20000 * ROW_BYTES
+        assert float(ssd.bytes_per_key()) * int(ssd.size()) < held - (
+            rows_bytes // 2)
         keys = np.concatenate([old, old[::-1], [2**41],
                                2**40 + np.arange(300, dtype=np.int64)])
         rng.shuffle(keys)
