@@ -18,7 +18,9 @@
 //              still order), value
 //              float[D], S parallel float[D] slot arenas
 // Rows live in fixed-size chunks, so growth never moves a row; evicted
-// rows go to a free list and are reused by the next insert.
+// rows go to a free list and are reused by the next insert. Only an SSD
+// tier's spill moves rows (PackRows, before any row of its op is taken),
+// to give back the memory of rows its DRAM budget no longer pays for.
 //
 // Change tracking (incremental checkpoints, GroupEmbeddingEVExportChanges), two
 // bits per row instead of a 64-bit stamp (8 bytes a key, 8% of a dim-16 row):
@@ -492,7 +494,9 @@ class EVStorage : public tensorflow::ResourceBase {
     }
     // The index grows with the keys on disk and takes its bytes from
     // the rows': give the memory of rows no longer paid for back.
-    if (num_rows_ > keep + keep / 4 + 1024) PackRows();
+    // An eighth of slack: the rows freed by a spill (to keep - keep/8)
+    // are reused by the next inserts before any new row is allocated.
+    if (num_rows_ > keep + keep / 8 + 1024) PackRows();
     return Status();
   }
 
