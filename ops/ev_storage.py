@@ -122,9 +122,11 @@ def size(handle):
 
 
 def tier_stats(handle) -> tf.Tensor:
-    """int64 `[5]`: keys in DRAM, keys on disk, promotions (disk -> DRAM,
+    """int64 `[8]`: keys in DRAM, keys on disk, promotions (disk -> DRAM,
     the DRAM tier's misses), spills (DRAM -> disk), bytes of the disk
-    tier's in-memory index (StorageType.DRAM_SSDHASH / SSDHASH)."""
+    tier's in-memory index, nanoseconds spent promoting, nanoseconds spent
+    spilling (compactions included), compactions (StorageType.DRAM_SSDHASH
+    / SSDHASH)."""
     return library().group_embedding_ev_tier_stats(handle)
 
 

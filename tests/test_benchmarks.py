@@ -82,3 +82,35 @@ def test_ev_step_vs_deepray_both_sides(tmp_path):
     result = _run_ev_vs_deepray(tmp_path, dict(os.environ,
                                                TF_CPP_MIN_LOG_LEVEL="2"))
     assert result["step"]["speedup_over_deepray"] > 0
+
+
+_TIER_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           os.pardir, "benchmarks", "ev_tier_bench.py")
+
+
+def test_ev_tier_bench_quick_runs(tmp_path):
+    """benchmarks/ev_tier_bench.py at tiny sizes: the tiered EV and the
+    all-DRAM EV train on the same ids and the script checks their rows
+    are bitwise equal; both modes write their JSON and clean the tier
+    folder."""
+    for extra in ([], ["--scale", "--keys", "30000", "--dram-gib",
+                       "0.001"]):
+        out = str(tmp_path / "tier.json")
+        folder = str(tmp_path / "tier_dir")
+        proc = subprocess.run(
+            [sys.executable, _TIER_BENCH, "--quick", "--out", out,
+             "--storage-path", folder] + extra,
+            capture_output=True, text=True, timeout=600,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        with open(out) as f:
+            result = json.load(f)
+        assert not os.path.exists(folder)
+        stats = result["tier_stats"]
+        if extra:
+            assert result["keys_inserted"] == 20000  # --quick caps keys
+            assert stats["dram_keys"] + stats["disk_keys"] == 20000
+            assert stats["disk_keys"] > 0
+        else:
+            assert result["rows_bitwise_equal_sample"] is True
+            assert stats["spills"] > 0 and stats["promotions"] > 0

@@ -186,15 +186,16 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
     EVSizeOp);
 
 // The SSD tier's counters: keys in DRAM, keys on disk, promotions (disk ->
-// DRAM, i.e. misses of the DRAM tier), spills (DRAM -> disk) and the bytes
-// of the tier's in-memory index; all 0 but the first without a tier.
+// DRAM, i.e. misses of the DRAM tier), spills (DRAM -> disk), the bytes
+// of the tier's in-memory index, nanoseconds spent promoting and spilling
+// (compactions included), compactions; all 0 but the first without a tier.
 // A new op: no pre-rename alias.
 REGISTER_OP("GroupEmbeddingEVTierStats")
     .Input("handle: resource")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(5));
+      c->set_output(0, c->Vector(8));
       return Status();
     });
 
@@ -206,13 +207,16 @@ class EVTierStatsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, GetEV(ctx, 0, &ev));
     tensorflow::tf_shared_lock lock(*ev->mu());
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({5}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({8}), &out));
     auto v = out->flat<int64_t>();
     v(1) = ev->tier_size();
     v(0) = ev->size() - v(1);
     v(2) = ev->promotions();
     v(3) = ev->spills();
     v(4) = ev->tier_index_bytes();
+    v(5) = ev->promote_ns();
+    v(6) = ev->spill_ns();
+    v(7) = ev->compactions();
   }
 };
 

@@ -52,8 +52,11 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   }
   ev->AdvanceStep(step);
   const int64_t* k = keys.flat<int64_t>().data();
-  // Keys of the SSD tier come back to DRAM (ev_storage.h).
-  if (ev->has_tier()) OP_REQUIRES_OK(ctx, ev->PrepareTier(k, n));
+  // Keys of the SSD tier come back to DRAM (ev_storage.h); right after
+  // the lookup of the same keys DRAM is over its budget by at most them,
+  // and that is no reason to spill (slack n).
+  const bool tier = ev->has_tier();
+  if (tier) OP_REQUIRES_OK(ctx, ev->SpillToBudget(/*slack=*/n));
   const float* g = grad.flat<float>().data();
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
 
@@ -62,6 +65,14 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   const bool filtered = ev->config().filter_freq > 0;
   std::vector<int64_t> rows(n);
   std::vector<int64_t> unadmitted(filtered ? n : 0, -1);
+  // With a tier: the keys without a DRAM row, which may be on disk.
+  std::vector<uint8_t> absent(tier ? n : 0, 0);
+  auto resolve_one = [&](int64_t j) {
+    const int64_t r = ev->Find(k[j]);
+    rows[j] = (r >= 0 && ev->Admitted(r)) ? r : -1;
+    if (filtered && r >= 0 && rows[j] < 0) unadmitted[j] = r;
+    if (tier) absent[j] = r < 0;
+  };
   auto resolve = [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       if (j + 2 * kPrefetchDistance < end) {
@@ -70,12 +81,26 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
       if (j + kPrefetchDistance < end) {
         ev->PrefetchKeyRow(k[j + kPrefetchDistance]);
       }
-      const int64_t r = ev->Find(k[j]);
-      rows[j] = (r >= 0 && ev->Admitted(r)) ? r : -1;
-      if (filtered && r >= 0 && rows[j] < 0) unadmitted[j] = r;
+      resolve_one(j);
     }
   };
   tensorflow::Shard(pool->num_threads, pool->workers, n, 200, resolve);
+  if (tier) {
+    // Promoted after the DRAM pass, not before: after its lookup an
+    // update's keys are all in DRAM, and a second probe of every key
+    // (Promote's) cost as much as the update.
+    std::vector<int64_t> away;
+    for (int64_t j = 0; j < n; ++j) {
+      if (absent[j]) away.push_back(k[j]);
+    }
+    if (!away.empty()) {
+      OP_REQUIRES_OK(ctx, ev->PrepareTier(away.data(), away.size(),
+                                          /*spill=*/false));
+      for (int64_t j = 0; j < n; ++j) {
+        if (absent[j]) resolve_one(j);
+      }
+    }
+  }
   // Versions of keys seen but not admitted, serially: duplicates share a
   // row.
   for (int64_t j = 0; filtered && j < n; ++j) {

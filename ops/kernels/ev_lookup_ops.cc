@@ -140,22 +140,29 @@ Status ReadGroupInputs(OpKernelContext* ctx, int64_t dim, unsigned lists,
 // when the table is full.
 Status ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
                    const Tensor& defaults, bool training,
-                   const float* no_permission, const float** out) {
+                   const float* no_permission, const float** out,
+                   const int64_t* known = nullptr) {
   const float* dflt = defaults.flat<float>().data();
   const int64_t drows = defaults.dim_size(0);
   const bool filtered = ev->config().filter_freq > 0;
+  // `known`: key j's row as the tier's promotion pass found it (-1: not
+  // found then, look again), so that a key costs one probe, not two.
+  auto find = [&](int64_t j) {
+    return known != nullptr && known[j] >= 0 ? known[j] : ev->Find(key[j]);
+  };
+  auto unknown = [&](int64_t j) { return known == nullptr || known[j] < 0; };
   auto prefetch = [&](int64_t j) {
-    if (j + 2 * kPrefetchDistance < n) {
+    if (j + 2 * kPrefetchDistance < n && unknown(j + 2 * kPrefetchDistance)) {
       ev->PrefetchBucket(key[j + 2 * kPrefetchDistance]);
     }
-    if (j + kPrefetchDistance < n) {
+    if (j + kPrefetchDistance < n && unknown(j + kPrefetchDistance)) {
       ev->PrefetchKeyRow(key[j + kPrefetchDistance]);
     }
   };
   if (!training) {
     for (int64_t j = 0; j < n; ++j) {
       prefetch(j);
-      const int64_t r = ev->Find(key[j]);
+      const int64_t r = find(j);
       if (r >= 0 && ev->Admitted(r)) {
         out[j] = ev->Value(r);
       } else if (filtered) {
@@ -171,14 +178,16 @@ Status ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
     // move, so these pointers survive the inserts below.
     for (int64_t j = 0; j < n; ++j) {
       prefetch(j);
-      const int64_t r = ev->Find(key[j]);
+      const int64_t r = find(j);
       out[j] = (r >= 0 && ev->Admitted(r)) ? ev->Value(r) : no_permission;
     }
   }
   const bool cbf = ev->has_cbf();
   for (int64_t j = 0; j < n; ++j) {
     prefetch(j);
-    int64_t r = ev->Find(key[j]);
+    // A key the promotion pass did not find may have been inserted
+    // since by an earlier occurrence: find() looks again.
+    int64_t r = find(j);
     if (r < 0 && cbf) {
       // Counted in the Bloom filter; stored once admitted.
       const int64_t count = ev->CountUnstored(key[j]);
@@ -235,14 +244,20 @@ class ResolvedGroup {
     // stay until the next op on the variable (see ev_storage.h). One
     // spill per variable, then its tables' keys, so that no promoted row
     // of one table is spilled for another.
+    // The promotion pass probes every key in DRAM; the rows it finds
+    // (`known`) stay put until this op ends (promotions only add rows),
+    // so ResolveKeys takes them instead of probing again.
+    std::vector<int64_t> known;
     for (EVStorage* ev : distinct) {
       if (!ev->has_tier()) continue;
+      if (known.empty()) known.assign(total(), -1);
       TF_RETURN_IF_ERROR(ev->SpillToBudget());
       for (int t = 0; t < k; ++t) {
         if (evs[t] != ev) continue;
         TF_RETURN_IF_ERROR(ev->PrepareTier(keys[t].flat<int64_t>().data(),
                                            keys[t].NumElements(),
-                                           /*spill=*/false));
+                                           /*spill=*/false,
+                                           known.data() + offset_[t]));
       }
     }
     std::vector<Status> status(n);  // one writer per entry
@@ -253,7 +268,10 @@ class ResolvedGroup {
           status[e] = ResolveKeys(evs[t], keys[t].flat<int64_t>().data(),
                                   keys[t].NumElements(), defaults[t],
                                   training, no_permission_[t].data(),
-                                  rows_.data() + offset_[t]);
+                                  rows_.data() + offset_[t],
+                                  evs[t]->has_tier()
+                                      ? known.data() + offset_[t]
+                                      : nullptr);
         }
       }
     };
@@ -526,9 +544,11 @@ class EVWeightGradOp : public PooledEVKernel {
         WeightGrad(t, in, grads[t], pooled[t], rows, o->flat<float>().data());
       };
       if (ev->has_tier()) {
-        // Rows of the SSD tier come back to DRAM first (exclusive).
+        // Rows of the SSD tier come back to DRAM first (exclusive); no
+        // spill of the forward pass's rows (slack nnz, as the update's).
         tensorflow::mutex_lock lock(*ev->mu());
-        OP_REQUIRES_OK(ctx, ev->PrepareTier(ids, nnz));
+        OP_REQUIRES_OK(ctx, ev->SpillToBudget(/*slack=*/nnz));
+        OP_REQUIRES_OK(ctx, ev->PrepareTier(ids, nnz, /*spill=*/false));
         resolve();
       } else {
         tensorflow::tf_shared_lock lock(*ev->mu());

@@ -18,7 +18,9 @@
 //              still order), value
 //              float[D], S parallel float[D] slot arenas
 // Rows live in fixed-size chunks, so growth never moves a row; evicted
-// rows go to a free list and are reused by the next insert.
+// rows go to a free list and are reused by the next insert. Only an SSD
+// tier's spill moves rows (PackRows, before any row of its op is taken),
+// to give back the memory of rows its DRAM budget no longer pays for.
 //
 // Change tracking (incremental checkpoints, GroupEmbeddingEVExportChanges), two
 // bits per row instead of a 64-bit stamp (8 bytes a key, 8% of a dim-16 row):
@@ -40,13 +42,19 @@
 // PrepareTier(keys) first, under the exclusive lock: it spills the coldest
 // rows (LFU: least freq; LRU: oldest version, the last step seen; ties by
 // key) down to the budget, then promotes the batch's keys found in the
-// tier. So the kernels below only ever see DRAM rows, and DRAM holds at
-// most the budget plus the keys of one op's batch. A spilled row carries
+// tier. So the kernels below only ever see DRAM rows. The updates (and
+// the weighted lookup's backward pass) spill only when DRAM is over the
+// budget by more than their own keys: right after the lookup of those
+// keys, their rows stay. DRAM holds at most the budget plus the keys of
+// two ops' batches. A spilled row carries
 // its two change marks into the tier's index, so incremental exports see it.
 // Whole-table ops (size, export, eviction) visit both tiers. The tier file
 // is a cache of one process: checkpoints are the truth.
 
+#include <malloc.h>
+
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cctype>
 #include <cmath>
@@ -110,6 +118,21 @@ class ChunkedArray {
   void Clear() {
     chunks_.clear();
     capacity_ = 0;
+  }
+  // Frees the last chunks while the rest still hold `rows` rows.
+  void Shrink(int64_t rows) {
+    while (!chunks_.empty()) {
+      const int64_t last = ChunkRows(static_cast<int>(chunks_.size()) - 1);
+      if (capacity_ - last < rows) break;
+      chunks_.pop_back();
+      capacity_ -= last;
+    }
+  }
+  // The fewest rows >= `rows` that end a chunk.
+  static int64_t ChunkEnd(int64_t rows) {
+    int64_t end = 0;
+    for (int c = 0; end < rows; ++c) end += ChunkRows(c);
+    return end;
   }
   int64_t Bytes() const { return capacity_ * width_ * sizeof(T); }
 
@@ -327,6 +350,11 @@ class EVStorage : public tensorflow::ResourceBase {
   // Rows moved so far: disk -> DRAM (misses of the DRAM tier) and back.
   int64_t promotions() const { return promotions_; }
   int64_t spills() const { return spills_; }
+  // Time spent in promotions and in spills (compactions included), and
+  // the compactions: where a step's tier overhead goes (benchmarks).
+  int64_t promote_ns() const { return promote_ns_; }
+  int64_t spill_ns() const { return spill_ns_; }
+  int64_t compactions() const { return compactions_; }
   int64_t tier_index_bytes() const {
     return tier_ ? static_cast<int64_t>(tier_->IndexBytes()) : 0;
   }
@@ -376,27 +404,49 @@ class EVStorage : public tensorflow::ResourceBase {
   // the next PrepareTier. A failed spill (disk full) leaves the row in
   // DRAM, a failed read (corruption) changes nothing: nothing is lost.
   // `spill` false: only the promotion (the caller spilled already).
-  Status PrepareTier(const int64_t* keys, int64_t n, bool spill = true) {
+  // With `rows`, rows[j] is set to keys[j]'s DRAM row where the DRAM
+  // probe found it (a promoted key's is left as it was: look it up).
+  Status PrepareTier(const int64_t* keys, int64_t n, bool spill = true,
+                     int64_t* rows = nullptr) {
     if (spill) TF_RETURN_IF_ERROR(SpillToBudget());
-    return Promote(keys, n);
+    return Promote(keys, n, rows);
   }
   // PrepareTier without keys: only the spill (imports, slot creation).
-  Status SpillToBudget() {
+  // With `slack`, only when DRAM holds more than `slack` rows over the
+  // budget: an update right after its lookup (slack = its keys) finds
+  // the lookup's rows still in DRAM, instead of spilling them (the
+  // coldest by LFU: new keys) and reading them back at once.
+  Status SpillToBudget(int64_t slack = 0) {
     const int64_t keep = DramRowBudget();
-    if (size_ <= keep) return Status();
+    if (size_ <= keep + std::max<int64_t>(slack, 0)) return Status();
+    const TierTimer timer(&spill_ns_);
     // Spill an eighth of the budget more than needed, so that the scan
     // below runs once per keep/8 new keys, not once per op.
     const int64_t target = keep - keep / 8;
-    std::vector<uint32_t> rows = LiveRows();
     const int64_t spill = size_ - target;
-    auto score = [this](uint32_t r) {
-      const KeyMeta* m = meta_.Row(r);
-      return config_.tier_lru ? m->version : m->freq;
+    // The live rows' scores and keys, read in row order (sequential
+    // memory, the free rows skipped by a bitmap) into one array that the
+    // selection sorts in place: comparing through the rows' scattered
+    // KeyMeta cost a cache miss per comparison.
+    struct Candidate {
+      int64_t score;
+      int64_t key;
+      uint32_t row;
     };
+    std::vector<uint64_t> free_bits((num_rows_ + 63) / 64, 0);
+    for (uint32_t r : free_rows_) free_bits[r >> 6] |= uint64_t{1} << (r & 63);
+    std::vector<Candidate> rows;
+    rows.reserve(size_);
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      if (free_bits[r >> 6] >> (r & 63) & 1) continue;
+      const KeyMeta* m = meta_.Row(r);
+      rows.push_back({config_.tier_lru ? m->version : m->freq, m->key,
+                      static_cast<uint32_t>(r)});
+    }
     std::nth_element(rows.begin(), rows.begin() + (spill - 1), rows.end(),
-                     [&](uint32_t a, uint32_t b) {
-                       const int64_t sa = score(a), sb = score(b);
-                       return sa != sb ? sa < sb : Key(a) < Key(b);
+                     [](const Candidate& a, const Candidate& b) {
+                       return a.score != b.score ? a.score < b.score
+                                                 : a.key < b.key;
                      });
     // Written in chunks of up to 4 MiB, one write each; a chunk that
     // fails stays in DRAM (the earlier ones are on disk, nothing is lost).
@@ -407,11 +457,19 @@ class EVStorage : public tensorflow::ResourceBase {
     const int64_t per_chunk = std::max<int64_t>(1, (4 << 20) / record);
     std::vector<char> buf(std::min(per_chunk, spill) * record);
     std::vector<int64_t> keys;
+    std::vector<uint8_t> marks;
     for (int64_t begin = 0; begin < spill; begin += per_chunk) {
       const int64_t end = std::min(spill, begin + per_chunk);
       keys.clear();
+      marks.clear();
       for (int64_t i = begin; i < end; ++i) {
-        const uint32_t r = rows[i];
+        if (i + 8 < end) {  // rows in random order: load ahead
+          const uint32_t a = rows[i + 8].row;
+          __builtin_prefetch(meta_.Row(a));
+          __builtin_prefetch(values_.Row(a));
+          for (const auto& slot : slots_) __builtin_prefetch(slot.Row(a));
+        }
+        const uint32_t r = rows[i].row;
         const KeyMeta* m = meta_.Row(r);
         rec.key = m->key;
         rec.freq = m->freq;
@@ -423,15 +481,22 @@ class EVStorage : public tensorflow::ResourceBase {
         }
         tier_->Encode(rec, buf.data() + (i - begin) * record);
         keys.push_back(rec.key);
+        marks.push_back(RowMarks(r));
       }
-      TF_RETURN_IF_ERROR(TierStatus(
-          tier_->PutEncoded(buf.data(), keys.data(), keys.size())));
-      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i]);
+      TF_RETURN_IF_ERROR(TierStatus(tier_->PutEncoded(
+          buf.data(), keys.data(), keys.size(), marks.data())));
+      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i].row);
       spills_ += end - begin;
     }
     if (tier_->WantsCompaction()) {
+      ++compactions_;
       TF_RETURN_IF_ERROR(TierStatus(tier_->Compact()));
     }
+    // The index grows with the keys on disk and takes its bytes from
+    // the rows': give the memory of rows no longer paid for back.
+    // An eighth of slack: the rows freed by a spill (to keep - keep/8)
+    // are reused by the next inserts before any new row is allocated.
+    if (num_rows_ > keep + keep / 8 + 1024) PackRows();
     return Status();
   }
 
@@ -475,6 +540,21 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
  private:
+  // Adds the nanoseconds of its scope to *total.
+  class TierTimer {
+   public:
+    explicit TierTimer(int64_t* total)
+        : total_(total), start_(std::chrono::steady_clock::now()) {}
+    ~TierTimer() {
+      *total_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::steady_clock::now() - start_).count();
+    }
+
+   private:
+    int64_t* total_;
+    std::chrono::steady_clock::time_point start_;
+  };
+
   static constexpr uint8_t kTierChanged = 1;
   static constexpr uint8_t kTierExported = 2;
 
@@ -510,42 +590,136 @@ class EVStorage : public tensorflow::ResourceBase {
         " optimizer slots); give the DRAM tier at least that.");
   }
 
-  // Moves DRAM row `r` out (its record is in the tier): its change marks
-  // go to the tier's index, and it is no removal.
-  void DetachRow(uint32_t r) {
-    const int64_t key = Key(r);
+  // Moves the live rows past the first ChunkEnd(size_) rows into free
+  // rows below it and frees the chunks past it (and, with glibc, gives
+  // the freed pages back to the system). Rows move only here, between
+  // ops' row work: every caller of SpillToBudget resolves rows after it.
+  void PackRows() {
+    const int64_t end = ChunkedArray<KeyMeta>::ChunkEnd(size_);
+    if (end >= num_rows_) return;
+    std::vector<uint32_t> holes;  // free rows below `end`
+    for (uint32_t r : free_rows_) {
+      if (r < end) holes.push_back(r);
+    }
+    for (uint32_t& b : buckets_) {
+      if (b == kEmpty || b < end) continue;
+      const uint32_t to = holes.back();  // there are enough: see ChunkEnd
+      holes.pop_back();
+      *meta_.Row(to) = *meta_.Row(b);
+      std::memcpy(values_.Row(to), values_.Row(b), sizeof(float) * dim());
+      for (auto& slot : slots_) {
+        std::memcpy(slot.Row(to), slot.Row(b), sizeof(float) * dim());
+      }
+      const uint64_t from_bit = uint64_t{1} << (b & 63);
+      const uint64_t to_bit = uint64_t{1} << (to & 63);
+      changed_[to >> 6] &= ~to_bit;
+      exported_[to >> 6] &= ~to_bit;
+      if (changed_[b >> 6] & from_bit) changed_[to >> 6] |= to_bit;
+      if (exported_[b >> 6] & from_bit) exported_[to >> 6] |= to_bit;
+      b = to;
+    }
+    free_rows_.swap(holes);
+    free_rows_.shrink_to_fit();
+    num_rows_ = end;
+    meta_.Shrink(end);
+    values_.Shrink(end);
+    for (auto& slot : slots_) slot.Shrink(end);
+    changed_.resize((end + 63) / 64);
+    exported_.resize((end + 63) / 64);
+    changed_.shrink_to_fit();
+    exported_.shrink_to_fit();
+    // The bits of the rows dropped past `end` in the last word.
+    if (end % 64 != 0) {
+      const uint64_t keep_bits = (uint64_t{1} << (end % 64)) - 1;
+      changed_.back() &= keep_bits;
+      exported_.back() &= keep_bits;
+    }
+#ifdef __GLIBC__
+    malloc_trim(0);
+#endif
+  }
+
+  // DRAM row `r`'s change marks, as the tier's index keeps them.
+  uint8_t RowMarks(uint32_t r) const {
     const uint64_t bit = uint64_t{1} << (r & 63);
     uint8_t marks = 0;
     if (changed_[r >> 6] & bit) marks |= kTierChanged;
     if (exported_[r >> 6] & bit) marks |= kTierExported;
+    return marks;
+  }
+
+  // Moves DRAM row `r` out (its record and RowMarks are in the tier): it
+  // is no removal.
+  void DetachRow(uint32_t r) {
+    const uint64_t bit = uint64_t{1} << (r & 63);
     changed_[r >> 6] &= ~bit;
     exported_[r >> 6] &= ~bit;
-    tier_->SetMarks(key, marks);
-    FreeBucket(BucketOf(key));
+    FreeBucket(BucketOf(Key(r)));
   }
 
   // Brings the tier's rows of `keys` into DRAM, exactly as spilled.
-  Status Promote(const int64_t* keys, int64_t n) {
+  // Most keys of a batch are in DRAM (the hot ones) or new: they cost a
+  // DRAM probe (prefetched, as the lookup's) and a probe of the tier's
+  // index. The rest are read in batches of up to kPromoteBatch records,
+  // each deduplicated and sorted by file offset (SsdTierFile::ReadMany),
+  // all checked before any is moved: a bad record changes nothing of its
+  // batch, and the earlier batches are in DRAM, whole.
+  static constexpr int64_t kPromoteBatch = 16384;
+  Status Promote(const int64_t* keys, int64_t n, int64_t* rows = nullptr) {
     if (tier_->size() == 0) return Status();
-    TierRecord rec;
+    const TierTimer timer(&promote_ns_);
+    std::vector<std::pair<uint32_t, int64_t>> want;  // (record, key)
+    constexpr int64_t kAhead = 8;
     for (int64_t j = 0; j < n; ++j) {
-      if (!tier_->Contains(keys[j]) || Find(keys[j]) >= 0) continue;
-      bool found = false;
-      TF_RETURN_IF_ERROR(TierStatus(tier_->Get(keys[j], &rec, &found)));
-      const int64_t r = InsertRow(keys[j]);
-      if (r < 0) return FullError();
-      *meta_.Row(r) = {rec.key, rec.freq, rec.version};
-      std::memcpy(values_.Row(r), rec.row.data(), sizeof(float) * dim());
-      for (size_t s = 0; s < slots_.size(); ++s) {
-        std::memcpy(slots_[s].Row(r), rec.slots.data() + s * dim(),
-                    sizeof(float) * dim());
+      if (j + 2 * kAhead < n) PrefetchBucket(keys[j + 2 * kAhead]);
+      if (j + kAhead < n) {
+        PrefetchKeyRow(keys[j + kAhead]);
+        // Wasted on the keys in DRAM, but a miss of the tier's index
+        // (hundreds of MB) would stall every new or cold key.
+        tier_->PrefetchKey(keys[j + kAhead]);
       }
-      const uint8_t marks = tier_->Marks(keys[j]);
-      const uint64_t bit = uint64_t{1} << (r & 63);
-      if (marks & kTierChanged) changed_[r >> 6] |= bit;
-      if (marks & kTierExported) exported_[r >> 6] |= bit;
-      tier_->Erase(keys[j]);
-      ++promotions_;
+      const int64_t row = Find(keys[j]);
+      if (rows != nullptr && row >= 0) rows[j] = row;
+      if (row >= 0) continue;
+      const int64_t rec = tier_->RecordOf(keys[j]);
+      if (rec >= 0) want.emplace_back(static_cast<uint32_t>(rec), keys[j]);
+    }
+    if (want.empty()) return Status();
+    std::sort(want.begin(), want.end());
+    want.erase(std::unique(want.begin(), want.end()), want.end());
+    const int64_t record = static_cast<int64_t>(tier_->record_bytes());
+    std::vector<uint32_t> recs;
+    std::vector<int64_t> batch_keys;
+    std::vector<char> buf;
+    TierRecord rec;
+    for (size_t begin = 0; begin < want.size(); begin += kPromoteBatch) {
+      const size_t end = std::min(want.size(), begin + kPromoteBatch);
+      recs.clear();
+      batch_keys.clear();
+      for (size_t i = begin; i < end; ++i) {
+        recs.push_back(want[i].first);
+        batch_keys.push_back(want[i].second);
+      }
+      buf.resize(recs.size() * record);
+      TF_RETURN_IF_ERROR(TierStatus(tier_->ReadMany(
+          recs.data(), batch_keys.data(), recs.size(), buf.data())));
+      for (size_t i = 0; i < recs.size(); ++i) {
+        tier_->Decode(buf.data() + i * record, &rec);
+        const int64_t r = InsertRow(rec.key);
+        if (r < 0) return FullError();
+        *meta_.Row(r) = {rec.key, rec.freq, rec.version};
+        std::memcpy(values_.Row(r), rec.row.data(), sizeof(float) * dim());
+        for (size_t s = 0; s < slots_.size(); ++s) {
+          std::memcpy(slots_[s].Row(r), rec.slots.data() + s * dim(),
+                      sizeof(float) * dim());
+        }
+        uint8_t marks = 0;
+        tier_->Erase(rec.key, &marks);
+        const uint64_t bit = uint64_t{1} << (r & 63);
+        if (marks & kTierChanged) changed_[r >> 6] |= bit;
+        if (marks & kTierExported) exported_[r >> 6] |= bit;
+        ++promotions_;
+      }
     }
     return Status();
   }
@@ -934,6 +1108,9 @@ class EVStorage : public tensorflow::ResourceBase {
   std::unique_ptr<SsdTierFile> tier_;
   int64_t promotions_ = 0;
   int64_t spills_ = 0;
+  int64_t promote_ns_ = 0;
+  int64_t spill_ns_ = 0;
+  int64_t compactions_ = 0;
   std::string tier_dir_key_;
 };
 

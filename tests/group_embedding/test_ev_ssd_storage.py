@@ -129,7 +129,7 @@ class TestTieredTraining:
         # Most keys are on disk: the DRAM tier holds the rows its budget
         # pays for (4 with one slot) and the last op's keys.
         in_dram, on_disk, promoted, spilled, index = (
-            int(x) for x in ev_storage.tier_stats(ssd.handle))
+            int(x) for x in ev_storage.tier_stats(ssd.handle)[:5])
         assert in_dram + on_disk == len(want["keys"])
         slots = len(want["slot_names"])
         keep = 4 * ROW_BYTES // (24 + 12 + 4 * DIM * (1 + slots))
@@ -185,6 +185,72 @@ class TestTieredTraining:
         assert int(ssd.evict()) == n
         _assert_same(_snapshot(ssd), _snapshot(dram))
         assert int(ssd.size()) == int(dram.size())
+
+
+    def test_large_batch_promotion_matches_dram(self, tmp_path):
+        """One batch of 20000 keys on disk (two promotion batches of
+        16384 records at most, read in file order), each key twice,
+        between keys in DRAM and new keys."""
+        dram, ssd = _pair(tmp_path, "t_big")
+        rng = np.random.default_rng(11)
+        old = rng.choice(2**40, size=20000, replace=False) - 2**39
+        opt_a, opt_b = ge.optimizers.Adagrad(0.1), ge.optimizers.Adagrad(0.1)
+        first = tf.RaggedTensor.from_uniform_row_length(
+            tf.constant(old), 10)
+        # A step on another key spills the first batch's rows (an update
+        # right after its lookup does not).
+        other = tf.ragged.constant([[2**41]], tf.int64)
+        _train(dram, opt_a, [first])
+        _train(ssd, opt_b, [first])
+        held = float(ssd.bytes_per_key()) * int(ssd.size())
+        _train(dram, opt_a, [other])
+        _train(ssd, opt_b, [other])
+        in_dram, on_disk = (int(x) for x in
+                            ev_storage.tier_stats(ssd.handle)[:2])
+        assert on_disk >= 20000 - 4 and in_dram <= 4 + 1
+        # The spilled rows' memory went back (PackRows), not only to the
+        # free list: the 20000 rows' bytes are gone.
+        rows_bytes = 20000 * ROW_BYTES
+        assert float(ssd.bytes_per_key()) * int(ssd.size()) < held - (
+            rows_bytes // 2)
+        keys = np.concatenate([old, old[::-1], [2**41],
+                               2**40 + np.arange(300, dtype=np.int64)])
+        rng.shuffle(keys)
+        second = tf.RaggedTensor.from_row_splits(
+            tf.constant(keys), np.r_[np.arange(0, len(keys), 8), len(keys)])
+        before = int(ev_storage.tier_stats(ssd.handle)[2])
+        _train(dram, opt_a, [second])
+        _train(ssd, opt_b, [second])
+        promoted = int(ev_storage.tier_stats(ssd.handle)[2]) - before
+        # Every key on disk came back once, duplicates or not (and the
+        # few the lookup's spill moved out just before).
+        assert on_disk <= promoted <= on_disk + in_dram
+        _assert_same(_snapshot(ssd), _snapshot(dram))
+
+    def test_update_of_keys_on_disk_matches_dram(self, tmp_path):
+        """An optimizer update of keys that no lookup brought back (they
+        are on disk when the update runs) promotes and updates them."""
+        dram, ssd = _pair(tmp_path, "t_update")
+        batches = _batches(12, 6)
+        opt_a, opt_b = ge.optimizers.Adagrad(0.1), ge.optimizers.Adagrad(0.1)
+        # The last step (one key) spills the others' rows.
+        batches.append(tf.ragged.constant([[-50]], tf.int64))
+        _train(dram, opt_a, batches)
+        _train(ssd, opt_b, batches)
+        keys = _snapshot(dram)["keys"]
+        on_disk = int(ev_storage.tier_stats(ssd.handle)[1])
+        assert on_disk > len(keys) // 2
+        # Keys on disk and in DRAM, repeated, and one never stored.
+        picked = np.concatenate([keys, keys[:5], [10**12]])
+        grad_rows = np.random.default_rng(13).standard_normal(
+            (len(picked), DIM)).astype(np.float32)
+        for ev, opt in ((dram, opt_a), (ssd, opt_b)):
+            grad = tf.IndexedSlices(tf.constant(grad_rows),
+                                    tf.constant(picked))
+            opt.apply_gradients([(grad, ev)])
+        assert int(ev_storage.tier_stats(ssd.handle)[2]) > 0
+        _assert_same(_snapshot(ssd), _snapshot(dram))
+        assert int(ssd.size()) == int(dram.size()) == len(keys)
 
 
 class TestTieredCheckpoints:
