@@ -118,8 +118,11 @@ def _latest_names(chief: str, size: int) -> Dict[int, Optional[str]]:
     for r in range(size):
         directory = worker_dir(chief, r)
         state = os.path.join(directory, "checkpoint")
+        # gfile's mtime has whole seconds (st_mtime * 1e9 on local
+        # files): a state written within a second after the start reads
+        # as older, hence the second of slack.
         if gfile.Exists(state) and \
-                gfile.Stat(state).mtime_nsec >= _joined_ns[0]:
+                gfile.Stat(state).mtime_nsec >= _joined_ns[0] - 10 ** 9:
             continue  # written during this run
         path = _latest(directory)
         names[r] = os.path.basename(path) if path else None
