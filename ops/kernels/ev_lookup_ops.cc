@@ -247,6 +247,7 @@ class ResolvedGroup {
     // The promotion pass probes every key in DRAM; the rows it finds
     // (`known`) stay put until this op ends (promotions only add rows),
     // so ResolveKeys takes them instead of probing again.
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     std::vector<int64_t> known;
     for (EVStorage* ev : distinct) {
       if (!ev->has_tier()) continue;
@@ -257,7 +258,8 @@ class ResolvedGroup {
         TF_RETURN_IF_ERROR(ev->PrepareTier(keys[t].flat<int64_t>().data(),
                                            keys[t].NumElements(),
                                            /*spill=*/false,
-                                           known.data() + offset_[t]));
+                                           known.data() + offset_[t],
+                                           pool));
       }
     }
     std::vector<Status> status(n);  // one writer per entry
@@ -275,7 +277,6 @@ class ResolvedGroup {
         }
       }
     };
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(pool->num_threads, pool->workers, n,
                       (total() / n + 1) * 100, work);
     for (const Status& st : status) TF_RETURN_IF_ERROR(st);

@@ -82,6 +82,7 @@ namespace ev {
 
 // The other TF names come from op_checks.h, as in every kernel file.
 using ::tensorflow::ResourceHandle;
+using CpuWorkers = ::tensorflow::DeviceBase::CpuWorkerThreads;
 
 // Chunks grow 16, 32, ..., 512 rows, then stay at 1024: a variable with a
 // handful of keys (Criteo has fields of 3 or 4 values) does not pay for
@@ -406,10 +407,12 @@ class EVStorage : public tensorflow::ResourceBase {
   // `spill` false: only the promotion (the caller spilled already).
   // With `rows`, rows[j] is set to keys[j]'s DRAM row where the DRAM
   // probe found it (a promoted key's is left as it was: look it up).
+  // With `pool`, the probes of the keys (reads only) run on its threads.
   Status PrepareTier(const int64_t* keys, int64_t n, bool spill = true,
-                     int64_t* rows = nullptr) {
+                     int64_t* rows = nullptr,
+                     const CpuWorkers* pool = nullptr) {
     if (spill) TF_RETURN_IF_ERROR(SpillToBudget());
-    return Promote(keys, n, rows);
+    return Promote(keys, n, rows, pool);
   }
   // PrepareTier without keys: only the spill (imports, slot creation).
   // With `slack`, only when DRAM holds more than `slack` rows over the
@@ -665,24 +668,41 @@ class EVStorage : public tensorflow::ResourceBase {
   // all checked before any is moved: a bad record changes nothing of its
   // batch, and the earlier batches are in DRAM, whole.
   static constexpr int64_t kPromoteBatch = 16384;
-  Status Promote(const int64_t* keys, int64_t n, int64_t* rows = nullptr) {
+  Status Promote(const int64_t* keys, int64_t n, int64_t* rows = nullptr,
+                 const CpuWorkers* pool = nullptr) {
     if (tier_->size() == 0) return Status();
     const TierTimer timer(&promote_ns_);
-    std::vector<std::pair<uint32_t, int64_t>> want;  // (record, key)
-    constexpr int64_t kAhead = 8;
-    for (int64_t j = 0; j < n; ++j) {
-      if (j + 2 * kAhead < n) PrefetchBucket(keys[j + 2 * kAhead]);
-      if (j + kAhead < n) {
-        PrefetchKeyRow(keys[j + kAhead]);
-        // Wasted on the keys in DRAM, but a miss of the tier's index
-        // (hundreds of MB) would stall every new or cold key.
-        tier_->PrefetchKey(keys[j + kAhead]);
+    // 1. Probes, in parallel: they only read (the caller holds the
+    // exclusive lock, and the work items take none), and on a batch of
+    // mostly known keys they are most of the pass.
+    std::vector<int64_t> record_of(n);
+    auto probe = [&](int64_t begin, int64_t end) {
+      constexpr int64_t kAhead = 8;
+      for (int64_t j = begin; j < end; ++j) {
+        if (j + 2 * kAhead < end) PrefetchBucket(keys[j + 2 * kAhead]);
+        if (j + kAhead < end) {
+          PrefetchKeyRow(keys[j + kAhead]);
+          // Wasted on the keys in DRAM, but a miss of the tier's index
+          // (hundreds of MB) would stall every new or cold key.
+          tier_->PrefetchKey(keys[j + kAhead]);
+        }
+        const int64_t row = Find(keys[j]);
+        if (rows != nullptr && row >= 0) rows[j] = row;
+        record_of[j] = row >= 0 ? -1 : tier_->RecordOf(keys[j]);
       }
-      const int64_t row = Find(keys[j]);
-      if (rows != nullptr && row >= 0) rows[j] = row;
-      if (row >= 0) continue;
-      const int64_t rec = tier_->RecordOf(keys[j]);
-      if (rec >= 0) want.emplace_back(static_cast<uint32_t>(rec), keys[j]);
+    };
+    if (pool != nullptr) {
+      // ~3 cache misses a key.
+      tensorflow::Shard(pool->num_threads, pool->workers, n, 300, probe);
+    } else {
+      probe(0, n);
+    }
+    // 2. Reads and inserts, serially (they change the hash map).
+    std::vector<std::pair<uint32_t, int64_t>> want;  // (record, key)
+    for (int64_t j = 0; j < n; ++j) {
+      if (record_of[j] >= 0) {
+        want.emplace_back(static_cast<uint32_t>(record_of[j]), keys[j]);
+      }
     }
     if (want.empty()) return Status();
     std::sort(want.begin(), want.end());
@@ -701,8 +721,27 @@ class EVStorage : public tensorflow::ResourceBase {
         batch_keys.push_back(want[i].second);
       }
       buf.resize(recs.size() * record);
-      TF_RETURN_IF_ERROR(TierStatus(tier_->ReadMany(
-          recs.data(), batch_keys.data(), recs.size(), buf.data())));
+      // The reads in parallel too: scattered records cost a system call
+      // each, and pread at an offset needs no shared state. The first
+      // error (of any range) is kept; nothing is moved before the check.
+      std::string read_error;
+      std::mutex error_mu;  // taken by work items only
+      auto read = [&](int64_t b, int64_t e) {
+        std::string err = tier_->ReadMany(recs.data() + b,
+                                          batch_keys.data() + b, e - b,
+                                          buf.data() + b * record);
+        if (err.empty()) return;
+        std::lock_guard<std::mutex> l(error_mu);
+        if (read_error.empty()) read_error = std::move(err);
+      };
+      const int64_t count = static_cast<int64_t>(recs.size());
+      if (pool != nullptr) {
+        tensorflow::Shard(pool->num_threads, pool->workers, count, 2000,
+                          read);
+      } else {
+        read(0, count);
+      }
+      TF_RETURN_IF_ERROR(TierStatus(read_error));
       for (size_t i = 0; i < recs.size(); ++i) {
         tier_->Decode(buf.data() + i * record, &rec);
         const int64_t r = InsertRow(rec.key);
