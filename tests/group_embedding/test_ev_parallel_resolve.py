@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 import group_embedding as ge
+from group_embedding.ops import ev_storage
 
 import ev_cases
 
@@ -117,3 +118,126 @@ def test_tables_sharing_a_variable_count_in_group_order():
     uniq, counts = np.unique(np.concatenate(ids), return_counts=True)
     np.testing.assert_array_equal(ev.get_frequency(uniq).numpy(), counts)
     assert int(ev.size()) == len(uniq)
+
+
+def _trained_ev(name, keys, ev_option=None):
+    """An EV holding `keys`, each looked up once and moved by one SGD step
+    whose gradient depends on the key, so that a stored row differs from
+    every default row (a read of the wrong row, or of none, shows)."""
+    ev = ev_cases.make_ev(name, ev_option=ev_option)
+    ids = tf.RaggedTensor.from_uniform_row_length(tf.constant(keys), 1)
+    scale = tf.constant(((keys % 97) + 1).astype(np.float32)[:, None])
+    with tf.GradientTape() as tape:
+        (emb,) = ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+        loss = tf.reduce_sum(emb * scale)
+    ge.optimizers.SGD(0.01).apply_gradients([(tape.gradient(loss, ev), ev)])
+    return ev
+
+
+def _want_reads(ev, stored, query, no_permission=None, freq_needed=0):
+    # What a read-only lookup of `query` gives: the stored row of an
+    # admitted key, else the filter's constant (with a filter) or the
+    # key's default row.
+    rows = []
+    for k in query:
+        entry = stored.get(int(k))
+        if entry is not None and entry[1] >= freq_needed:
+            rows.append(entry[0])
+        elif no_permission is not None:
+            rows.append(np.full(4, no_permission, np.float32))
+        else:
+            rows.append(ev_cases.initial_rows(ev, np.array([k]))[0])
+    return np.stack(rows)
+
+
+def test_gather_copies_every_range_of_one_big_variable():
+    # One variable, 40000 keys: split in ranges on every thread (up to
+    # twice the threads), each copying its rows into the output. Stored
+    # keys (trained), repeats of them and unknown keys, interleaved.
+    rng = np.random.default_rng(4)
+    known = rng.permutation(np.arange(25000, dtype=np.int64) * 5 - 60000)
+    ev = _trained_ev("par_gather", known)
+    stored = _stored(ev)
+    unknown = np.arange(1, 5001, dtype=np.int64) * 5 + 7 + 10**12
+    query = rng.permutation(np.concatenate([known, known[:10000], unknown]))
+    got = ev.lookup_rows(tf.constant(query), training=False).numpy()
+    np.testing.assert_array_equal(got, _want_reads(ev, stored, query))
+    # Read only: nothing inserted, counted or stamped.
+    after = _stored(ev)
+    assert sorted(after) == sorted(stored)
+    for k in known[:200]:
+        assert after[int(k)][1:] == stored[int(k)][1:]
+
+
+def test_gather_of_a_group_lays_out_each_table_at_its_offset():
+    # Three tables over two variables (one twice), of sizes not multiples
+    # of the part count, read-only and in one op.
+    rng = np.random.default_rng(5)
+    a_keys = np.arange(12000, dtype=np.int64) * 3 + 1
+    b_keys = np.arange(9000, dtype=np.int64) * 7 - 4
+    ev_a = _trained_ev("par_group_a", a_keys)
+    ev_b = _trained_ev("par_group_b", b_keys)
+    queries = [rng.choice(np.r_[a_keys, a_keys + 2], 17001),
+               rng.choice(np.r_[b_keys, b_keys + 1], 8193),
+               rng.choice(a_keys, 9999)]
+    got = ev_storage.group_gather(
+        [ev_a, ev_b, ev_a], [tf.constant(q) for q in queries],
+        False).numpy()
+    want = np.concatenate([
+        _want_reads(ev, _stored(ev), q)
+        for ev, q in zip([ev_a, ev_b, ev_a], queries)])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gather_with_counter_filter_reads_admitted_rows_only():
+    # CounterFilter(2): keys seen twice read their row, keys seen once
+    # and unknown keys the filter's constant, over every range.
+    rng = np.random.default_rng(6)
+    opt = ge.EmbeddingVariableOption(
+        filter_option=ge.CounterFilter(filter_freq=2),
+        init_option=ge.InitializerOption(
+            default_value_dim=ev_cases.DEFAULT_ROWS,
+            default_value_no_permission=-3.0))
+    ev = ev_cases.make_ev("par_gather_filter", ev_option=opt)
+    twice = np.arange(12000, dtype=np.int64) * 11 + 3
+    once = np.arange(12000, dtype=np.int64) * 11 + 5
+    ev.lookup_rows(tf.constant(np.r_[twice, twice, once])).numpy()
+    stored = _stored(ev)
+    unknown = np.arange(3000, dtype=np.int64) * 11 + 9
+    query = rng.permutation(np.r_[twice, once, unknown, twice[:4000]])
+    got = ev.lookup_rows(tf.constant(query), training=False).numpy()
+    want = _want_reads(ev, stored, query, no_permission=-3.0,
+                       freq_needed=2)
+    np.testing.assert_array_equal(got, want)
+    assert np.sum(np.all(got == -3.0, axis=1)) == len(once) + len(unknown)
+
+
+def test_gather_over_an_ssd_tier_matches_dram(tmp_path):
+    # A tiered variable whose DRAM holds a few rows: the read-only
+    # lookup promotes the keys on disk first (the rows it finds in DRAM
+    # are taken as found), then reads on every thread; it reads what an
+    # all-DRAM twin reads, bit for bit.
+    rng = np.random.default_rng(7)
+    keys = rng.permutation(np.arange(20000, dtype=np.int64) * 13 - 7)
+    evs = []
+    for name, storage in [
+            ("dram", ge.StorageOption()),
+            ("ssd", ge.StorageOption(ge.StorageType.DRAM_SSDHASH,
+                                     storage_path=str(tmp_path / "t"),
+                                     storage_size=[1 << 16]))]:
+        opt = ge.EmbeddingVariableOption(
+            init_option=ge.InitializerOption(
+                default_value_dim=ev_cases.DEFAULT_ROWS),
+            storage_option=storage)
+        evs.append(_trained_ev(f"par_tier_{name}", keys, ev_option=opt))
+    dram, ssd = evs
+    # A step on other keys moves most rows to disk.
+    ssd.lookup_rows(tf.constant(np.arange(2000, dtype=np.int64) + 10**9))
+    assert int(ev_storage.tier_stats(ssd.handle)[1]) > 10000
+    query = rng.permutation(np.r_[keys, keys[:5000],
+                                  np.arange(3000, dtype=np.int64) + 10**10])
+    got = ssd.lookup_rows(tf.constant(query), training=False).numpy()
+    want = dram.lookup_rows(tf.constant(query), training=False).numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(
+        got, _want_reads(dram, _stored(dram), query))
