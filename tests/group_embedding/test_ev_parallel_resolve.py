@@ -4,10 +4,13 @@ A variable with more than 4096 keys in a batch has its keys split over
 the intra-op threads: ranges of keys without training; with training,
 when the group has too few variables to keep the threads busy, parts by
 key hash (each counts its own keys), then the missing keys are inserted
-in group order on one thread. These batches are big enough for every
-split, and the oracle is numpy: what each occurrence reads (the value
-stored before the batch, the default row of a new key, the filter's
-constant), occurrence counts, versions and the keys stored.
+in group order on one thread. A read-only gather copies each row where
+its key is found, in those ranges. These batches are big enough for
+every split, and the oracle is numpy: what each occurrence reads (the
+value stored before the batch, the default row of a new key, the
+filter's constant), occurrence counts, versions and the keys stored. A
+split that dropped or repeated a range leaves rows unread or counts
+doubled, which the oracles see.
 """
 
 import numpy as np
@@ -71,16 +74,22 @@ def test_reads_split_in_ranges_match_training_rows():
         ev.get_frequency(known[:100]).numpy(), np.ones(100, np.int64))
 
 
+def _filtered_ev(name, freq, no_permission):
+    """An EV under CounterFilter(freq) reading `no_permission` until
+    admitted."""
+    opt = ge.EmbeddingVariableOption(
+        filter_option=ge.CounterFilter(filter_freq=freq),
+        init_option=ge.InitializerOption(
+            default_value_dim=ev_cases.DEFAULT_ROWS,
+            default_value_no_permission=no_permission))
+    return ev_cases.make_ev(name, ev_option=opt)
+
+
 def test_counter_filter_reads_before_counting():
     # CounterFilter(3): a key reads its row only once counted 3 times
     # BEFORE this batch; every occurrence of the batch reads the same.
     rng = np.random.default_rng(2)
-    opt = ge.EmbeddingVariableOption(
-        filter_option=ge.CounterFilter(filter_freq=3),
-        init_option=ge.InitializerOption(
-            default_value_dim=ev_cases.DEFAULT_ROWS,
-            default_value_no_permission=-2.0))
-    ev = ev_cases.make_ev("par_filter", ev_option=opt)
+    ev = _filtered_ev("par_filter", 3, -2.0)
     pool = np.arange(6000, dtype=np.int64) * 11
     counts = {}
     for _ in range(3):
@@ -193,12 +202,7 @@ def test_gather_with_counter_filter_reads_admitted_rows_only():
     # CounterFilter(2): keys seen twice read their row, keys seen once
     # and unknown keys the filter's constant, over every range.
     rng = np.random.default_rng(6)
-    opt = ge.EmbeddingVariableOption(
-        filter_option=ge.CounterFilter(filter_freq=2),
-        init_option=ge.InitializerOption(
-            default_value_dim=ev_cases.DEFAULT_ROWS,
-            default_value_no_permission=-3.0))
-    ev = ev_cases.make_ev("par_gather_filter", ev_option=opt)
+    ev = _filtered_ev("par_gather_filter", 2, -3.0)
     twice = np.arange(12000, dtype=np.int64) * 11 + 3
     once = np.arange(12000, dtype=np.int64) * 11 + 5
     ev.lookup_rows(tf.constant(np.r_[twice, twice, once])).numpy()
