@@ -245,3 +245,34 @@ def test_gather_over_an_ssd_tier_matches_dram(tmp_path):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(
         got, _want_reads(dram, _stored(dram), query))
+
+
+def test_cbf_filter_counts_split_keys_and_admits_in_order():
+    # CBFFilter(3), sized so that 6000 keys share no counters in practice
+    # (false positives 1e-5 at 10**5 keys): a key is stored at its third
+    # occurrence with freq 3, counted from then on, and reads its row
+    # only if stored before the batch. Stored keys are counted by hash
+    # parts, new ones in the Bloom filter in group order.
+    rng = np.random.default_rng(8)
+    opt = ge.EmbeddingVariableOption(
+        filter_option=ge.CBFFilter(3, 100000, 1e-5, tf.uint8),
+        init_option=ge.InitializerOption(
+            default_value_dim=ev_cases.DEFAULT_ROWS,
+            default_value_no_permission=-4.0))
+    ev = ev_cases.make_ev("par_cbf", ev_option=opt)
+    pool = np.arange(6000, dtype=np.int64) * 17 - 3
+    counts = {}
+    for _ in range(3):
+        keys = _keys(rng, N, pool)
+        got = ev.lookup_rows(tf.constant(keys)).numpy()
+        admitted = np.array([counts.get(int(k), 0) >= 3 for k in keys])
+        assert np.all(got[~admitted] == -4.0)
+        np.testing.assert_array_equal(
+            got[admitted], ev_cases.initial_rows(ev, keys[admitted]))
+        for k in keys:
+            counts[int(k)] = counts.get(int(k), 0) + 1
+        stored = sorted(k for k, c in counts.items() if c >= 3)
+        assert sorted(_stored(ev)) == stored
+        np.testing.assert_array_equal(
+            ev.get_frequency(np.array(stored, np.int64)).numpy(),
+            [counts[k] for k in stored])
