@@ -85,25 +85,36 @@ def _filtered_ev(name, freq, no_permission):
     return ev_cases.make_ev(name, ev_option=opt)
 
 
-def test_counter_filter_reads_before_counting():
-    # CounterFilter(3): a key reads its row only once counted 3 times
-    # BEFORE this batch; every occurrence of the batch reads the same.
-    rng = np.random.default_rng(2)
-    ev = _filtered_ev("par_filter", 3, -2.0)
-    pool = np.arange(6000, dtype=np.int64) * 11
+def _check_filtered_batches(ev, rng, pool, no_permission, stores_unadmitted):
+    """Three training batches over `pool` against a numpy count of every
+    key (filter_freq 3): what each occurrence reads (its row only if
+    counted 3 times BEFORE this batch, the same for every occurrence),
+    the keys stored (on first sight, or once admitted) and their
+    frequencies."""
     counts = {}
     for _ in range(3):
         keys = _keys(rng, N, pool)
         got = ev.lookup_rows(tf.constant(keys)).numpy()
         admitted = np.array([counts.get(int(k), 0) >= 3 for k in keys])
-        assert np.all(got[~admitted] == -2.0)
+        assert np.all(got[~admitted] == no_permission)
         np.testing.assert_array_equal(
             got[admitted], ev_cases.initial_rows(ev, keys[admitted]))
         for k in keys:
             counts[int(k)] = counts.get(int(k), 0) + 1
-        probe = np.array(sorted(counts), np.int64)
-        np.testing.assert_array_equal(ev.get_frequency(probe).numpy(),
-                                      [counts[int(k)] for k in probe])
+        stored = sorted(k for k, c in counts.items()
+                        if stores_unadmitted or c >= 3)
+        assert sorted(_stored(ev)) == stored
+        np.testing.assert_array_equal(
+            ev.get_frequency(np.array(stored, np.int64)).numpy(),
+            [counts[k] for k in stored])
+
+
+def test_counter_filter_reads_before_counting():
+    # CounterFilter(3): keys are stored on first sight.
+    ev = _filtered_ev("par_filter", 3, -2.0)
+    _check_filtered_batches(ev, np.random.default_rng(2),
+                            np.arange(6000, dtype=np.int64) * 11, -2.0,
+                            stores_unadmitted=True)
 
 
 def test_tables_sharing_a_variable_count_in_group_order():
@@ -253,26 +264,12 @@ def test_cbf_filter_counts_split_keys_and_admits_in_order():
     # occurrence with freq 3, counted from then on, and reads its row
     # only if stored before the batch. Stored keys are counted by hash
     # parts, new ones in the Bloom filter in group order.
-    rng = np.random.default_rng(8)
     opt = ge.EmbeddingVariableOption(
         filter_option=ge.CBFFilter(3, 100000, 1e-5, tf.uint8),
         init_option=ge.InitializerOption(
             default_value_dim=ev_cases.DEFAULT_ROWS,
             default_value_no_permission=-4.0))
     ev = ev_cases.make_ev("par_cbf", ev_option=opt)
-    pool = np.arange(6000, dtype=np.int64) * 17 - 3
-    counts = {}
-    for _ in range(3):
-        keys = _keys(rng, N, pool)
-        got = ev.lookup_rows(tf.constant(keys)).numpy()
-        admitted = np.array([counts.get(int(k), 0) >= 3 for k in keys])
-        assert np.all(got[~admitted] == -4.0)
-        np.testing.assert_array_equal(
-            got[admitted], ev_cases.initial_rows(ev, keys[admitted]))
-        for k in keys:
-            counts[int(k)] = counts.get(int(k), 0) + 1
-        stored = sorted(k for k, c in counts.items() if c >= 3)
-        assert sorted(_stored(ev)) == stored
-        np.testing.assert_array_equal(
-            ev.get_frequency(np.array(stored, np.int64)).numpy(),
-            [counts[k] for k in stored])
+    _check_filtered_batches(ev, np.random.default_rng(8),
+                            np.arange(6000, dtype=np.int64) * 17 - 3, -4.0,
+                            stores_unadmitted=False)
