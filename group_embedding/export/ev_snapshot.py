@@ -10,7 +10,7 @@ loaded. A snapshot copies what a `training=False` lookup reads:
 * for any other key: the filter's `default_value_no_permission` (a row of
   that constant) when the EV has a `CounterFilter` / `CBFFilter`, else row
   `key mod default_value_dim` of the EV's default matrix, as the kernel
-  (`ResolveKeys`, `DefaultRowOf`) reads it. Keys still under a
+  (`ReadKeys`, `DefaultRowOf`) reads it. Keys still under a
   `CounterFilter` are stored but not admitted: they read as unknown.
 
 While `tf.saved_model.save` runs (`model.export`, `tf.saved_model.save`,

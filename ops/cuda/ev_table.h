@@ -26,7 +26,7 @@
 // read as not admitted). Steps must advance for keys to leave.
 //
 // Semantics are the CPU EmbeddingVariable's (ops/kernels/ev_storage.h,
-// ResolveKeys in ev_lookup_ops.cc):
+// ReadKeys, CountStoredKeys and InsertMissingKeys in ev_lookup_ops.cc):
 // * a new key's row is row `key mod default_rows` of `defaults`, its
 //   slots `slot_inits[s]`, freq 0, version max(step, 0);
 // * CounterFilter (filter_freq > 0): keys are stored on first sight, and

@@ -4,8 +4,8 @@
 //
 // Why two phases: inserting keys mutates a variable's hash map, which
 // threads cannot share, while pooling only reads rows. So the op first
-// resolves every key to the row it reads (in parallel over variables,
-// each variable's keys in order), then pools in parallel over batch rows.
+// resolves every key to the row it reads (on all intra-op threads: see
+// ResolvedGroup), then pools in parallel over batch rows.
 // Rows never move (chunked storage) and the locks of all the group's
 // variables are held until pooling ends, so the resolved pointers stay
 // valid.
@@ -28,6 +28,7 @@
 #include "ev_storage.h"
 #include "pooling.h"
 #include "op_registration.h"
+#include "work_queue.h"
 
 namespace group_embedding {
 namespace ev {
@@ -127,84 +128,192 @@ Status ReadGroupInputs(OpKernelContext* ctx, int64_t dim, unsigned lists,
       [in](int t) { return in->evs[t]->config().name; }, in);
 }
 
-// Points `out[j]` at the row key j reads, as GroupEmbeddingEVGather would copy
-// it: its value if stored and admitted, else `no_permission` (a row of the
-// filter's constant) or, for unknown keys outside training, its default row.
-// With `training`, new keys are inserted (a CBFFilter inserts a key only once
-// admitted), every occurrence is counted and every stored key is stamped with
-// the current step (its version: the last step it was seen, admitted or not).
-// As in DeepRec, a lookup reads what the key had BEFORE this batch counted it:
-// under CounterFilter(N) a key reads `no_permission` for its first N lookups,
-// its row from lookup N + 1 on, and all occurrences of a key in the batch read
-// the same row. Needs the variable's lock (exclusive when training). Fails only
-// when the table is full.
-Status ResolveKeys(EVStorage* ev, const int64_t* key, int64_t n,
-                   const Tensor& defaults, bool training,
-                   const float* no_permission, const float** out,
-                   const int64_t* known = nullptr) {
+// What the keys of a group read: key j reads its value if stored and
+// admitted, else `no_permission` (a row of the filter's constant) or, for
+// unknown keys outside training, its default row. With `training`, new keys
+// are inserted (a CBFFilter inserts a key only once admitted), every
+// occurrence is counted and every stored key is stamped with the current
+// step (its version: the last step it was seen, admitted or not). As in
+// DeepRec, a lookup reads what the key had BEFORE this batch counted it:
+// under CounterFilter(N) a key reads `no_permission` for its first N
+// lookups, its row from lookup N + 1 on, and all occurrences of a key in the
+// batch read the same row. Only inserting fails (the table is full).
+//
+// Three functions, so that one variable's keys resolve on several threads
+// (ResolvedGroup): ReadKeys (no training; any split of the keys), then for
+// training CountStoredKeys (the keys already stored; threads split the keys
+// by hash, so all occurrences of a key, whose counts and version they
+// update, belong to one thread) and InsertMissingKeys (the others, on one
+// thread per variable: inserting moves the hash map).
+//
+// `known` (variables with an SSD tier, else null): key j's DRAM row as the
+// tier's promotion pass found it (-1: not found then, look again), so that
+// such a key costs one probe, not two. Those rows stay put until the op
+// ends (promotions and inserts only add rows).
+
+// Where ReadKeys puts what key j reads: a pointer to the row (the pooled
+// lookups pool from it later), or
+struct RowPointers {
+  static constexpr bool kCopies = false;
+  const float** out;
+  void Put(int64_t j, const float* row) const { out[j] = row; }
+};
+// a copy of it (GroupEmbeddingEVGather outside training: copied while
+// the row is in cache, one pass over the keys instead of two).
+struct RowCopies {
+  static constexpr bool kCopies = true;
+  float* out;
+  int64_t dim;
+  void Put(int64_t j, const float* row) const {
+    std::memcpy(out + j * dim, row, sizeof(float) * dim);
+  }
+};
+
+// Reads only (the shared lock suffices): keys [0, n), into `sink`.
+template <typename Sink>
+void ReadKeys(EVStorage* ev, const int64_t* key, int64_t n,
+              const Tensor& defaults, const float* no_permission,
+              const int64_t* known, Sink sink) {
+  const float* dflt = defaults.flat<float>().data();
+  const int64_t drows = defaults.dim_size(0);
+  const int64_t dim = ev->dim();
+  const bool filtered = ev->config().filter_freq > 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t far = j + 2 * kPrefetchDistance;
+    const int64_t near = j + kPrefetchDistance;
+    if (far < n && (known == nullptr || known[far] < 0)) {
+      ev->PrefetchBucketHashed(EVStorage::Hash(key[far]));
+    }
+    if (near < n) {
+      int64_t r = known != nullptr ? known[near] : -1;
+      if (r < 0) r = ev->PrefetchKeyRowHashed(EVStorage::Hash(key[near]));
+      if (Sink::kCopies && r >= 0) PrefetchRow(ev->Value(r), dim);
+    }
+    int64_t r = known != nullptr ? known[j] : -1;
+    if (r < 0) r = ev->Find(key[j]);
+    if (r >= 0 && ev->Admitted(r)) {
+      sink.Put(j, ev->Value(r));
+    } else if (filtered) {
+      sink.Put(j, no_permission);
+    } else {
+      sink.Put(j, DefaultRowOf(key[j], dflt, drows, dim));
+    }
+  }
+}
+
+// Which of `parts` threads counts a key: high hash bits, independent of
+// the bucket (low bits).
+inline int PartOf(uint64_t hash, int parts) {
+  return static_cast<int>((hash >> 40) % static_cast<uint64_t>(parts));
+}
+
+// Training, the keys [0, n) of part `part` of `parts` (PartOf) that are
+// stored: sets what they read, counts them and stamps their version. Appends
+// the others' positions to `missing`, in order. Under the exclusive lock,
+// with the other parts on other threads and no insert meanwhile.
+void CountStoredKeys(EVStorage* ev, const int64_t* key, int64_t n, int part,
+                     int parts, const float* no_permission,
+                     const int64_t* known, const float** out,
+                     std::vector<int64_t>* missing) {
+  // This part's hashes (mixed once for all passes) and, when split, the
+  // positions they are of (else all keys: position i).
+  std::vector<int64_t> pos;
+  std::vector<uint64_t> hash;
+  hash.reserve(parts == 1 ? n : n / parts + n / 8);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t h = EVStorage::Hash(key[j]);
+    if (parts == 1) {
+      hash.push_back(h);
+    } else if (PartOf(h, parts) == part) {
+      pos.push_back(j);
+      hash.push_back(h);
+    }
+  }
+  const int64_t m = static_cast<int64_t>(hash.size());
+  auto at = [&](int64_t i) { return parts == 1 ? i : pos[i]; };
+  auto is_known = [&](int64_t i) {
+    return known != nullptr && known[at(i)] >= 0;
+  };
+  auto find = [&](int64_t i) {
+    const int64_t far = i + 2 * kPrefetchDistance;
+    const int64_t near = i + kPrefetchDistance;
+    if (far < m && !is_known(far)) ev->PrefetchBucketHashed(hash[far]);
+    if (near < m && !is_known(near)) ev->PrefetchKeyRowHashed(hash[near]);
+    // A key the promotion pass did not find may be stored all the same
+    // (promoted, or inserted by an earlier table of the variable).
+    return is_known(i) ? known[at(i)] : ev->FindHashed(key[at(i)], hash[i]);
+  };
+  const bool filtered = ev->config().filter_freq > 0;
+  if (filtered) {
+    // What each key reads is fixed before any is counted. Rows never
+    // move, so these pointers survive the inserts that follow.
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t r = find(i);
+      out[at(i)] = (r >= 0 && ev->Admitted(r)) ? ev->Value(r)
+                                                : no_permission;
+    }
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t r = find(i);
+    if (r < 0) {
+      missing->push_back(at(i));
+      continue;
+    }
+    CountOccurrence(ev->Freq(r));
+    // Alone on the variable: the plain change mark.
+    if (parts == 1) {
+      ev->Touch(r);
+    } else {
+      ev->TouchShared(r);
+    }
+    if (!filtered) out[at(i)] = ev->Value(r);
+  }
+}
+
+// Training, the keys at `positions` (increasing) that CountStoredKeys found
+// missing: inserts them (a CBFFilter counts them in its Bloom filter and
+// inserts them once admitted), counts and stamps them. One thread per
+// variable, under its exclusive lock.
+Status InsertMissingKeys(EVStorage* ev, const int64_t* key,
+                         const std::vector<int64_t>& positions,
+                         const Tensor& defaults, const float** out) {
   const float* dflt = defaults.flat<float>().data();
   const int64_t drows = defaults.dim_size(0);
   const bool filtered = ev->config().filter_freq > 0;
-  // `known`: key j's row as the tier's promotion pass found it (-1: not
-  // found then, look again), so that a key costs one probe, not two.
-  auto find = [&](int64_t j) {
-    return known != nullptr && known[j] >= 0 ? known[j] : ev->Find(key[j]);
-  };
-  auto unknown = [&](int64_t j) { return known == nullptr || known[j] < 0; };
-  auto prefetch = [&](int64_t j) {
-    if (j + 2 * kPrefetchDistance < n && unknown(j + 2 * kPrefetchDistance)) {
-      ev->PrefetchBucket(key[j + 2 * kPrefetchDistance]);
-    }
-    if (j + kPrefetchDistance < n && unknown(j + kPrefetchDistance)) {
-      ev->PrefetchKeyRow(key[j + kPrefetchDistance]);
-    }
-  };
-  if (!training) {
-    for (int64_t j = 0; j < n; ++j) {
-      prefetch(j);
-      const int64_t r = find(j);
-      if (r >= 0 && ev->Admitted(r)) {
-        out[j] = ev->Value(r);
-      } else if (filtered) {
-        out[j] = no_permission;
-      } else {
-        out[j] = DefaultRowOf(key[j], dflt, drows, ev->dim());
-      }
-    }
-    return Status();
-  }
-  if (filtered) {
-    // What each key reads is fixed before any is counted. Rows never
-    // move, so these pointers survive the inserts below.
-    for (int64_t j = 0; j < n; ++j) {
-      prefetch(j);
-      const int64_t r = find(j);
-      out[j] = (r >= 0 && ev->Admitted(r)) ? ev->Value(r) : no_permission;
-    }
-  }
   const bool cbf = ev->has_cbf();
-  for (int64_t j = 0; j < n; ++j) {
-    prefetch(j);
-    // A key the promotion pass did not find may have been inserted
-    // since by an earlier occurrence: find() looks again.
-    int64_t r = find(j);
-    if (r < 0 && cbf) {
-      // Counted in the Bloom filter; stored once admitted.
-      const int64_t count = ev->CountUnstored(key[j]);
-      if (count < ev->config().filter_freq) continue;
+  for (int64_t j : positions) {
+    int64_t r;
+    if (cbf) {
+      // An earlier occurrence in the batch may have inserted it; if not,
+      // it is counted in the Bloom filter and stored once admitted.
+      r = ev->Find(key[j]);
+      if (r < 0) {
+        const int64_t count = ev->CountUnstored(key[j]);
+        if (count < ev->config().filter_freq) continue;
+        r = ev->FindOrInsert(key[j], dflt, drows);
+        if (r < 0) return ev->FullError();
+        *ev->Freq(r) = count;
+        ev->Touch(r);
+        continue;  // filtered: it reads what CountStoredKeys set
+      }
+    } else {
+      // Finds the key an earlier occurrence inserted, else inserts it.
       r = ev->FindOrInsert(key[j], dflt, drows);
       if (r < 0) return ev->FullError();
-      *ev->Freq(r) = count;
-    } else {
-      if (r < 0) r = ev->FindOrInsert(key[j], dflt, drows);
-      if (r < 0) return ev->FullError();
-      CountOccurrence(ev->Freq(r));
     }
+    CountOccurrence(ev->Freq(r));
     ev->Touch(r);
     if (!filtered) out[j] = ev->Value(r);
   }
   return Status();
 }
+
+// Keys per thread below which a variable's keys are not split: splitting
+// costs every extra thread a pass over all the keys (training) or a
+// hand-off.
+constexpr int64_t kKeysPerPart = 4096;
+// Rough cost of resolving one key, in RunUneven's unit (ns).
+constexpr int64_t kKeyCost = 40;
 
 // The keys of a group's K tables resolved to the rows they read (table t's
 // from rows(t)), the three EV lookups' first phase. Resolve() takes the
@@ -217,7 +326,8 @@ class ResolvedGroup {
   // CounterFilter constant.
   ResolvedGroup(const std::vector<EVStorage*>& evs, const OpInputList& keys,
                 int64_t dim)
-      : offset_(keys.size() + 1, 0), no_permission_(keys.size()) {
+      : dim_(dim), offset_(keys.size() + 1, 0),
+        no_permission_(keys.size()) {
     for (int t = 0; t < keys.size(); ++t) {
       offset_[t + 1] = offset_[t] + keys[t].NumElements();
       no_permission_[t].assign(dim, evs[t]->config().no_permission);
@@ -228,25 +338,29 @@ class ResolvedGroup {
   int64_t total() const { return offset_.back(); }
   const float* const* rows(int t) const { return rows_.data() + offset_[t]; }
 
-  // Locks the variables (exclusive when training, which inserts) and
-  // resolves every key (ResolveKeys), in parallel over distinct variables
-  // and in table order within each: work items only read or insert, each
-  // into its own variable.
+  // Locks the variables (exclusive when training, which inserts, or when
+  // one has an SSD tier, whose promotions move rows), brings the tiers'
+  // rows of the keys into DRAM, then resolves every key (see ReadKeys) in
+  // parallel: the keys of each variable are split into parts, one work
+  // item each (RunUneven), and when training, the keys missing go to one
+  // work item per variable afterwards, in table order (an insert moves
+  // the variable's hash map). With `copy_to` ([total(), dim]) and no
+  // training, the rows are copied there as they are found, and rows()
+  // stays empty.
   Status Resolve(OpKernelContext* ctx, const std::vector<EVStorage*>& evs,
                  const OpInputList& keys, const OpInputList& defaults,
-                 bool training) {
+                 bool training, float* copy_to = nullptr) {
     locks_.emplace(evs, training);
-    rows_.resize(total());
+    const bool copy = copy_to != nullptr && !training;
+    if (!copy) rows_.resize(total());
     const std::vector<EVStorage*>& distinct = locks_->distinct();
     const int k = evs.size();
     const int64_t n = distinct.size();
-    // SSD tiers first, serially: the batch's keys get DRAM rows, which
-    // stay until the next op on the variable (see ev_storage.h). One
-    // spill per variable, then its tables' keys, so that no promoted row
-    // of one table is spilled for another.
-    // The promotion pass probes every key in DRAM; the rows it finds
-    // (`known`) stay put until this op ends (promotions only add rows),
-    // so ResolveKeys takes them instead of probing again.
+    // SSD tiers first, a variable at a time (its promotion probes and
+    // reads on the pool), before any row is taken: the batch's keys get
+    // DRAM rows, which stay until the next op on the variable
+    // (see ev_storage.h). One spill per variable, then its tables' keys,
+    // so that no promoted row of one table is spilled for another.
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     std::vector<int64_t> known;
     for (EVStorage* ev : distinct) {
@@ -262,28 +376,138 @@ class ResolvedGroup {
                                            pool));
       }
     }
-    std::vector<Status> status(n);  // one writer per entry
-    auto work = [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) {
-        for (int t = 0; t < k && status[e].ok(); ++t) {
-          if (evs[t] != distinct[e]) continue;
-          status[e] = ResolveKeys(evs[t], keys[t].flat<int64_t>().data(),
-                                  keys[t].NumElements(), defaults[t],
-                                  training, no_permission_[t].data(),
-                                  rows_.data() + offset_[t],
-                                  evs[t]->has_tier()
-                                      ? known.data() + offset_[t]
-                                      : nullptr);
+    auto known_of = [&](int t) -> const int64_t* {
+      return evs[t]->has_tier() ? known.data() + offset_[t] : nullptr;
+    };
+    // Each table's distinct variable, and each variable's key count.
+    std::vector<int64_t> owner(k), ev_keys(n, 0);
+    std::vector<int> ev_tables(n, 0);
+    for (int t = 0; t < k; ++t) {
+      owner[t] = std::lower_bound(distinct.begin(), distinct.end(), evs[t]) -
+                 distinct.begin();
+      ev_keys[owner[t]] += keys[t].NumElements();
+      ++ev_tables[owner[t]];
+    }
+    // Work items: (variable, part, parts). Reads split a variable's keys
+    // into ranges, up to twice the threads (finer items balance better);
+    // counting splits them by hash, at most one part per thread (each
+    // part passes over all the variable's keys).
+    const int64_t threads = std::max(
+        1, ctx->device()->tensorflow_cpu_worker_threads()->num_threads);
+    struct Item {
+      int64_t ev;
+      int part;
+      int parts;
+    };
+    std::vector<Item> items;
+    std::vector<int64_t> costs;
+    const int64_t dim = dim_;
+    for (int64_t e = 0; e < n; ++e) {
+      int parts = static_cast<int>(std::min(
+          (training ? 1 : 2) * threads,
+          std::max<int64_t>(1, ev_keys[e] / kKeysPerPart)));
+      // Counting threads that share a variable write neighbouring rows
+      // (false sharing): only worth it when the variables alone cannot
+      // keep the threads busy.
+      if (training && n >= 2 * threads) parts = 1;
+      // A filter reads counts that an earlier table of the group may have
+      // raised for a key inserted since: such a variable resolves table
+      // after table on one thread, inserting as it goes.
+      if (training && ev_tables[e] > 1 &&
+          distinct[e]->config().filter_freq > 0) {
+        parts = 1;
+      }
+      const int64_t per_key = kKeyCost + (copy ? dim / 4 : 0);
+      for (int p = 0; p < parts; ++p) {
+        items.push_back({e, p, parts});
+        costs.push_back(ev_keys[e] / parts * per_key +
+                        (training ? ev_keys[e] : 0));
+      }
+    }
+    std::vector<std::vector<int64_t>> missing(training ? items.size() : 0);
+    std::vector<Status> item_status(items.size());  // one writer per entry
+    RunUneven(ctx, costs, [&](int64_t i) {
+      const Item& it = items[i];
+      for (int t = 0; t < k; ++t) {
+        if (owner[t] != it.ev) continue;
+        const int64_t* key = keys[t].flat<int64_t>().data();
+        const int64_t nt = keys[t].NumElements();
+        const int64_t* kn = known_of(t);
+        if (!training) {
+          // Ranges of each of the variable's tables: [begin, end).
+          const int64_t begin = nt * it.part / it.parts;
+          const int64_t end = nt * (it.part + 1) / it.parts;
+          const int64_t* kb = kn == nullptr ? nullptr : kn + begin;
+          if (copy) {
+            ReadKeys(evs[t], key + begin, end - begin, defaults[t],
+                     no_permission_[t].data(), kb,
+                     RowCopies{copy_to + (offset_[t] + begin) * dim, dim});
+          } else {
+            ReadKeys(evs[t], key + begin, end - begin, defaults[t],
+                     no_permission_[t].data(), kb,
+                     RowPointers{rows_.data() + offset_[t] + begin});
+          }
+          continue;
+        }
+        const float** out = rows_.data() + offset_[t];
+        const size_t first = missing[i].size();
+        CountStoredKeys(evs[t], key, nt, it.part, it.parts,
+                        no_permission_[t].data(), kn, out, &missing[i]);
+        if (it.parts == 1) {
+          // The whole variable is this item's: insert right away, so
+          // that its next table finds (and counts) them.
+          if (item_status[i].ok()) {
+            item_status[i] = InsertMissingKeys(evs[t], key, missing[i],
+                                               defaults[t], out);
+          }
+          missing[i].clear();
+          continue;
+        }
+        // Positions in the group (table order), as the inserts below
+        // take them back.
+        for (size_t m = first; m < missing[i].size(); ++m) {
+          missing[i][m] += offset_[t];
         }
       }
-    };
-    tensorflow::Shard(pool->num_threads, pool->workers, n,
-                      (total() / n + 1) * 100, work);
+    });
+    for (const Status& st : item_status) TF_RETURN_IF_ERROR(st);
+    if (!training) return Status();
+    // Per variable, its missing keys in group order: table by table, and
+    // within a table in key order, as one thread would have met them.
+    std::vector<std::vector<int64_t>> ev_missing(n);
+    for (size_t i = 0; i < items.size(); ++i) {
+      auto& dst = ev_missing[items[i].ev];
+      dst.insert(dst.end(), missing[i].begin(), missing[i].end());
+    }
+    std::vector<int64_t> insert_costs(n);
+    for (int64_t e = 0; e < n; ++e) {
+      std::sort(ev_missing[e].begin(), ev_missing[e].end());
+      insert_costs[e] = static_cast<int64_t>(ev_missing[e].size()) *
+                        kKeyCost * 4;
+    }
+    std::vector<Status> status(n);  // one writer per entry
+    RunUneven(ctx, insert_costs, [&](int64_t e) {
+      const std::vector<int64_t>& pos = ev_missing[e];
+      size_t i = 0;
+      std::vector<int64_t> local;
+      for (int t = 0; t < k && status[e].ok(); ++t) {
+        // This table's share of the variable's sorted positions.
+        local.clear();
+        while (i < pos.size() && pos[i] < offset_[t + 1]) {
+          local.push_back(pos[i++] - offset_[t]);
+        }
+        if (local.empty()) continue;
+        status[e] = InsertMissingKeys(evs[t], keys[t].flat<int64_t>().data(),
+                                      local, defaults[t],
+                                      rows_.data() + offset_[t]);
+      }
+    });
     for (const Status& st : status) TF_RETURN_IF_ERROR(st);
     return Status();
   }
 
  private:
+  int64_t dim_;
   std::vector<int64_t> offset_;
   std::vector<std::vector<float>> no_permission_;
   std::optional<EVGroupLocks> locks_;
@@ -377,7 +601,7 @@ class EVLookupOp : public PooledEVKernel {
     const int64_t total_rows = first_row[k];
     if (total_rows == 0) return;
     for (int t = 0; t < k; ++t) pooled[t].rows = {resolved.rows(t)};
-    // Every key has a row (ResolveKeys): no id is refused, no clipping.
+    // Every key has a row (ReadKeys): no id is refused, no clipping.
     const int64_t avg = resolved.total() / total_rows + 1;
     PoolTables(ctx, pooled, first_row, /*max_norm=*/-1.0f,
                avg * dim * 4 + 20);
@@ -538,10 +762,11 @@ class EVWeightGradOp : public PooledEVKernel {
       std::vector<const float*> rows(nnz);
       const std::vector<float> no_permission(dim, ev->config().no_permission);
       const int64_t* ids = in.ids[t].flat<int64_t>().data();
+      std::vector<int64_t> known;  // the promotion's rows (see ReadKeys)
       auto resolve = [&]() {
-        OP_REQUIRES_OK(ctx, ResolveKeys(ev, ids, nnz, in.defaults[t],
-                                        /*training=*/false,
-                                        no_permission.data(), rows.data()));
+        ReadKeys(ev, ids, nnz, in.defaults[t], no_permission.data(),
+                 known.empty() ? nullptr : known.data(),
+                 RowPointers{rows.data()});
         WeightGrad(t, in, grads[t], pooled[t], rows, o->flat<float>().data());
       };
       if (ev->has_tier()) {
@@ -549,7 +774,9 @@ class EVWeightGradOp : public PooledEVKernel {
         // spill of the forward pass's rows (slack nnz, as the update's).
         tensorflow::mutex_lock lock(*ev->mu());
         OP_REQUIRES_OK(ctx, ev->SpillToBudget(/*slack=*/nnz));
-        OP_REQUIRES_OK(ctx, ev->PrepareTier(ids, nnz, /*spill=*/false));
+        known.assign(nnz, -1);
+        OP_REQUIRES_OK(ctx, ev->PrepareTier(ids, nnz, /*spill=*/false,
+                                            known.data()));
         resolve();
       } else {
         tensorflow::tf_shared_lock lock(*ev->mu());
@@ -578,7 +805,8 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
 // ---------------------------------------------------------------------------
 // Grouped gather: rows of K same-dim EVs, concatenated [sum n_i, D].
 // training=true inserts new keys and counts frequencies; false reads only.
-// Rows are those GroupEmbeddingEVLookup pools (same ResolveKeys).
+// Rows are those GroupEmbeddingEVLookup pools (same ResolvedGroup); outside
+// training each is copied where its key is found, on all threads.
 // ---------------------------------------------------------------------------
 GE_REGISTER_OP_WITH_ALIAS(
     "GroupEmbeddingEVGather", "EVGroupGather",
@@ -631,8 +859,11 @@ class EVGatherOp : public OpKernel {
     float* dst = out->flat<float>().data();
 
     OP_REQUIRES_OK(ctx, resolved.Resolve(ctx, evs, keys, g.defaults,
-                                         training));
-    // Copy while the locks still pin the rows (no lock in the work items).
+                                         training, dst));
+    // Training: what each key reads is fixed before the batch counts it
+    // (see ReadKeys), so the copy comes after. Copy while the locks still
+    // pin the rows (no lock in the work items).
+    if (!training) return;
     const float* const* rows = resolved.rows(0);
     auto copy = [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {

@@ -272,9 +272,15 @@ class EVStorage : public tensorflow::ResourceBase {
     current_step_ = std::max(current_step_, step);
   }
 
+  // The hash of `key` that Find*/Prefetch*Hashed take: callers that
+  // visit a key several times (prefetch, find, partition) mix it once.
+  static uint64_t Hash(int64_t key) { return Mix(static_cast<uint64_t>(key)); }
+
   // Row of `key`, or -1.
-  int64_t Find(int64_t key) const {
-    uint64_t h = Mix(static_cast<uint64_t>(key)) & mask();
+  int64_t Find(int64_t key) const { return FindHashed(key, Hash(key)); }
+  // The same, `hash` being Hash(key).
+  int64_t FindHashed(int64_t key, uint64_t hash) const {
+    uint64_t h = hash & mask();
     while (true) {
       const uint32_t r = buckets_[h];
       if (r == kEmpty) return -1;
@@ -287,12 +293,19 @@ class EVStorage : public tensorflow::ResourceBase {
   // two dependent DRAM misses each: the bucket (issue this some keys
   // ahead), then the key row it points to (issue it once the bucket is
   // cached, a few keys later).
-  void PrefetchBucket(int64_t key) const {
-    __builtin_prefetch(&buckets_[Mix(static_cast<uint64_t>(key)) & mask()]);
+  void PrefetchBucket(int64_t key) const { PrefetchBucketHashed(Hash(key)); }
+  void PrefetchKeyRow(int64_t key) const { PrefetchKeyRowHashed(Hash(key)); }
+  void PrefetchBucketHashed(uint64_t hash) const {
+    __builtin_prefetch(&buckets_[hash & mask()]);
   }
-  void PrefetchKeyRow(int64_t key) const {
-    const uint32_t r = buckets_[Mix(static_cast<uint64_t>(key)) & mask()];
-    if (r != kEmpty) __builtin_prefetch(meta_.Row(r));
+  // Returns the row of the bucket's first probe (-1: none), whose value
+  // row a caller about to copy it can prefetch too (GroupEmbeddingEVGather;
+  // a collided probe's is another key's: a wasted hint, nothing worse).
+  int64_t PrefetchKeyRowHashed(uint64_t hash) const {
+    const uint32_t r = buckets_[hash & mask()];
+    if (r == kEmpty) return -1;
+    __builtin_prefetch(meta_.Row(r));
+    return r;
   }
 
   // Row of `key`, inserted (initialised from `defaults`, a
@@ -851,11 +864,19 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   // Marks `row` as seen at the current step (versions never go back).
-  // Under the exclusive lock, one thread per variable (ResolveKeys).
+  // Under the exclusive lock, one thread per variable (ev_lookup_ops.cc:
+  // a variable whose keys are not split, and its inserts).
   void Touch(int64_t row) {
     int64_t* v = &meta_.Row(row)->version;
     *v = std::max(*v, ClampStep(current_step_));
     MarkChangedExclusive(row);
+  }
+  // The same for threads that share the variable, each touching its own
+  // rows (whose change bits may share a word with other threads' rows).
+  void TouchShared(int64_t row) {
+    int64_t* v = &meta_.Row(row)->version;
+    *v = std::max(*v, ClampStep(current_step_));
+    MarkChanged(row);
   }
 
   // Records a write to `row` (the version, a value, a slot, the freq)

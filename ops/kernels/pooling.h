@@ -149,7 +149,7 @@ struct TableRows {
   const float* Row(int64_t j) const { return table + ids[j] * dim; }
 };
 
-// Rows resolved before pooling (EmbeddingVariable keys: see ResolveKeys).
+// Rows resolved before pooling (EmbeddingVariable keys: see ReadKeys).
 struct ResolvedRows {
   const float* const* rows;
   static constexpr bool Has(int64_t) { return true; }

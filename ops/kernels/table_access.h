@@ -19,6 +19,7 @@
 #include "id_map.h"
 #include "op_checks.h"
 #include "pooling.h"
+#include "work_queue.h"
 
 namespace group_embedding {
 
@@ -203,24 +204,21 @@ template <typename GradTableOf>
   TF_RETURN_IF_ERROR(ctx->output_list("unique_ids", &uniq_out));
   TF_RETURN_IF_ERROR(ctx->output_list("id_grads", &grad_out));
   const int k = ids.size();
-  int64_t total = 0;
-  for (int t = 0; t < k; ++t) total += ids[t].NumElements();
   std::vector<::tensorflow::Status> status(k);  // one writer per entry
-  auto work = [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::vector<int64_t> slot;
-      float* sums = nullptr;
-      status[t] = DedupToGradOutputs(ids[t].flat<int64_t>().data(),
-                                     ids[t].NumElements(), dim, t, &uniq_out,
-                                     &grad_out, &slot, &sums);
-      if (!status[t].ok()) continue;
-      SumIdGrads(grad_table(static_cast<int>(t)), slot.data(),
-                 grad_out[t]->dim_size(0), dim, sums);
-    }
-  };
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
-  ::tensorflow::Shard(pool->num_threads, pool->workers, k,
-                      (total / k + 1) * (dim + 1) * 8, work);
+  // Tables by their id counts (criteo-like: 4k one-hot ids next to 40k
+  // multi-hot), largest first.
+  std::vector<int64_t> costs(k);
+  for (int t = 0; t < k; ++t) costs[t] = ids[t].NumElements() * (dim + 8);
+  RunUneven(ctx, costs, [&](int64_t t) {
+    std::vector<int64_t> slot;
+    float* sums = nullptr;
+    status[t] = DedupToGradOutputs(ids[t].flat<int64_t>().data(),
+                                   ids[t].NumElements(), dim, t, &uniq_out,
+                                   &grad_out, &slot, &sums);
+    if (!status[t].ok()) return;
+    SumIdGrads(grad_table(static_cast<int>(t)), slot.data(),
+               grad_out[t]->dim_size(0), dim, sums);
+  });
   for (const auto& st : status) TF_RETURN_IF_ERROR(st);
   return ::tensorflow::Status();
 }

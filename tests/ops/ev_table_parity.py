@@ -1,9 +1,10 @@
 """Parity cases of the GPU EV table against a numpy model of the CPU EV.
 
 The model restates the CPU EmbeddingVariable's semantics
-(`ops/kernels/ev_storage.h`, `ResolveKeys` in `ev_lookup_ops.cc`: initial
-rows, CounterFilter admission counted per occurrence and read before the
-batch counts, versions, GlobalStepEvict, L2WeightEvict) plus the table's
+(`ops/kernels/ev_storage.h`, `ReadKeys` and `CountStoredKeys` in
+`ev_lookup_ops.cc`: initial rows, CounterFilter admission counted per
+occurrence and read before the batch counts, versions, GlobalStepEvict,
+L2WeightEvict) plus the table's
 own capacity rule (`ops/cuda/ev_table.h`: a key lives in bucket
 Mix(key) >> 32 of 128 slots; a full bucket gives up its least valuable
 key not seen by the current call, LRU or LFU). It knows nothing of slots,
