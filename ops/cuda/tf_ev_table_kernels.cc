@@ -921,6 +921,84 @@ class ImportOp : public OpKernel {
   }
 };
 
+// The eviction policy (GlobalStepEvict when steps_to_live > 0, else
+// L2WeightEvict when l2_threshold >= 0) against the last step an update
+// applied, as the CPU EV's GroupEmbeddingEVEvict uses its current step:
+// ge_ev_evict removes the doomed keys; returns how many.
+REGISTER_OP("GroupEmbeddingHbmEVEvict")
+    .Input("handle: resource")
+    .Output("num_evicted: int64")
+    .Attr("steps_to_live: int >= 0 = 0")
+    .Attr("l2_threshold: float = -1.0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+class EvictOp : public OpKernel {
+ public:
+  explicit EvictOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("steps_to_live", &steps_to_live_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("l2_threshold", &l2_threshold_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    ::tensorflow::mutex_lock lock(*table->mu());
+    void* stream = StreamOf(ctx);
+    Tensor counters_t;
+    void* counters = nullptr;
+    OP_REQUIRES_OK(ctx, Temp(ctx, 8 * GE_EV_NUM_COUNTERS, &counters_t,
+                             &counters));
+    const GeEvTable desc = table->With(nullptr, 0);
+    int code = ge_zero_async(counters, 8 * GE_EV_NUM_COUNTERS, stream);
+    if (code == GE_OK) {
+      code = ge_ev_evict(&desc, table->step, steps_to_live_, l2_threshold_,
+                         nullptr, static_cast<unsigned long long*>(counters),
+                         stream);
+    }
+    OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": evicting", code));
+    uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
+    OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
+                                     GE_EV_NUM_COUNTERS));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = static_cast<int64_t>(host[GE_EV_EVICTED]);
+  }
+
+ private:
+  int64_t steps_to_live_;
+  float l2_threshold_;
+};
+
+// The names of the table's optimizer slots, in export order: whether an
+// incremental checkpoint can still extend its base (a delta cannot add
+// a slot column to the keys it leaves out) without exporting the table.
+REGISTER_OP("GroupEmbeddingHbmEVSlotNames")
+    .Input("handle: resource")
+    .Output("slot_names: string")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return Status();
+    });
+
+class SlotNamesOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    ::tensorflow::tf_shared_lock lock(*table->mu());
+    const int64_t s_count = static_cast<int64_t>(table->slot_names.size());
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({s_count}),
+                                             &out));
+    for (int64_t s = 0; s < s_count; ++s) {
+      out->flat<::tensorflow::tstring>()(s) = table->slot_names[s];
+    }
+  }
+};
+
 #ifdef GE_ADAPTOR_ON_HOST
 #define GE_EV_KERNEL(op) Name(op).Device(::tensorflow::DEVICE_CPU)
 #else
@@ -956,6 +1034,14 @@ REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVImport")
                             .HostMemory("slot_names")
                             .HostMemory("step"),
                         ImportOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVEvict")
+                            .HostMemory("handle")
+                            .HostMemory("num_evicted"),
+                        EvictOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVSlotNames")
+                            .HostMemory("handle")
+                            .HostMemory("slot_names"),
+                        SlotNamesOp);
 
 }  // namespace
 }  // namespace gpu_kernels
