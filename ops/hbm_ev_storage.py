@@ -192,8 +192,12 @@ class HbmStorage:
         return self.module.group_embedding_hbm_ev_import(
             handle, keys, tf.reshape(tf.cast(values, tf.float32),
                                      tf.stack([n, d])),
-            tf.cast(freqs, tf.int64), tf.cast(versions, tf.int64),
-            slot_names, inits, planes, by_slot, tf.cast(step, tf.int64))
+            tf.cast(freqs, tf.int64),
+            # Steps are >= 0 in storage, as the CPU EV's import clamps
+            # them (Deepray's FTRL stamps -1).
+            tf.maximum(tf.cast(versions, tf.int64), 0),
+            slot_names, inits, planes, by_slot,
+            tf.maximum(tf.cast(step, tf.int64), 0))
 
     def evict(self, handle):
         """Runs the eviction policy (the CPU EV's rules, against the last
