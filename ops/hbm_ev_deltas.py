@@ -15,11 +15,13 @@ Why this is safe: what is compared is the content itself, so no writer
 (lookups, updates, capacity or policy evictions, imports) can slip a
 change past a delta. A save that fails before its confirmation leaves
 the base as it was: the next delta covers the failed save's changes too.
-Two differences from the CPU EV's delta, neither visible once a chain is
-replayed: a key written with its state unchanged bit for bit (say a zero
-gradient on a key not looked up) is not listed, and a key inserted and
-evicted between two saves is not listed as removed (the base never held
-it, so there is nothing to remove).
+Removed keys are also those the eviction policy took since the base
+(the adaptor records them once incremental saves began,
+GroupEmbeddingHbmEVTakeEvicted) and still absent, so a key inserted and
+evicted between two saves is listed as removed as on the CPU EV. One
+difference from the CPU EV's delta, invisible once a chain is replayed:
+a key written with its state unchanged bit for bit (say a zero gradient
+on a key not looked up) is not listed.
 
 Cost: a host copy of the table's content at the base (what a full save
 writes) and the whole table exported at each save; nothing per step.
@@ -68,6 +70,18 @@ class DeltaTracker:
         self._base: Optional[_Snapshot] = None
         self._base_id = 0
         self._pending: Optional[Tuple[int, _Snapshot]] = None
+        # Keys the policy evicted, each with the export it goes to first
+        # (dropped once an export at least as new is confirmed).
+        self._evicted: List[Tuple[np.ndarray, int]] = []
+
+    def record_evicted(self, keys: np.ndarray, lost: bool) -> None:
+        """Keys the policy removed since the last call (for the next
+        export); `lost`: some could not be read, so no delta can be
+        trusted to list them (the next save is full)."""
+        if lost:
+            self._base, self._base_id = None, 0
+        if keys.size:
+            self._evicted.append((keys.astype(np.int64), self._exports + 1))
 
     def delta_base(self, slot_names: Sequence) -> int:
         """The `since` the next delta may use: the confirmed export, or
@@ -84,6 +98,7 @@ class DeltaTracker:
         self._exports += 1
         self._base, self._base_id = _Snapshot(export), self._exports
         self._pending = None
+        self._evicted = []
         return self._base_id
 
     def changes(self, export: Sequence[np.ndarray], since: int) -> tuple:
@@ -122,7 +137,8 @@ class DeltaTracker:
             else:
                 same = known
             pick = now.order[~same]
-            removed = np.setdiff1d(base.keys, now.keys, assume_unique=True)
+            gone = [base.keys] + [k for k, _ in self._evicted]
+            removed = np.setdiff1d(np.concatenate(gone), now.keys)
         return (keys[pick], values[pick], freqs[pick], versions[pick],
                 names, inits, slots[pick], step, removed.astype(np.int64),
                 np.int64(self._exports))
@@ -136,3 +152,4 @@ class DeltaTracker:
             return
         self._base_id, self._base = self._pending
         self._pending = None
+        self._evicted = [(k, e) for k, e in self._evicted if e > covered]

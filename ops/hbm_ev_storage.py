@@ -158,8 +158,13 @@ class HbmStorage:
         `ev_storage.export_changes` result: every key (`since` == 0) or
         the keys changed since the confirmed save `since`, the keys
         removed since and this export's number (`hbm_ev_deltas`)."""
+        self._take_evicted(handle)
         return self.deltas.changes(self._numpy_export(handle, embedding_dim),
                                    int(since))
+
+    def _take_evicted(self, handle) -> None:
+        keys, lost = self.module.group_embedding_hbm_ev_take_evicted(handle)
+        self.deltas.record_evicted(np.asarray(keys), bool(lost))
 
     def confirm_save(self, handle, covered):
         """Export `covered` is durable: the next delta extends it."""
@@ -170,6 +175,7 @@ class HbmStorage:
         """The `since` the next delta may use (0: none, save in full).
         With `restored` (right after a restore), the content becomes that
         base."""
+        self._take_evicted(handle)
         if restored:
             return self.deltas.restored(
                 self._numpy_export(handle, self.embedding_dim))

@@ -652,14 +652,18 @@ def _by_key(shard, field):
     return shard[f"t/{field}"][order]
 
 
-@pytest.mark.parametrize("evict", [None, ge.GlobalStepEvict(steps_to_live=2)])
-def test_incremental_deltas_equal_the_dram_evs(hbm, tmp_path, evict):
-    """A DRAM EV and an HBM EV trained on the same ids, saved each step
-    with full_every=3: each save is full or a delta alike, a delta holds
-    the same changed keys (rows, slots, freqs, versions) and the same
-    removed keys, and either chain restores bitwise into a fresh EV of
-    either kind."""
-    tag = "none" if evict is None else "gse"
+@pytest.mark.parametrize("evict,every", [
+    (None, 1), (ge.GlobalStepEvict(steps_to_live=2), 1),
+    (ge.GlobalStepEvict(steps_to_live=1), 2),
+    (ge.L2WeightEvict(l2_weight_threshold=0.3), 1)])
+def test_incremental_deltas_equal_the_dram_evs(hbm, tmp_path, evict, every):
+    """A DRAM EV and an HBM EV trained on the same ids, saved every
+    `every` steps with full_every=3: each save is full or a delta alike,
+    a delta holds the same changed keys (rows, slots, freqs, versions)
+    and the same removed keys (also keys inserted and evicted between two
+    saves), and either chain restores bitwise into a fresh EV of either
+    kind."""
+    tag = f"{type(evict).__name__}_{every}"
     hbm_ev, dram_ev = _pair(f"inc_{tag}", evict=evict)
     opts = {"hbm": ge.optimizers.Adagrad(0.1),
             "dram": ge.optimizers.Adagrad(0.1)}
@@ -670,6 +674,9 @@ def test_incremental_deltas_equal_the_dram_evs(hbm, tmp_path, evict):
         saved = {}
         for kind, ev in evs.items():
             _train(ev, opts[kind], [batch], "mean")
+        if step % every:
+            continue
+        for kind, ev in evs.items():
             saved[kind] = ge.save_tables(str(tmp_path / kind), {"t": ev},
                                          step, full_every=3)
         assert _kind(saved["hbm"]) == _kind(saved["dram"])
@@ -696,8 +703,31 @@ def test_incremental_deltas_equal_the_dram_evs(hbm, tmp_path, evict):
                                        f"{target}")
                 ge.restore_tables(saved[source], {"t": fresh})
                 _assert_exact_state(fresh, evs[source])
-    assert kinds == (["full", "delta", "delta"] * 3)[:len(batches)]
+    assert kinds == (["full", "delta", "delta"] * 3)[:len(batches) // every]
     assert (removed > 0) == (evict is not None)
+
+
+def test_keys_inserted_and_evicted_between_saves_are_removed(hbm,
+                                                            tmp_path):
+    """GlobalStepEvict(1), saves at steps 2 and 5: keys first seen at
+    step 3 and evicted at the second save are listed as removed (as the
+    DRAM EV lists them), next to the base's keys evicted."""
+    hbm_ev, dram_ev = _pair("inc_between",
+                            evict=ge.GlobalStepEvict(steps_to_live=1))
+    rows = [KEYS[:5], KEYS[:5], KEYS[5:8], KEYS[:2], KEYS[:2]]
+    removed = {}
+    for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
+        opt = ge.optimizers.SGD(0.1)
+        for step, keys in enumerate(rows, 1):
+            _train(ev, opt, [(tf.ragged.constant([keys], tf.int64), None)],
+                   "sum")
+            if step in (2, 5):
+                path = ge.save_tables(str(tmp_path / kind), {"t": ev}, step,
+                                      full_every=3)
+        assert _kind(path) == "delta"
+        removed[kind] = np.sort(_shard(path)["t/removed"])
+    np.testing.assert_array_equal(removed["hbm"], removed["dram"])
+    assert set(KEYS[2:8].tolist()) == set(removed["hbm"].tolist())
 
 
 def test_failed_hbm_delta_loses_no_changes(hbm, tmp_path, monkeypatch):
