@@ -183,6 +183,45 @@ def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
                                          is_sequence=True)
 
 
+def test_unsupported_lookups_and_optimizers_name_the_ev(hbm, monkeypatch):
+    """Collective mode, a tensor max_norm and AdagradDecay (an EV-only
+    optimizer) are errors naming the HBM EV, never silently ignored."""
+    from group_embedding import model_parallel
+    ev = ge.get_embedding_variable("unsup", DIM, ev_option=_option(
+        ge.StorageOption(ge.StorageType.HBM)))
+    ids = tf.ragged.constant([[1, 2]], tf.int64)
+    with pytest.raises(NotImplementedError,
+                       match=r"unsup.*not a number >= 0"):
+        ge.group_embedding_lookup_sparse([ev], [ids], "sum",
+                                         max_norm=tf.constant(0.5))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the runtime must not be called")
+
+    saved = model_parallel.runtime()
+    model_parallel.register(model_parallel.Runtime(
+        rank=0, size=2, pooled_lookup=never, sequence_lookup=never,
+        collective_table=None))
+    try:
+        with pytest.raises(NotImplementedError,
+                           match=r"unsup.*collective mode"):
+            ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+    finally:
+        model_parallel.unregister()
+        if saved is not None:
+            model_parallel.register(saved)
+    with tf.Graph().as_default():
+        ev = ge.get_embedding_variable("unsup_decay", DIM, ev_option=_option(
+            ge.StorageOption(ge.StorageType.HBM)))
+        (out,) = ge.group_embedding_lookup_sparse(
+            [ev], [tf.ragged.constant([[1, 2]], tf.int64)], "sum")
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = ge.train.AdagradDecayOptimizer(0.1, step)
+        with pytest.raises(NotImplementedError,
+                           match=r"'unsup_decay'.*AdagradDecay"):
+            opt.minimize(tf.reduce_sum(out * out), var_list=[ev])
+
+
 # -- 34.3: lookups and updates against the DRAM EV --------------------------
 def test_plan_gives_hbm_evs_their_own_group_and_backend(hbm):
     hbm_ev, dram_ev = _pair("plan")
