@@ -83,11 +83,11 @@ class DeltaTracker:
         if keys.size:
             self._evicted.append((keys.astype(np.int64), self._exports + 1))
 
-    def delta_base(self, slot_names: Sequence) -> int:
+    def delta_base(self, slot_names: np.ndarray) -> int:
         """The `since` the next delta may use: the confirmed export, or
         0 (save in full) when there is none or the optimizer slots
         changed since (a delta cannot add a slot to the keys it omits)."""
-        if self._base is None or _names(np.asarray(slot_names)) != \
+        if self._base is None or _names(slot_names) != \
                 self._base.slot_names:
             return 0
         return self._base_id
