@@ -214,12 +214,7 @@ def test_restores_into_ssd_tiered_evs(case, tmp_path):
     on_disk = [int(ev_storage.tier_stats(evs[f].handle)[1])
                for f in FEATURES]
     assert max(on_disk) > 0, on_disk
-    _check_state(evs, exp["keys"], cfg, _atol(cfg))
-    cont = exp["continuation"]
-    losses = [_train_step(evs, opt, b) for b in cont["batches"]]
-    np.testing.assert_allclose(losses, cont["losses_deepray"], rtol=1e-5)
-    _check_state(evs, cont["keys"], cfg, 10 * _atol(cfg),
-                 versions=cfg["optimizer"] != "ftrl")
+    _check_restored_and_continued(exp, cfg, evs, opt)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -229,6 +224,12 @@ def test_restores_into_hbm_evs(case, monkeypatch):
     monkeypatch.setenv(config.HBM_ON_HOST, "1")
     exp, cfg, evs, opt, _ = _restore(case, hbm=True)
     assert all(evs[f].ge_table_kind == "hbm_ev" for f in FEATURES)
+    _check_restored_and_continued(exp, cfg, evs, opt)
+
+
+def _check_restored_and_continued(exp, cfg, evs, opt):
+    """Every key as expected.json holds it, then Deepray's losses for its
+    2 more steps and the state after them."""
     _check_state(evs, exp["keys"], cfg, _atol(cfg))
     cont = exp["continuation"]
     losses = [_train_step(evs, opt, b) for b in cont["batches"]]
