@@ -19,6 +19,11 @@ gradient in one pass: in a traced step the per-occurrence rows are then
 never computed (their ops have no consumer). Slices changed on the way
 (scaled, clipped, summed over two lookups) take the per-key update.
 
+Eviction policies (`evict`) run the adaptor's evict op with the CPU
+EV's rules; incremental checkpoints (`export_changes`, `confirm_save`,
+`delta_base`) compare exports with the last confirmed save's content
+(`hbm_ev_deltas`).
+
 Where TF sees no GPU, the op library is the adaptor built against the
 core's host stand-in (tests, `GROUP_EMBEDDING_HBM_ON_HOST=1`), whose
 kernels run on the CPU: same ops, same results.

@@ -14,6 +14,9 @@ duplicates or combiner scales the updates are bitwise equal, which one
 case checks). Without a GPU and without the test hook, an HBM EV is an
 error naming it. Checkpoints: an HBM EV writes the CPU EV's entries
 (names, dtypes, shapes) and either kind restores the other's bitwise.
+Eviction policies remove the keys the DRAM EV removes, when it removes
+them; incremental saves write the DRAM EV's deltas (changed and removed
+keys), and either chain restores bitwise into either kind.
 """
 
 import keras
@@ -691,19 +694,21 @@ def _by_key(shard, field):
     return shard[f"t/{field}"][order]
 
 
-@pytest.mark.parametrize("evict,every", [
-    (None, 1), (ge.GlobalStepEvict(steps_to_live=2), 1),
-    (ge.GlobalStepEvict(steps_to_live=1), 2),
-    (ge.L2WeightEvict(l2_weight_threshold=0.3), 1)])
-def test_incremental_deltas_equal_the_dram_evs(hbm, tmp_path, evict, every):
+@pytest.mark.parametrize("evict,every,filter_freq", [
+    (None, 1, 0), (ge.GlobalStepEvict(steps_to_live=2), 1, 0),
+    (ge.GlobalStepEvict(steps_to_live=1), 2, 2),
+    (ge.L2WeightEvict(l2_weight_threshold=0.3), 1, 0)])
+def test_incremental_deltas_equal_the_dram_evs(hbm, tmp_path, evict, every,
+                                               filter_freq):
     """A DRAM EV and an HBM EV trained on the same ids, saved every
     `every` steps with full_every=3: each save is full or a delta alike,
     a delta holds the same changed keys (rows, slots, freqs, versions)
     and the same removed keys (also keys inserted and evicted between two
     saves), and either chain restores bitwise into a fresh EV of either
-    kind."""
+    kind (under a CounterFilter too)."""
     tag = f"{type(evict).__name__}_{every}"
-    hbm_ev, dram_ev = _pair(f"inc_{tag}", evict=evict)
+    hbm_ev, dram_ev = _pair(f"inc_{tag}", evict=evict,
+                            filter_freq=filter_freq)
     opts = {"hbm": ge.optimizers.Adagrad(0.1),
             "dram": ge.optimizers.Adagrad(0.1)}
     evs = {"hbm": hbm_ev, "dram": dram_ev}
@@ -765,6 +770,44 @@ def test_keys_inserted_and_evicted_between_saves_are_removed(hbm,
                                       full_every=3)
         assert _kind(path) == "delta"
         removed[kind] = np.sort(_shard(path)["t/removed"])
+    np.testing.assert_array_equal(removed["hbm"], removed["dram"])
+    assert set(KEYS[2:8].tolist()) == set(removed["hbm"].tolist())
+
+
+def test_failed_save_keeps_its_evicted_keys_for_the_next_delta(
+        hbm, tmp_path, monkeypatch):
+    """The save that fails has already evicted: the next delta lists
+    those keys as removed (the base's, and keys first seen after it), as
+    the DRAM EV's does."""
+    hbm_ev, dram_ev = _pair("inc_fail_evict",
+                            evict=ge.GlobalStepEvict(steps_to_live=1))
+    rows = [KEYS[:6], np.concatenate([KEYS[6:8], KEYS[:2]]), KEYS[:2],
+            KEYS[:2], KEYS[:2]]
+    real = np.savez
+
+    def full_disk(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    removed = {}
+    for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
+        opt = ge.optimizers.SGD(0.1)
+        for step, keys in enumerate(rows, 1):
+            _train(ev, opt, [(tf.ragged.constant([keys], tf.int64), None)],
+                   "sum")
+            if step == 4:  # evicts KEYS[2:8], then fails
+                monkeypatch.setattr(np, "savez", full_disk)
+                with pytest.raises(RuntimeError, match="disk full"):
+                    ge.save_tables(str(tmp_path / kind), {"t": ev}, step,
+                                   full_every=5)
+                monkeypatch.setattr(np, "savez", real)
+            elif step in (1, 5):
+                path = ge.save_tables(str(tmp_path / kind), {"t": ev}, step,
+                                      full_every=5)
+        assert _kind(path) == "delta"
+        removed[kind] = np.sort(_shard(path)["t/removed"])
+        fresh = _fresh("dram", f"inc_fail_evict_{kind}_into")
+        ge.restore_tables(path, {"t": fresh})
+        _assert_exact_state(fresh, ev)
     np.testing.assert_array_equal(removed["hbm"], removed["dram"])
     assert set(KEYS[2:8].tolist()) == set(removed["hbm"].tolist())
 
