@@ -47,7 +47,10 @@ class _Snapshot:
         self.keys = keys[order]
         self.slot_names = _names(names)
         # Bitwise words: -0.0 vs 0.0 and NaN payloads count as changes.
-        words = [np.ascontiguousarray(a).view(np.int32).reshape(n, -1)
+        # Widths from the shapes: an empty table has rows of them too.
+        words = [np.ascontiguousarray(a).reshape(
+                     n, int(np.prod(a.shape[1:], dtype=np.int64))).view(
+                     np.int32)
                  for a in (values.astype(np.float32, copy=False),
                            slots.astype(np.float32, copy=False),
                            freqs.astype(np.int64, copy=False),

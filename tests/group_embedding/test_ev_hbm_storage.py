@@ -774,6 +774,33 @@ def test_keys_inserted_and_evicted_between_saves_are_removed(hbm,
     assert set(KEYS[2:8].tolist()) == set(removed["hbm"].tolist())
 
 
+def test_empty_tables_and_everything_evicted_make_deltas(hbm, tmp_path):
+    """An empty table saves (full, then an empty delta), and a delta after
+    the policy removed every key lists them all as removed, as the DRAM
+    EV's does."""
+    hbm_ev, dram_ev = _pair("inc_empty",
+                            evict=ge.L2WeightEvict(l2_weight_threshold=1e9))
+    got = {}
+    for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
+        where = str(tmp_path / kind)
+        paths = [ge.save_tables(where, {"t": ev}, 1, full_every=5),
+                 ge.save_tables(where, {"t": ev}, 2, full_every=5)]
+        ev.lookup_rows(tf.constant(KEYS[:4]))
+        # The whole-table export keeps them (no policy runs there); the
+        # incremental save evicts them all.
+        paths.append(ge.save_tables(where, {"t": ev}, 3, full_every=5))
+        assert int(ev.size()) == 0
+        got[kind] = [(_kind(p), np.sort(_shard(p)["t/keys"]),
+                      np.sort(_shard(p).get("t/removed", np.zeros(0))))
+                     for p in paths]
+    for (hk, hkeys, hrem), (dk, dkeys, drem) in zip(got["hbm"], got["dram"]):
+        assert hk == dk
+        np.testing.assert_array_equal(hkeys, dkeys)
+        np.testing.assert_array_equal(hrem, drem)
+    assert [k for k, _, _ in got["hbm"]] == ["full", "delta", "delta"]
+    assert set(got["hbm"][2][2].tolist()) == set(KEYS[:4].tolist())
+
+
 def test_failed_save_keeps_its_evicted_keys_for_the_next_delta(
         hbm, tmp_path, monkeypatch):
     """The save that fails has already evicted: the next delta lists
