@@ -751,6 +751,11 @@ def test_incremental_deltas_equal_the_dram_evs(hbm, tmp_path, evict, every,
     assert (removed > 0) == (evict is not None)
 
 
+def _train_one_row(ev, opt, keys):
+    """One step on one bag of `keys` (sum)."""
+    _train(ev, opt, [(tf.ragged.constant([keys], tf.int64), None)], "sum")
+
+
 def test_keys_inserted_and_evicted_between_saves_are_removed(hbm,
                                                             tmp_path):
     """GlobalStepEvict(1), saves at steps 2 and 5: keys first seen at
@@ -763,8 +768,7 @@ def test_keys_inserted_and_evicted_between_saves_are_removed(hbm,
     for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
         opt = ge.optimizers.SGD(0.1)
         for step, keys in enumerate(rows, 1):
-            _train(ev, opt, [(tf.ragged.constant([keys], tf.int64), None)],
-                   "sum")
+            _train_one_row(ev, opt, keys)
             if step in (2, 5):
                 path = ge.save_tables(str(tmp_path / kind), {"t": ev}, step,
                                       full_every=3)
@@ -819,8 +823,7 @@ def test_failed_save_keeps_its_evicted_keys_for_the_next_delta(
     for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
         opt = ge.optimizers.SGD(0.1)
         for step, keys in enumerate(rows, 1):
-            _train(ev, opt, [(tf.ragged.constant([keys], tf.int64), None)],
-                   "sum")
+            _train_one_row(ev, opt, keys)
             if step == 4:  # evicts KEYS[2:8], then fails
                 monkeypatch.setattr(np, "savez", full_disk)
                 with pytest.raises(RuntimeError, match="disk full"):
