@@ -19,6 +19,11 @@ gradient in one pass: in a traced step the per-occurrence rows are then
 never computed (their ops have no consumer). Slices changed on the way
 (scaled, clipped, summed over two lookups) take the per-key update.
 
+Eviction policies (`evict`) run the adaptor's evict op with the CPU
+EV's rules; incremental checkpoints (`export_changes`, `confirm_save`,
+`delta_base`) compare exports with the last confirmed save's content
+(`hbm_ev_deltas`).
+
 Where TF sees no GPU, the op library is the adaptor built against the
 core's host stand-in (tests, `GROUP_EMBEDDING_HBM_ON_HOST=1`), whose
 kernels run on the CPU: same ops, same results.
@@ -31,9 +36,11 @@ from typing import NamedTuple
 from typing import Optional
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+from group_embedding.ops import hbm_ev_deltas
 from group_embedding.ops import lookup_tf
 from group_embedding.ops import op_names
 from group_embedding.ops.backward_apply import hyper
@@ -98,15 +105,21 @@ class HbmStorage:
         embedding_dim: D.
         buckets: the table's buckets (`num_buckets`); capacity is
             `buckets * 128` keys.
+        steps_to_live: GlobalStepEvict's, 0: none.
+        l2_threshold: L2WeightEvict's, negative: none.
     """
 
     def __init__(self, module: Any, name: str, embedding_dim: int,
-                 buckets: int):
+                 buckets: int, steps_to_live: int = 0,
+                 l2_threshold: float = -1.0):
         self.module = module
         self.name = name
         self.embedding_dim = embedding_dim
         self.capacity = buckets * BUCKET
         self.buckets = buckets
+        self.steps_to_live = steps_to_live
+        self.l2_threshold = l2_threshold
+        self.deltas = hbm_ev_deltas.DeltaTracker(name)
 
     def create_handle(self, shared_name: str, filter_freq: int,
                       no_permission: float, lfu: bool) -> tf.Tensor:
@@ -142,6 +155,38 @@ class HbmStorage:
                           [n, tf.size(names) * embedding_dim])
         return keys, values, freqs, versions, names, inits, flat, step
 
+    def _numpy_export(self, handle, embedding_dim: int):
+        return [np.asarray(x) for x in self.export(handle, embedding_dim)]
+
+    def export_changes(self, handle, embedding_dim: int, since):
+        """Incremental-checkpoint snapshot (eager), the CPU EV's
+        `ev_storage.export_changes` result: every key (`since` == 0) or
+        the keys changed since the confirmed save `since`, the keys
+        removed since and this export's number (`hbm_ev_deltas`)."""
+        self._take_evicted(handle)
+        return self.deltas.changes(self._numpy_export(handle, embedding_dim),
+                                   int(since))
+
+    def _take_evicted(self, handle) -> None:
+        keys, lost = self.module.group_embedding_hbm_ev_take_evicted(handle)
+        self.deltas.record_evicted(np.asarray(keys), bool(lost))
+
+    def confirm_save(self, handle, covered):
+        """Export `covered` is durable: the next delta extends it."""
+        del handle
+        self.deltas.confirm(int(covered))
+
+    def delta_base(self, handle, restored: bool = False):
+        """The `since` the next delta may use (0: none, save in full).
+        With `restored` (right after a restore), the content becomes that
+        base."""
+        self._take_evicted(handle)
+        if restored:
+            return self.deltas.restored(
+                self._numpy_export(handle, self.embedding_dim))
+        return self.deltas.delta_base(np.asarray(
+            self.module.group_embedding_hbm_ev_slot_names(handle)))
+
     def import_(self, handle, keys, values, freqs, versions, slot_names,
                 slot_inits, slots, step):
         """Replaces the whole content with a snapshot in the CPU EV's
@@ -158,14 +203,19 @@ class HbmStorage:
         return self.module.group_embedding_hbm_ev_import(
             handle, keys, tf.reshape(tf.cast(values, tf.float32),
                                      tf.stack([n, d])),
-            tf.cast(freqs, tf.int64), tf.cast(versions, tf.int64),
-            slot_names, inits, planes, by_slot, tf.cast(step, tf.int64))
+            tf.cast(freqs, tf.int64),
+            # Steps are >= 0 in storage, as the CPU EV's import clamps
+            # them (Deepray's FTRL stamps -1).
+            tf.maximum(tf.cast(versions, tf.int64), 0),
+            slot_names, inits, planes, by_slot,
+            tf.maximum(tf.cast(step, tf.int64), 0))
 
     def evict(self, handle):
-        """No eviction policy runs on an HBM table (refused at creation):
-        removes nothing."""
-        del handle
-        return tf.constant(0, tf.int64)
+        """Runs the eviction policy (the CPU EV's rules, against the last
+        step an update applied); returns the number of keys removed."""
+        return self.module.group_embedding_hbm_ev_evict(
+            handle, steps_to_live=self.steps_to_live,
+            l2_threshold=self.l2_threshold)
 
     # -- optimizer updates (`ev_storage.apply_*`) --------------------------
     def _apply(self, handle, keys, grad, step, optimizer, slot_names,

@@ -48,7 +48,6 @@ from group_embedding.embedding_variable.keras_variable import (
 from group_embedding.embedding_variable.options import CBFFilter
 from group_embedding.embedding_variable.options import CounterFilter
 from group_embedding.embedding_variable.variable import is_embedding_variable
-from group_embedding.ops import ev_storage
 from group_embedding.ops import op_names
 
 _logger = logging.getLogger(__name__)
@@ -603,7 +602,8 @@ def _restore(ckpt, entries, dense, keras_optimizer, global_step, sess):
             plan.ev._check_restored_keys(plan.keys)  # pylint: disable=protected-access
         for plan in plans:
             ev = plan.ev
-            ev_storage.import_(
+            # The EV's own storage: DRAM / SSD tier or an HBM table.
+            ev.storage.import_(
                 ev.handle, plan.keys, plan.values(ev.default_values.numpy()),
                 plan.freqs, plan.versions, plan.slot_names, plan.slot_inits,
                 plan.slots, step)
@@ -639,7 +639,7 @@ def _run_in_graph(sess, ckpt, plans, dense, step, keras_iterations):
                 keys = run.feed_of(plan.keys, tf.int64)
                 checks = ev._check_restored_keys(keys)  # pylint: disable=protected-access
                 with tf.control_dependencies(checks):
-                    run.ops.append(ev_storage.import_(
+                    run.ops.append(ev.storage.import_(
                         ev.handle, keys,
                         run.feed_of(plan.values(dflt), tf.float32),
                         run.feed_of(plan.freqs, tf.int64),

@@ -3,7 +3,8 @@ full_every=K)`): what a delta holds, when one may be written, and how a
 chain of them is replayed.
 
 The storage stamps every write to a key with a 64-bit epoch that only an
-export advances (ops/kernels/ev_storage.h, "Change tracking"). A save
+export advances (ops/kernels/ev_storage.h, "Change tracking"; an HBM
+EV's storage compares exports instead, ops/hbm_ev_deltas.py). A save
 records, per EV, the epoch its export closed (`covered`); the next save
 exports only the keys stamped later, plus the keys evicted since, and
 names the checkpoint it extends (`parent`). This module keeps, per
@@ -29,8 +30,6 @@ from typing import Optional
 from typing import Tuple
 
 import numpy as np
-
-from group_embedding.ops import ev_storage
 
 # Per-key arrays of an EV in a shard file, and what only a delta holds.
 PER_KEY = ("keys", "values", "freqs", "versions", "slots")
@@ -80,7 +79,7 @@ def usable_base(directory: str, evs: Dict[str, Any], size: int,
         ref, covered = base.covered[name]
         if ref() is not table:
             return None
-        if int(ev_storage.delta_base(table.handle)) != covered:
+        if int(table.storage.delta_base(table.handle)) != covered:
             return None
     return base
 
@@ -96,8 +95,8 @@ def export_ev(name: str, table, since: int) -> Tuple[Dict, int]:
     """
     if table.ev_option.evict_option is not None:
         table.evict()
-    out = ev_storage.export_changes(table.handle, table.embedding_dim,
-                                    since)
+    out = table.storage.export_changes(table.handle, table.embedding_dim,
+                                       since)
     fields = ("keys", "values", "freqs", "versions", "slot_names",
               "slot_inits", "slots", "step", REMOVED)
     arrays = {}
@@ -118,7 +117,7 @@ def record(directory: str, checkpoint: str, manifest_sha256: str,
     """After a save of `evs` became durable: the next delta extends
     `checkpoint` (each EV's export `covered[name]` is confirmed)."""
     for name, table in evs.items():
-        ev_storage.confirm_save(table.handle, covered[name])
+        table.storage.confirm_save(table.handle, covered[name])
     _remember(directory, checkpoint, manifest_sha256, depth, size, evs,
               covered)
 
@@ -142,8 +141,7 @@ def record_restore(path: str, manifest_sha256: str, depth: int,
     if size != now:
         _bases.pop(_key(directory, evs), None)
         return
-    covered = {n: int(ev_storage.delta_base(t.handle,
-                                               restored=True))
+    covered = {n: int(t.storage.delta_base(t.handle, restored=True))
                for n, t in evs.items()}
     _remember(directory, checkpoint, manifest_sha256, depth, size, evs,
               covered)

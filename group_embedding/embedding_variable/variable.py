@@ -229,7 +229,7 @@ class EmbeddingVariable(tf.Module):
                 self._ev_name + "/storage", mark_as_used=True)
         storage = opt.storage_option
         if storage.is_hbm():
-            return self._create_hbm_handle(shared, freq)
+            return self._create_hbm_handle(shared, freq, steps, l2)
         path = ""
         if storage.is_tiered():
             path = _prepare_storage_path(self._ev_name, storage,
@@ -252,14 +252,17 @@ class EmbeddingVariable(tf.Module):
             # _claim_in_graph cannot see at its first run).
             raise ValueError(e.message) from None
 
-    def _create_hbm_handle(self, shared: str, filter_freq: int):
-        """The table in GPU memory (StorageType.HBM).
+    def _create_hbm_handle(self, shared: str, filter_freq: int,
+                           steps_to_live: int, l2_threshold: float):
+        """The table in GPU memory (StorageType.HBM); its eviction policy
+        (`steps_to_live`, `l2_threshold`: `_create_handle`'s) runs in
+        `evict`, when the CPU EV's does.
 
         Raises:
             RuntimeError: no GPU kernels here (TF sees no GPU, naming the
                 EV; no CPU fallback).
-            NotImplementedError: HBM_DRAM, a CBFFilter or an eviction
-                policy (not on the GPU table yet).
+            NotImplementedError: HBM_DRAM or a CBFFilter (not on the GPU
+                table yet).
         """
         opt = self.ev_option
         storage = opt.storage_option
@@ -268,8 +271,7 @@ class EmbeddingVariable(tf.Module):
         for what, refused in (
                 ("StorageType.HBM_DRAM (its host-memory tier)",
                  storage.storage_type == StorageType.HBM_DRAM),
-                ("a CBFFilter", isinstance(opt.filter_option, CBFFilter)),
-                ("an evict_option", opt.evict_option is not None)):
+                ("a CBFFilter", isinstance(opt.filter_option, CBFFilter))):
             if refused:
                 raise NotImplementedError(
                     f"EmbeddingVariable '{self._ev_name}': {what} is not "
@@ -278,7 +280,8 @@ class EmbeddingVariable(tf.Module):
         buckets = hbm_ev_storage.num_buckets(storage.hbm_bytes(),
                                              self.embedding_dim)
         hbm = hbm_ev_storage.HbmStorage(module, self._ev_name,
-                                        self.embedding_dim, buckets)
+                                        self.embedding_dim, buckets,
+                                        steps_to_live, l2_threshold)
         self.storage = hbm
         self.ge_table_kind = "hbm_ev"
         return hbm.create_handle(

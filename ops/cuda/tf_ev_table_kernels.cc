@@ -87,6 +87,12 @@ class HbmEvTable : public ::tensorflow::ResourceBase {
       counters;
   std::vector<std::string> slot_names;
   int64_t step = 0;
+  // Keys the eviction policy removed, for the next incremental
+  // checkpoint's removed keys (GroupEmbeddingHbmEVTakeEvicted); kept only
+  // once an incremental save asked for them, as the CPU EV records them.
+  bool track_evicted = false;
+  bool evicted_lost = false;
+  std::vector<int64_t> evicted_keys;
 
  private:
   ::tensorflow::mutex mu_;
@@ -921,6 +927,183 @@ class ImportOp : public OpKernel {
   }
 };
 
+// The eviction policy (GlobalStepEvict when steps_to_live > 0, else
+// L2WeightEvict when l2_threshold >= 0) against the last step an update
+// applied, as the CPU EV's GroupEmbeddingEVEvict uses its current step:
+// ge_ev_evict removes the doomed keys; returns how many.
+REGISTER_OP("GroupEmbeddingHbmEVEvict")
+    .Input("handle: resource")
+    .Output("num_evicted: int64")
+    .Attr("steps_to_live: int >= 0 = 0")
+    .Attr("l2_threshold: float = -1.0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+class EvictOp : public OpKernel {
+ public:
+  explicit EvictOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("steps_to_live", &steps_to_live_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("l2_threshold", &l2_threshold_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    ::tensorflow::mutex_lock lock(*table->mu());
+    void* stream = StreamOf(ctx);
+    Tensor counters_t;
+    void* counters = nullptr;
+    OP_REQUIRES_OK(ctx, Temp(ctx, 8 * GE_EV_NUM_COUNTERS, &counters_t,
+                             &counters));
+    const GeEvTable desc = table->With(nullptr, 0);
+    // Recording removals: the evicted output, room for every stored key
+    // (the core fills all its arrays; only the keys are kept).
+    const bool record = table->track_evicted && DoesEvict();
+    int64_t n = 0;
+    if (record) {
+      OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), stream, &n));
+    }
+    const int64_t dim = desc.dim, slots = desc.num_slots;
+    Tensor keys_t, values_t, slots_t, freq_t, version_t, count_t;
+    GeEvEvicted out_ev{};
+    if (record && n > 0) {
+      OP_REQUIRES_OK(ctx, Allocate(ctx, DT_INT64, TensorShape({n}),
+                                   &keys_t));
+      OP_REQUIRES_OK(ctx, Allocate(ctx, DT_FLOAT, TensorShape({n, dim}),
+                                   &values_t));
+      OP_REQUIRES_OK(ctx, Allocate(ctx, DT_FLOAT,
+                                   TensorShape({slots, n, dim}), &slots_t));
+      OP_REQUIRES_OK(ctx, Allocate(ctx, DT_INT64, TensorShape({n}),
+                                   &freq_t));
+      OP_REQUIRES_OK(ctx, Allocate(ctx, DT_INT64, TensorShape({n}),
+                                   &version_t));
+      void* count = nullptr;
+      OP_REQUIRES_OK(ctx, Temp(ctx, 8, &count_t, &count));
+      out_ev.keys = DataOr<int64_t>(keys_t);
+      out_ev.values = DataOr<float>(values_t);
+      out_ev.slots = slots > 0 ? DataOr<float>(slots_t) : nullptr;
+      out_ev.freq = DataOr<int64_t>(freq_t);
+      out_ev.version = DataOr<int64_t>(version_t);
+      out_ev.capacity = n;
+      out_ev.count = static_cast<unsigned long long*>(count);
+    }
+    const bool with_output = out_ev.count != nullptr;
+    int code = ge_zero_async(counters, 8 * GE_EV_NUM_COUNTERS, stream);
+    if (code == GE_OK && with_output) {
+      code = ge_zero_async(out_ev.count, 8, stream);
+    }
+    if (code == GE_OK) {
+      code = ge_ev_evict(&desc, table->step, steps_to_live_, l2_threshold_,
+                         with_output ? &out_ev : nullptr,
+                         static_cast<unsigned long long*>(counters), stream);
+    }
+    OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": evicting", code));
+    uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
+    OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
+                                     GE_EV_NUM_COUNTERS));
+    if (with_output) {
+      // Room for every stored key: the output cannot overflow, so every
+      // evicted key is counted in GE_EV_EVICTED and written.
+      const int64_t got = static_cast<int64_t>(host[GE_EV_EVICTED]);
+      OP_REQUIRES(ctx, got <= n && host[GE_EV_FULL] == 0,
+                  ::tensorflow::errors::Internal(
+                      table->name, ": evicted ", got, " of ", n, " keys."));
+      const size_t at = table->evicted_keys.size();
+      table->evicted_keys.resize(at + got);
+      code = got == 0 ? GE_OK
+                      : ge_copy_async(table->evicted_keys.data() + at,
+                                      out_ev.keys, sizeof(int64_t) * got, 1,
+                                      stream);
+      if (code == GE_OK) code = ge_synchronize(stream);
+      if (code != GE_OK) table->evicted_keys.resize(at);
+      // Lost removals would leave evicted keys in a delta's replay: the
+      // next incremental save must then be full.
+      if (code != GE_OK) table->evicted_lost = true;
+      OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": reading evicted keys",
+                                     code));
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = static_cast<int64_t>(host[GE_EV_EVICTED]);
+  }
+
+ private:
+  bool DoesEvict() const {
+    return steps_to_live_ > 0 || l2_threshold_ >= 0.0f;
+  }
+
+  int64_t steps_to_live_;
+  float l2_threshold_;
+};
+
+// The keys the eviction policy removed since the previous call (host,
+// in eviction order, duplicates possible when a key came back and went
+// again), and whether some were lost (a failed copy: no delta can list
+// them). The first call starts the recording, as the CPU EV starts
+// recording removals at its first incremental export.
+REGISTER_OP("GroupEmbeddingHbmEVTakeEvicted")
+    .Input("handle: resource")
+    .Output("keys: int64")
+    .Output("lost: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Scalar());
+      return Status();
+    });
+
+class TakeEvictedOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    ::tensorflow::mutex_lock lock(*table->mu());
+    const int64_t n = static_cast<int64_t>(table->evicted_keys.size());
+    Tensor *keys = nullptr, *lost = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &keys));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &lost));
+    if (n > 0) {
+      std::memcpy(keys->flat<int64_t>().data(), table->evicted_keys.data(),
+                  sizeof(int64_t) * n);
+    }
+    lost->scalar<bool>()() = table->evicted_lost;
+    table->evicted_keys.clear();
+    table->evicted_keys.shrink_to_fit();
+    table->evicted_lost = false;
+    table->track_evicted = true;
+  }
+};
+
+// The names of the table's optimizer slots, in export order: whether an
+// incremental checkpoint can still extend its base (a delta cannot add
+// a slot column to the keys it leaves out) without exporting the table.
+REGISTER_OP("GroupEmbeddingHbmEVSlotNames")
+    .Input("handle: resource")
+    .Output("slot_names: string")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return Status();
+    });
+
+class SlotNamesOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    ::tensorflow::tf_shared_lock lock(*table->mu());
+    const int64_t s_count = static_cast<int64_t>(table->slot_names.size());
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({s_count}),
+                                             &out));
+    for (int64_t s = 0; s < s_count; ++s) {
+      out->flat<::tensorflow::tstring>()(s) = table->slot_names[s];
+    }
+  }
+};
+
 #ifdef GE_ADAPTOR_ON_HOST
 #define GE_EV_KERNEL(op) Name(op).Device(::tensorflow::DEVICE_CPU)
 #else
@@ -956,6 +1139,19 @@ REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVImport")
                             .HostMemory("slot_names")
                             .HostMemory("step"),
                         ImportOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVEvict")
+                            .HostMemory("handle")
+                            .HostMemory("num_evicted"),
+                        EvictOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVSlotNames")
+                            .HostMemory("handle")
+                            .HostMemory("slot_names"),
+                        SlotNamesOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVTakeEvicted")
+                            .HostMemory("handle")
+                            .HostMemory("keys")
+                            .HostMemory("lost"),
+                        TakeEvictedOp);
 
 }  // namespace
 }  // namespace gpu_kernels

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import group_embedding as ge
 from group_embedding.deeprec import checkpoint as deeprec_checkpoint
+from group_embedding.ops import config
 from group_embedding.ops import ev_storage
 
 DATA = os.path.join(os.path.dirname(__file__), "deeprec_checkpoints")
@@ -53,9 +54,10 @@ def _slots_of(entry):
     return None
 
 
-def _make_evs(cfg, storage_dir=None):
+def _make_evs(cfg, storage_dir=None, hbm=False):
     """The fixture's EVs; with `storage_dir`, DRAM_SSDHASH EVs whose DRAM
-    tier holds a few rows (most keys on disk)."""
+    tier holds a few rows (most keys on disk); with `hbm`, StorageType.HBM
+    EVs."""
     init = np.array(cfg["init_table"], np.float32)
     evs = {}
     for f in FEATURES:
@@ -66,6 +68,9 @@ def _make_evs(cfg, storage_dir=None):
                              # The disk index (768 bytes while small)
                              # and two rows with two slots.
                              storage_size=[768 + 2 * (36 + 12 * cfg["dim"])])
+        if hbm:
+            storage = ge.StorageOption(ge.StorageType.HBM,
+                                       storage_size=[1 << 20])
         evs[f] = ge.get_embedding_variable(
             f, cfg["dim"], ev_option=ge.EmbeddingVariableOption(
                 filter_option=ge.CounterFilter(freq) if freq else None,
@@ -152,10 +157,10 @@ def _atol(cfg):
     return 1e-6 if cfg["optimizer"] == "adam" else 1e-7
 
 
-def _restore(case, prefix="model", storage_dir=None, **kwargs):
+def _restore(case, prefix="model", storage_dir=None, hbm=False, **kwargs):
     exp = _expected(case)
     cfg = exp["config"]
-    evs = _make_evs(cfg, storage_dir)
+    evs = _make_evs(cfg, storage_dir, hbm)
     opt = _make_optimizer(cfg)
     out = ge.restore_deeprec_checkpoint(
         os.path.join(DATA, case, prefix), [evs[f] for f in FEATURES], opt,
@@ -209,6 +214,22 @@ def test_restores_into_ssd_tiered_evs(case, tmp_path):
     on_disk = [int(ev_storage.tier_stats(evs[f].handle)[1])
                for f in FEATURES]
     assert max(on_disk) > 0, on_disk
+    _check_restored_and_continued(exp, cfg, evs, opt)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_restores_into_hbm_evs(case, monkeypatch):
+    """StorageType.HBM EVs (on the GPU library's host stand-in) restore
+    every key and train on as Deepray did."""
+    monkeypatch.setenv(config.HBM_ON_HOST, "1")
+    exp, cfg, evs, opt, _ = _restore(case, hbm=True)
+    assert all(evs[f].ge_table_kind == "hbm_ev" for f in FEATURES)
+    _check_restored_and_continued(exp, cfg, evs, opt)
+
+
+def _check_restored_and_continued(exp, cfg, evs, opt):
+    """Every key as expected.json holds it, then Deepray's losses for its
+    2 more steps and the state after them."""
     _check_state(evs, exp["keys"], cfg, _atol(cfg))
     cont = exp["continuation"]
     losses = [_train_step(evs, opt, b) for b in cont["batches"]]

@@ -14,6 +14,9 @@ duplicates or combiner scales the updates are bitwise equal, which one
 case checks). Without a GPU and without the test hook, an HBM EV is an
 error naming it. Checkpoints: an HBM EV writes the CPU EV's entries
 (names, dtypes, shapes) and either kind restores the other's bitwise.
+Eviction policies remove the keys the DRAM EV removes, when it removes
+them; incremental saves write the DRAM EV's deltas (changed and removed
+keys), and either chain restores bitwise into either kind.
 """
 
 import keras
@@ -24,6 +27,7 @@ import tensorflow as tf
 import group_embedding as ge
 from group_embedding import feature_column as ge_fc
 from group_embedding import lookup_plan
+from group_embedding.distributed import checkpoint as ge_checkpoint
 from group_embedding.ops import capabilities
 from group_embedding.ops import config
 
@@ -40,17 +44,19 @@ def hbm(monkeypatch):
     monkeypatch.setenv(config.HBM_ON_HOST, "1")
 
 
-def _option(storage, filter_freq=0, no_permission=0.0):
+def _option(storage, filter_freq=0, no_permission=0.0, evict=None):
     return ge.EmbeddingVariableOption(
         init_option=ge.InitializerOption(
             default_value_dim=DEFAULT_ROWS,
             default_value_no_permission=no_permission),
         filter_option=(ge.CounterFilter(filter_freq) if filter_freq
                        else None),
+        evict_option=evict,
         storage_option=storage)
 
 
-def _pair(name, filter_freq=0, hbm_bytes=1 << 20, strategy=None):
+def _pair(name, filter_freq=0, hbm_bytes=1 << 20, strategy=None,
+          evict=None):
     """(HBM EV, DRAM EV) with the same default matrix."""
     init = tf.keras.initializers.RandomUniform(-1.0, 1.0, seed=7)
     out = []
@@ -61,7 +67,8 @@ def _pair(name, filter_freq=0, hbm_bytes=1 << 20, strategy=None):
             ("dram", ge.StorageOption())):
         out.append(ge.get_embedding_variable(
             f"{name}_{kind}", DIM, initializer=init,
-            ev_option=_option(storage, filter_freq, no_permission=0.25)))
+            ev_option=_option(storage, filter_freq, no_permission=0.25,
+                              evict=evict)))
     out[1].default_values.assign(out[0].default_values)
     return out
 
@@ -166,8 +173,6 @@ def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
         (ge.StorageOption(ge.StorageType.HBM_DRAM), {}, "HBM_DRAM"),
         (ge.StorageOption(ge.StorageType.HBM),
          {"filter_option": ge.CBFFilter(2, 10, 0.01)}, "CBFFilter"),
-        (ge.StorageOption(ge.StorageType.HBM),
-         {"evict_option": ge.GlobalStepEvict(3)}, "evict_option"),
     ]
     for storage, extra, what in cases:
         option = ge.EmbeddingVariableOption(storage_option=storage, **extra)
@@ -179,6 +184,45 @@ def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
     with pytest.raises(NotImplementedError, match=r"\(seq\).*sequence"):
         ge.group_embedding_lookup_sparse([ev], [ids], "sum",
                                          is_sequence=True)
+
+
+def test_unsupported_lookups_and_optimizers_name_the_ev(hbm, monkeypatch):
+    """Collective mode, a tensor max_norm and AdagradDecay (an EV-only
+    optimizer) are errors naming the HBM EV, never silently ignored."""
+    from group_embedding import model_parallel
+    ev = ge.get_embedding_variable("unsup", DIM, ev_option=_option(
+        ge.StorageOption(ge.StorageType.HBM)))
+    ids = tf.ragged.constant([[1, 2]], tf.int64)
+    with pytest.raises(NotImplementedError,
+                       match=r"unsup.*not a number >= 0"):
+        ge.group_embedding_lookup_sparse([ev], [ids], "sum",
+                                         max_norm=tf.constant(0.5))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the runtime must not be called")
+
+    saved = model_parallel.runtime()
+    model_parallel.register(model_parallel.Runtime(
+        rank=0, size=2, pooled_lookup=never, sequence_lookup=never,
+        collective_table=None))
+    try:
+        with pytest.raises(NotImplementedError,
+                           match=r"unsup.*collective mode"):
+            ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+    finally:
+        model_parallel.unregister()
+        if saved is not None:
+            model_parallel.register(saved)
+    with tf.Graph().as_default():
+        ev = ge.get_embedding_variable("unsup_decay", DIM, ev_option=_option(
+            ge.StorageOption(ge.StorageType.HBM)))
+        (out,) = ge.group_embedding_lookup_sparse(
+            [ev], [tf.ragged.constant([[1, 2]], tf.int64)], "sum")
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = ge.train.AdagradDecayOptimizer(0.1, step)
+        with pytest.raises(NotImplementedError,
+                           match=r"'unsup_decay'.*AdagradDecay"):
+            opt.minimize(tf.reduce_sum(out * out), var_list=[ev])
 
 
 # -- 34.3: lookups and updates against the DRAM EV --------------------------
@@ -337,6 +381,114 @@ def test_reserved_key_and_full_bucket_are_errors_naming_the_ev(hbm):
     with pytest.raises(tf.errors.ResourceExhaustedError,
                        match="limits_hbm.*could not store 1 keys"):
         ge.group_embedding_lookup_sparse([ev], [many], "sum")
+
+
+# -- 34.1: eviction policies, run when the CPU EV runs them -----------------
+def _phased_batches():
+    """Six steps: the first three see every key, the last three only the
+    first four keys (the others age out under GlobalStepEvict)."""
+    early = _batches(51, steps=3)
+    few = KEYS[:4]
+    rng = np.random.default_rng(52)
+    late = [(tf.ragged.constant(
+        [list(rng.choice(few, size=3)) for _ in range(4)], tf.int64), None)
+        for _ in range(3)]
+    return early + late
+
+
+@pytest.mark.parametrize("evict", [
+    ge.GlobalStepEvict(steps_to_live=2),
+    ge.GlobalStepEvict(steps_to_live=1),
+    ge.L2WeightEvict(l2_weight_threshold=0.3),
+])
+def test_explicit_evict_removes_what_the_dram_ev_removes(hbm, evict):
+    """`ev.evict()` (the CPU EV's explicit eviction) after each step
+    removes on the HBM EV exactly the keys the DRAM EV removes, and
+    training goes on alike (evicted keys come back as new keys)."""
+    hbm_ev, dram_ev = _pair(f"ev_{type(evict).__name__}_"
+                            f"{getattr(evict, 'steps_to_live', 0)}",
+                            evict=evict)
+    removed = {"hbm": [], "dram": []}
+    opts = {"hbm": ge.optimizers.Adagrad(0.1),
+            "dram": ge.optimizers.Adagrad(0.1)}
+    for batch in _phased_batches() + _batches(53, steps=2):
+        for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
+            _train(ev, opts[kind], [batch], "mean")
+            removed[kind].append(int(ev.evict()))
+        _assert_same_state(hbm_ev, dram_ev)
+    assert removed["hbm"] == removed["dram"]
+    assert sum(removed["hbm"]) > 0, removed  # the case evicts something
+
+
+def test_an_ev_without_policy_evicts_nothing(hbm):
+    hbm_ev, dram_ev = _pair("ev_none")
+    _train(hbm_ev, ge.optimizers.SGD(0.1), _batches(1, steps=2), "sum")
+    assert int(hbm_ev.evict()) == 0 and int(hbm_ev.size()) > 0
+    del dram_ev
+
+
+@pytest.mark.parametrize("saver", ["checkpoint", "v1"])
+def test_save_runs_the_policy_as_the_dram_ev_does(hbm, tmp_path, saver):
+    """The CPU EV evicts just before each save (tf.train.Checkpoint and
+    the v1 Saver): the HBM EV does too, and both checkpoints hold the
+    same keys."""
+    evict = ge.GlobalStepEvict(steps_to_live=1)
+    batches = _phased_batches()
+    states = []
+    for kind in ("hbm", "dram"):
+        name = f"evsave_{saver}_{kind}"
+        storage = (ge.StorageOption(ge.StorageType.HBM,
+                                    storage_size=[1 << 20])
+                   if kind == "hbm" else ge.StorageOption())
+        option = _option(storage, evict=evict)
+        init = tf.keras.initializers.RandomUniform(-1.0, 1.0, seed=7)
+        path = str(tmp_path / kind)
+        if saver == "checkpoint":
+            ev = ge.get_embedding_variable(name, DIM, initializer=init,
+                                           ev_option=option)
+            _train(ev, ge.optimizers.SGD(0.1), batches, "sum")
+            before = int(ev.size())
+            written = tf.train.Checkpoint(ev=ev).write(path)
+            assert int(ev.size()) < before  # the save evicted
+            states.append((_state(ev), written))
+            continue
+        with tf.Graph().as_default():
+            ev = ge.get_embedding_variable(name, DIM, initializer=init,
+                                           ev_option=option)
+            ids = tf.compat.v1.placeholder(tf.int64, [None])
+            splits = tf.compat.v1.placeholder(tf.int64, [None])
+            (out,) = ge.group_embedding_lookup_sparse(
+                [ev], [tf.RaggedTensor.from_row_splits(ids, splits)], "sum")
+            grads = tf.gradients(tf.reduce_sum(out * out), [ev.handle])
+            step = tf.compat.v1.train.get_or_create_global_step()
+            train = ge.train.GradientDescentOptimizer(0.1).apply_gradients(
+                [(grads[0], ev)], global_step=step)
+            saver_ = tf.compat.v1.train.Saver([ev])
+            export = ev.storage.export(ev.handle, DIM)
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for batch, _ in batches:
+                    sess.run(train, {ids: batch.values.numpy(),
+                                     splits: batch.row_splits.numpy()})
+                written = saver_.save(sess, path)
+                got = sess.run(export)
+            order = np.argsort(got[0])
+            states.append(((got[0][order],), written))
+    (hbm_state, hbm_path), (dram_state, dram_path) = states
+    np.testing.assert_array_equal(hbm_state[0], dram_state[0])
+    reader_h = tf.train.load_checkpoint(hbm_path)
+    reader_d = tf.train.load_checkpoint(dram_path)
+    suffix = ("ev/.ATTRIBUTES/keys" if saver == "checkpoint" else "-keys")
+    h_keys = [k for k in reader_h.get_variable_to_shape_map()
+              if k.endswith(suffix)]
+    d_keys = [k for k in reader_d.get_variable_to_shape_map()
+              if k.endswith(suffix)]
+    assert len(h_keys) == len(d_keys) == 1
+    np.testing.assert_array_equal(
+        np.sort(reader_h.get_tensor(h_keys[0])),
+        np.sort(reader_d.get_tensor(d_keys[0])))
+    np.testing.assert_array_equal(np.sort(reader_h.get_tensor(h_keys[0])),
+                                  hbm_state[0])
 
 
 # -- 34.4: checkpoints in the CPU EV's format, restored into either kind -----
@@ -524,3 +676,218 @@ def test_untouched_gradients_take_the_fused_backward_apply(hbm, monkeypatch,
         _assert_same_state(hbm_ev, dram_ev)
         assert found and all(found) == (scale is None), (scale, found)
         found.clear()
+
+
+# -- 34.4: incremental checkpoints (save_tables(..., full_every=K)) ----------
+def _shard(path):
+    return dict(np.load(f"{path}/shard-0-of-1.npz"))
+
+
+def _kind(path):
+    import json
+    with open(f"{path}/{ge_checkpoint.MANIFEST}") as f:
+        return json.load(f)["kind"]
+
+
+def _by_key(shard, field):
+    order = np.argsort(shard["t/keys"])
+    return shard[f"t/{field}"][order]
+
+
+@pytest.mark.parametrize("evict,every,filter_freq", [
+    (None, 1, 0), (ge.GlobalStepEvict(steps_to_live=2), 1, 0),
+    (ge.GlobalStepEvict(steps_to_live=1), 2, 2),
+    (ge.L2WeightEvict(l2_weight_threshold=0.3), 1, 0)])
+def test_incremental_deltas_equal_the_dram_evs(hbm, tmp_path, evict, every,
+                                               filter_freq):
+    """A DRAM EV and an HBM EV trained on the same ids, saved every
+    `every` steps with full_every=3: each save is full or a delta alike,
+    a delta holds the same changed keys (rows, slots, freqs, versions)
+    and the same removed keys (also keys inserted and evicted between two
+    saves), and either chain restores bitwise into a fresh EV of either
+    kind (under a CounterFilter too)."""
+    tag = f"{type(evict).__name__}_{every}"
+    hbm_ev, dram_ev = _pair(f"inc_{tag}", evict=evict,
+                            filter_freq=filter_freq)
+    opts = {"hbm": ge.optimizers.Adagrad(0.1),
+            "dram": ge.optimizers.Adagrad(0.1)}
+    evs = {"hbm": hbm_ev, "dram": dram_ev}
+    batches = _phased_batches() + _batches(61, steps=2)
+    kinds, removed = [], 0
+    for step, batch in enumerate(batches, 1):
+        saved = {}
+        for kind, ev in evs.items():
+            _train(ev, opts[kind], [batch], "mean")
+        if step % every:
+            continue
+        for kind, ev in evs.items():
+            saved[kind] = ge.save_tables(str(tmp_path / kind), {"t": ev},
+                                         step, full_every=3)
+        assert _kind(saved["hbm"]) == _kind(saved["dram"])
+        kinds.append(_kind(saved["hbm"]))
+        got, want = _shard(saved["hbm"]), _shard(saved["dram"])
+        assert sorted(got) == sorted(want)
+        np.testing.assert_array_equal(np.sort(got["t/keys"]),
+                                      np.sort(want["t/keys"]))
+        for field in ("freqs", "versions"):
+            np.testing.assert_array_equal(_by_key(got, field),
+                                          _by_key(want, field))
+        for field in ("values", "slots"):
+            np.testing.assert_allclose(_by_key(got, field),
+                                       _by_key(want, field),
+                                       rtol=2e-6, atol=1e-7)
+        if kinds[-1] == "delta":
+            np.testing.assert_array_equal(np.sort(got["t/removed"]),
+                                          np.sort(want["t/removed"]))
+            removed += got["t/removed"].size
+        # The chain restores bitwise into either kind.
+        for source in ("hbm", "dram"):
+            for target in ("hbm", "dram"):
+                fresh = _fresh(target, f"inc_{tag}_{step}_{source}_"
+                                       f"{target}")
+                ge.restore_tables(saved[source], {"t": fresh})
+                _assert_exact_state(fresh, evs[source])
+    assert kinds == (["full", "delta", "delta"] * 3)[:len(batches) // every]
+    assert (removed > 0) == (evict is not None)
+
+
+def _train_one_row(ev, opt, keys):
+    """One step on one bag of `keys` (sum)."""
+    _train(ev, opt, [(tf.ragged.constant([keys], tf.int64), None)], "sum")
+
+
+def test_keys_inserted_and_evicted_between_saves_are_removed(hbm,
+                                                            tmp_path):
+    """GlobalStepEvict(1), saves at steps 2 and 5: keys first seen at
+    step 3 and evicted at the second save are listed as removed (as the
+    DRAM EV lists them), next to the base's keys evicted."""
+    hbm_ev, dram_ev = _pair("inc_between",
+                            evict=ge.GlobalStepEvict(steps_to_live=1))
+    rows = [KEYS[:5], KEYS[:5], KEYS[5:8], KEYS[:2], KEYS[:2]]
+    removed = {}
+    for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
+        opt = ge.optimizers.SGD(0.1)
+        for step, keys in enumerate(rows, 1):
+            _train_one_row(ev, opt, keys)
+            if step in (2, 5):
+                path = ge.save_tables(str(tmp_path / kind), {"t": ev}, step,
+                                      full_every=3)
+        assert _kind(path) == "delta"
+        removed[kind] = np.sort(_shard(path)["t/removed"])
+    np.testing.assert_array_equal(removed["hbm"], removed["dram"])
+    assert set(KEYS[2:8].tolist()) == set(removed["hbm"].tolist())
+
+
+def test_empty_tables_and_everything_evicted_make_deltas(hbm, tmp_path):
+    """An empty table saves (full, then an empty delta), and a delta after
+    the policy removed every key lists them all as removed, as the DRAM
+    EV's does."""
+    hbm_ev, dram_ev = _pair("inc_empty",
+                            evict=ge.L2WeightEvict(l2_weight_threshold=1e9))
+    got = {}
+    for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
+        where = str(tmp_path / kind)
+        paths = [ge.save_tables(where, {"t": ev}, 1, full_every=5),
+                 ge.save_tables(where, {"t": ev}, 2, full_every=5)]
+        ev.lookup_rows(tf.constant(KEYS[:4]))
+        # The whole-table export keeps them (no policy runs there); the
+        # incremental save evicts them all.
+        paths.append(ge.save_tables(where, {"t": ev}, 3, full_every=5))
+        assert int(ev.size()) == 0
+        got[kind] = [(_kind(p), np.sort(_shard(p)["t/keys"]),
+                      np.sort(_shard(p).get("t/removed", np.zeros(0))))
+                     for p in paths]
+    for (hk, hkeys, hrem), (dk, dkeys, drem) in zip(got["hbm"], got["dram"]):
+        assert hk == dk
+        np.testing.assert_array_equal(hkeys, dkeys)
+        np.testing.assert_array_equal(hrem, drem)
+    assert [k for k, _, _ in got["hbm"]] == ["full", "delta", "delta"]
+    assert set(got["hbm"][2][2].tolist()) == set(KEYS[:4].tolist())
+
+
+def test_failed_save_keeps_its_evicted_keys_for_the_next_delta(
+        hbm, tmp_path, monkeypatch):
+    """The save that fails has already evicted: the next delta lists
+    those keys as removed (the base's, and keys first seen after it), as
+    the DRAM EV's does."""
+    hbm_ev, dram_ev = _pair("inc_fail_evict",
+                            evict=ge.GlobalStepEvict(steps_to_live=1))
+    rows = [KEYS[:6], np.concatenate([KEYS[6:8], KEYS[:2]]), KEYS[:2],
+            KEYS[:2], KEYS[:2]]
+    real = np.savez
+
+    def full_disk(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    removed = {}
+    for kind, ev in (("hbm", hbm_ev), ("dram", dram_ev)):
+        opt = ge.optimizers.SGD(0.1)
+        for step, keys in enumerate(rows, 1):
+            _train_one_row(ev, opt, keys)
+            if step == 4:  # evicts KEYS[2:8], then fails
+                monkeypatch.setattr(np, "savez", full_disk)
+                with pytest.raises(RuntimeError, match="disk full"):
+                    ge.save_tables(str(tmp_path / kind), {"t": ev}, step,
+                                   full_every=5)
+                monkeypatch.setattr(np, "savez", real)
+            elif step in (1, 5):
+                path = ge.save_tables(str(tmp_path / kind), {"t": ev}, step,
+                                      full_every=5)
+        assert _kind(path) == "delta"
+        removed[kind] = np.sort(_shard(path)["t/removed"])
+        fresh = _fresh("dram", f"inc_fail_evict_{kind}_into")
+        ge.restore_tables(path, {"t": fresh})
+        _assert_exact_state(fresh, ev)
+    np.testing.assert_array_equal(removed["hbm"], removed["dram"])
+    assert set(KEYS[2:8].tolist()) == set(removed["hbm"].tolist())
+
+
+def test_failed_hbm_delta_loses_no_changes(hbm, tmp_path, monkeypatch):
+    """A save that fails before its confirmation moves no base: the next
+    delta holds the failed save's changes too."""
+    ev, _ = _pair("inc_fail")
+    ev.lookup_rows(tf.constant(KEYS[:6]))
+    first = ge.save_tables(str(tmp_path), {"t": ev}, 1, full_every=5)
+    ev.lookup_rows(tf.constant(KEYS[1:3]))
+
+    def full_disk(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    real = np.savez
+    monkeypatch.setattr(np, "savez", full_disk)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ge.save_tables(str(tmp_path), {"t": ev}, 2, full_every=5)
+    monkeypatch.setattr(np, "savez", real)
+    assert ge_checkpoint.latest_checkpoint(str(tmp_path)) == first
+    ev.lookup_rows(tf.constant(KEYS[8:9]))
+    second = ge.save_tables(str(tmp_path), {"t": ev}, 2, full_every=5)
+    assert _kind(second) == "delta"
+    assert sorted(_shard(second)["t/keys"]) == sorted(
+        KEYS[1:3].tolist() + KEYS[8:9].tolist())
+    # Nothing changed since: an empty delta.
+    third = ge.save_tables(str(tmp_path), {"t": ev}, 3, full_every=5)
+    assert _kind(third) == "delta" and _shard(third)["t/keys"].size == 0
+    fresh = _fresh("dram", "inc_fail_into")
+    ge.restore_tables(third, {"t": fresh})
+    _assert_exact_state(fresh, ev)
+
+
+def test_hbm_delta_after_restore_and_new_slot(hbm, tmp_path):
+    """A restore makes the restored content the next delta's base; a new
+    optimizer slot forces a full save (as on the CPU EV); a stale `since`
+    is an error naming the EV."""
+    ev, _ = _pair("inc_slots")
+    ev.lookup_rows(tf.constant(KEYS[:5]))
+    ge.save_tables(str(tmp_path), {"t": ev}, 1, full_every=5)
+    again = _fresh("hbm", "inc_slots_again")
+    ge.restore_tables(str(tmp_path), {"t": again})
+    again.lookup_rows(tf.constant(KEYS[7:9]))
+    second = ge.save_tables(str(tmp_path), {"t": again}, 2, full_every=5)
+    assert _kind(second) == "delta"
+    assert sorted(_shard(second)["t/keys"]) == sorted(KEYS[7:9].tolist())
+    again.ensure_slot("adam/m", 0.0)
+    assert _kind(ge.save_tables(str(tmp_path), {"t": again}, 3,
+                                full_every=5)) == "full"
+    with pytest.raises(tf.errors.FailedPreconditionError,
+                       match="inc_slots_again.*since=0"):
+        again.storage.export_changes(again.handle, DIM, 12345)
