@@ -440,30 +440,7 @@ class EVStorage : public tensorflow::ResourceBase {
     // below runs once per keep/8 new keys, not once per op.
     const int64_t target = keep - keep / 8;
     const int64_t spill = size_ - target;
-    // The live rows' scores and keys, read in row order (sequential
-    // memory, the free rows skipped by a bitmap) into one array that the
-    // selection sorts in place: comparing through the rows' scattered
-    // KeyMeta cost a cache miss per comparison.
-    struct Candidate {
-      int64_t score;
-      int64_t key;
-      uint32_t row;
-    };
-    std::vector<uint64_t> free_bits((num_rows_ + 63) / 64, 0);
-    for (uint32_t r : free_rows_) free_bits[r >> 6] |= uint64_t{1} << (r & 63);
-    std::vector<Candidate> rows;
-    rows.reserve(size_);
-    for (int64_t r = 0; r < num_rows_; ++r) {
-      if (free_bits[r >> 6] >> (r & 63) & 1) continue;
-      const KeyMeta* m = meta_.Row(r);
-      rows.push_back({config_.tier_lru ? m->version : m->freq, m->key,
-                      static_cast<uint32_t>(r)});
-    }
-    std::nth_element(rows.begin(), rows.begin() + (spill - 1), rows.end(),
-                     [](const Candidate& a, const Candidate& b) {
-                       return a.score != b.score ? a.score < b.score
-                                                 : a.key < b.key;
-                     });
+    const std::vector<uint32_t> rows = ColdestRows(spill);
     // Written in chunks of up to 4 MiB, one write each; a chunk that
     // fails stays in DRAM (the earlier ones are on disk, nothing is lost).
     TierRecord rec;
@@ -480,12 +457,12 @@ class EVStorage : public tensorflow::ResourceBase {
       marks.clear();
       for (int64_t i = begin; i < end; ++i) {
         if (i + 8 < end) {  // rows in random order: load ahead
-          const uint32_t a = rows[i + 8].row;
+          const uint32_t a = rows[i + 8];
           __builtin_prefetch(meta_.Row(a));
           __builtin_prefetch(values_.Row(a));
           for (const auto& slot : slots_) __builtin_prefetch(slot.Row(a));
         }
-        const uint32_t r = rows[i].row;
+        const uint32_t r = rows[i];
         const KeyMeta* m = meta_.Row(r);
         rec.key = m->key;
         rec.freq = m->freq;
@@ -501,7 +478,7 @@ class EVStorage : public tensorflow::ResourceBase {
       }
       TF_RETURN_IF_ERROR(TierStatus(tier_->PutEncoded(
           buf.data(), keys.data(), keys.size(), marks.data())));
-      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i].row);
+      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i]);
       spills_ += end - begin;
     }
     if (tier_->WantsCompaction()) {
@@ -774,6 +751,79 @@ class EVStorage : public tensorflow::ResourceBase {
       }
     }
     return Status();
+  }
+
+  // The `count` coldest live DRAM rows (0 < count <= size_): least score
+  // (LFU: freq; LRU: version, the last step seen), ties by key. The live
+  // rows' scores and keys are read in row order (sequential memory, the
+  // free rows skipped by a bitmap) into one array that the selection
+  // sorts in place: comparing through the rows' scattered KeyMeta cost a
+  // cache miss per comparison. That array is the spill's peak memory
+  // (one entry per DRAM row), so when the scores span less than 2^32 an
+  // entry is 16 bytes (score offset and row in one word) instead of 24.
+  std::vector<uint32_t> ColdestRows(int64_t count) const {
+    std::vector<uint64_t> free_bits((num_rows_ + 63) / 64, 0);
+    for (uint32_t r : free_rows_) free_bits[r >> 6] |= uint64_t{1} << (r & 63);
+    auto score = [this](int64_t r) {
+      const KeyMeta* m = meta_.Row(r);
+      return config_.tier_lru ? m->version : m->freq;
+    };
+    auto for_live = [&](auto visit) {
+      for (int64_t r = 0; r < num_rows_; ++r) {
+        if (!(free_bits[r >> 6] >> (r & 63) & 1)) visit(r);
+      }
+    };
+    int64_t lo = std::numeric_limits<int64_t>::max();
+    int64_t hi = std::numeric_limits<int64_t>::min();
+    for_live([&](int64_t r) {
+      lo = std::min(lo, score(r));
+      hi = std::max(hi, score(r));
+    });
+    std::vector<uint32_t> out(count);
+    auto select = [&](auto entry, auto key_of, auto rank, auto row_of) {
+      std::vector<decltype(entry(0))> c;
+      c.reserve(size_);
+      for_live([&](int64_t r) { c.push_back(entry(r)); });
+      std::nth_element(c.begin(), c.begin() + (count - 1), c.end(),
+                       [&](const auto& a, const auto& b) {
+                         return rank(a) != rank(b) ? rank(a) < rank(b)
+                                                   : key_of(a) < key_of(b);
+                       });
+      for (int64_t i = 0; i < count; ++i) out[i] = row_of(c[i]);
+    };
+    if (static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) <=
+        0xffffffffu) {
+      struct Packed {
+        uint64_t rank_row;  // (score - lo) << 32 | row
+        int64_t key;
+      };
+      static_assert(sizeof(Packed) == 16, "a spill candidate is 16 bytes");
+      select([&](int64_t r) {
+               const uint64_t off = static_cast<uint64_t>(score(r)) -
+                                    static_cast<uint64_t>(lo);
+               return Packed{off << 32 | static_cast<uint64_t>(r),
+                             meta_.Row(r)->key};
+             },
+             [](const Packed& e) { return e.key; },
+             [](const Packed& e) { return e.rank_row >> 32; },
+             [](const Packed& e) {
+               return static_cast<uint32_t>(e.rank_row & 0xffffffffu);
+             });
+    } else {
+      struct Wide {
+        int64_t score;
+        int64_t key;
+        uint32_t row;
+      };
+      select([&](int64_t r) {
+               return Wide{score(r), meta_.Row(r)->key,
+                           static_cast<uint32_t>(r)};
+             },
+             [](const Wide& e) { return e.key; },
+             [](const Wide& e) { return e.score; },
+             [](const Wide& e) { return e.row; });
+    }
+    return out;
   }
 
   // A fresh DRAM row for `key` (not stored), linked into the hash map;

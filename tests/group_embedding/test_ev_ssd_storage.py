@@ -253,6 +253,55 @@ class TestTieredTraining:
         assert int(ssd.size()) == int(dram.size()) == len(keys)
 
 
+    @pytest.mark.parametrize("strategy,step_gap", [
+        ("lfu", 0), ("lru", 0),
+        # Versions more than 2**32 apart: the spill's wide candidates.
+        ("lfu", 2**33), ("lru", 2**33)])
+    def test_spill_keeps_the_hottest_rows(self, tmp_path, strategy,
+                                          step_gap):
+        """A spill moves the coldest DRAM rows out (LFU: least freq; LRU:
+        oldest last step seen; ties: the least key first): what stays
+        reads without a promotion, the next one out is promoted."""
+        ev = ev_cases.make_ev(
+            f"spill_{strategy}_{step_gap}", DIM, ev_option=_option(_ssd(
+                tmp_path / "spill", rows=12,
+                strategy=STRATEGIES[strategy])))
+        opt = ge.optimizers.Adagrad(0.1)
+
+        def one_row(keys):
+            return tf.RaggedTensor.from_uniform_row_length(
+                tf.constant(np.asarray(keys, np.int64)), len(keys))
+
+        cold, hot, new = (np.arange(200, 205), np.arange(5),
+                          np.arange(100, 130))
+        # Nothing spills before the last step: 10 rows fit, and the new
+        # keys' own lookup and update do not spill (ev_storage.h).
+        _train(ev, opt, [one_row(cold)])
+        opt.iterations.assign_add(step_gap)
+        _train(ev, opt, [one_row(hot)] * 3)
+        _train(ev, opt, [one_row(new)])
+        assert int(ev_storage.tier_stats(ev.handle)[3]) == 0  # spills
+        # The model: a lookup stamps the step of the last update before
+        # it, so cold keys read 0, hot ones at most 2 + gap, new 3 + gap.
+        freq = {**{k: 1 for k in cold}, **{k: 3 for k in hot},
+                **{k: 1 for k in new}}
+        last = {**{k: 0 for k in cold}, **{k: 2 + step_gap for k in hot},
+                **{k: 3 + step_gap for k in new}}
+        score = freq if strategy == "lfu" else last
+        hottest_first = sorted(score, key=lambda k: (score[k], k),
+                               reverse=True)
+        _train(ev, opt, [one_row([10**6])])  # spills before its insert
+        kept = int(ev_storage.tier_stats(ev.handle)[0]) - 1
+        assert 0 < kept < len(hottest_first)
+
+        def promotions_reading(keys):
+            before = int(ev_storage.tier_stats(ev.handle)[2])
+            ev.lookup_rows(tf.constant(keys, tf.int64), training=False)
+            return int(ev_storage.tier_stats(ev.handle)[2]) - before
+
+        assert promotions_reading(hottest_first[:kept]) == 0
+        assert promotions_reading(hottest_first[kept:kept + 1]) == 1
+
 class TestTieredCheckpoints:
 
     def test_round_trip_both_ways(self, tmp_path):
