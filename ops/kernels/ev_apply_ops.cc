@@ -56,9 +56,9 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   // the lookup of the same keys DRAM is over its budget by at most them,
   // and that is no reason to spill (slack n).
   const bool tier = ev->has_tier();
-  if (tier) OP_REQUIRES_OK(ctx, ev->SpillToBudget(/*slack=*/n));
-  const float* g = grad.flat<float>().data();
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
+  if (tier) OP_REQUIRES_OK(ctx, ev->SpillToBudget(/*slack=*/n, pool));
+  const float* g = grad.flat<float>().data();
 
   // 1. Row of every key; -1 when absent or not admitted (no update).
   const int64_t version = ClampStep(step);
@@ -95,7 +95,7 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
     }
     if (!away.empty()) {
       OP_REQUIRES_OK(ctx, ev->PrepareTier(away.data(), away.size(),
-                                          /*spill=*/false));
+                                          /*spill=*/false, nullptr, pool));
       for (int64_t j = 0; j < n; ++j) {
         if (absent[j]) resolve_one(j);
       }

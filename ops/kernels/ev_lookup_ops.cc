@@ -366,7 +366,7 @@ class ResolvedGroup {
     for (EVStorage* ev : distinct) {
       if (!ev->has_tier()) continue;
       if (known.empty()) known.assign(total(), -1);
-      TF_RETURN_IF_ERROR(ev->SpillToBudget());
+      TF_RETURN_IF_ERROR(ev->SpillToBudget(0, pool));
       for (int t = 0; t < k; ++t) {
         if (evs[t] != ev) continue;
         TF_RETURN_IF_ERROR(ev->PrepareTier(keys[t].flat<int64_t>().data(),

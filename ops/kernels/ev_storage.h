@@ -424,15 +424,16 @@ class EVStorage : public tensorflow::ResourceBase {
   Status PrepareTier(const int64_t* keys, int64_t n, bool spill = true,
                      int64_t* rows = nullptr,
                      const CpuWorkers* pool = nullptr) {
-    if (spill) TF_RETURN_IF_ERROR(SpillToBudget());
+    if (spill) TF_RETURN_IF_ERROR(SpillToBudget(0, pool));
     return Promote(keys, n, rows, pool);
   }
   // PrepareTier without keys: only the spill (imports, slot creation).
   // With `slack`, only when DRAM holds more than `slack` rows over the
   // budget: an update right after its lookup (slack = its keys) finds
   // the lookup's rows still in DRAM, instead of spilling them (the
-  // coldest by LFU: new keys) and reading them back at once.
-  Status SpillToBudget(int64_t slack = 0) {
+  // coldest by LFU: new keys) and reading them back at once. With
+  // `pool`, the spilled records are encoded on its threads.
+  Status SpillToBudget(int64_t slack = 0, const CpuWorkers* pool = nullptr) {
     const int64_t keep = DramRowBudget();
     if (size_ <= keep + std::max<int64_t>(slack, 0)) return Status();
     const TierTimer timer(&spill_ns_);
@@ -443,9 +444,8 @@ class EVStorage : public tensorflow::ResourceBase {
     const std::vector<uint32_t> rows = ColdestRows(spill);
     // Written in chunks of up to 4 MiB, one write each; a chunk that
     // fails stays in DRAM (the earlier ones are on disk, nothing is lost).
-    TierRecord rec;
-    rec.row.resize(dim());
-    rec.slots.resize(slots_.size() * dim());
+    // A chunk's records are encoded (rows gathered, checksummed) on the
+    // pool's threads: each writes its own records, and reads only.
     const int64_t record = static_cast<int64_t>(tier_->record_bytes());
     const int64_t per_chunk = std::max<int64_t>(1, (4 << 20) / record);
     std::vector<char> buf(std::min(per_chunk, spill) * record);
@@ -453,28 +453,39 @@ class EVStorage : public tensorflow::ResourceBase {
     std::vector<uint8_t> marks;
     for (int64_t begin = 0; begin < spill; begin += per_chunk) {
       const int64_t end = std::min(spill, begin + per_chunk);
-      keys.clear();
-      marks.clear();
-      for (int64_t i = begin; i < end; ++i) {
-        if (i + 8 < end) {  // rows in random order: load ahead
-          const uint32_t a = rows[i + 8];
-          __builtin_prefetch(meta_.Row(a));
-          __builtin_prefetch(values_.Row(a));
-          for (const auto& slot : slots_) __builtin_prefetch(slot.Row(a));
+      keys.resize(end - begin);
+      marks.resize(end - begin);
+      auto encode = [&](int64_t b, int64_t e) {
+        TierRecord rec;
+        rec.row.resize(dim());
+        rec.slots.resize(slots_.size() * dim());
+        for (int64_t i = begin + b; i < begin + e; ++i) {
+          if (i + 8 < begin + e) {  // rows in random order: load ahead
+            const uint32_t a = rows[i + 8];
+            __builtin_prefetch(meta_.Row(a));
+            __builtin_prefetch(values_.Row(a));
+            for (const auto& slot : slots_) __builtin_prefetch(slot.Row(a));
+          }
+          const uint32_t r = rows[i];
+          const KeyMeta* m = meta_.Row(r);
+          rec.key = m->key;
+          rec.freq = m->freq;
+          rec.version = m->version;
+          std::memcpy(rec.row.data(), values_.Row(r), sizeof(float) * dim());
+          for (size_t s = 0; s < slots_.size(); ++s) {
+            std::memcpy(rec.slots.data() + s * dim(), slots_[s].Row(r),
+                        sizeof(float) * dim());
+          }
+          tier_->Encode(rec, buf.data() + (i - begin) * record);
+          keys[i - begin] = rec.key;
+          marks[i - begin] = RowMarks(r);
         }
-        const uint32_t r = rows[i];
-        const KeyMeta* m = meta_.Row(r);
-        rec.key = m->key;
-        rec.freq = m->freq;
-        rec.version = m->version;
-        std::memcpy(rec.row.data(), values_.Row(r), sizeof(float) * dim());
-        for (size_t s = 0; s < slots_.size(); ++s) {
-          std::memcpy(rec.slots.data() + s * dim(), slots_[s].Row(r),
-                      sizeof(float) * dim());
-        }
-        tier_->Encode(rec, buf.data() + (i - begin) * record);
-        keys.push_back(rec.key);
-        marks.push_back(RowMarks(r));
+      };
+      if (pool != nullptr) {
+        tensorflow::Shard(pool->num_threads, pool->workers, end - begin,
+                          record * 4, encode);
+      } else {
+        encode(0, end - begin);
       }
       TF_RETURN_IF_ERROR(TierStatus(tier_->PutEncoded(
           buf.data(), keys.data(), keys.size(), marks.data())));
