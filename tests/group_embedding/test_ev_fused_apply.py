@@ -1,0 +1,253 @@
+"""The fused EV backward-apply (issue 36.5, ops/backward_apply.py
+`fuse_ev`): in a traced step, `ge.optimizers` apply a pooled EV group's
+gradient with ONE `GroupEmbeddingEVBackwardApply` instead of the gradient
+op's IndexedSlices and a `GroupEmbeddingEVApply*` per variable.
+
+Oracle: the unfused path on a twin set of EVs, the same ids for 3 steps,
+its gradients made "changed" (values + 0, bitwise the same numbers), which
+the fuse leaves to the per-variable update. Keys, rows, slots, freqs and
+versions must agree.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import group_embedding as ge
+from group_embedding.embedding_variable.keras_variable import (
+    KerasEmbeddingVariable,
+)
+from group_embedding.ops import backward_apply
+from group_embedding.ops import ev_storage
+
+DIM = 4
+STEPS = 3
+EV_APPLY = "GroupEmbeddingEVApply"
+FUSED = "GroupEmbeddingEVBackwardApply"
+GRAD_OP = "GroupEmbeddingPooledLookupGrad"
+
+OPTIMIZERS = {
+    "adagrad": lambda: ge.optimizers.Adagrad(0.1, 0.1),
+    "sgd": lambda: ge.optimizers.SGD(0.1),
+    "adam": lambda: ge.optimizers.Adam(0.05),
+    "ftrl": lambda: ge.optimizers.Ftrl(
+        0.1, l1_regularization_strength=0.01,
+        l2_regularization_strength=0.02,
+        l2_shrinkage_regularization_strength=0.01),
+}
+
+
+def _ids(seed, tables=3, batch=5):
+    """Ragged keys per table: keys from a small range (duplicates within
+    and across rows, the same key values in every table), an empty row."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(tables):
+        rows = [list(rng.integers(-3, 9, size=rng.integers(1, 5)))
+                for _ in range(batch)]
+        rows[1] = []
+        rows[2] = [5, 5, 7]
+        out.append(rows)
+    return out
+
+
+def _evs(tag, n, filter_freq=0):
+    option = ge.EmbeddingVariableOption(
+        init_option=ge.InitializerOption(default_value_dim=7),
+        filter_option=(ge.CounterFilter(filter_freq=filter_freq)
+                       if filter_freq else None))
+    return [ge.get_embedding_variable(
+        f"{tag}_{i}", DIM, ev_option=option,
+        initializer=tf.keras.initializers.RandomUniform(-1.0, 1.0, seed=i))
+        for i in range(n)]
+
+
+def _state(ev):
+    """Everything an EV stores, sorted by key."""
+    keys, values, freqs, versions, names, _, slots, _ = (
+        ev_storage.export(ev.handle, DIM))
+    order = np.argsort(keys.numpy())
+    return {"keys": keys.numpy()[order], "values": values.numpy()[order],
+            "freqs": freqs.numpy()[order],
+            "versions": versions.numpy()[order],
+            "slot_names": list(names.numpy()),
+            "slots": slots.numpy()[order]}
+
+
+def _train(tag, fused, make_optimizer, combiners, weighted, filter_freq,
+           seed):
+    """EV states after STEPS traced steps, and the traced graph."""
+    ids = _ids(seed)
+    evs = _evs(tag, len(ids), filter_freq)
+    optimizer = make_optimizer()
+    sp_ids = [tf.ragged.constant(r, tf.int64, row_splits_dtype=tf.int64)
+              for r in ids]
+    rng = np.random.default_rng(seed + 1)
+    sp_w = ([tf.RaggedTensor.from_row_splits(
+        tf.constant(rng.uniform(0.2, 2.0, x.values.shape[0]), tf.float32),
+        x.row_splits) for x in sp_ids] if weighted else None)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            out = ge.group_embedding_lookup_sparse(evs, sp_ids, combiners,
+                                                   sp_w)
+            loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + float(i)))
+                             for i, o in enumerate(out)])
+        grads = tape.gradient(loss, evs)
+        if not fused:
+            grads = [tf.IndexedSlices(g.values + 0.0, g.indices)
+                     for g in grads]
+        optimizer.apply_gradients(zip(grads, evs))
+
+    for _ in range(STEPS):
+        step()
+    return [_state(ev) for ev in evs], step.get_concrete_function().graph
+
+
+def _op_types(graph):
+    return [op.type for op in graph.get_operations()]
+
+
+def assert_fused(graph):
+    """The step applied through the fused op only: no per-variable
+    update, and no consumer of the gradient op (pruned at run time)."""
+    types = _op_types(graph)
+    assert FUSED in types
+    assert not [t for t in types if t.startswith(EV_APPLY)]
+    for op in graph.get_operations():
+        if op.type == GRAD_OP:
+            assert not [c for o in op.outputs for c in o.consumers()]
+
+
+def assert_same(got, want, exact=True):
+    for t, (g, w) in enumerate(zip(got, want)):
+        for field in ("keys", "freqs", "versions", "slot_names"):
+            np.testing.assert_array_equal(g[field], w[field],
+                                          err_msg=f"table {t} {field}")
+        for field in ("values", "slots"):
+            if exact:
+                np.testing.assert_array_equal(g[field], w[field],
+                                              err_msg=f"table {t} {field}")
+            else:
+                np.testing.assert_allclose(g[field], w[field], rtol=1e-6,
+                                           atol=1e-7,
+                                           err_msg=f"table {t} {field}")
+
+
+@pytest.mark.parametrize("combiners,weighted,filter_freq", [
+    (["sum", "sum", "sum"], False, 0),
+    (["sum", "mean", "sqrtn"], False, 0),
+    (["sum", "mean", "sqrtn"], True, 0),
+    (["mean", "sqrtn", "sum"], True, 4),
+])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_equals_unfused(name, combiners, weighted, filter_freq):
+    tag = f"fused_{name}_{combiners[0]}_{int(weighted)}_{filter_freq}"
+    args = (OPTIMIZERS[name], combiners, weighted, filter_freq, 3)
+    got, graph = _train(tag + "_f", True, *args)
+    want, unfused = _train(tag + "_u", False, *args)
+    assert_fused(graph)
+    assert FUSED not in _op_types(unfused)
+    assert any(t.startswith(EV_APPLY) for t in _op_types(unfused))
+    assert_same(got, want)
+    for w in want:
+        assert (w["versions"] == STEPS - 1).any()
+    if filter_freq:
+        # Keys seen fewer times than the filter's threshold: stored,
+        # stamped, never updated (their rows keep the default).
+        for w, ev in zip(want, _evs(tag + "_fresh", len(want))):
+            low = w["freqs"] < filter_freq
+            assert low.any() and not low.all()
+            np.testing.assert_array_equal(
+                w["values"][low],
+                ev.default_values.numpy()[np.mod(w["keys"][low], 7)])
+
+
+def test_shared_variable_keeps_the_per_variable_update():
+    """Two features of one EV in a group: TF sums its two gradients, no
+    longer the gradient op's; the group keeps the unfused path."""
+    def run(tag):
+        ev = _evs(tag, 1)[0]
+        optimizer = ge.optimizers.Adagrad(0.1)
+        sp = [tf.ragged.constant(r, tf.int64, row_splits_dtype=tf.int64)
+              for r in _ids(5, tables=2)]
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                out = ge.group_embedding_lookup_sparse([ev, ev], sp, "sum")
+                loss = tf.reduce_sum(tf.square(tf.concat(out, 1)))
+            optimizer.apply_gradients([(tape.gradient(loss, ev), ev)])
+
+        step()
+        return _state(ev), _op_types(step.get_concrete_function().graph)
+
+    got, types = run("shared_ev")
+    assert FUSED not in types
+    assert any(t.startswith(EV_APPLY) for t in types)
+    assert len(got["keys"]) > 0
+
+
+class FusedTower(keras.Model):
+    """Three EV features (one group) and a dense head."""
+
+    def __init__(self, tag):
+        super().__init__()
+        self.tag = tag
+        self.head = keras.layers.Dense(
+            1, kernel_initializer=keras.initializers.Constant(0.3))
+
+    def build(self, input_shape=None):
+        self.evs = _evs(self.tag, 3, filter_freq=2)
+        self.ev_weights = [KerasEmbeddingVariable(ev) for ev in self.evs]
+        self.head.build((None, 3 * DIM))
+
+    def call(self, features):
+        embs = ge.group_embedding_lookup_sparse(
+            self.evs, [features[f"f{i}"] for i in range(3)],
+            ["sum", "mean", "sqrtn"])
+        return self.head(tf.concat(embs, 1))
+
+
+def test_model_fit_fuses(monkeypatch):
+    """`model.fit` (a traced train step) applies the group with the fused
+    op; `run_eagerly=True` (never fused) is the oracle."""
+    ids = _ids(11, batch=8)
+    feats = {f"f{i}": tf.ragged.constant(r, tf.int64,
+                                         row_splits_dtype=tf.int64)
+             for i, r in enumerate(ids)}
+    labels = tf.constant(np.linspace(-1, 1, 8)[:, None], tf.float32)
+    ds = tf.data.Dataset.from_tensors((feats, labels)).repeat(STEPS)
+
+    def fit(tag, eager):
+        model = FusedTower(tag)
+        model.compile(optimizer=ge.optimizers.Adagrad(0.1), loss="mse",
+                      run_eagerly=eager)
+        losses = model.fit(ds, epochs=1, verbose=0).history["loss"]
+        return model, losses
+
+    # What `fuse_ev` built and left in the traced train step.
+    built, left = [], []
+    fuse_ev = backward_apply.fuse_ev
+
+    def spy(pairs, rule):
+        rest, ops = fuse_ev(pairs, rule)
+        built.append(ops)
+        left.extend(rest)
+        return rest, ops
+
+    monkeypatch.setattr(backward_apply, "fuse_ev", spy)
+    got, got_loss = fit("fit_fused", False)
+    monkeypatch.undo()
+    want, want_loss = fit("fit_eager", True)
+    assert built and all(len(b) == 1 for b in built), "not fused"
+    assert not left
+    # The dense head's gradients differ in the last bit between eager
+    # and traced runs: close, not equal.
+    assert_same([_state(ev) for ev in got.evs],
+                [_state(ev) for ev in want.evs], exact=False)
+    np.testing.assert_allclose(got.head.kernel.numpy(),
+                               want.head.kernel.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
