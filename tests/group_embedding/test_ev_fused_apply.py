@@ -251,3 +251,82 @@ def test_model_fit_fuses(monkeypatch):
     np.testing.assert_allclose(got.head.kernel.numpy(),
                                want.head.kernel.numpy(), rtol=1e-6)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+
+
+TF1_OPTIMIZERS = {
+    "sgd": lambda: ge.train.GradientDescentOptimizer(0.1),
+    "adagrad": lambda: ge.train.AdagradOptimizer(0.1),
+    "ftrl": lambda: ge.train.FtrlOptimizer(
+        0.1, l1_regularization_strength=0.01,
+        l2_regularization_strength=0.02,
+        l2_shrinkage_regularization_strength=0.01),
+}
+
+
+def _train_tf1(tag, fused, make_optimizer, seed=7):
+    """EV states after STEPS session runs of a TF1 `ge.train` step (a
+    weighted group with a CounterFilter), and the graph's op types."""
+    ids = _ids(seed)
+    rng = np.random.default_rng(seed + 1)
+    graph = tf.Graph()
+    with graph.as_default():
+        evs = _evs(tag, len(ids), filter_freq=4)
+        sp_ids = [tf.ragged.constant(r, tf.int64, row_splits_dtype=tf.int64)
+                  for r in ids]
+        sp_w = [tf.RaggedTensor.from_row_splits(
+            tf.constant(rng.uniform(0.2, 2.0, x.values.shape[0]),
+                        tf.float32), x.row_splits) for x in sp_ids]
+        out = ge.group_embedding_lookup_sparse(
+            evs, sp_ids, ["sum", "mean", "sqrtn"], sp_w)
+        loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + float(i)))
+                         for i, o in enumerate(out)])
+        step = tf.compat.v1.train.get_or_create_global_step()
+        optimizer = make_optimizer()
+        pairs = optimizer.compute_gradients(loss, var_list=evs)
+        if not fused:
+            pairs = [(tf.IndexedSlices(g.values + 0.0, g.indices), v)
+                     for g, v in pairs]
+        train = optimizer.apply_gradients(pairs, global_step=step)
+        needed = _needed(tf.group(train))
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(train)
+            states = []
+            for ev in evs:
+                keys, values, freqs, versions, names, _, slots, _ = (
+                    sess.run(ev_storage.export(ev.handle, DIM)))
+                order = np.argsort(keys)
+                states.append({
+                    "keys": keys[order], "values": values[order],
+                    "freqs": freqs[order], "versions": versions[order],
+                    "slot_names": list(names), "slots": slots[order]})
+    return states, needed
+
+
+def _needed(op):
+    """The types of the ops a session runs for `op` (its inputs and
+    control inputs, transitively)."""
+    seen, stack = set(), [op]
+    while stack:
+        o = stack.pop()
+        if o in seen:
+            continue
+        seen.add(o)
+        stack.extend(t.op for t in o.inputs)
+        stack.extend(o.control_inputs)
+    return [o.type for o in seen]
+
+
+@pytest.mark.parametrize("name", sorted(TF1_OPTIMIZERS))
+def test_tf1_optimizers_fuse(name):
+    """`ge.train` (a TF1 session): the train op runs the fused op, not
+    the gradient op nor a per-variable update."""
+    got, types = _train_tf1(f"tf1_{name}_f", True, TF1_OPTIMIZERS[name])
+    want, unfused = _train_tf1(f"tf1_{name}_u", False, TF1_OPTIMIZERS[name])
+    assert FUSED in types and GRAD_OP not in types
+    assert not [t for t in types if t.startswith(EV_APPLY)]
+    assert FUSED not in unfused and GRAD_OP in unfused
+    assert_same(got, want)
+    for w in want:
+        assert (w["versions"] == STEPS - 1).any()
