@@ -27,14 +27,14 @@ EV_APPLY = "GroupEmbeddingEVApply"
 FUSED = "GroupEmbeddingEVBackwardApply"
 GRAD_OP = "GroupEmbeddingPooledLookupGrad"
 
+# FTRL's regularisation, Keras and TF1 alike.
+FTRL = dict(l1_regularization_strength=0.01, l2_regularization_strength=0.02,
+            l2_shrinkage_regularization_strength=0.01)
 OPTIMIZERS = {
     "adagrad": lambda: ge.optimizers.Adagrad(0.1, 0.1),
     "sgd": lambda: ge.optimizers.SGD(0.1),
     "adam": lambda: ge.optimizers.Adam(0.05),
-    "ftrl": lambda: ge.optimizers.Ftrl(
-        0.1, l1_regularization_strength=0.01,
-        l2_regularization_strength=0.02,
-        l2_shrinkage_regularization_strength=0.01),
+    "ftrl": lambda: ge.optimizers.Ftrl(0.1, **FTRL),
 }
 
 
@@ -165,6 +165,52 @@ def test_fused_equals_unfused(name, combiners, weighted, filter_freq):
                 ev.default_values.numpy()[np.mod(w["keys"][low], 7)])
 
 
+def test_trainable_weights_read_the_rows_before_the_update():
+    """Per-id weights trained with the EVs: their gradients read the rows
+    the fused op updates in place in the same step; weights and EVs after
+    3 steps equal the unfused path's, so every read came first."""
+    def run(tag, fused):
+        ids = _ids(9)
+        evs = _evs(tag, len(ids))
+        sp_ids = [tf.ragged.constant(r, tf.int64, row_splits_dtype=tf.int64)
+                  for r in ids]
+        rng = np.random.default_rng(3)
+        ws = [tf.Variable(rng.uniform(0.2, 2.0, x.values.shape[0]),
+                          dtype=tf.float32) for x in sp_ids]
+        optimizer = ge.optimizers.Adagrad(0.1)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                sp_w = [tf.RaggedTensor.from_row_splits(w, x.row_splits)
+                        for w, x in zip(ws, sp_ids)]
+                out = ge.group_embedding_lookup_sparse(
+                    evs, sp_ids, ["sum", "mean", "sqrtn"], sp_w)
+                loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + float(i)))
+                                 for i, o in enumerate(out)])
+            variables = evs + ws
+            grads = tape.gradient(loss, variables)
+            if not fused:
+                grads = [tf.IndexedSlices(g.values + 0.0, g.indices)
+                         for g in grads[:len(evs)]] + grads[len(evs):]
+            optimizer.apply_gradients(zip(grads, variables))
+
+        start = [w.numpy() for w in ws]
+        for _ in range(STEPS):
+            step()
+        assert all(np.abs(w.numpy() - w0).max() > 1e-4
+                   for w, w0 in zip(ws, start)), "weights did not move"
+        graph = step.get_concrete_function().graph
+        return [_state(ev) for ev in evs], [w.numpy() for w in ws], graph
+
+    got, got_w, graph = run("weights_f", True)
+    want, want_w, _ = run("weights_u", False)
+    assert_fused(graph)
+    assert_same(got, want)
+    for g, w in zip(got_w, want_w):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_shared_variable_keeps_the_per_variable_update():
     """Two features of one EV in a group: TF sums its two gradients, no
     longer the gradient op's; the group keeps the unfused path."""
@@ -256,10 +302,7 @@ def test_model_fit_fuses(monkeypatch):
 TF1_OPTIMIZERS = {
     "sgd": lambda: ge.train.GradientDescentOptimizer(0.1),
     "adagrad": lambda: ge.train.AdagradOptimizer(0.1),
-    "ftrl": lambda: ge.train.FtrlOptimizer(
-        0.1, l1_regularization_strength=0.01,
-        l2_regularization_strength=0.02,
-        l2_shrinkage_regularization_strength=0.01),
+    "ftrl": lambda: ge.train.FtrlOptimizer(0.1, **FTRL),
 }
 
 
