@@ -19,8 +19,10 @@
 //
 // Two phases, every lock taken before either (ev_group_locks.h):
 //  A. per distinct variable, largest first (RunUneven): dedup + sums;
-//  B. the distinct keys of all variables, sharded: resolve, update.
-// Phase B's shards write distinct rows (distinct keys of one variable).
+//  B. resolve and update each distinct key: in the same work item as A
+//     when the group has a variable per thread or more (its sums still
+//     in cache), else sharded over the distinct keys of all variables.
+// B's work items write distinct rows (distinct keys of one variable).
 
 #include <cstdint>
 #include <string>
@@ -167,32 +169,45 @@ class EVBackwardApplyOp : public OpKernel {
       }
     }
 
-    // A. Distinct keys and summed gradients, per variable.
     std::vector<int64_t> costs;
     for (const Member& m : members) costs.push_back(m.nnz * (dim_ + 8));
-    RunUneven(ctx, costs, [&](int64_t i) { SumGradients(in, grads,
-                                                        &members[i]); });
-
-    // B. Resolve and update every distinct key.
-    std::vector<int64_t> first(members.size() + 1, 0);
-    for (size_t i = 0; i < members.size(); ++i) {
-      first[i + 1] = first[i] + members[i].keys.size();
-    }
     const int64_t version = ClampStep(step);
-    auto update = [&](auto rule) {
+    const int threads =
+        ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
+    auto run = [&](auto rule) {
+      if (static_cast<int>(members.size()) >= threads) {
+        // Enough variables to keep every thread busy: each work item
+        // does both phases for its variable, whose sums are still in
+        // cache for the update.
+        RunUneven(ctx, costs, [&](int64_t i) {
+          SumGradients(in, grads, &members[i]);
+          Apply(&members[i], 0, members[i].keys.size(), version, rule);
+        });
+        return;
+      }
+      // A. Distinct keys and summed gradients, per variable.
+      RunUneven(ctx, costs, [&](int64_t i) {
+        SumGradients(in, grads, &members[i]);
+      });
+      // B. Every distinct key of every variable resolved and updated,
+      // sharded.
+      std::vector<int64_t> first(members.size() + 1, 0);
+      for (size_t i = 0; i < members.size(); ++i) {
+        first[i + 1] = first[i] + members[i].keys.size();
+      }
       ShardExamples(ctx, first, dim_ * 30 + 60,
                     [&](int i, int64_t u0, int64_t u1) {
                       Apply(&members[i], u0, u1, version, rule);
                     });
     };
     if (optimizer_ == "sgd") {
-      update(SgdUpdate{h[0]});
+      run(SgdUpdate{h[0]});
     } else if (optimizer_ == "adagrad") {
-      update(AdagradUpdate{h[0], h[1]});
+      run(AdagradUpdate{h[0], h[1]});
     } else if (optimizer_ == "adam") {
-      update(AdamUpdate{h[0], h[2], h[3], h[1]});
+      run(AdamUpdate{h[0], h[2], h[3], h[1]});
     } else {
-      update(FtrlUpdate{h[0], h[4], h[5], h[6], h[7]});
+      run(FtrlUpdate{h[0], h[4], h[5], h[6], h[7]});
     }
   }
 

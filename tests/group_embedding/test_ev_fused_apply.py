@@ -77,8 +77,9 @@ def _state(ev):
 
 def _train(tag, fused, make_optimizer, combiners, weighted, filter_freq,
            seed):
-    """EV states after STEPS traced steps, and the traced graph."""
-    ids = _ids(seed)
+    """EV states after STEPS traced steps, and the traced graph (one
+    table per combiner)."""
+    ids = _ids(seed, tables=len(combiners))
     evs = _evs(tag, len(ids), filter_freq)
     optimizer = make_optimizer()
     sp_ids = [tf.ragged.constant(r, tf.int64, row_splits_dtype=tf.int64)
@@ -141,6 +142,8 @@ def assert_same(got, want, exact=True):
     (["sum", "mean", "sqrtn"], False, 0),
     (["sum", "mean", "sqrtn"], True, 0),
     (["mean", "sqrtn", "sum"], True, 4),
+    # Fewer variables than threads: the update sharded over keys.
+    (["sqrtn"], True, 4),
 ])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_fused_equals_unfused(name, combiners, weighted, filter_freq):
