@@ -28,8 +28,8 @@ gradient op is `GroupEmbeddingPooledLookupGrad` with keys as ids): ONE
 `GroupEmbeddingEVBackwardApply` per group resolves each distinct key
 once and updates its row, slots and version in place, instead of the
 gradient op's IndexedSlices and one `GroupEmbeddingEVApply*` per variable.
-Variables with an SSD tier or in GPU memory (HBM, which fuses per
-variable in `hbm_ev_storage`) keep the per-variable update.
+Variables in GPU memory (HBM, which fuses per variable in
+`hbm_ev_storage`) keep the per-variable update.
 """
 
 from typing import Any
@@ -259,9 +259,9 @@ def _whole_groups(pairs):
 
 
 def _on_cpu_storage(ev) -> bool:
-    """Whether EV `ev` lives in the C++ CPU storage, all in DRAM."""
-    return (ev.storage is ev_storage
-            and not ev.ev_option.storage_option.is_tiered())
+    """Whether EV `ev` lives in the C++ CPU storage (DRAM, with or
+    without an SSD tier)."""
+    return ev.storage is ev_storage
 
 
 def _build_ev(op, evs, rule: Rule):

@@ -52,13 +52,20 @@ def _ids(seed, tables=3, batch=5):
     return out
 
 
-def _evs(tag, n, filter_freq=0):
-    option = ge.EmbeddingVariableOption(
-        init_option=ge.InitializerOption(default_value_dim=7),
-        filter_option=(ge.CounterFilter(filter_freq=filter_freq)
-                       if filter_freq else None))
+def _evs(tag, n, filter_freq=0, tier_dir=None):
+    """`n` EVs; with `tier_dir`, each with an SSD tier there whose DRAM
+    budget holds the disk index and about 3 rows with 2 slots."""
+    def option(i):
+        return ge.EmbeddingVariableOption(
+            init_option=ge.InitializerOption(default_value_dim=7),
+            filter_option=(ge.CounterFilter(filter_freq=filter_freq)
+                           if filter_freq else None),
+            storage_option=None if tier_dir is None else ge.StorageOption(
+                ge.StorageType.DRAM_SSDHASH,
+                storage_path=f"{tier_dir}/{tag}_{i}",
+                storage_size=[768 + 3 * (36 + 4 * DIM * 3)]))
     return [ge.get_embedding_variable(
-        f"{tag}_{i}", DIM, ev_option=option,
+        f"{tag}_{i}", DIM, ev_option=option(i),
         initializer=tf.keras.initializers.RandomUniform(-1.0, 1.0, seed=i))
         for i in range(n)]
 
@@ -76,11 +83,11 @@ def _state(ev):
 
 
 def _train(tag, fused, make_optimizer, combiners, weighted, filter_freq,
-           seed):
+           seed, tier_dir=None):
     """EV states after STEPS traced steps, and the traced graph (one
     table per combiner)."""
     ids = _ids(seed, tables=len(combiners))
-    evs = _evs(tag, len(ids), filter_freq)
+    evs = _evs(tag, len(ids), filter_freq, tier_dir)
     optimizer = make_optimizer()
     sp_ids = [tf.ragged.constant(r, tf.int64, row_splits_dtype=tf.int64)
               for r in ids]
@@ -104,7 +111,11 @@ def _train(tag, fused, make_optimizer, combiners, weighted, filter_freq,
 
     for _ in range(STEPS):
         step()
-    return [_state(ev) for ev in evs], step.get_concrete_function().graph
+    states = [_state(ev) for ev in evs]
+    if tier_dir is not None:
+        for state, ev in zip(states, evs):
+            state["tier"] = ev_storage.tier_stats(ev.handle).numpy()
+    return states, step.get_concrete_function().graph
 
 
 def _op_types(graph):
@@ -166,6 +177,20 @@ def test_fused_equals_unfused(name, combiners, weighted, filter_freq):
             np.testing.assert_array_equal(
                 w["values"][low],
                 ev.default_values.numpy()[np.mod(w["keys"][low], 7)])
+
+
+@pytest.mark.parametrize("name", ["adagrad", "adam"])
+def test_ssd_tier(tmp_path, name):
+    """EVs with an SSD tier whose DRAM holds a few rows: the fused op
+    brings the keys on disk back first, as the per-variable update."""
+    args = (OPTIMIZERS[name], ["sum", "mean", "sqrtn"], True, 0, 4)
+    got, graph = _train(f"tier_{name}_f", True, *args,
+                        tier_dir=tmp_path)
+    want, _ = _train(f"tier_{name}_u", False, *args, tier_dir=tmp_path)
+    assert_fused(graph)
+    assert_same(got, want)
+    # Rows went to disk and came back (promotions, spills).
+    assert all(g["tier"][2] > 0 and g["tier"][3] > 0 for g in got)
 
 
 def test_trainable_weights_read_the_rows_before_the_update():
