@@ -56,14 +56,15 @@ def _evs(tag, n, filter_freq=0, tier_dir=None):
     """`n` EVs; with `tier_dir`, each with an SSD tier there whose DRAM
     budget holds the disk index and about 3 rows with 2 slots."""
     def option(i):
+        tier = {} if tier_dir is None else {
+            "storage_option": ge.StorageOption(
+                ge.StorageType.DRAM_SSDHASH,
+                storage_path=f"{tier_dir}/{tag}_{i}",
+                storage_size=[768 + 3 * (36 + 4 * DIM * 3)])}
         return ge.EmbeddingVariableOption(
             init_option=ge.InitializerOption(default_value_dim=7),
             filter_option=(ge.CounterFilter(filter_freq=filter_freq)
-                           if filter_freq else None),
-            storage_option=None if tier_dir is None else ge.StorageOption(
-                ge.StorageType.DRAM_SSDHASH,
-                storage_path=f"{tier_dir}/{tag}_{i}",
-                storage_size=[768 + 3 * (36 + 4 * DIM * 3)]))
+                           if filter_freq else None), **tier)
     return [ge.get_embedding_variable(
         f"{tag}_{i}", DIM, ev_option=option(i),
         initializer=tf.keras.initializers.RandomUniform(-1.0, 1.0, seed=i))
