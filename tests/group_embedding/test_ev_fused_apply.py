@@ -402,3 +402,79 @@ def test_tf1_optimizers_fuse(name):
     assert_same(got, want)
     for w in want:
         assert (w["versions"] == STEPS - 1).any()
+
+
+def _direct_inputs(evs, ids, seed=0):
+    """The fused op's inputs for EVs `evs` (repeats allowed) and ragged
+    key lists `ids`: random pooled gradients, sum/mean combiners."""
+    rng = np.random.default_rng(seed)
+    sp = [tf.ragged.constant(r, tf.int64, row_splits_dtype=tf.int64)
+          for r in ids]
+    return dict(
+        handles=[ev.handle for ev in evs],
+        grads=[tf.constant(rng.normal(size=(len(r), DIM)), tf.float32)
+               for r in ids],
+        keys=[x.values for x in sp], row_splits=[x.row_splits for x in sp],
+        weights=[tf.zeros([0], tf.float32)] * len(ids),
+        global_step=tf.constant(2, tf.int64),
+        hyper=backward_apply.hyper(lr=0.1, epsilon=1e-7),
+        combiners=["sum", "mean"][:len(ids)], embedding_dim=DIM,
+        optimizer="adagrad", slot_names=["adagrad/accumulator"])
+
+
+def _inserted(tag, ids):
+    """One EV holding every key of `ids`, with an Adagrad slot."""
+    ev = _evs(tag, 1)[0]
+    ev.lookup_rows(np.unique(np.array(
+        [k for table in ids for row in table for k in row], np.int64)))
+    ev.ensure_slot("adagrad/accumulator", 0.1)
+    return ev
+
+
+def test_one_variable_in_two_tables_sums_both():
+    """Called directly with one EV for two tables (ops/backward_apply.py
+    never builds that: TF sums such gradients first), the op sums a
+    key's gradients over both tables, as the per-variable update of the
+    concatenated slices does."""
+    ids = _ids(4, tables=2)
+    got, want = _inserted("two_tables_f", ids), _inserted("two_tables_u", ids)
+    lib = ev_storage.library()
+    args = _direct_inputs([got, got], ids)
+    before = _state(got)["values"]
+    lib.group_embedding_ev_backward_apply(**args)
+    assert np.abs(_state(got)["values"] - before).max() > 1e-3
+    uniq, sums = lib.group_embedding_pooled_lookup_grad(
+        grads=args["grads"], ids=args["keys"],
+        row_splits=args["row_splits"], weights=args["weights"],
+        combiners=args["combiners"], embedding_dim=DIM)
+    ev_storage.apply_adagrad(want.handle, tf.concat(uniq, 0),
+                             tf.concat(sums, 0), 2, 0.1, 1e-7,
+                             "adagrad/accumulator")
+    assert_same([_state(got)], [_state(want)])
+
+
+def test_bad_inputs_name_the_variable():
+    ids = _ids(6, tables=2)
+    evs = [_inserted(f"bad_{i}", ids) for i in range(2)]
+    lib = ev_storage.library()
+    args = _direct_inputs(evs, ids)
+    bad = dict(args, grads=[args["grads"][0], args["grads"][1][:-1]])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="bad_1_0: grads must have shape"):
+        lib.group_embedding_ev_backward_apply(**bad)
+    bad = dict(args, row_splits=[args["row_splits"][0],
+                                 args["row_splits"][1] + 1])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="bad_1_0: row_splits must start at 0"):
+        lib.group_embedding_ev_backward_apply(**bad)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="bad_0_0: optimizer slot 'adam/m' was not"):
+        lib.group_embedding_ev_backward_apply(
+            **dict(args, optimizer="adam", slot_names=["adam/m", "adam/v"]))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="hyper must be a vector of 8"):
+        lib.group_embedding_ev_backward_apply(
+            **dict(args, hyper=tf.zeros([3])))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="needs 1 slot names, got 0"):
+        lib.group_embedding_ev_backward_apply(**dict(args, slot_names=[]))
