@@ -88,6 +88,12 @@ class EVBackwardApplyOp : public OpKernel {
  public:
   explicit EVBackwardApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseCombiners(ctx, &combiners_));
+    int k = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_tables", &k));
+    // Compute() reads the handles by the combiners' count.
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries, got ",
+                                combiners_.size(), "."));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slot_names_));
@@ -115,9 +121,6 @@ class EVBackwardApplyOp : public OpKernel {
     RaggedGroup in;
     OP_REQUIRES_OK(ctx, ReadRaggedGroup(ctx, "keys", kWithWeights, dim_,
                                         name_of, &in));
-    OP_REQUIRES(ctx, in.size() == k,
-                InvalidArgument("combiners must have ", in.size(),
-                                " entries, got ", k, "."));
     OpInputList grads;
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
     for (int t = 0; t < k; ++t) {

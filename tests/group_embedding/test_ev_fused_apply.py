@@ -476,5 +476,9 @@ def test_bad_inputs_name_the_variable():
         lib.group_embedding_ev_backward_apply(
             **dict(args, hyper=tf.zeros([3])))
     with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="combiners must have 2 entries, got 1"):
+        lib.group_embedding_ev_backward_apply(
+            **dict(args, combiners=["sum"]))
+    with pytest.raises(tf.errors.InvalidArgumentError,
                        match="needs 1 slot names, got 0"):
         lib.group_embedding_ev_backward_apply(**dict(args, slot_names=[]))
