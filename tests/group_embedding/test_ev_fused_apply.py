@@ -24,7 +24,7 @@ from group_embedding.ops import ev_storage
 DIM = 4
 STEPS = 3
 EV_APPLY = "GroupEmbeddingEVApply"
-FUSED = "GroupEmbeddingEVBackwardApply"
+FUSED = backward_apply.EV_APPLY_OP
 GRAD_OP = "GroupEmbeddingPooledLookupGrad"
 
 # FTRL's regularisation, Keras and TF1 alike.
