@@ -21,6 +21,15 @@ gradients, a table that two lookups read (its gradient is a sum of two),
 a gradient changed on its way (scaled, clipped), `max_norm` groups in a
 traced function (see `fuse`) and tables whose lookup did not run on the
 GPU kernels keep the optimizer's own sparse update.
+
+EmbeddingVariables (issue 36.5): `fuse_ev()` does the same for the groups
+of a pooled EV lookup on the CPU kernels (`GroupEmbeddingEVLookup`, whose
+gradient op is `GroupEmbeddingPooledLookupGrad` with keys as ids): ONE
+`GroupEmbeddingEVBackwardApply` per group resolves each distinct key
+once and updates its row, slots and version in place, instead of the
+gradient op's IndexedSlices and one `GroupEmbeddingEVApply*` per variable.
+Variables in GPU memory (HBM, which fuses per variable in
+`hbm_ev_storage`) keep the per-variable update.
 """
 
 from typing import Any
@@ -35,6 +44,7 @@ from typing import Tuple
 import tensorflow as tf
 
 from group_embedding.ops import capabilities
+from group_embedding.ops import ev_storage
 from group_embedding.ops import kernel_library
 from group_embedding.ops import op_names
 from group_embedding.ops.tf_variables import to_tf_variable
@@ -47,6 +57,9 @@ _LAYOUTS = {name: layout
                                 "sequence"))
             for name in op_names.with_alias(op)}
 APPLY_OP = "GroupEmbeddingBackwardApply"
+EV_APPLY_OP = "GroupEmbeddingEVBackwardApply"
+# The ops that read an EV group's rows for its weights' gradients.
+_EV_WEIGHT_GRAD = "GroupEmbeddingEVWeightGrad"
 _CLIP = "GroupEmbeddingClipGrad"
 _SNAPSHOT = "GroupEmbeddingTableSnapshot"
 # The kernel label of the adaptor's host stand-in (tests on CPU machines).
@@ -61,11 +74,17 @@ class Rule(NamedTuple):
     slots: variable -> its slot variables, in the core's order (Adagrad:
         accumulator; Adam: m, v; FTRL: accumulator, linear; SGD: none).
     hyper: this step's hyperparameters, from `hyper()`.
+    ev_slots: EmbeddingVariables' slot names, in the same order
+        (`fuse_ev` only).
+    step: the step stamped as the EV keys' version (`fuse_ev` only;
+        None: EV groups are not fused).
     """
 
     optimizer: str
     slots: Any
     hyper: Any
+    ev_slots: Sequence[str] = ()
+    step: Any = None
 
 
 def hyper(lr=0.0, epsilon=0.0, beta_1=0.0, beta_2=0.0, l1=0.0, l2=0.0,
@@ -171,21 +190,9 @@ def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
     """
     if tf.executing_eagerly() or rule.optimizer not in OPTIMIZERS:
         return list(pairs), []
-    groups: Dict[Any, Dict[int, Tuple[int, _Source, Any]]] = {}
-    for i, (grad, var) in enumerate(pairs):
-        src = _source(grad)
-        if src is not None:
-            groups.setdefault(src.op, {})
-            # A table twice in a group: TF would have summed its two
-            # gradients (no longer straight from the op); never fused.
-            groups[src.op].setdefault(src.table, (i, src, var))
     fused: Set[int] = set()
     built: List[Any] = []
-    for op, tables in groups.items():
-        k = op.get_attr("num_tables")
-        if sorted(tables) != list(range(k)):
-            continue  # some table's gradient went elsewhere
-        entries = [tables[t] for t in range(k)]
+    for op, entries in _whole_groups(pairs):
         variables = [var for _, _, var in entries]
         clips = {src.clip for _, src, _ in entries}
         if (len(clips) != 1 or op.get_attr("embedding_dim") < 1
@@ -202,6 +209,84 @@ def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
         built.append(_build(op, clip, variables, rule))
         fused.update(i for i, _, _ in entries)
     return [p for i, p in enumerate(pairs) if i not in fused], built
+
+
+def fuse_ev(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
+            ) -> Tuple[List[Tuple[Any, Any]], List[Any]]:
+    """Applies every whole pooled EV group of `pairs` in one op.
+
+    Args:
+        pairs: (gradient, EmbeddingVariable) pairs of one optimizer step
+            (EVs themselves, not their Keras wrappers).
+        rule: the optimizer's mapping, with `ev_slots` and `step` set.
+
+    Returns:
+        (left, ops) as `fuse`: the pairs left for the per-variable
+        update, and the fused ops built.
+    """
+    if (tf.executing_eagerly() or rule.optimizer not in OPTIMIZERS
+            or rule.step is None):
+        return list(pairs), []
+    fused: Set[int] = set()
+    built: List[Any] = []
+    for op, entries in _whole_groups(pairs):
+        evs = [var for _, _, var in entries]
+        if (_LAYOUTS[op.type] != "pooled"
+                or any(src.clip is not None for _, src, _ in entries)
+                or not all(_on_cpu_storage(ev) for ev in evs)):
+            continue
+        built.append(_build_ev(op, evs, rule))
+        fused.update(i for i, _, _ in entries)
+    return [p for i, p in enumerate(pairs) if i not in fused], built
+
+
+def _whole_groups(pairs):
+    """(gradient op, [(pair index, _Source, variable)] in table order)
+    for every group whose every table's gradient in `pairs` comes
+    straight from its gradient op."""
+    groups: Dict[Any, Dict[int, Tuple[int, _Source, Any]]] = {}
+    for i, (grad, var) in enumerate(pairs):
+        src = _source(grad)
+        if src is not None:
+            groups.setdefault(src.op, {})
+            # A table twice in a group: TF would have summed its two
+            # gradients (no longer straight from the op); never fused.
+            groups[src.op].setdefault(src.table, (i, src, var))
+    for op, tables in groups.items():
+        k = op.get_attr("num_tables")
+        if sorted(tables) == list(range(k)):  # else some went elsewhere
+            yield op, [tables[t] for t in range(k)]
+
+
+def _on_cpu_storage(ev) -> bool:
+    """Whether EV `ev` lives in the C++ CPU storage (DRAM, with or
+    without an SSD tier)."""
+    return ev.storage is ev_storage
+
+
+def _build_ev(op, evs, rule: Rule):
+    """One GroupEmbeddingEVBackwardApply from gradient op `op`'s inputs
+    (returns the op)."""
+    k = op.get_attr("num_tables")
+    inputs = list(op.inputs)
+    grads, keys, splits, weights = (inputs[i * k:(i + 1) * k]
+                                    for i in range(4))
+    reads = []
+    if not tf.compat.v1.get_default_graph().building_function:
+        # A TF1 graph: after the weight gradients that are used (they
+        # read the rows updated here). A traced function orders every op
+        # on the variables' handles anyway.
+        reads = [c for t in keys for c in t.consumers()
+                 if c.type == _EV_WEIGHT_GRAD
+                 and any(o.consumers() for o in c.outputs)]
+    with tf.control_dependencies(reads):
+        return ev_storage.library().group_embedding_ev_backward_apply(
+            handles=[ev.handle for ev in evs], grads=grads, keys=keys,
+            row_splits=splits, weights=weights,
+            global_step=tf.cast(rule.step, tf.int64), hyper=rule.hyper,
+            combiners=op_names.string_list_attr(op, "combiners"),
+            embedding_dim=op.get_attr("embedding_dim"),
+            optimizer=rule.optimizer, slot_names=list(rule.ev_slots))
 
 
 def _table_reads(ids) -> List[Any]:

@@ -115,6 +115,7 @@ class BaseOptimizer:
             warnings.warn(f"Gradients do not exist for variables {missing} "
                           "when minimizing the loss.")
         lr = self._get_current_learning_rate()
+        ev_pairs = []
         for g, ev in zip(grads, evs):
             if ev is None or g is None:
                 continue
@@ -125,6 +126,8 @@ class BaseOptimizer:
                     f"EmbeddingVariable '{ev.name}' must be IndexedSlices "
                     f"keyed by key, got {type(g).__name__}.")
             self._ensure_ev_slots(ev)
+            ev_pairs.append((g, ev))
+        for g, ev in self._apply_fused_ev(ev_pairs, variables):
             self._ev_update_step(g, ev, lr)
         rest = self._apply_fused(rest)
         # The stock apply refuses all-None gradients, but the EVs were
@@ -167,6 +170,24 @@ class BaseOptimizer:
         left = {id(v) for _, v in backward_apply.fuse(candidates, rule)[0]}
         fused = {id(v) for _, v in candidates} - left
         return [(g, v) for g, v in pairs if id(v) not in fused]
+
+    def _apply_fused_ev(self, pairs, variables):
+        """Applies the pooled EV lookup groups of `pairs` ((gradient,
+        EmbeddingVariable) pairs) in one op per group, backward and
+        update together (ops/backward_apply.py, `fuse_ev`); returns the
+        pairs left for `_ev_update_step`. `variables`: every variable of
+        this apply, to build the optimizer with.
+        """
+        if tf.executing_eagerly() or not pairs:
+            return pairs
+        if not self.built:
+            self.build(variables)
+        rule = self._fused_rule()
+        if rule is None:
+            return pairs
+        rule = rule._replace(ev_slots=[n for n, _ in self._ev_slots()],
+                             step=self._ev_step())
+        return backward_apply.fuse_ev(pairs, rule)[0]
 
     def _ev_step(self) -> tf.Tensor:
         return tf.cast(self.iterations, tf.int64)

@@ -79,6 +79,7 @@ class _EVOptimizerMixin:
             tf.cast(tf.convert_to_tensor(step), tf.int64)
         ev_ops = list(fused)
         with tf.name_scope(name or self.get_name()):
+            ensured = {}
             for g, v in evs:
                 if not isinstance(g, tf.IndexedSlices):
                     raise TypeError(
@@ -89,8 +90,13 @@ class _EVOptimizerMixin:
                 for op in ensure:
                     if op is not None:  # graph mode: DeepRec's collection
                         _v1.add_to_collection(EV_INIT_SLOT_OPS, op)
-                with tf.control_dependencies(
-                        [e for e in ensure if e is not None]):
+                ensured[id(v)] = [e for e in ensure if e is not None]
+            with tf.control_dependencies(
+                    [e for ops in ensured.values() for e in ops]):
+                evs, fused_evs = self._fuse_ev(evs, step)
+            ev_ops.extend(fused_evs)
+            for g, v in evs:
+                with tf.control_dependencies(ensured[id(v)]):
                     ev_ops.append(self._ev_apply(g, v, step))
         with tf.control_dependencies(ev_ops):
             if rest:
@@ -102,9 +108,10 @@ class _EVOptimizerMixin:
                 return _v1.assign_add(global_step, 1)
 
     def _fused_rule(self):
-        """How plain tables' sparse updates map onto the core's fused
-        backward-apply (ops/backward_apply.py), or None. Called once the
-        slots exist."""
+        """How sparse updates map onto a fused backward-apply
+        (ops/backward_apply.py: plain tables on the GPU kernels, pooled
+        EV groups on the CPU kernels), or None. Called once the slots
+        exist."""
         return None
 
     def _fuse_plain(self, pairs):
@@ -121,6 +128,18 @@ class _EVOptimizerMixin:
         left, fused = backward_apply.fuse(candidates, rule)
         done = {id(v) for _, v in candidates} - {id(v) for _, v in left}
         return [(g, v) for g, v in pairs if id(v) not in done], fused
+
+    def _fuse_ev(self, pairs, step):
+        """Applies the pooled EV lookup groups of `pairs` in one op per
+        group, backward and update together (`backward_apply.fuse_ev`);
+        returns (pairs left for `_ev_apply`, fused ops)."""
+        if tf.executing_eagerly() or not pairs:
+            return pairs, []
+        rule = self._fused_rule()
+        if rule is None:
+            return pairs, []
+        return backward_apply.fuse_ev(pairs, rule._replace(
+            ev_slots=[n for n, _ in self._ev_slots()], step=step))
 
     def _made_slot(self, var, name):
         """Slot `name` of plain variable `var` for a fused update, made

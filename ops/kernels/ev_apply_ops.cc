@@ -4,6 +4,7 @@
 // still gets the step as its version (it was seen).
 
 #include "ev_storage.h"
+#include "ev_update_rules.h"
 #include "id_map.h"
 #include "pooling.h"
 #include "op_registration.h"
@@ -142,20 +143,9 @@ void ApplySparse(OpKernelContext* ctx, const std::vector<std::string>& slots,
   // 3. Updates, one distinct row per key: no write conflicts.
   const int64_t m = urows.size();
   auto work = [&](int64_t begin, int64_t end) {
-    float* sp[4] = {nullptr, nullptr, nullptr, nullptr};
-    for (int64_t u = begin; u < end; ++u) {
-      if (u + kPrefetchDistance < end) {
-        const int64_t ahead = urows[u + kPrefetchDistance];
-        PrefetchRow(ev->Value(ahead), dim);
-        for (int s : idx) PrefetchRow(ev->Slot(s, ahead), dim);
-        __builtin_prefetch(ev->Meta(ahead));
-      }
-      const int64_t r = urows[u];
-      for (size_t s = 0; s < idx.size(); ++s) sp[s] = ev->Slot(idx[s], r);
-      update(ev->Value(r), ugrads[u], sp, dim);
-      *ev->Version(r) = version;
-      ev->MarkChanged(r);
-    }
+    UpdateRows(ev.get(), urows.data(),
+               [&ugrads](int64_t u) { return ugrads[u]; }, begin, end, idx,
+               version, update);
   };
   tensorflow::Shard(pool->num_threads, pool->workers, m, dim * 30, work);
 }
@@ -211,10 +201,7 @@ class EVApplySGDOp : public OpKernel {
     std::vector<float> h;
     OP_REQUIRES_OK(ctx, ReadScalars(ctx, 4, {"lr"}, &h));
     const float lr = h[0];
-    ApplySparse(ctx, {}, 1,
-                [lr](float* v, const float* g, float**, int64_t dim) {
-                  for (int64_t d = 0; d < dim; ++d) v[d] -= lr * g[d];
-                });
+    ApplySparse(ctx, {}, 1, SgdUpdate{lr});
   }
 };
 
@@ -222,7 +209,7 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
     "GroupEmbeddingEVApplySGD", "EVApplySGD",
     EVApplySGDOp);
 
-// accum += g^2; var -= lr * g / sqrt(accum + epsilon)  (Keras' rule)
+// AdagradUpdate (ev_update_rules.h).
 GE_REGISTER_OP_WITH_ALIAS(
     "GroupEmbeddingEVApplyAdagrad", "EVApplyAdagrad",
     .EV_APPLY_INPUTS.Input("lr: float")
@@ -242,14 +229,7 @@ class EVApplyAdagradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ReadScalars(ctx, 4, {"lr", "epsilon"}, &h));
     const float lr = h[0];
     const float eps = h[1];
-    ApplySparse(ctx, slots_, 1,
-                [lr, eps](float* v, const float* g, float** s, int64_t dim) {
-                  float* a = s[0];
-                  for (int64_t d = 0; d < dim; ++d) {
-                    a[d] += g[d] * g[d];
-                    v[d] -= lr * g[d] / std::sqrt(a[d] + eps);
-                  }
-                });
+    ApplySparse(ctx, slots_, 1, AdagradUpdate{lr, eps});
   }
 
  private:
@@ -309,8 +289,8 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
     "GroupEmbeddingEVApplyAdagradDecay", "EVApplyAdagradDecay",
     EVApplyAdagradDecayOp);
 
-// m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
-// var -= alpha * m / (sqrt(v) + epsilon), alpha bias-corrected by caller.
+// AdamUpdate (ev_update_rules.h): lazy Adam, alpha bias-corrected by the
+// caller.
 GE_REGISTER_OP_WITH_ALIAS(
     "GroupEmbeddingEVApplyAdam", "EVApplyAdam",
     .EV_APPLY_INPUTS.Input("alpha: float")
@@ -333,16 +313,7 @@ class EVApplyAdamOp : public TwoSlotApplyKernel {
     const float b1 = h[1];
     const float b2 = h[2];
     const float eps = h[3];
-    ApplySparse(ctx, slots_, 1,
-                [=](float* v, const float* g, float** s, int64_t dim) {
-                  float* m = s[0];
-                  float* u = s[1];
-                  for (int64_t d = 0; d < dim; ++d) {
-                    m[d] += (g[d] - m[d]) * (1.0f - b1);
-                    u[d] += (g[d] * g[d] - u[d]) * (1.0f - b2);
-                    v[d] -= alpha * m[d] / (std::sqrt(u[d]) + eps);
-                  }
-                });
+    ApplySparse(ctx, slots_, 1, AdamUpdate{alpha, b1, b2, eps});
   }
 };
 
@@ -350,7 +321,8 @@ GE_REGISTER_CPU_KERNEL_WITH_ALIAS(
     "GroupEmbeddingEVApplyAdam", "EVApplyAdam",
     EVApplyAdamOp);
 
-// TF's ApplyFtrlV2 on the touched rows (slots: accumulator, linear).
+// FtrlUpdate (ev_update_rules.h): TF's ApplyFtrlV2 on the touched rows
+// (slots: accumulator, linear).
 GE_REGISTER_OP_WITH_ALIAS(
     "GroupEmbeddingEVApplyFtrl", "EVApplyFtrl",
     .EV_APPLY_INPUTS.Input("lr: float")
@@ -376,23 +348,7 @@ class EVApplyFtrlOp : public TwoSlotApplyKernel {
     const float l2 = h[2];
     const float shrink = h[3];
     const float power = h[4];
-    auto pw = [power](float x) {
-      return power == -0.5f ? std::sqrt(x) : std::pow(x, -power);
-    };
-    ApplySparse(ctx, slots_, 1,
-                [=](float* v, const float* g, float** s, int64_t dim) {
-                  float* acc = s[0];
-                  float* lin = s[1];
-                  for (int64_t d = 0; d < dim; ++d) {
-                    const float gs = g[d] + 2.0f * shrink * v[d];
-                    const float na = acc[d] + g[d] * g[d];
-                    lin[d] += gs - (pw(na) - pw(acc[d])) / lr * v[d];
-                    const float clipped = std::min(std::max(lin[d], -l1), l1);
-                    const float quad = pw(na) / lr + 2.0f * l2;
-                    v[d] = (clipped - lin[d]) / quad;
-                    acc[d] = na;
-                  }
-                });
+    ApplySparse(ctx, slots_, 1, FtrlUpdate{lr, l1, l2, shrink, power});
   }
 };
 

@@ -25,6 +25,7 @@
 
 #include <optional>
 
+#include "ev_group_locks.h"
 #include "ev_storage.h"
 #include "pooling.h"
 #include "op_registration.h"
@@ -35,41 +36,6 @@ namespace ev {
 namespace {
 
 using ::tensorflow::OpOutputList;
-
-// Locks of the distinct variables of a group (one variable may serve
-// several tables, e.g. shared embedding columns), taken in address order
-// so that two groups cannot deadlock; exclusive when keys are inserted or
-// a variable has an SSD tier (PrepareTier moves rows).
-class EVGroupLocks {
- public:
-  EVGroupLocks(std::vector<EVStorage*> evs, bool exclusive)
-      : evs_(std::move(evs)), exclusive_(exclusive) {
-    std::sort(evs_.begin(), evs_.end());
-    evs_.erase(std::unique(evs_.begin(), evs_.end()), evs_.end());
-    for (EVStorage* ev : evs_) exclusive_ = exclusive_ || ev->has_tier();
-    for (EVStorage* ev : evs_) {
-      if (exclusive_) {
-        ev->mu()->lock();
-      } else {
-        ev->mu()->lock_shared();
-      }
-    }
-  }
-  ~EVGroupLocks() {
-    for (auto it = evs_.rbegin(); it != evs_.rend(); ++it) {
-      if (exclusive_) {
-        (*it)->mu()->unlock();
-      } else {
-        (*it)->mu()->unlock_shared();
-      }
-    }
-  }
-  const std::vector<EVStorage*>& distinct() const { return evs_; }
-
- private:
-  std::vector<EVStorage*> evs_;
-  bool exclusive_;
-};
 
 // The `training` input: a scalar bool.
 Status ReadTraining(OpKernelContext* ctx, int input, bool* training) {

@@ -187,6 +187,17 @@ void WithIdMap(int64_t bound, int64_t n, std::vector<int32_t>* scratch,
   }
 }
 
+// Numbers `n` ids by first occurrence (slot[j]: the slot of ids[j]);
+// returns the distinct ids, by slot. The dedup of every per-unique-id
+// backward.
+inline std::vector<int64_t> NumberIds(const int64_t* ids, int64_t n,
+                                      std::vector<int64_t>* slot) {
+  HashedIds map(n);
+  slot->resize(n);
+  for (int64_t j = 0; j < n; ++j) (*slot)[j] = map.Insert(ids[j]);
+  return map.TakeKeys();
+}
+
 // The distinct ids of `n` gradient rows ([n, dim] at `grad`) and one
 // gradient per distinct id, duplicates summed in position order, so that
 // a sparse update applied per distinct id equals the dense one.

@@ -175,18 +175,15 @@ inline ::tensorflow::Status DedupToGradOutputs(
     ::tensorflow::OpOutputList* uniq_out,
     ::tensorflow::OpOutputList* grad_out, std::vector<int64_t>* slot,
     float** sums) {
-  HashedIds map(nnz);
-  slot->resize(nnz);
-  for (int64_t j = 0; j < nnz; ++j) (*slot)[j] = map.Insert(v[j]);
-  const int64_t u = map.size();
+  const std::vector<int64_t> keys = NumberIds(v, nnz, slot);
+  const int64_t u = keys.size();
   ::tensorflow::Tensor* uo = nullptr;
   ::tensorflow::Tensor* go = nullptr;
   TF_RETURN_IF_ERROR(
       uniq_out->allocate(t, ::tensorflow::TensorShape({u}), &uo));
   TF_RETURN_IF_ERROR(
       grad_out->allocate(t, ::tensorflow::TensorShape({u, dim}), &go));
-  std::copy(map.keys().begin(), map.keys().end(),
-            uo->flat<int64_t>().data());
+  std::copy(keys.begin(), keys.end(), uo->flat<int64_t>().data());
   *sums = go->flat<float>().data();
   return ::tensorflow::Status();
 }
