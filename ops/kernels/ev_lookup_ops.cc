@@ -247,7 +247,16 @@ Status InsertMissingKeys(EVStorage* ev, const int64_t* key,
   const int64_t drows = defaults.dim_size(0);
   const bool filtered = ev->config().filter_freq > 0;
   const bool cbf = ev->has_cbf();
-  for (int64_t j : positions) {
+  const size_t n = positions.size();
+  for (size_t i = 0; i < n; ++i) {
+    // New keys: their buckets, probe rows and fresh rows are all cache
+    // misses; loaded a few keys ahead.
+    if (i + 16 < n) ev->PrefetchBucket(key[positions[i + 16]]);
+    if (i + 8 < n) {
+      ev->PrefetchKeyRow(key[positions[i + 8]]);
+      ev->PrefetchFreeRow(8);
+    }
+    const int64_t j = positions[i];
     int64_t r;
     if (cbf) {
       // An earlier occurrence in the batch may have inserted it; if not,

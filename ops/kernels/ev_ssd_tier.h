@@ -427,25 +427,49 @@ class SsdTierFile {
   // file is cut back and none of them is indexed.
   std::string PutEncoded(const char* buf, const int64_t* keys, uint64_t n,
                          const uint8_t* marks = nullptr) {
+    std::string err = CheckAppend(n);
+    if (err.empty()) err = WriteAppended(buf, 0, n);
+    if (!err.empty()) return AbandonAppend(err);
+    IndexAppended(keys, n, marks);
+    return "";
+  }
+
+  // PutEncoded in parts, for a caller that writes from several threads
+  // (the page-cache copy of a large spill is most of its cost):
+  // CheckAppend(n); WriteAppended of disjoint record ranges of the n
+  // (any threads, any order); then IndexAppended, or AbandonAppend on
+  // the first error. Until IndexAppended nothing written is reachable.
+  std::string CheckAppend(uint64_t n) const {
     const uint64_t first = (end_ - kHeaderBytes) / record_bytes_;
     if (first + n > TierIndex::kMaxRecords + 1)
       return Error("is full (" + std::to_string(first) + " records, the "
                    "most its index numbers is " +
                    std::to_string(TierIndex::kMaxRecords + 1) + ")", 0);
-    std::string err = WriteAll(buf, n * record_bytes_, end_);
-    if (!err.empty()) {
-      // Best effort: the bytes past end_ are unreachable from the index.
-      if (::ftruncate(fd_, static_cast<off_t>(end_)) != 0) {}
-      return err;
-    }
+    return "";
+  }
+  // Writes `count` encoded records (at `buf`) as records [at, at + count)
+  // of the next append. Only a pwrite: safe from concurrent threads.
+  std::string WriteAppended(const char* buf, uint64_t at,
+                            uint64_t count) const {
+    return WriteAll(buf, count * record_bytes_, end_ + at * record_bytes_);
+  }
+  std::string AbandonAppend(const std::string& err) {
+    // Best effort: the bytes past end_ are unreachable from the index.
+    if (::ftruncate(fd_, static_cast<off_t>(end_)) != 0) {}
+    return err;
+  }
+  void IndexAppended(const int64_t* keys, uint64_t n, const uint8_t* marks) {
+    const uint64_t first = (end_ - kHeaderBytes) / record_bytes_;
     for (uint64_t i = 0; i < n; ++i) {
+      // Random slots of an index of up to GBs: one miss each, unless
+      // loaded ahead.
+      if (i + 8 < n) index_.Prefetch(keys[i + 8]);
       if (index_.Set(keys[i], static_cast<uint32_t>(first + i),
                      marks ? marks + i : nullptr)) {
         dead_ += record_bytes_;
       }
     }
     end_ += n * record_bytes_;
-    return "";
   }
 
   // Lays `r` (of this file's widths) out as a record at `p`
@@ -701,7 +725,7 @@ class SsdTierFile {
     return "";
   }
 
-  std::string WriteAll(const char* p, uint64_t n, uint64_t offset) {
+  std::string WriteAll(const char* p, uint64_t n, uint64_t offset) const {
     uint64_t done = 0;
     while (done < n) {
       ssize_t w = ::pwrite(fd_, p + done, n - done, static_cast<off_t>(offset + done));

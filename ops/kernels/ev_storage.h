@@ -94,6 +94,17 @@ constexpr int64_t kChunkRows = int64_t{1} << kChunkShift;
 constexpr int64_t kSmallRows =
     ((int64_t{1} << kSmallChunks) - 1) << kFirstChunkShift;  // 1008
 constexpr uint32_t kEmpty = 0xffffffffu;
+// A hash bucket: a row and the low 32 bits of its key's hash. A probe
+// compares the tag before it reads the row's key (a cache miss per
+// occupied bucket otherwise), and the tag holds the bucket's home (the
+// hash masked to the capacity, <= 2^32), so that deletions and rehashes
+// move buckets without reading any key. Keys whose tags collide are told
+// apart by their rows' keys, as before.
+struct Bucket {
+  uint32_t row;
+  uint32_t tag;
+};
+constexpr Bucket kEmptyBucket = {kEmpty, 0};
 // Row indices are uint32 and kEmpty marks a free bucket, so at most
 // 2^32 - 2 rows: the (2^32 - 1)-th insert fails (ResourceExhausted)
 // instead of wrapping onto row 0.
@@ -207,8 +218,8 @@ struct EVConfig {
 };
 
 // Per DRAM row beyond its key, counters, value and slots: its hash bucket
-// (4 bytes at load >= 0.4, up to 10) and two change bits, rounded up.
-constexpr int64_t kDramRowOverheadBytes = 12;
+// (8 bytes at load >= 0.4, up to 20) and two change bits, rounded up.
+constexpr int64_t kDramRowOverheadBytes = 21;
 
 // The tier folders of the live EVs of this process: two EVs writing one
 // folder would overwrite each other's rows.
@@ -237,7 +248,7 @@ class EVStorage : public tensorflow::ResourceBase {
                        kDenseCbfMaxBytes /
                            std::max(config.cbf_counter_bytes, 1)),
         values_(config.dim) {
-    buckets_.assign(64, kEmpty);
+    buckets_.assign(64, kEmptyBucket);
     if (!sparse_cbf_on_) {
       cbf_.assign(config.cbf_counters * config.cbf_counter_bytes, 0);
     }
@@ -280,11 +291,12 @@ class EVStorage : public tensorflow::ResourceBase {
   int64_t Find(int64_t key) const { return FindHashed(key, Hash(key)); }
   // The same, `hash` being Hash(key).
   int64_t FindHashed(int64_t key, uint64_t hash) const {
+    const uint32_t tag = static_cast<uint32_t>(hash);
     uint64_t h = hash & mask();
     while (true) {
-      const uint32_t r = buckets_[h];
-      if (r == kEmpty) return -1;
-      if (meta_.Row(r)->key == key) return r;
+      const Bucket b = buckets_[h];
+      if (b.row == kEmpty) return -1;
+      if (b.tag == tag && meta_.Row(b.row)->key == key) return b.row;
       h = (h + 1) & mask();
     }
   }
@@ -298,14 +310,36 @@ class EVStorage : public tensorflow::ResourceBase {
   void PrefetchBucketHashed(uint64_t hash) const {
     __builtin_prefetch(&buckets_[hash & mask()]);
   }
-  // Returns the row of the bucket's first probe (-1: none), whose value
-  // row a caller about to copy it can prefetch too (GroupEmbeddingEVGather;
-  // a collided probe's is another key's: a wasted hint, nothing worse).
+  // Returns the row of the first bucket of the probe whose tag matches
+  // (among the few that share the home bucket's cache line; -1: none),
+  // whose value row a caller about to copy it can prefetch too
+  // (GroupEmbeddingEVGather; a tag shared by another key wastes the hint,
+  // nothing worse).
   int64_t PrefetchKeyRowHashed(uint64_t hash) const {
-    const uint32_t r = buckets_[hash & mask()];
-    if (r == kEmpty) return -1;
-    __builtin_prefetch(meta_.Row(r));
-    return r;
+    const uint32_t tag = static_cast<uint32_t>(hash);
+    uint64_t h = hash & mask();
+    for (int i = 0; i < 4; ++i) {
+      const Bucket b = buckets_[h];
+      if (b.row == kEmpty) return -1;
+      if (b.tag == tag) {
+        __builtin_prefetch(meta_.Row(b.row));
+        return b.row;
+      }
+      h = (h + 1) & mask();
+    }
+    return -1;
+  }
+
+  // Hint for a run of inserts: loads the rows that the `ahead`-th next
+  // AllocateRow reuses (freed by spills and evictions, so scattered) for
+  // writing. A wrong guess (a key found, not inserted) wastes the hint.
+  void PrefetchFreeRow(int64_t ahead) const {
+    const int64_t i = static_cast<int64_t>(free_rows_.size()) - 1 - ahead;
+    if (i < 0) return;
+    const uint32_t r = free_rows_[i];
+    __builtin_prefetch(meta_.Row(r), 1);
+    __builtin_prefetch(values_.Row(r), 1);
+    for (const auto& slot : slots_) __builtin_prefetch(slot.Row(r), 1);
   }
 
   // Row of `key`, inserted (initialised from `defaults`, a
@@ -332,14 +366,15 @@ class EVStorage : public tensorflow::ResourceBase {
   // Removes `key` from whichever tier holds it (eviction).
   void Erase(int64_t key) {
     const uint64_t h = BucketOf(key);
-    if (buckets_[h] == kEmpty) {
+    const uint32_t r = buckets_[h].row;
+    if (r == kEmpty) {
       if (tier_ && tier_->Erase(key)) RecordRemoval(key);
       return;
     }
     // A free row is in no delta; its key is, as removed.
-    const uint64_t bit = uint64_t{1} << (buckets_[h] & 63);
-    changed_[buckets_[h] >> 6] &= ~bit;
-    exported_[buckets_[h] >> 6] &= ~bit;
+    const uint64_t bit = uint64_t{1} << (r & 63);
+    changed_[r >> 6] &= ~bit;
+    exported_[r >> 6] &= ~bit;
     RecordRemoval(key);
     FreeBucket(h);
   }
@@ -442,10 +477,11 @@ class EVStorage : public tensorflow::ResourceBase {
     const int64_t target = keep - keep / 8;
     const int64_t spill = size_ - target;
     const std::vector<uint32_t> rows = ColdestRows(spill);
-    // Written in chunks of up to 4 MiB, one write each; a chunk that
-    // fails stays in DRAM (the earlier ones are on disk, nothing is lost).
-    // A chunk's records are encoded (rows gathered, checksummed) on the
-    // pool's threads: each writes its own records, and reads only.
+    // Written in chunks of up to 4 MiB; a chunk that fails stays in DRAM
+    // (the earlier ones are on disk, nothing is lost). A chunk's records
+    // are encoded (rows gathered, checksummed) and written on the pool's
+    // threads, each its own records: the copy into the page cache is
+    // most of a large spill. Only the indexing is serial.
     const int64_t record = static_cast<int64_t>(tier_->record_bytes());
     const int64_t per_chunk = std::max<int64_t>(1, (4 << 20) / record);
     std::vector<char> buf(std::min(per_chunk, spill) * record);
@@ -453,8 +489,11 @@ class EVStorage : public tensorflow::ResourceBase {
     std::vector<uint8_t> marks;
     for (int64_t begin = 0; begin < spill; begin += per_chunk) {
       const int64_t end = std::min(spill, begin + per_chunk);
+      TF_RETURN_IF_ERROR(TierStatus(tier_->CheckAppend(end - begin)));
       keys.resize(end - begin);
       marks.resize(end - begin);
+      std::string write_error;
+      std::mutex error_mu;  // taken by work items only
       auto encode = [&](int64_t b, int64_t e) {
         TierRecord rec;
         rec.row.resize(dim());
@@ -480,6 +519,11 @@ class EVStorage : public tensorflow::ResourceBase {
           keys[i - begin] = rec.key;
           marks[i - begin] = RowMarks(r);
         }
+        std::string err =
+            tier_->WriteAppended(buf.data() + b * record, b, e - b);
+        if (err.empty()) return;
+        std::lock_guard<std::mutex> l(error_mu);
+        if (write_error.empty()) write_error = std::move(err);
       };
       if (pool != nullptr) {
         tensorflow::Shard(pool->num_threads, pool->workers, end - begin,
@@ -487,9 +531,17 @@ class EVStorage : public tensorflow::ResourceBase {
       } else {
         encode(0, end - begin);
       }
-      TF_RETURN_IF_ERROR(TierStatus(tier_->PutEncoded(
-          buf.data(), keys.data(), keys.size(), marks.data())));
-      for (int64_t i = begin; i < end; ++i) DetachRow(rows[i]);
+      if (!write_error.empty()) {
+        return TierStatus(tier_->AbandonAppend(write_error));
+      }
+      tier_->IndexAppended(keys.data(), keys.size(), marks.data());
+      for (int64_t i = begin; i < end; ++i) {
+        // Scattered rows: their keys (for the bucket) and then their
+        // buckets are loaded ahead, two stages.
+        if (i + 16 < end) __builtin_prefetch(meta_.Row(rows[i + 16]));
+        if (i + 8 < end) PrefetchBucket(Key(rows[i + 8]));
+        DetachRow(rows[i]);
+      }
       spills_ += end - begin;
     }
     if (tier_->WantsCompaction()) {
@@ -605,7 +657,8 @@ class EVStorage : public tensorflow::ResourceBase {
     for (uint32_t r : free_rows_) {
       if (r < end) holes.push_back(r);
     }
-    for (uint32_t& b : buckets_) {
+    for (Bucket& bucket : buckets_) {
+      uint32_t& b = bucket.row;
       if (b == kEmpty || b < end) continue;
       const uint32_t to = holes.back();  // there are enough: see ChunkEnd
       holes.pop_back();
@@ -845,20 +898,31 @@ class EVStorage : public tensorflow::ResourceBase {
       Rehash(buckets_.size() * 2);
     }
     const int64_t r = AllocateRow();
-    uint64_t h = Mix(static_cast<uint64_t>(key)) & mask();
-    while (buckets_[h] != kEmpty) h = (h + 1) & mask();
-    buckets_[h] = static_cast<uint32_t>(r);
+    const uint64_t hash = Mix(static_cast<uint64_t>(key));
+    uint64_t h = hash & mask();
+    while (buckets_[h].row != kEmpty) h = (h + 1) & mask();
+    buckets_[h] = {static_cast<uint32_t>(r), static_cast<uint32_t>(hash)};
     ++size_;
     return r;
   }
 
   // The bucket holding `key`, or the empty bucket ending its probe.
   uint64_t BucketOf(int64_t key) const {
-    uint64_t h = Mix(static_cast<uint64_t>(key)) & mask();
-    while (buckets_[h] != kEmpty && meta_.Row(buckets_[h])->key != key) {
+    const uint64_t hash = Mix(static_cast<uint64_t>(key));
+    const uint32_t tag = static_cast<uint32_t>(hash);
+    uint64_t h = hash & mask();
+    while (buckets_[h].row != kEmpty &&
+           (buckets_[h].tag != tag || meta_.Row(buckets_[h].row)->key != key)) {
       h = (h + 1) & mask();
     }
     return h;
+  }
+
+  // The home bucket of bucket `b`'s key: its tag masked, while the
+  // capacity fits the tag's 32 bits (always, short of 2^32 buckets).
+  uint64_t HomeOf(const Bucket& b) const {
+    if (mask() <= 0xffffffffu) return b.tag & mask();
+    return Mix(static_cast<uint64_t>(meta_.Row(b.row)->key)) & mask();
   }
 
   void RecordRemoval(int64_t key) {
@@ -872,20 +936,19 @@ class EVStorage : public tensorflow::ResourceBase {
   // Frees bucket h's row (backward-shift deletion keeps probes
   // tombstone-free).
   void FreeBucket(uint64_t h) {
-    free_rows_.push_back(buckets_[h]);
-    buckets_[h] = kEmpty;
+    free_rows_.push_back(buckets_[h].row);
+    buckets_[h] = kEmptyBucket;
     --size_;
     uint64_t hole = h;
     uint64_t j = (h + 1) & mask();
-    while (buckets_[j] != kEmpty) {
-      const uint64_t home =
-          Mix(static_cast<uint64_t>(meta_.Row(buckets_[j])->key)) & mask();
+    while (buckets_[j].row != kEmpty) {
+      const uint64_t home = HomeOf(buckets_[j]);
       // Move j into the hole if its home is not in (hole, j] cyclically.
       const bool stays = hole <= j ? (home > hole && home <= j)
                                    : (home > hole || home <= j);
       if (!stays) {
         buckets_[hole] = buckets_[j];
-        buckets_[j] = kEmpty;
+        buckets_[j] = kEmptyBucket;
         hole = j;
       }
       j = (j + 1) & mask();
@@ -1078,14 +1141,14 @@ class EVStorage : public tensorflow::ResourceBase {
   std::vector<uint32_t> LiveRows() const {
     std::vector<uint32_t> rows;
     rows.reserve(size_);
-    for (uint32_t r : buckets_) {
-      if (r != kEmpty) rows.push_back(r);
+    for (const Bucket& b : buckets_) {
+      if (b.row != kEmpty) rows.push_back(b.row);
     }
     return rows;
   }
 
   void Clear() {
-    buckets_.assign(64, kEmpty);
+    buckets_.assign(64, kEmptyBucket);
     size_ = 0;
     num_rows_ = 0;
     free_rows_.clear();
@@ -1111,7 +1174,7 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   int64_t Bytes() const {
-    int64_t b = static_cast<int64_t>(buckets_.size()) * sizeof(uint32_t) +
+    int64_t b = static_cast<int64_t>(buckets_.size()) * sizeof(Bucket) +
                 meta_.Bytes() +
                 values_.Bytes() +
                 static_cast<int64_t>(free_rows_.capacity()) *
@@ -1186,14 +1249,14 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   void Rehash(uint64_t capacity) {
-    std::vector<uint32_t> old;
+    std::vector<Bucket> old;
     old.swap(buckets_);
-    buckets_.assign(capacity, kEmpty);
-    for (uint32_t r : old) {
-      if (r == kEmpty) continue;
-      uint64_t h = Mix(static_cast<uint64_t>(meta_.Row(r)->key)) & mask();
-      while (buckets_[h] != kEmpty) h = (h + 1) & mask();
-      buckets_[h] = r;
+    buckets_.assign(capacity, kEmptyBucket);
+    for (const Bucket& b : old) {
+      if (b.row == kEmpty) continue;
+      uint64_t h = HomeOf(b);
+      while (buckets_[h].row != kEmpty) h = (h + 1) & mask();
+      buckets_[h] = b;
     }
   }
 
@@ -1202,7 +1265,7 @@ class EVStorage : public tensorflow::ResourceBase {
   // kDenseCbfMaxBytes); fixed at creation.
   const bool sparse_cbf_on_;
   tensorflow::mutex mu_;
-  std::vector<uint32_t> buckets_;
+  std::vector<Bucket> buckets_;
   int64_t size_ = 0;
   int64_t num_rows_ = 0;
   std::vector<uint32_t> free_rows_;

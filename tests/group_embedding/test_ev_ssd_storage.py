@@ -25,8 +25,8 @@ import ev_cases
 DIM = 4
 NUM_KEYS = 40
 # One DRAM row with one optimizer slot (Adagrad): 24 bytes of key, freq
-# and version, 12 of bucket and marks, the value and the slot.
-ROW_BYTES = 24 + 12 + 4 * DIM * 2
+# and version, 21 of tagged bucket and marks, the value and the slot.
+ROW_BYTES = 24 + 21 + 4 * DIM * 2
 # The disk tier's index while it holds at most 51 keys: 64 slots of 12
 # bytes. The DRAM budget pays for it first.
 INDEX_BYTES = 64 * 12
