@@ -428,17 +428,18 @@ class SsdTierFile {
   std::string PutEncoded(const char* buf, const int64_t* keys, uint64_t n,
                          const uint8_t* marks = nullptr) {
     std::string err = CheckAppend(n);
-    if (err.empty()) err = WriteAppended(buf, 0, n);
+    if (err.empty()) err = WriteAppended(buf, n, AppendOffset(0));
     if (!err.empty()) return AbandonAppend(err);
     IndexAppended(keys, n, marks);
     return "";
   }
 
-  // PutEncoded in parts, for a caller that writes from several threads
-  // (the page-cache copy of a large spill is most of its cost):
-  // CheckAppend(n); WriteAppended of disjoint record ranges of the n
-  // (any threads, any order); then IndexAppended, or AbandonAppend on
-  // the first error. Until IndexAppended nothing written is reachable.
+  // PutEncoded in parts, for a caller that writes while it does other
+  // work (the page-cache copy of a large spill is most of its cost):
+  // CheckAppend(n); WriteAppended of the n records (in parts, from any
+  // thread) at AppendOffset(their number in the append); then
+  // IndexAppended, or AbandonAppend on an error. Until IndexAppended
+  // nothing written is reachable.
   std::string CheckAppend(uint64_t n) const {
     const uint64_t first = (end_ - kHeaderBytes) / record_bytes_;
     if (first + n > TierIndex::kMaxRecords + 1)
@@ -447,11 +448,15 @@ class SsdTierFile {
                    std::to_string(TierIndex::kMaxRecords + 1) + ")", 0);
     return "";
   }
-  // Writes `count` encoded records (at `buf`) as records [at, at + count)
-  // of the next append. Only a pwrite: safe from concurrent threads.
-  std::string WriteAppended(const char* buf, uint64_t at,
-                            uint64_t count) const {
-    return WriteAll(buf, count * record_bytes_, end_ + at * record_bytes_);
+  // The file offset of record `at` of the next append.
+  uint64_t AppendOffset(uint64_t at) const {
+    return end_ + at * record_bytes_;
+  }
+  // Writes `count` encoded records (at `buf`) from file offset `offset`
+  // (AppendOffset's). Only a pwrite: safe beside the other calls.
+  std::string WriteAppended(const char* buf, uint64_t count,
+                            uint64_t offset) const {
+    return WriteAll(buf, count * record_bytes_, offset);
   }
   std::string AbandonAppend(const std::string& err) {
     // Best effort: the bytes past end_ are unreachable from the index.

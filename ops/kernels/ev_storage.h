@@ -76,6 +76,7 @@
 #include "ev_ssd_tier.h"
 #include "id_map.h"
 #include "op_checks.h"
+#include "work_queue.h"
 
 namespace group_embedding {
 namespace ev {
@@ -479,21 +480,55 @@ class EVStorage : public tensorflow::ResourceBase {
     const std::vector<uint32_t> rows = ColdestRows(spill);
     // Written in chunks of up to 4 MiB; a chunk that fails stays in DRAM
     // (the earlier ones are on disk, nothing is lost). A chunk's records
-    // are encoded (rows gathered, checksummed) and written on the pool's
-    // threads, each its own records: the copy into the page cache is
-    // most of a large spill. Only the indexing is serial.
+    // are encoded (rows gathered, checksummed) on the pool's threads. Its
+    // write (one system call: the file's writes serialise in the kernel
+    // anyway) is handed to a pool thread while this one indexes the
+    // chunk before it and frees its rows, and the pool encodes the next:
+    // the copy into the page cache is most of a large spill.
     const int64_t record = static_cast<int64_t>(tier_->record_bytes());
     const int64_t per_chunk = std::max<int64_t>(1, (4 << 20) / record);
-    std::vector<char> buf(std::min(per_chunk, spill) * record);
-    std::vector<int64_t> keys;
-    std::vector<uint8_t> marks;
-    for (int64_t begin = 0; begin < spill; begin += per_chunk) {
-      const int64_t end = std::min(spill, begin + per_chunk);
-      TF_RETURN_IF_ERROR(TierStatus(tier_->CheckAppend(end - begin)));
-      keys.resize(end - begin);
-      marks.resize(end - begin);
-      std::string write_error;
-      std::mutex error_mu;  // taken by work items only
+    struct Chunk {
+      int64_t begin = 0, end = 0;
+      std::vector<char> buf;
+      std::vector<int64_t> keys;
+      std::vector<uint8_t> marks;
+      std::string error;  // the write's
+      std::unique_ptr<Handoff> write;
+    };
+    Chunk chunks[2];
+    // Indexes chunk c (written) and frees its DRAM rows, or on its write's
+    // error cuts the file back; either way the chunk is done.
+    auto finish = [&](Chunk* c) -> Status {
+      if (c->write) c->write->Wait();
+      c->write.reset();
+      if (!c->error.empty()) {
+        return TierStatus(tier_->AbandonAppend(c->error));
+      }
+      tier_->IndexAppended(c->keys.data(), c->keys.size(), c->marks.data());
+      for (int64_t i = c->begin; i < c->end; ++i) {
+        // Scattered rows: their keys (for the bucket) and then their
+        // buckets are loaded ahead, two stages.
+        if (i + 16 < c->end) __builtin_prefetch(meta_.Row(rows[i + 16]));
+        if (i + 8 < c->end) PrefetchBucket(Key(rows[i + 8]));
+        DetachRow(rows[i]);
+      }
+      spills_ += c->end - c->begin;
+      c->begin = c->end = 0;
+      return Status();
+    };
+    Status status;
+    int64_t pending = 0;  // records written or being written, not indexed
+    for (int64_t begin = 0, n = 0; begin < spill; begin += per_chunk, ++n) {
+      Chunk& c = chunks[n & 1];
+      c.begin = begin;
+      c.end = std::min(spill, begin + per_chunk);
+      const int64_t count = c.end - begin;
+      status = TierStatus(tier_->CheckAppend(pending + count));
+      if (!status.ok()) break;
+      c.buf.resize(count * record);
+      c.keys.resize(count);
+      c.marks.resize(count);
+      c.error.clear();
       auto encode = [&](int64_t b, int64_t e) {
         TierRecord rec;
         rec.row.resize(dim());
@@ -515,35 +550,48 @@ class EVStorage : public tensorflow::ResourceBase {
             std::memcpy(rec.slots.data() + s * dim(), slots_[s].Row(r),
                         sizeof(float) * dim());
           }
-          tier_->Encode(rec, buf.data() + (i - begin) * record);
-          keys[i - begin] = rec.key;
-          marks[i - begin] = RowMarks(r);
+          tier_->Encode(rec, c.buf.data() + (i - begin) * record);
+          c.keys[i - begin] = rec.key;
+          c.marks[i - begin] = RowMarks(r);
         }
-        std::string err =
-            tier_->WriteAppended(buf.data() + b * record, b, e - b);
-        if (err.empty()) return;
-        std::lock_guard<std::mutex> l(error_mu);
-        if (write_error.empty()) write_error = std::move(err);
       };
       if (pool != nullptr) {
-        tensorflow::Shard(pool->num_threads, pool->workers, end - begin,
+        tensorflow::Shard(pool->num_threads, pool->workers, count,
                           record * 4, encode);
       } else {
-        encode(0, end - begin);
+        encode(0, count);
       }
-      if (!write_error.empty()) {
-        return TierStatus(tier_->AbandonAppend(write_error));
+      // The write goes past the chunk still in flight (not indexed yet);
+      // its offset is fixed now, before that chunk moves the file's end.
+      const uint64_t offset = tier_->AppendOffset(pending);
+      auto write = [this, &c, offset, count]() {
+        c.error = tier_->WriteAppended(c.buf.data(), count, offset);
+      };
+      if (pool != nullptr) {
+        c.write = std::make_unique<Handoff>(pool, write);
+      } else {
+        write();
       }
-      tier_->IndexAppended(keys.data(), keys.size(), marks.data());
-      for (int64_t i = begin; i < end; ++i) {
-        // Scattered rows: their keys (for the bucket) and then their
-        // buckets are loaded ahead, two stages.
-        if (i + 16 < end) __builtin_prefetch(meta_.Row(rows[i + 16]));
-        if (i + 8 < end) PrefetchBucket(Key(rows[i + 8]));
-        DetachRow(rows[i]);
+      pending += count;
+      Chunk& before = chunks[(n + 1) & 1];
+      if (before.end > before.begin) {
+        pending -= before.end - before.begin;
+        status = finish(&before);
+        if (!status.ok()) break;
       }
-      spills_ += end - begin;
     }
+    // The last chunk in flight: after an error, only waited for (its
+    // bytes past the file's end are cut back, never indexed).
+    for (Chunk& c : chunks) {
+      if (c.end == c.begin) continue;
+      if (status.ok()) {
+        status = finish(&c);
+      } else if (c.write) {
+        c.write->Wait();
+        tier_->AbandonAppend("");
+      }
+    }
+    TF_RETURN_IF_ERROR(status);
     if (tier_->WantsCompaction()) {
       ++compactions_;
       TF_RETURN_IF_ERROR(TierStatus(tier_->Compact()));

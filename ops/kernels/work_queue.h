@@ -88,6 +88,58 @@ void RunUneven(::tensorflow::OpKernelContext* ctx,
   shared->cv.wait(l, [&]() { return shared->done == n; });
 }
 
+// One task handed to the pool that its caller may still run itself:
+// Wait() runs it on the calling thread when no worker has started it yet,
+// else waits for the worker that did. So a caller holding a lock never
+// waits on a pool whose threads are busy with other work (perhaps work
+// that needs that lock): the task must not lock. The shared state outlives
+// a worker that starts after the caller ran the task.
+class Handoff {
+ public:
+  Handoff(const ::tensorflow::DeviceBase::CpuWorkerThreads* pool,
+          std::function<void()> task)
+      : state_(std::make_shared<State>()) {
+    state_->task = std::move(task);
+    std::shared_ptr<State> state = state_;
+    pool->workers->Schedule([state]() { state->Claim(); });
+  }
+  Handoff(const Handoff&) = delete;
+  Handoff& operator=(const Handoff&) = delete;
+  ~Handoff() { Wait(); }
+
+  void Wait() {
+    if (state_->Claim()) return;
+    std::unique_lock<std::mutex> l(state_->mu);
+    state_->cv.wait(l, [this] { return state_->done; });
+  }
+
+ private:
+  struct State {
+    std::function<void()> task;
+    std::atomic<bool> claimed{false};
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;  // under mu
+    // Runs the task unless another thread claimed it; true once this
+    // thread ran it or it was already done.
+    bool Claim() {
+      if (claimed.exchange(true)) {
+        std::lock_guard<std::mutex> l(mu);
+        return done;
+      }
+      task();
+      task = nullptr;
+      {
+        std::lock_guard<std::mutex> l(mu);
+        done = true;
+      }
+      cv.notify_all();
+      return true;
+    }
+  };
+  std::shared_ptr<State> state_;
+};
+
 }  // namespace group_embedding
 
 #endif  // GROUP_EMBEDDING_OPS_KERNELS_WORK_QUEUE_H_
