@@ -756,6 +756,7 @@ class EVStorage : public tensorflow::ResourceBase {
   // Moves DRAM row `r` out (its record and RowMarks are in the tier): it
   // is no removal.
   void DetachRow(uint32_t r) {
+    ++moves_out_;
     const uint64_t bit = uint64_t{1} << (r & 63);
     changed_[r >> 6] &= ~bit;
     exported_[r >> 6] &= ~bit;
@@ -773,6 +774,14 @@ class EVStorage : public tensorflow::ResourceBase {
   Status Promote(const int64_t* keys, int64_t n, int64_t* rows = nullptr,
                  const CpuWorkers* pool = nullptr) {
     if (tier_->size() == 0) return Status();
+    // The update after its lookup promotes the same keys again: while no
+    // row has left DRAM since (a spill), they are all still there. Only
+    // an exact repeat of the last call's keys is skipped.
+    if (rows == nullptr && promoted_moves_ == moves_out_ &&
+        static_cast<size_t>(n) == promoted_keys_.size() &&
+        std::memcmp(keys, promoted_keys_.data(), sizeof(int64_t) * n) == 0) {
+      return Status();
+    }
     const TierTimer timer(&promote_ns_);
     // 1. Probes, in parallel: they only read (the caller holds the
     // exclusive lock, and the work items take none), and on a batch of
@@ -806,7 +815,10 @@ class EVStorage : public tensorflow::ResourceBase {
         want.emplace_back(static_cast<uint32_t>(record_of[j]), keys[j]);
       }
     }
-    if (want.empty()) return Status();
+    if (want.empty()) {
+      RememberPromoted(keys, n);
+      return Status();
+    }
     std::sort(want.begin(), want.end());
     want.erase(std::unique(want.begin(), want.end()), want.end());
     const int64_t record = static_cast<int64_t>(tier_->record_bytes());
@@ -845,6 +857,13 @@ class EVStorage : public tensorflow::ResourceBase {
       }
       TF_RETURN_IF_ERROR(TierStatus(read_error));
       for (size_t i = 0; i < recs.size(); ++i) {
+        // Each insert misses on its bucket, its (reused, scattered) row
+        // and the tier index's slot: loaded a few records ahead.
+        if (i + 8 < recs.size()) {
+          PrefetchBucket(batch_keys[i + 8]);
+          tier_->PrefetchKey(batch_keys[i + 8]);
+          PrefetchFreeRow(8);
+        }
         tier_->Decode(buf.data() + i * record, &rec);
         const int64_t r = InsertRow(rec.key);
         if (r < 0) return FullError();
@@ -862,7 +881,13 @@ class EVStorage : public tensorflow::ResourceBase {
         ++promotions_;
       }
     }
+    RememberPromoted(keys, n);
     return Status();
+  }
+
+  void RememberPromoted(const int64_t* keys, int64_t n) {
+    promoted_keys_.assign(keys, keys + n);
+    promoted_moves_ = moves_out_;
   }
 
   // The `count` coldest live DRAM rows (0 < count <= size_): least score
@@ -1196,6 +1221,9 @@ class EVStorage : public tensorflow::ResourceBase {
   }
 
   void Clear() {
+    ++moves_out_;
+    promoted_keys_.clear();
+    promoted_keys_.shrink_to_fit();
     buckets_.assign(64, kEmptyBucket);
     size_ = 0;
     num_rows_ = 0;
@@ -1226,7 +1254,9 @@ class EVStorage : public tensorflow::ResourceBase {
                 meta_.Bytes() +
                 values_.Bytes() +
                 static_cast<int64_t>(free_rows_.capacity()) *
-                    sizeof(uint32_t);
+                    sizeof(uint32_t) +
+                static_cast<int64_t>(promoted_keys_.capacity()) *
+                    sizeof(int64_t);
     for (const auto& s : slots_) b += s.Bytes();
     // A node of the sparse map: key, count, next pointer, cached hash.
     const int64_t sparse = static_cast<int64_t>(
@@ -1314,6 +1344,11 @@ class EVStorage : public tensorflow::ResourceBase {
   const bool sparse_cbf_on_;
   tensorflow::mutex mu_;
   std::vector<Bucket> buckets_;
+  // Rows moved out of DRAM (spills; Clear), and the keys of the last
+  // Promote with the count it saw (see Promote).
+  uint64_t moves_out_ = 0;
+  uint64_t promoted_moves_ = ~uint64_t{0};
+  std::vector<int64_t> promoted_keys_;
   int64_t size_ = 0;
   int64_t num_rows_ = 0;
   std::vector<uint32_t> free_rows_;
