@@ -547,3 +547,72 @@ class TestTieredErrors:
             signal.signal(signal.SIGXFSZ, old_handler)
         # Nothing stored was lost: the failed step changed nothing.
         _assert_same(_snapshot(ssd), _snapshot(dram))
+
+
+def _import_rows(ev, keys, values):
+    n = len(keys)
+    ev_storage.import_(ev.handle, tf.constant(keys, tf.int64),
+                       tf.constant(values, tf.float32),
+                       np.ones(n, np.int64), np.zeros(n, np.int64),
+                       tf.constant([], tf.string), tf.zeros([0]),
+                       tf.zeros([n, 0]), 0)
+
+
+def _exported(ev):
+    keys, values = (x.numpy() for x in ev.export()[:2])
+    order = np.argsort(keys)
+    return keys[order], values[order]
+
+
+# A spill is written in chunks of 4 MiB (ev_storage.h SpillToBudget), each
+# chunk's write overlapping the indexing of the one before. The import
+# spills as it goes (every 4096 rows), so rows of 4 KiB (dim 1024, no
+# slot) make each spill four chunks; the DRAM tier holds 16 rows.
+_WIDE = 1024
+_MANY = 12_000
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_spill_in_chunks_loses_nothing(fail, tmp_path):
+    rng = np.random.default_rng(12)
+    keys = rng.permutation(np.arange(_MANY, dtype=np.int64) * 3 - 1000)
+    values = rng.normal(size=[_MANY, _WIDE]).astype(np.float32)
+    storage = ge.StorageOption(
+        ge.StorageType.DRAM_SSDHASH, storage_path=str(tmp_path / "k"),
+        storage_size=[INDEX_BYTES + 16 * (24 + 21 + 4 * _WIDE)])
+    ev = ev_cases.make_ev(f"e_chunks_{int(fail)}", _WIDE,
+                          ev_option=_option(storage))
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if fail:
+        # Room for the first chunk and half of the second.
+        resource.setrlimit(resource.RLIMIT_FSIZE,
+                           (int(1.5 * (4 << 20)), old_limit[1]))
+    try:
+        if fail:
+            with pytest.raises(tf.errors.InternalError,
+                               match="e_chunks_1.*cannot write"):
+                _import_rows(ev, keys, values)
+        else:
+            _import_rows(ev, keys, values)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    stats = ev_storage.tier_stats(ev.handle).numpy()
+    got_keys, got_values = _exported(ev)
+    assert len(got_keys) == stats[0] + stats[1]
+    if fail:
+        # The import stops at the failed spill: it stored a prefix of its
+        # keys, the first chunk of the spill on disk, the failed chunks'
+        # rows still in DRAM. A lost chunk would be a hole in the prefix.
+        assert 0 < stats[1] < len(got_keys) < _MANY
+        keys, values = keys[:len(got_keys)], values[:len(got_keys)]
+    else:
+        assert stats[1] >= _MANY - 16
+    order = np.argsort(keys)
+    np.testing.assert_array_equal(got_keys, keys[order])
+    np.testing.assert_array_equal(got_values, values[order])
+    pick = rng.choice(len(keys), 100)
+    np.testing.assert_array_equal(
+        ev.lookup_rows(tf.constant(keys[pick]), training=False).numpy(),
+        values[pick])
