@@ -45,8 +45,9 @@ from group_embedding.ops import ev_storage
 ZIPF_S = 1.05
 DIM = 16
 # DRAM bytes of a key with an Adagrad slot (see ev_storage.h): key, freq
-# and version (24), tagged bucket and marks (21), value and slot (2 * 4 * D).
-_ROW_BYTES = 24 + 21 + 2 * 4 * DIM
+# and version (24), bucket, marks and the spill's candidate (29), value
+# and slot (2 * 4 * D).
+_ROW_BYTES = 24 + 29 + 2 * 4 * DIM
 # The disk tier's index (ev_ssd_tier.h's TierIndex): 12 bytes a slot at a
 # load between 0.64 and 0.8; budgeted at the lower load.
 _INDEX_BYTES_PER_KEY = 12 / 0.64

@@ -684,9 +684,9 @@ def _assign_true(var, value):
 
 
 # Bytes of one DRAM row besides its floats: key, freq and version, and the
-# hash bucket and change bits (sizeof(KeyMeta) + kDramRowOverheadBytes in
-# ops/kernels/ev_storage.h).
-_DRAM_ROW_OVERHEAD_BYTES = 24 + 21
+# hash bucket, change bits and spill candidate (sizeof(KeyMeta) +
+# kDramRowOverheadBytes in ops/kernels/ev_storage.h).
+_DRAM_ROW_OVERHEAD_BYTES = 24 + 29
 
 
 def _prepare_storage_path(name: str, storage, embedding_dim: int) -> str:

@@ -95,17 +95,21 @@ constexpr int64_t kChunkRows = int64_t{1} << kChunkShift;
 constexpr int64_t kSmallRows =
     ((int64_t{1} << kSmallChunks) - 1) << kFirstChunkShift;  // 1008
 constexpr uint32_t kEmpty = 0xffffffffu;
-// A hash bucket: a row and the low 32 bits of its key's hash. A probe
-// compares the tag before it reads the row's key (a cache miss per
-// occupied bucket otherwise), and the tag holds the bucket's home (the
-// hash masked to the capacity, <= 2^32), so that deletions and rehashes
-// move buckets without reading any key. Keys whose tags collide are told
-// apart by their rows' keys, as before.
-struct Bucket {
+// A hash bucket (5 bytes, packed): a row and a hint byte of its key: the
+// high nibble is the bucket's distance from the key's home bucket (15:
+// 15 or more), the low one 4 bits of the key's hash that the home does
+// not use. A probe reads a row's key (a cache miss per occupied bucket)
+// only where both match; a deletion finds a bucket's home from its
+// distance without reading its key. One byte, not a wider tag, so that
+// a live key still costs at most 1.5 x its value's bytes + 8 (the
+// memory target of ev_bench.py and test_embedding_variable.py).
+struct __attribute__((packed)) Bucket {
   uint32_t row;
-  uint32_t tag;
+  uint8_t hint;
 };
+static_assert(sizeof(Bucket) == 5, "packed bucket");
 constexpr Bucket kEmptyBucket = {kEmpty, 0};
+constexpr uint64_t kFarHint = 15;  // distance nibble: 15 or more
 // Row indices are uint32 and kEmpty marks a free bucket, so at most
 // 2^32 - 2 rows: the (2^32 - 1)-th insert fails (ResourceExhausted)
 // instead of wrapping onto row 0.
@@ -219,8 +223,10 @@ struct EVConfig {
 };
 
 // Per DRAM row beyond its key, counters, value and slots: its hash bucket
-// (8 bytes at load >= 0.4, up to 20) and two change bits, rounded up.
-constexpr int64_t kDramRowOverheadBytes = 21;
+// (5 bytes at load >= 0.4, up to 12.5), two change bits, and the 16 bytes
+// of the spill selection's candidate (ColdestRows: transient, but at the
+// tier's peak), rounded up.
+constexpr int64_t kDramRowOverheadBytes = 29;
 
 // The tier folders of the live EVs of this process: two EVs writing one
 // folder would overwrite each other's rows.
@@ -292,12 +298,13 @@ class EVStorage : public tensorflow::ResourceBase {
   int64_t Find(int64_t key) const { return FindHashed(key, Hash(key)); }
   // The same, `hash` being Hash(key).
   int64_t FindHashed(int64_t key, uint64_t hash) const {
-    const uint32_t tag = static_cast<uint32_t>(hash);
     uint64_t h = hash & mask();
-    while (true) {
+    for (uint64_t i = 0;; ++i) {
       const Bucket b = buckets_[h];
       if (b.row == kEmpty) return -1;
-      if (b.tag == tag && meta_.Row(b.row)->key == key) return b.row;
+      if (b.hint == HintOf(i, hash) && meta_.Row(b.row)->key == key) {
+        return b.row;
+      }
       h = (h + 1) & mask();
     }
   }
@@ -317,12 +324,11 @@ class EVStorage : public tensorflow::ResourceBase {
   // (GroupEmbeddingEVGather; a tag shared by another key wastes the hint,
   // nothing worse).
   int64_t PrefetchKeyRowHashed(uint64_t hash) const {
-    const uint32_t tag = static_cast<uint32_t>(hash);
     uint64_t h = hash & mask();
-    for (int i = 0; i < 4; ++i) {
+    for (uint64_t i = 0; i < 4; ++i) {
       const Bucket b = buckets_[h];
       if (b.row == kEmpty) return -1;
-      if (b.tag == tag) {
+      if (b.hint == HintOf(i, hash)) {
         __builtin_prefetch(meta_.Row(b.row));
         return b.row;
       }
@@ -706,7 +712,7 @@ class EVStorage : public tensorflow::ResourceBase {
       if (r < end) holes.push_back(r);
     }
     for (Bucket& bucket : buckets_) {
-      uint32_t& b = bucket.row;
+      const uint32_t b = bucket.row;  // a packed member: no reference
       if (b == kEmpty || b < end) continue;
       const uint32_t to = holes.back();  // there are enough: see ChunkEnd
       holes.pop_back();
@@ -721,7 +727,7 @@ class EVStorage : public tensorflow::ResourceBase {
       exported_[to >> 6] &= ~to_bit;
       if (changed_[b >> 6] & from_bit) changed_[to >> 6] |= to_bit;
       if (exported_[b >> 6] & from_bit) exported_[to >> 6] |= to_bit;
-      b = to;
+      bucket.row = to;
     }
     free_rows_.swap(holes);
     free_rows_.shrink_to_fit();
@@ -971,10 +977,7 @@ class EVStorage : public tensorflow::ResourceBase {
       Rehash(buckets_.size() * 2);
     }
     const int64_t r = AllocateRow();
-    const uint64_t hash = Mix(static_cast<uint64_t>(key));
-    uint64_t h = hash & mask();
-    while (buckets_[h].row != kEmpty) h = (h + 1) & mask();
-    buckets_[h] = {static_cast<uint32_t>(r), static_cast<uint32_t>(hash)};
+    Place(static_cast<uint32_t>(r), Mix(static_cast<uint64_t>(key)));
     ++size_;
     return r;
   }
@@ -982,20 +985,42 @@ class EVStorage : public tensorflow::ResourceBase {
   // The bucket holding `key`, or the empty bucket ending its probe.
   uint64_t BucketOf(int64_t key) const {
     const uint64_t hash = Mix(static_cast<uint64_t>(key));
-    const uint32_t tag = static_cast<uint32_t>(hash);
     uint64_t h = hash & mask();
-    while (buckets_[h].row != kEmpty &&
-           (buckets_[h].tag != tag || meta_.Row(buckets_[h].row)->key != key)) {
+    for (uint64_t i = 0; buckets_[h].row != kEmpty; ++i) {
+      const Bucket b = buckets_[h];
+      if (b.hint == HintOf(i, hash) && meta_.Row(b.row)->key == key) break;
       h = (h + 1) & mask();
     }
     return h;
   }
 
-  // The home bucket of bucket `b`'s key: its tag masked, while the
-  // capacity fits the tag's 32 bits (always, short of 2^32 buckets).
-  uint64_t HomeOf(const Bucket& b) const {
-    if (mask() <= 0xffffffffu) return b.tag & mask();
-    return Mix(static_cast<uint64_t>(meta_.Row(b.row)->key)) & mask();
+  // The hint byte of a key with hash `hash` at `distance` buckets from
+  // its home (see Bucket). The hash's top bits: the home uses the low
+  // ones (capacity < 2^60).
+  static uint8_t HintOf(uint64_t distance, uint64_t hash) {
+    return static_cast<uint8_t>((std::min(distance, kFarHint) << 4) |
+                                (hash >> 60));
+  }
+
+  // Puts row `r` (of a key with hash `hash`, not in the table) in the
+  // first free bucket of its probe.
+  void Place(uint32_t r, uint64_t hash) {
+    uint64_t h = hash & mask();
+    uint64_t i = 0;
+    while (buckets_[h].row != kEmpty) {
+      h = (h + 1) & mask();
+      ++i;
+    }
+    buckets_[h] = {r, HintOf(i, hash)};
+  }
+
+  // The home of the key in bucket `j`: from its distance, unless that is
+  // 15 or more (rare: then from its key).
+  uint64_t HomeAt(uint64_t j) const {
+    const uint64_t d = buckets_[j].hint >> 4;
+    if (d < kFarHint) return (j - d) & mask();
+    return Mix(static_cast<uint64_t>(meta_.Row(buckets_[j].row)->key)) &
+           mask();
   }
 
   void RecordRemoval(int64_t key) {
@@ -1015,12 +1040,16 @@ class EVStorage : public tensorflow::ResourceBase {
     uint64_t hole = h;
     uint64_t j = (h + 1) & mask();
     while (buckets_[j].row != kEmpty) {
-      const uint64_t home = HomeOf(buckets_[j]);
+      const uint64_t home = HomeAt(j);
       // Move j into the hole if its home is not in (hole, j] cyclically.
       const bool stays = hole <= j ? (home > hole && home <= j)
                                    : (home > hole || home <= j);
       if (!stays) {
-        buckets_[hole] = buckets_[j];
+        const uint64_t distance = (hole - home) & mask();
+        buckets_[hole] = {buckets_[j].row,
+                          static_cast<uint8_t>(
+                              (std::min(distance, kFarHint) << 4) |
+                              (buckets_[j].hint & 15))};
         buckets_[j] = kEmptyBucket;
         hole = j;
       }
@@ -1332,9 +1361,8 @@ class EVStorage : public tensorflow::ResourceBase {
     buckets_.assign(capacity, kEmptyBucket);
     for (const Bucket& b : old) {
       if (b.row == kEmpty) continue;
-      uint64_t h = HomeOf(b);
-      while (buckets_[h].row != kEmpty) h = (h + 1) & mask();
-      buckets_[h] = b;
+      // The new home needs a bit more of the hash than the old one.
+      Place(b.row, Mix(static_cast<uint64_t>(meta_.Row(b.row)->key)));
     }
   }
 

@@ -1,12 +1,14 @@
-"""EV hash buckets keep a 32-bit tag of each key's hash (ev_storage.h).
+"""EV hash buckets keep a hint byte per key (ev_storage.h's Bucket).
 
-A probe compares tags before it reads a row's key, and deletions and
-rehashes take a bucket's home from its tag. The keys here are made by
-inverting the hash, so that many share one home bucket and some share
-the whole tag (only their rows' keys tell them apart): every lookup,
-update, eviction, spill to the disk tier and promotion must still reach
-each key's own row. Oracles: the imported rows themselves, and a dense
-tf.Variable (one row per key) trained by Keras' SGD on the same batches.
+The hint holds the bucket's distance from the key's home bucket (capped
+at 15) and 4 bits of the key's hash: a probe reads a row's key only where
+both match, and a deletion takes a bucket's home from its distance. The
+keys here are made by inverting the hash, so that 27 share one home
+bucket (distances past the cap) and 12 of them also the 4 hash bits (only
+their rows' keys tell them apart): every lookup, update, eviction, spill
+to the disk tier and promotion must still reach each key's own row.
+Oracles: the imported rows themselves, and a dense tf.Variable (one row
+per key) trained by Keras' SGD on the same batches.
 """
 
 import numpy as np
@@ -47,13 +49,13 @@ def _signed(u):
 
 
 def _colliding_keys():
-    """12 keys with one whole tag, 12 more with its home bits (low 20) but
-    other tags, 48 keys elsewhere (72: past the first table's 51, so that
+    """12 keys with one home (the low 32 bits of the hash) and one hint
+    nibble (its top 4 bits), 15 more with that home and the other
+    nibbles, 48 keys elsewhere (75: past the first table's 51, so that
     the import rehashes); shuffled, negative keys included."""
     low = 0x9ABCDEF1
     same_tag = [_unmix((hi << 32) | low) for hi in range(1, 13)]
-    same_home = [_unmix((hi << 32) | (j << 20) | (low & 0xFFFFF))
-                 for j, hi in enumerate(range(13, 25), start=1)]
+    same_home = [_unmix((j << 60) | (j << 32) | low) for j in range(1, 16)]
     rng = np.random.default_rng(5)
     others = [int(x) for x in rng.integers(0, 1 << 63, 48, dtype=np.uint64)]
     keys = [_signed(k) for k in same_tag + same_home + others]
@@ -92,7 +94,7 @@ def _tier(tmp_path, rows):
     # A DRAM tier of `rows` rows (see test_ev_ssd_storage.py's budget).
     return ge.StorageOption(ge.StorageType.DRAM_SSDHASH,
                             storage_path=str(tmp_path),
-                            storage_size=[64 * 12 + rows * (24 + 21 + 4 * DIM)])
+                            storage_size=[64 * 12 + rows * (24 + 29 + 4 * DIM)])
 
 
 @pytest.mark.parametrize("tiered", [False, True])

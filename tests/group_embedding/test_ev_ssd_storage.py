@@ -25,8 +25,9 @@ import ev_cases
 DIM = 4
 NUM_KEYS = 40
 # One DRAM row with one optimizer slot (Adagrad): 24 bytes of key, freq
-# and version, 21 of tagged bucket and marks, the value and the slot.
-ROW_BYTES = 24 + 21 + 4 * DIM * 2
+# and version, 29 of bucket, marks and spill candidate, the value and
+# the slot.
+ROW_BYTES = 24 + 29 + 4 * DIM * 2
 # The disk tier's index while it holds at most 51 keys: 64 slots of 12
 # bytes. The DRAM budget pays for it first.
 INDEX_BYTES = 64 * 12
@@ -132,7 +133,7 @@ class TestTieredTraining:
             int(x) for x in ev_storage.tier_stats(ssd.handle)[:5])
         assert in_dram + on_disk == len(want["keys"])
         slots = len(want["slot_names"])
-        keep = 4 * ROW_BYTES // (24 + 12 + 4 * DIM * (1 + slots))
+        keep = 4 * ROW_BYTES // (24 + 29 + 4 * DIM * (1 + slots))
         last = len(np.unique(batches[-1].values.numpy()))
         assert keep <= in_dram <= keep + last
         assert promoted > 0 and spilled > 0 and index == INDEX_BYTES
@@ -209,8 +210,9 @@ class TestTieredTraining:
                             ev_storage.tier_stats(ssd.handle)[:2])
         assert on_disk >= 20000 - 4 and in_dram <= 4 + 1
         # The spilled rows' memory went back (PackRows), not only to the
-        # free list: the 20000 rows' bytes are gone.
-        rows_bytes = 20000 * ROW_BYTES
+        # free list: the 20000 rows' bytes (key, counters, value, slot) are
+        # gone.
+        rows_bytes = 20000 * (24 + 4 * DIM * 2)
         assert float(ssd.bytes_per_key()) * int(ssd.size()) < held - (
             rows_bytes // 2)
         keys = np.concatenate([old, old[::-1], [2**41],
@@ -579,7 +581,7 @@ def test_spill_in_chunks_loses_nothing(fail, tmp_path):
     values = rng.normal(size=[_MANY, _WIDE]).astype(np.float32)
     storage = ge.StorageOption(
         ge.StorageType.DRAM_SSDHASH, storage_path=str(tmp_path / "k"),
-        storage_size=[INDEX_BYTES + 16 * (24 + 21 + 4 * _WIDE)])
+        storage_size=[INDEX_BYTES + 16 * (24 + 29 + 4 * _WIDE)])
     ev = ev_cases.make_ev(f"e_chunks_{int(fail)}", _WIDE,
                           ev_option=_option(storage))
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
