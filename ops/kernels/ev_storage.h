@@ -998,8 +998,11 @@ class EVStorage : public tensorflow::ResourceBase {
   // its home (see Bucket). The hash's top bits: the home uses the low
   // ones (capacity < 2^60).
   static uint8_t HintOf(uint64_t distance, uint64_t hash) {
+    return MakeHint(distance, static_cast<uint8_t>(hash >> 60));
+  }
+  static uint8_t MakeHint(uint64_t distance, uint8_t nibble) {
     return static_cast<uint8_t>((std::min(distance, kFarHint) << 4) |
-                                (hash >> 60));
+                                (nibble & 15));
   }
 
   // Puts row `r` (of a key with hash `hash`, not in the table) in the
@@ -1045,11 +1048,8 @@ class EVStorage : public tensorflow::ResourceBase {
       const bool stays = hole <= j ? (home > hole && home <= j)
                                    : (home > hole || home <= j);
       if (!stays) {
-        const uint64_t distance = (hole - home) & mask();
         buckets_[hole] = {buckets_[j].row,
-                          static_cast<uint8_t>(
-                              (std::min(distance, kFarHint) << 4) |
-                              (buckets_[j].hint & 15))};
+                          MakeHint((hole - home) & mask(), buckets_[j].hint)};
         buckets_[j] = kEmptyBucket;
         hole = j;
       }
