@@ -86,7 +86,14 @@ class _EVOptimizerMixin:
                         f"{type(self).__name__}: the gradient of "
                         f"EmbeddingVariable '{v.name}' must be IndexedSlices "
                         f"keyed by key, got {type(g).__name__}.")
-                ensure = [v.ensure_slot(n, i) for n, i in self._ev_slots()]
+                # A slot's index is its registration order (the checkpoint
+                # and the export list slots by it); a session runs ops with
+                # no edge between them in any order, so chain them.
+                ensure = []
+                for n, i in self._ev_slots():
+                    with tf.control_dependencies(
+                            [e for e in ensure[-1:] if e is not None]):
+                        ensure.append(v.ensure_slot(n, i))
                 for op in ensure:
                     if op is not None:  # graph mode: DeepRec's collection
                         _v1.add_to_collection(EV_INIT_SLOT_OPS, op)

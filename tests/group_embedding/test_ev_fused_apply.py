@@ -404,6 +404,38 @@ def test_tf1_optimizers_fuse(name):
         assert (w["versions"] == STEPS - 1).any()
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_tf1_slots_register_in_declared_order(fused):
+    """A TF1 session registers an EV's slots in the optimizer's order
+    every time (a slot's index in checkpoints and exports is its
+    registration order): each slot's ensure op waits on the one before.
+    Without the edge the session ran FTRL's two in either order."""
+    graph = tf.Graph()
+    with graph.as_default():
+        evs = _evs(f"tf1_order_{fused}", 2)
+        sp_ids = [tf.ragged.constant([[1, 2], [3]], tf.int64,
+                                     row_splits_dtype=tf.int64)] * 2
+        out = ge.group_embedding_lookup_sparse(evs, sp_ids, ["sum", "sum"])
+        loss = tf.add_n([tf.reduce_sum(o * o) for o in out])
+        optimizer = TF1_OPTIMIZERS["ftrl"]()
+        pairs = optimizer.compute_gradients(loss, var_list=evs)
+        if not fused:
+            pairs = [(tf.IndexedSlices(g.values + 0.0, g.indices), v)
+                     for g, v in pairs]
+        train = optimizer.apply_gradients(pairs)
+        ensure = tf.compat.v1.get_collection(
+            ge.embedding_variable.variable.EV_INIT_SLOT_OPS)
+        assert len(ensure) == 4
+        for first, second in zip(ensure[0::2], ensure[1::2]):
+            assert first in second.control_inputs
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+            for ev in evs:
+                names = sess.run(ev_storage.export(ev.handle, DIM))[4]
+                assert list(names) == [b"ftrl/accumulator", b"ftrl/linear"]
+
+
 def _direct_inputs(evs, ids, seed=0):
     """The fused op's inputs for EVs `evs` (repeats allowed) and ragged
     key lists `ids`: random pooled gradients, sum/mean combiners."""
