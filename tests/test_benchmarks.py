@@ -114,3 +114,8 @@ def test_ev_tier_bench_quick_runs(tmp_path):
         else:
             assert result["rows_bitwise_equal_sample"] is True
             assert stats["spills"] > 0 and stats["promotions"] > 0
+            rounds = result["tier_step_ms_rounds"]
+            assert result["tier_step_ms_mean"] == pytest.approx(
+                sum(rounds) / len(rounds))
+            assert result["ratio_tier_over_dram_mean"] == pytest.approx(
+                result["tier_step_ms_mean"] / result["dram_step_ms_mean"])
