@@ -54,6 +54,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cctype>
@@ -776,7 +777,7 @@ class EVStorage : public tensorflow::ResourceBase {
   // each deduplicated and sorted by file offset (SsdTierFile::ReadMany),
   // all checked before any is moved: a bad record changes nothing of its
   // batch, and the earlier batches are in DRAM, whole.
-  static constexpr int64_t kPromoteBatch = 16384;
+  static constexpr size_t kPromoteBatch = 2048;
   Status Promote(const int64_t* keys, int64_t n, int64_t* rows = nullptr,
                  const CpuWorkers* pool = nullptr) {
     if (tier_->size() == 0) return Status();
@@ -828,49 +829,89 @@ class EVStorage : public tensorflow::ResourceBase {
     std::sort(want.begin(), want.end());
     want.erase(std::unique(want.begin(), want.end()), want.end());
     const int64_t record = static_cast<int64_t>(tier_->record_bytes());
-    std::vector<uint32_t> recs;
-    std::vector<int64_t> batch_keys;
-    std::vector<char> buf;
+    std::vector<uint32_t> recs(want.size());
+    std::vector<int64_t> want_keys(want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      recs[i] = want[i].first;
+      want_keys[i] = want[i].second;
+    }
+    // Batches of kPromoteBatch records, each read whole and checked
+    // before any of it is inserted. The inserts (this thread: they change
+    // the hash map) of one batch overlap the reads of the next, which a
+    // pool thread starts and this thread joins once its inserts are done;
+    // reading scattered records costs a system call each and most of the
+    // pass. The first error of a batch is kept; its records stay on disk.
+    struct ReadJob {
+      size_t begin = 0, end = 0;
+      std::atomic<size_t> cursor{0};
+      char* out = nullptr;
+      std::mutex mu;  // taken by readers only, for `error`
+      std::string error;
+    };
+    auto drain = [&](ReadJob* job) {
+      constexpr size_t kPart = 64;
+      for (;;) {
+        const size_t b = job->cursor.fetch_add(kPart);
+        if (b >= job->end) return;
+        const size_t e = std::min(job->end, b + kPart);
+        std::string err = tier_->ReadMany(
+            recs.data() + b, want_keys.data() + b, e - b,
+            job->out + (b - job->begin) * record);
+        if (err.empty()) continue;
+        std::lock_guard<std::mutex> l(job->mu);
+        if (job->error.empty()) job->error = std::move(err);
+      }
+    };
+    std::vector<char> bufs[2];
+    ReadJob jobs[2];
+    auto start = [&](int which, size_t begin) {
+      ReadJob& job = jobs[which];
+      job.begin = begin;
+      job.end = std::min(want.size(), begin + kPromoteBatch);
+      job.cursor.store(begin);
+      job.error.clear();
+      bufs[which].resize((job.end - begin) * record);
+      job.out = bufs[which].data();
+    };
+    // Pool threads that read beside this one (each a Handoff: one that
+    // has not started when this thread is done is run, finding nothing
+    // left, by this thread: no wait on a busy pool).
+    const int helpers = pool == nullptr ? 0 : std::max(1, std::min(
+        pool->num_threads - 1, 7));
+    auto help = [&](int which) {
+      std::vector<std::unique_ptr<Handoff>> out;
+      for (int h = 0; h < helpers; ++h) {
+        out.push_back(std::make_unique<Handoff>(
+            pool, [&, which] { drain(&jobs[which]); }));
+      }
+      return out;
+    };
+    start(0, 0);
+    {
+      auto first = help(0);
+      drain(&jobs[0]);
+    }
     TierRecord rec;
-    for (size_t begin = 0; begin < want.size(); begin += kPromoteBatch) {
-      const size_t end = std::min(want.size(), begin + kPromoteBatch);
-      recs.clear();
-      batch_keys.clear();
-      for (size_t i = begin; i < end; ++i) {
-        recs.push_back(want[i].first);
-        batch_keys.push_back(want[i].second);
+    for (int cur = 0;; cur ^= 1) {
+      const ReadJob& job = jobs[cur];
+      TF_RETURN_IF_ERROR(TierStatus(job.error));
+      const bool more = job.end < want.size();
+      std::vector<std::unique_ptr<Handoff>> next;
+      if (more) {
+        start(cur ^ 1, job.end);
+        next = help(cur ^ 1);
       }
-      buf.resize(recs.size() * record);
-      // The reads in parallel too: scattered records cost a system call
-      // each, and pread at an offset needs no shared state. The first
-      // error (of any range) is kept; nothing is moved before the check.
-      std::string read_error;
-      std::mutex error_mu;  // taken by work items only
-      auto read = [&](int64_t b, int64_t e) {
-        std::string err = tier_->ReadMany(recs.data() + b,
-                                          batch_keys.data() + b, e - b,
-                                          buf.data() + b * record);
-        if (err.empty()) return;
-        std::lock_guard<std::mutex> l(error_mu);
-        if (read_error.empty()) read_error = std::move(err);
-      };
-      const int64_t count = static_cast<int64_t>(recs.size());
-      if (pool != nullptr) {
-        tensorflow::Shard(pool->num_threads, pool->workers, count, 2000,
-                          read);
-      } else {
-        read(0, count);
-      }
-      TF_RETURN_IF_ERROR(TierStatus(read_error));
-      for (size_t i = 0; i < recs.size(); ++i) {
+      const size_t count = job.end - job.begin;
+      const int64_t* batch_keys = want_keys.data() + job.begin;
+      for (size_t i = 0; i < count; ++i) {
         // Each insert misses on its bucket, its (reused, scattered) row
         // and the tier index's slot: loaded a few records ahead.
-        if (i + 8 < recs.size()) {
+        if (i + 8 < count) {
           PrefetchBucket(batch_keys[i + 8]);
           tier_->PrefetchKey(batch_keys[i + 8]);
           PrefetchFreeRow(8);
         }
-        tier_->Decode(buf.data() + i * record, &rec);
+        tier_->Decode(job.out + i * record, &rec);
         const int64_t r = InsertRow(rec.key);
         if (r < 0) return FullError();
         *meta_.Row(r) = {rec.key, rec.freq, rec.version};
@@ -886,6 +927,9 @@ class EVStorage : public tensorflow::ResourceBase {
         if (marks & kTierExported) exported_[r >> 6] |= bit;
         ++promotions_;
       }
+      if (!more) break;
+      drain(&jobs[cur ^ 1]);  // the reads the helpers have not claimed
+      next.clear();           // waits for their parts
     }
     RememberPromoted(keys, n);
     return Status();

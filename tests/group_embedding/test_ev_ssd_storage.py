@@ -189,9 +189,9 @@ class TestTieredTraining:
 
 
     def test_large_batch_promotion_matches_dram(self, tmp_path):
-        """One batch of 20000 keys on disk (two promotion batches of
-        16384 records at most, read in file order), each key twice,
-        between keys in DRAM and new keys."""
+        """One batch of 20000 keys on disk (promotion batches of 2048
+        records, read in file order, each while the one before is
+        inserted), each key twice, between keys in DRAM and new keys."""
         dram, ssd = _pair(tmp_path, "t_big")
         rng = np.random.default_rng(11)
         old = rng.choice(2**40, size=20000, replace=False) - 2**39
@@ -618,3 +618,45 @@ def test_spill_in_chunks_loses_nothing(fail, tmp_path):
     np.testing.assert_array_equal(
         ev.lookup_rows(tf.constant(keys[pick]), training=False).numpy(),
         values[pick])
+
+
+def test_promotion_in_batches_stops_at_a_bad_record(tmp_path):
+    """A promotion of 6000 records reads them in batches of 2048 (in file
+    order; each batch read while the one before is inserted). A corrupted
+    record in the third batch fails the lookup naming the EV and the
+    file, after the first two batches came back whole; the bad batch
+    stays on disk, and once the byte is repaired every row reads as
+    imported: nothing was lost."""
+    n = 6000
+    rng = np.random.default_rng(5)
+    keys = rng.permutation(np.arange(n, dtype=np.int64) * 7 + 3)
+    values = rng.normal(size=[n, DIM]).astype(np.float32)
+    storage = ge.StorageOption(
+        ge.StorageType.DRAM_SSDHASH, storage_path=str(tmp_path / "b"),
+        storage_size=[INDEX_BYTES + 16 * (24 + 29 + 4 * DIM)])
+    ev = ev_cases.make_ev("e_batches", DIM, ev_option=_option(storage))
+    _import_rows(ev, keys, values)
+    promotions, on_disk = (int(ev_storage.tier_stats(ev.handle)[i])
+                           for i in (2, 1))
+    assert on_disk >= n - 16
+    # Record 5000 (header 16 bytes; key, freq, version, value, crc).
+    record = 24 + 4 * DIM + 4
+    tier = tmp_path / "b" / "e_batches.tier"
+    at = 16 + 5000 * record + 24
+    data = bytearray(tier.read_bytes())
+    data[at] ^= 0x5A
+    tier.write_bytes(bytes(data))
+    with pytest.raises(tf.errors.InternalError,
+                       match="e_batches.*checksum.*e_batches.tier"):
+        ev.lookup_rows(tf.constant(keys), training=False)
+    stats = ev_storage.tier_stats(ev.handle).numpy()
+    assert stats[2] - promotions == 4096
+    assert stats[0] >= 4096 and stats[0] + stats[1] == n
+    data[at] ^= 0x5A
+    tier.write_bytes(bytes(data))
+    got_keys, got_values = _exported(ev)
+    order = np.argsort(keys)
+    np.testing.assert_array_equal(got_keys, keys[order])
+    np.testing.assert_array_equal(got_values, values[order])
+    np.testing.assert_array_equal(
+        ev.lookup_rows(tf.constant(keys), training=False).numpy(), values)
