@@ -92,6 +92,7 @@ def _typed(lib):
         "ge_ev_scratch_bytes": (size, [t, i64]),
         "ge_ev_find": (c_int, [t, vp, i64, vp, vp, vp, vp]),
         "ge_ev_stamp": (c_int, [t, vp, i64, i64, vp, vp, vp]),
+        "ge_ev_swap_versions": (c_int, [t, vp, i64, vp, vp, vp]),
         "ge_ev_find_or_insert": (c_int, [t, vp, i64, i64, vp, vp, e, vp,
                                          size, vp, vp]),
         "ge_ev_insert": (c_int, [t, vp, i64, vp, vp, vp, vp, i64, e, vp,
@@ -265,6 +266,20 @@ class EvTable:
             m.ptr(slots), m.ptr(self._keep["counters"]), m.stream))
         m.sync()
         return m.get(slots)[:keys.size]
+
+    def swap_versions(self, keys, versions):
+        """ge_ev_swap_versions on distinct keys: each stored key's version
+        and its entry of `versions` trade places; returns the array after
+        the swap (numpy: absent keys keep their entry)."""
+        m = self.m
+        keys = np.asarray(keys, np.int64)
+        d_keys = m.put(keys)
+        d_versions = m.put(np.asarray(versions, np.int64).reshape(-1))
+        self.check("ge_ev_swap_versions", self.lib.ge_ev_swap_versions(
+            ctypes.byref(self.desc), m.ptr(d_keys), keys.size,
+            m.ptr(d_versions), m.ptr(self._keep["counters"]), m.stream))
+        m.sync()
+        return m.get(d_versions)[:keys.size]
 
     def find_or_insert(self, keys, step=0, keep_evicted=False):
         """Training read: (rows, slots, evicted) as numpy; `evicted` is a

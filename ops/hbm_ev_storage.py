@@ -1,5 +1,7 @@
 """Python wrappers of the HBM EmbeddingVariable ops
-(`ops/cuda/tf_ev_table_kernels.cc`): `StorageType.HBM`.
+(`ops/cuda/tf_ev_table_kernels.cc`): `StorageType.HBM` and `HBM_DRAM`
+(the same table with `host_tier`: the keys it gives up live in host
+memory, `ops/cuda/ev_host_tier.h`, and every op below sees both tiers).
 
 An HBM EV's table is the CUDA core's EV table (`ops/cuda/ev_table.h`) in
 GPU memory, owned by a TF resource of the GPU op library. `HbmStorage`
@@ -107,11 +109,14 @@ class HbmStorage:
             `buckets * 128` keys.
         steps_to_live: GlobalStepEvict's, 0: none.
         l2_threshold: L2WeightEvict's, negative: none.
+        host_tier: StorageType.HBM_DRAM: the keys the full table gives up
+            go to host memory with their state (and come back when an op
+            reads or updates them) instead of being dropped.
     """
 
     def __init__(self, module: Any, name: str, embedding_dim: int,
                  buckets: int, steps_to_live: int = 0,
-                 l2_threshold: float = -1.0):
+                 l2_threshold: float = -1.0, host_tier: bool = False):
         self.module = module
         self.name = name
         self.embedding_dim = embedding_dim
@@ -119,6 +124,7 @@ class HbmStorage:
         self.buckets = buckets
         self.steps_to_live = steps_to_live
         self.l2_threshold = l2_threshold
+        self.host_tier = host_tier
         self.deltas = hbm_ev_deltas.DeltaTracker(name)
 
     def create_handle(self, shared_name: str, filter_freq: int,
@@ -128,7 +134,8 @@ class HbmStorage:
             shared_name=shared_name, variable_name=self.name,
             embedding_dim=self.embedding_dim, num_buckets=self.buckets,
             filter_freq=filter_freq,
-            default_value_no_permission=no_permission, lfu=lfu)
+            default_value_no_permission=no_permission, lfu=lfu,
+            host_tier=self.host_tier)
 
     def ensure_slot(self, handle, slot_name: str, initial_value: float):
         """Creates slot `slot_name` (every key's entry `initial_value`)."""

@@ -276,9 +276,9 @@ class StorageType(enum.IntEnum):
 
     `DRAM` (and `DEFAULT`, which means DRAM), `DRAM_SSDHASH` (the hottest
     keys in DRAM, the rest in a file on disk), `SSDHASH` (every key on
-    disk between steps) and `HBM` (the table in GPU memory) exist here;
-    `HBM_DRAM` is accepted by `StorageOption` but not built yet (creating
-    such an EV says so). The other names are listed so that a script
+    disk between steps), `HBM` (the table in GPU memory) and `HBM_DRAM`
+    (the hottest keys in GPU memory, the rest in host memory) exist here.
+    The other names are listed so that a script
     naming them gets `StorageOption`'s clear error, not an AttributeError.
     """
 
@@ -357,9 +357,11 @@ class StorageOption(_Config):
     table): `storage_size[0]` bytes (default `[2**30]`) bound the table
     with room for two optimizer slots per key, and when a bucket of it is
     full a new key evicts its least valuable key by `cache_strategy`
-    (default LFU). `HBM_DRAM` (the same, with a host-memory tier under
-    it, `storage_size[0]` the HBM budget) is accepted here; creating such
-    an EV raises NotImplementedError naming it (not built yet). Both need
+    (default LFU), dropping it. `HBM_DRAM` is the same table over a
+    host-memory tier: a key the full table gives up moves there with its
+    row, slots, frequency and version, and moves back before any lookup,
+    update or export reads it, so nothing is dropped (`storage_size[0]`
+    bounds the GPU table; the host tier holds the rest, unbounded). Both need
     a GPU that TF sees: creating one elsewhere raises RuntimeError naming
     the EV (there is no CPU fallback); CI runs HBM EVs on the core's host
     stand-in (`GROUP_EMBEDDING_HBM_ON_HOST`, ops/config.py).

@@ -254,34 +254,31 @@ class EmbeddingVariable(tf.Module):
 
     def _create_hbm_handle(self, shared: str, filter_freq: int,
                            steps_to_live: int, l2_threshold: float):
-        """The table in GPU memory (StorageType.HBM); its eviction policy
+        """The table in GPU memory (StorageType.HBM; HBM_DRAM adds a
+        host-memory tier for the keys it gives up); its eviction policy
         (`steps_to_live`, `l2_threshold`: `_create_handle`'s) runs in
         `evict`, when the CPU EV's does.
 
         Raises:
             RuntimeError: no GPU kernels here (TF sees no GPU, naming the
                 EV; no CPU fallback).
-            NotImplementedError: HBM_DRAM or a CBFFilter (not on the GPU
-                table yet).
+            NotImplementedError: a CBFFilter (not on the GPU table yet).
         """
         opt = self.ev_option
         storage = opt.storage_option
         module = capabilities.current().hbm_ev_module(
             [f"EmbeddingVariable '{self._ev_name}'"])
-        for what, refused in (
-                ("StorageType.HBM_DRAM (its host-memory tier)",
-                 storage.storage_type == StorageType.HBM_DRAM),
-                ("a CBFFilter", isinstance(opt.filter_option, CBFFilter))):
-            if refused:
-                raise NotImplementedError(
-                    f"EmbeddingVariable '{self._ev_name}': {what} is not "
-                    "built for GPU tables yet; use StorageType.HBM without "
-                    "it, or StorageType.DRAM.")
+        if isinstance(opt.filter_option, CBFFilter):
+            raise NotImplementedError(
+                f"EmbeddingVariable '{self._ev_name}': a CBFFilter is not "
+                "built for GPU tables yet; use a CounterFilter, or "
+                "StorageType.DRAM.")
         buckets = hbm_ev_storage.num_buckets(storage.hbm_bytes(),
                                              self.embedding_dim)
-        hbm = hbm_ev_storage.HbmStorage(module, self._ev_name,
-                                        self.embedding_dim, buckets,
-                                        steps_to_live, l2_threshold)
+        hbm = hbm_ev_storage.HbmStorage(
+            module, self._ev_name, self.embedding_dim, buckets,
+            steps_to_live, l2_threshold,
+            host_tier=storage.storage_type == StorageType.HBM_DRAM)
         self.storage = hbm
         self.ge_table_kind = "hbm_ev"
         return hbm.create_handle(

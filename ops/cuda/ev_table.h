@@ -126,6 +126,16 @@ int ge_ev_stamp(const GeEvTable* table, const int64_t* keys, int64_t n,
                 int64_t step, int64_t* out_slots,
                 unsigned long long* counters, void* stream);
 
+// Swaps each stored key's version with versions[i] ([n], device); absent
+// keys leave versions[i] as it is. Keys must be distinct. A second call
+// with the same arrays restores the versions: the adaptor pins keys
+// (version INT64_MAX: no insert evicts them) for the length of an import
+// and puts their versions back. Nothing else is read or written.
+GE_API
+int ge_ev_swap_versions(const GeEvTable* table, const int64_t* keys,
+                        int64_t n, int64_t* versions,
+                        unsigned long long* counters, void* stream);
+
 // Training read of n keys (duplicates allowed): absent keys are inserted
 // (evicting by the policy when their bucket is full), out [n, dim] (or
 // NULL) gets what each key reads (see the top), out_slots [n] (or NULL)

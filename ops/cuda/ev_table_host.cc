@@ -342,6 +342,27 @@ int ge_ev_stamp(const GeEvTable* table, const int64_t* keys, int64_t n,
   return GE_OK;
 }
 
+int ge_ev_swap_versions(const GeEvTable* table, const int64_t* keys,
+                        int64_t n, int64_t* versions,
+                        unsigned long long* counters, void* stream) {
+  (void)stream;
+  const int status = ge_ev::CheckBatch(table, keys, n);
+  if (status != GE_OK) return status;
+  if (counters == nullptr || (n > 0 && versions == nullptr)) {
+    return GE_ERR_ARGUMENT;
+  }
+  const GeEvTable& t = *table;
+  for (int64_t j = 0; j < n; ++j) {
+    if (keys[j] == GE_EV_EMPTY_KEY) {
+      ++counters[GE_EV_BAD_KEYS];
+      continue;
+    }
+    const int64_t s = Find(t, keys[j]);
+    if (s >= 0) std::swap(*ge_ev::VersionOf(t.meta, s), versions[j]);
+  }
+  return GE_OK;
+}
+
 int ge_ev_find_or_insert(const GeEvTable* table, const int64_t* keys,
                          int64_t n, int64_t step, float* out, int64_t* out_slots,
                          const GeEvEvicted* evicted, void* scratch,

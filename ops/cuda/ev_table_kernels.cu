@@ -165,6 +165,26 @@ __global__ void __launch_bounds__(kBlock)
   out_slots[me.j] = admitted ? s : -1;
 }
 
+// ge_ev_swap_versions: one tile per (distinct) key; lane 0 swaps.
+__global__ void __launch_bounds__(kBlock)
+    SwapVersionsKernel(GeEvTable t, const int64_t* __restrict__ keys,
+                       int64_t n, int64_t* versions,
+                       unsigned long long* counters) {
+  const Tile me = MyTile();
+  const bool active = me.j < n;
+  const int64_t key = active ? keys[me.j] : 0;
+  const bool bad = key == GE_EV_EMPTY_KEY;
+  const uint64_t h = Mix(static_cast<uint64_t>(key));
+  const int64_t s = TileFind(t, active && !bad, key, h, me.lane, me.tile);
+  if (!active || me.lane != 0) return;
+  if (bad) Count(counters, GE_EV_BAD_KEYS);
+  if (s < 0) return;
+  int64_t* version = ge_ev::VersionOf(t.meta, s);
+  const int64_t old = *version;
+  *version = versions[me.j];
+  versions[me.j] = old;
+}
+
 // What an import writes besides the key (NULL arrays: initial state).
 struct ImportRows {
   bool on;
@@ -852,6 +872,21 @@ int ge_ev_stamp(const GeEvTable* table, const int64_t* keys, int64_t n,
   StampKernel<<<Blocks(n * kTile), kBlock, 0,
                 static_cast<cudaStream_t>(stream)>>>(
       *table, keys, n, step > 0 ? step : 0, out_slots, counters);
+  return Launched();
+}
+
+int ge_ev_swap_versions(const GeEvTable* table, const int64_t* keys,
+                        int64_t n, int64_t* versions,
+                        unsigned long long* counters, void* stream) {
+  const int status = ge_ev::CheckBatch(table, keys, n);
+  if (status != GE_OK) return status;
+  if (counters == nullptr || (n > 0 && versions == nullptr)) {
+    return GE_ERR_ARGUMENT;
+  }
+  if (n == 0) return GE_OK;
+  SwapVersionsKernel<<<Blocks(n * kTile), kBlock, 0,
+                       static_cast<cudaStream_t>(stream)>>>(
+      *table, keys, n, versions, counters);
   return Launched();
 }
 

@@ -204,8 +204,10 @@ int ge_check_ids(const GeTable* tables, int num_tables, void* scratch,
 
 // Stream-ordered memory helpers, so that a framework adaptor needs no
 // CUDA runtime of its own: copy `bytes` device -> host (to_host = 1; the
-// caller then synchronises) or device -> device (0), zero `bytes`, and
-// wait for the stream. Return 0 or a cudaError_t.
+// caller then synchronises), device -> device (0) or host -> device (2:
+// the host buffer must stay untouched until the stream has run the
+// copy), zero `bytes`, and wait for the stream. Return 0 or a
+// cudaError_t.
 GE_API
 int ge_copy_async(void* dst, const void* src, size_t bytes, int to_host,
                   void* stream);

@@ -251,7 +251,9 @@ int ge_copy_async(void* dst, const void* src, size_t bytes, int to_host,
   if (bytes == 0) return GE_OK;
   return static_cast<int>(cudaMemcpyAsync(
       dst, src, bytes,
-      to_host ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice,
+      to_host == 1   ? cudaMemcpyDeviceToHost
+      : to_host == 2 ? cudaMemcpyHostToDevice
+                     : cudaMemcpyDeviceToDevice,
       static_cast<cudaStream_t>(stream)));
 }
 

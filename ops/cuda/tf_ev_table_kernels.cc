@@ -21,6 +21,12 @@
 // bucket evicts the bucket's least valuable key (LRU / LFU); a step that
 // brings more distinct keys to one bucket than it has unpinned slots
 // fails (ResourceExhausted, naming the EV) instead of losing keys.
+//
+// StorageType.HBM_DRAM: the same table over a host-memory tier
+// (ev_host_tier.h) that receives every key the table evicts by capacity,
+// with its whole state, and gives it back before any op reads or updates
+// the key (Promote): a lookup, an update or an export sees every key of
+// both tiers as the CPU EV would, and only where rows live differs.
 
 #include <algorithm>
 #include <cstdint>
@@ -35,6 +41,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ev_host_tier.h"
 #include "ev_table.h"
 #include "tf_adaptor.h"
 
@@ -93,6 +100,8 @@ class HbmEvTable : public ::tensorflow::ResourceBase {
   bool track_evicted = false;
   bool evicted_lost = false;
   std::vector<int64_t> evicted_keys;
+  // HBM_DRAM: the keys the table gave up (null for HBM: they are dropped).
+  std::unique_ptr<EvHostTier> tier;
 
  private:
   ::tensorflow::mutex mu_;
@@ -136,6 +145,287 @@ Status GetTable(OpKernelContext* ctx, int input,
 }
 
 // ---------------------------------------------------------------------------
+// HBM_DRAM: moving records between the table and its host tier.
+// ---------------------------------------------------------------------------
+// Device arrays of `n` records in the core's evicted / import layout:
+// keys, freq, version [n], values [n, D], slots [S, n, D].
+struct DeviceRecords {
+  Tensor keys, values, slots, freq, version, count_t;
+  int64_t n = 0;
+
+  Status Allocate(OpKernelContext* ctx, const HbmEvTable& table,
+                  int64_t size) {
+    const int64_t dim = table.desc.dim, s_count = table.desc.num_slots;
+    n = size;
+    TF_RETURN_IF_ERROR(Allocate1(ctx, DT_INT64, {n}, &keys));
+    TF_RETURN_IF_ERROR(Allocate1(ctx, DT_FLOAT, {n, dim}, &values));
+    TF_RETURN_IF_ERROR(Allocate1(ctx, DT_FLOAT, {s_count, n, dim}, &slots));
+    TF_RETURN_IF_ERROR(Allocate1(ctx, DT_INT64, {n}, &freq));
+    TF_RETURN_IF_ERROR(Allocate1(ctx, DT_INT64, {n}, &version));
+    return Allocate1(ctx, DT_INT64, {1}, &count_t);
+  }
+  // The arrays as an evicted output with room for n keys (count zeroed).
+  Status AsEvicted(const HbmEvTable& table, void* stream, GeEvEvicted* e) {
+    std::memset(e, 0, sizeof(*e));
+    e->keys = DataOr<int64_t>(keys);
+    e->values = DataOr<float>(values);
+    e->slots = table.desc.num_slots > 0 ? DataOr<float>(slots) : nullptr;
+    e->freq = DataOr<int64_t>(freq);
+    e->version = DataOr<int64_t>(version);
+    e->capacity = n;
+    e->count = reinterpret_cast<unsigned long long*>(
+        count_t.flat<int64_t>().data());
+    return CoreStatus(table.name + ": zeroing a count",
+                      ge_zero_async(e->count, 8, stream));
+  }
+
+ private:
+  static Status Allocate1(OpKernelContext* ctx, ::tensorflow::DataType type,
+                          std::initializer_list<int64_t> dims, Tensor* t) {
+    return ctx->allocate_temp(type, TensorShape(dims), t);
+  }
+};
+
+// Copies the first `m` records of device arrays of `n` (slots planes of
+// n) into `out` (host); the caller synchronises before reading `out`.
+int RecordsToHost(const DeviceRecords& d, int64_t m, int64_t dim,
+                  int64_t s_count, EvTierRecords* out, void* stream) {
+  out->Resize(m, dim, s_count);
+  if (m == 0) return GE_OK;
+  int code = ge_copy_async(out->keys.data(), DataOr<int64_t>(d.keys),
+                           sizeof(int64_t) * m, 1, stream);
+  if (code == GE_OK) {
+    code = ge_copy_async(out->rows.data(), DataOr<float>(d.values),
+                         sizeof(float) * m * dim, 1, stream);
+  }
+  if (code == GE_OK) {
+    code = ge_copy_async(out->freq.data(), DataOr<int64_t>(d.freq),
+                         sizeof(int64_t) * m, 1, stream);
+  }
+  if (code == GE_OK) {
+    code = ge_copy_async(out->version.data(), DataOr<int64_t>(d.version),
+                         sizeof(int64_t) * m, 1, stream);
+  }
+  for (int64_t s = 0; code == GE_OK && s < s_count; ++s) {
+    code = ge_copy_async(out->slots.data() + s * m * dim,
+                         DataOr<float>(d.slots) + s * d.n * dim,
+                         sizeof(float) * m * dim, 1, stream);
+  }
+  return code;
+}
+
+// Copies host records `in` to device arrays at entry `at` of arrays of
+// `n` entries (slots planes of n).
+int RecordsToDevice(const EvTierRecords& in, int64_t at, int64_t n,
+                    int64_t dim, int64_t s_count, int64_t* keys,
+                    float* values, float* slots, int64_t* freq,
+                    int64_t* version, void* stream) {
+  const int64_t m = in.size();
+  if (m == 0) return GE_OK;
+  int code = ge_copy_async(keys + at, in.keys.data(), sizeof(int64_t) * m, 2,
+                           stream);
+  if (code == GE_OK) {
+    code = ge_copy_async(values + at * dim, in.rows.data(),
+                         sizeof(float) * m * dim, 2, stream);
+  }
+  if (code == GE_OK) {
+    code = ge_copy_async(freq + at, in.freq.data(), sizeof(int64_t) * m, 2,
+                         stream);
+  }
+  if (code == GE_OK) {
+    code = ge_copy_async(version + at, in.version.data(),
+                         sizeof(int64_t) * m, 2, stream);
+  }
+  for (int64_t s = 0; code == GE_OK && s < s_count; ++s) {
+    code = ge_copy_async(slots + (s * n + at) * dim,
+                         in.slots.data() + s * m * dim,
+                         sizeof(float) * m * dim, 2, stream);
+  }
+  return code;
+}
+
+// Moves what an evicted output received (its count read by the caller's
+// synchronisation) into the table's host tier.
+Status Demote(HbmEvTable* table, const DeviceRecords& d, uint64_t count,
+              void* stream) {
+  const int64_t m = std::min<int64_t>(static_cast<int64_t>(count), d.n);
+  if (m == 0) return Status();
+  EvTierRecords rec;
+  int code = RecordsToHost(d, m, table->desc.dim, table->desc.num_slots,
+                           &rec, stream);
+  if (code == GE_OK) code = ge_synchronize(stream);
+  TF_RETURN_IF_ERROR(CoreStatus(
+      table->name + ": moving evicted keys to host memory", code));
+  table->tier->Put(rec);
+  return Status();
+}
+
+// Reads an evicted output's count (one wait).
+Status EvictedCount(const HbmEvTable& table, const DeviceRecords& d,
+                    void* stream, uint64_t* count) {
+  int code = ge_copy_async(count, d.count_t.flat<int64_t>().data(), 8, 1,
+                           stream);
+  if (code == GE_OK) code = ge_synchronize(stream);
+  return CoreStatus(table.name + ": reading the evicted count", code);
+}
+
+// Before an op reads or updates the keys `spans` (device arrays, one
+// table's), the keys among them held by the host tier go back into the
+// table with their whole state, in one import (its keys pinned while it
+// runs, so none displaces another; the op's other keys pinned too, by
+// swapping their versions for INT64_MAX and back, so that none leaves
+// the table before the op reads it); the keys they displace go to the
+// tier. Keys the table cannot take (one bucket full of keys pinned in
+// this step) stay in the tier and the op fails (ResourceExhausted,
+// naming the EV): nothing is lost. One wait when the tier holds keys,
+// none otherwise.
+Status Promote(OpKernelContext* ctx, HbmEvTable* table,
+               const std::vector<std::pair<const int64_t*, int64_t>>& spans,
+               void* stream) {
+  if (table->tier == nullptr || table->tier->empty()) return Status();
+  int64_t n = 0;
+  for (const auto& span : spans) n += span.second;
+  if (n == 0) return Status();
+  std::vector<int64_t> host(n);
+  int code = GE_OK;
+  int64_t at = 0;
+  for (const auto& span : spans) {
+    if (code == GE_OK) {
+      code = ge_copy_async(host.data() + at, span.first,
+                           sizeof(int64_t) * span.second, 1, stream);
+    }
+    at += span.second;
+  }
+  if (code == GE_OK) code = ge_synchronize(stream);
+  TF_RETURN_IF_ERROR(CoreStatus(table->name + ": reading keys", code));
+  EvTierRecords rec;
+  table->tier->Take(host.data(), n, &rec);
+  const int64_t m = rec.size();
+  if (m == 0) return Status();
+  // From here the records are only in `rec`: any failure puts them back.
+  Status status = [&]() -> Status {
+    const int64_t dim = table->desc.dim, s_count = table->desc.num_slots;
+    DeviceRecords in, out;
+    TF_RETURN_IF_ERROR(in.Allocate(ctx, *table, m));
+    TF_RETURN_IF_ERROR(out.Allocate(ctx, *table, m));
+    GeEvEvicted evicted;
+    TF_RETURN_IF_ERROR(out.AsEvicted(*table, stream, &evicted));
+    const GeEvTable desc = table->With(nullptr, 0);
+    const size_t bytes = ge_ev_scratch_bytes(&desc, m);
+    if (bytes == 0) {
+      return InvalidArgument(table->name, ": the CUDA core refused ", m,
+                             " keys to move back from host memory.");
+    }
+    Tensor scratch_t, counters_t;
+    void *scratch = nullptr, *counters = nullptr;
+    TF_RETURN_IF_ERROR(Temp(ctx, bytes, &scratch_t, &scratch));
+    TF_RETURN_IF_ERROR(Temp(ctx, 8 * GE_EV_NUM_COUNTERS, &counters_t,
+                            &counters));
+    auto* c = static_cast<unsigned long long*>(counters);
+    // The op's keys already in the table (or absent), distinct.
+    std::vector<int64_t> moving(rec.keys);
+    std::sort(moving.begin(), moving.end());
+    std::vector<int64_t> stay(host);
+    std::sort(stay.begin(), stay.end());
+    stay.erase(std::unique(stay.begin(), stay.end()), stay.end());
+    stay.erase(std::remove_if(stay.begin(), stay.end(),
+                              [&](int64_t key) {
+                                return std::binary_search(
+                                    moving.begin(), moving.end(), key);
+                              }),
+               stay.end());
+    const int64_t p = static_cast<int64_t>(stay.size());
+    std::vector<int64_t> pins(p, INT64_MAX);
+    Tensor stay_t, pins_t;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({p}),
+                                          &stay_t));
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({p}),
+                                          &pins_t));
+    int64_t* stay_d = DataOr<int64_t>(stay_t);
+    int64_t* pins_d = DataOr<int64_t>(pins_t);
+    code = ge_copy_async(stay_d, stay.data(), sizeof(int64_t) * p, 2, stream);
+    if (code == GE_OK) {
+      code = ge_copy_async(pins_d, pins.data(), sizeof(int64_t) * p, 2,
+                           stream);
+    }
+    if (code == GE_OK) code = ge_zero_async(c, 8 * GE_EV_NUM_COUNTERS, stream);
+    if (code == GE_OK) {
+      code = ge_ev_swap_versions(&desc, stay_d, p, pins_d, c, stream);
+    }
+    TF_RETURN_IF_ERROR(CoreStatus(table->name + ": pinning keys", code));
+    code = RecordsToDevice(rec, 0, m, dim, s_count,
+                           DataOr<int64_t>(in.keys), DataOr<float>(in.values),
+                           DataOr<float>(in.slots), DataOr<int64_t>(in.freq),
+                           DataOr<int64_t>(in.version), stream);
+    if (code == GE_OK) {
+      code = ge_ev_insert(&desc, DataOr<int64_t>(in.keys), m,
+                          DataOr<float>(in.values),
+                          s_count > 0 ? DataOr<float>(in.slots) : nullptr,
+                          DataOr<int64_t>(in.freq),
+                          DataOr<int64_t>(in.version), table->step, &evicted,
+                          scratch, bytes, c, stream);
+    }
+    // Their versions back, whatever the import did.
+    const int unpinned = ge_ev_swap_versions(&desc, stay_d, p, pins_d, c,
+                                             stream);
+    if (code == GE_OK) code = unpinned;
+    TF_RETURN_IF_ERROR(CoreStatus(
+        table->name + ": moving keys back from host memory", code));
+    // The table holds them now (but those FULL counts, found below).
+    const EvTierRecords moved = std::move(rec);
+    rec = EvTierRecords();
+    uint64_t host_c[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
+    TF_RETURN_IF_ERROR(ReadCounters(stream, counters_t, host_c,
+                                    GE_EV_NUM_COUNTERS));
+    uint64_t count = 0;
+    TF_RETURN_IF_ERROR(EvictedCount(*table, out, stream, &count));
+    TF_RETURN_IF_ERROR(Demote(table, out, count, stream));
+    if (host_c[GE_EV_FULL] == 0) return Status();
+    // Which records did not get in: a find with the filter off (every
+    // stored key then has a slot) on the moved keys.
+    GeEvTable all = desc;
+    all.filter_freq = 0;
+    Tensor where_t;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({m}),
+                                          &where_t));
+    std::vector<int64_t> where(m);
+    code = ge_ev_find(&all, DataOr<int64_t>(in.keys), m, nullptr,
+                      DataOr<int64_t>(where_t), c, stream);
+    if (code == GE_OK) {
+      code = ge_copy_async(where.data(), DataOr<int64_t>(where_t),
+                           sizeof(int64_t) * m, 1, stream);
+    }
+    if (code == GE_OK) code = ge_synchronize(stream);
+    TF_RETURN_IF_ERROR(CoreStatus(table->name + ": finding moved keys",
+                                  code));
+    EvTierRecords left;
+    int64_t kept = 0;
+    for (int64_t i = 0; i < m; ++i) kept += where[i] < 0;
+    left.Resize(kept, dim, s_count);
+    int64_t j = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      if (where[i] >= 0) continue;
+      left.keys[j] = moved.keys[i];
+      left.freq[j] = moved.freq[i];
+      left.version[j] = moved.version[i];
+      std::copy(moved.rows.begin() + i * dim,
+                moved.rows.begin() + (i + 1) * dim,
+                left.rows.begin() + j * dim);
+      for (int64_t s = 0; s < s_count; ++s) {
+        std::copy(moved.slots.begin() + (s * m + i) * dim,
+                  moved.slots.begin() + (s * m + i + 1) * dim,
+                  left.slots.begin() + (s * kept + j) * dim);
+      }
+      ++j;
+    }
+    rec = std::move(left);
+    return TableErrors(table->name, host_c);
+  }();
+  if (rec.size() > 0) table->tier->Put(rec);
+  return status;
+}
+
+// ---------------------------------------------------------------------------
 // Handle: creates the table on first use.
 // ---------------------------------------------------------------------------
 REGISTER_OP("GroupEmbeddingHbmEVHandle")
@@ -148,6 +438,7 @@ REGISTER_OP("GroupEmbeddingHbmEVHandle")
     .Attr("filter_freq: int >= 0 = 0")
     .Attr("default_value_no_permission: float = 0.0")
     .Attr("lfu: bool = true")
+    .Attr("host_tier: bool = false")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
@@ -163,6 +454,7 @@ class HandleOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("default_value_no_permission",
                                      &no_permission_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("lfu", &lfu_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("host_tier", &host_tier_));
     OP_REQUIRES(ctx, (num_buckets_ & (num_buckets_ - 1)) == 0,
                 InvalidArgument(name_, ": num_buckets must be a power of "
                                 "two, got ", num_buckets_, "."));
@@ -178,11 +470,17 @@ class HandleOp : public OpKernel {
                               return Create(ctx, out);
                             }));
     const int64_t dim = table->desc.dim;
+    const bool tiered = table->tier != nullptr;
     table->Unref();
     OP_REQUIRES(ctx, dim == dim_,
                 InvalidArgument(name_, ": an EmbeddingVariable named ",
                                 shared_name_, " already exists with dim ",
                                 dim, ", not ", dim_, "."));
+    OP_REQUIRES(ctx, tiered == host_tier_,
+                InvalidArgument(name_, ": an EmbeddingVariable named ",
+                                shared_name_, " already exists ",
+                                tiered ? "with" : "without", " a host-memory "
+                                "tier (HBM_DRAM vs HBM)."));
     Tensor* out = nullptr;
     ::tensorflow::AllocatorAttributes attr;
     attr.set_on_host(true);
@@ -195,6 +493,7 @@ class HandleOp : public OpKernel {
     std::unique_ptr<HbmEvTable, void (*)(HbmEvTable*)> t(
         new HbmEvTable, [](HbmEvTable* p) { p->Unref(); });
     t->name = name_;
+    if (host_tier_) t->tier = std::make_unique<EvHostTier>(dim_);
     const int64_t cap = num_buckets_ * GE_EV_BUCKET;
     TF_RETURN_IF_ERROR(Allocate(ctx, DT_INT64, TensorShape({cap}), &t->keys));
     // One byte a slot, read as 16-byte words: allocated as int64.
@@ -240,7 +539,7 @@ class HandleOp : public OpKernel {
   std::string container_, shared_name_, name_;
   int64_t dim_, num_buckets_, filter_freq_;
   float no_permission_;
-  bool lfu_;
+  bool lfu_, host_tier_;
 };
 
 // ---------------------------------------------------------------------------
@@ -374,6 +673,17 @@ class LookupOp : public OpKernel {
                                    ge_zero_async(counters,
                                                  8 * GE_EV_NUM_COUNTERS,
                                                  stream)));
+    // HBM_DRAM: every table's keys of the call held in host memory move
+    // back first (one import a table).
+    for (size_t u = 0; u < locked.distinct.size(); ++u) {
+      std::vector<std::pair<const int64_t*, int64_t>> spans;
+      for (int t = 0; t < k; ++t) {
+        if (locked.index[t] != static_cast<int>(u)) continue;
+        if (keys[t].NumElements() == 0) continue;
+        spans.emplace_back(DataOr<int64_t>(keys[t]), keys[t].NumElements());
+      }
+      OP_REQUIRES_OK(ctx, Promote(ctx, locked.distinct[u], spans, stream));
+    }
     float* out = DataOr<float>(*rows);
     std::vector<int64_t> offset(k + 1, 0);
     for (int t = 0; t < k; ++t) {
@@ -393,6 +703,30 @@ class LookupOp : public OpKernel {
       std::map<int64_t, std::vector<int>> by_step;
       for (int t = 0; t < k; ++t) {
         by_step[locked.refs[t]->step].push_back(t);
+      }
+      // HBM_DRAM: what a table gives up goes to an evicted output with
+      // room for all its keys of the call (an insert evicts one key at
+      // most), then to its host tier.
+      const size_t nd = descs.size();
+      std::vector<GeEvEvicted> evicted(nd);
+      std::vector<std::unique_ptr<DeviceRecords>> evicted_rows(nd);
+      bool any_tier = false;
+      for (size_t u = 0; u < nd; ++u) {
+        std::memset(&evicted[u], 0, sizeof(evicted[u]));
+        HbmEvTable* table = locked.distinct[u];
+        if (table->tier == nullptr) continue;
+        int64_t n = 0;
+        for (int t = 0; t < k; ++t) {
+          if (locked.index[t] == static_cast<int>(u)) {
+            n += keys[t].NumElements();
+          }
+        }
+        if (n == 0) continue;
+        any_tier = true;
+        evicted_rows[u] = std::make_unique<DeviceRecords>();
+        OP_REQUIRES_OK(ctx, evicted_rows[u]->Allocate(ctx, *table, n));
+        OP_REQUIRES_OK(ctx, evicted_rows[u]->AsEvicted(*table, stream,
+                                                       &evicted[u]));
       }
       for (const auto& entry : by_step) {
         std::vector<GeEvBatch> batches;
@@ -416,8 +750,18 @@ class LookupOp : public OpKernel {
         void* scratch = nullptr;
         OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
         OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_ev_find_or_insert_group(
-            descs.data(), nt, batches.data(), nb, entry.first, nullptr,
-            scratch, bytes, c, stream)));
+            descs.data(), nt, batches.data(), nb, entry.first,
+            any_tier ? evicted.data() : nullptr, scratch, bytes, c,
+            stream)));
+      }
+      // Before any error: the keys given up are kept.
+      for (size_t u = 0; u < nd; ++u) {
+        if (evicted_rows[u] == nullptr) continue;
+        uint64_t count = 0;
+        OP_REQUIRES_OK(ctx, EvictedCount(*locked.distinct[u],
+                                         *evicted_rows[u], stream, &count));
+        OP_REQUIRES_OK(ctx, Demote(locked.distinct[u], *evicted_rows[u],
+                                   count, stream));
       }
     }
     uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
@@ -538,6 +882,9 @@ class ApplyOp : public OpKernel {
     table->step = std::max(table->step, step);
     if (n == 0) return;
     void* stream = StreamOf(ctx);
+    // HBM_DRAM: keys held in host memory move back to be updated.
+    OP_REQUIRES_OK(ctx, Promote(ctx, table.get(),
+                                {{DataOr<int64_t>(keys), n}}, stream));
     const GeEvTable desc = table->With(nullptr, 0);
     Tensor slot_of_t, counters_t;
     OP_REQUIRES_OK(ctx, Allocate(ctx, DT_INT64, TensorShape({n}),
@@ -683,10 +1030,20 @@ class EnsureSlotOp : public OpKernel {
     names.push_back(slot_);
     const int64_t old = static_cast<int64_t>(table->slot_names.size());
     const Tensor keep = table->slots;  // alive until copied
+    void* stream = StreamOf(ctx);
     OP_REQUIRES_OK(ctx, SetSlotArrays(ctx, table.get(), names, nullptr,
                                       DataOr<float>(plane),
-                                      DataOr<float>(keep), old,
-                                      StreamOf(ctx)));
+                                      DataOr<float>(keep), old, stream));
+    if (table->tier != nullptr) {
+      // The host tier's keys get the slot's initial value too.
+      float init = 0.0f;
+      int code = ge_copy_async(&init, DataOr<float>(plane), sizeof(float), 1,
+                               stream);
+      if (code == GE_OK) code = ge_synchronize(stream);
+      OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": reading the slot's "
+                                     "initial value", code));
+      table->tier->AddSlot(init);
+    }
   }
 
  private:
@@ -728,6 +1085,7 @@ class SizeOp : public OpKernel {
     ::tensorflow::tf_shared_lock lock(*table->mu());
     int64_t n = 0;
     OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), StreamOf(ctx), &n));
+    if (table->tier != nullptr) n += table->tier->size();
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = n;
@@ -768,8 +1126,12 @@ class ExportOp : public OpKernel {
     OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
     ::tensorflow::mutex_lock lock(*table->mu());
     void* stream = StreamOf(ctx);
-    int64_t n = 0;
-    OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), stream, &n));
+    int64_t in_table = 0;
+    OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), stream, &in_table));
+    // HBM_DRAM: the host tier's keys follow the table's.
+    EvTierRecords tier;
+    if (table->tier != nullptr) table->tier->Export(&tier);
+    const int64_t n = in_table + tier.size();
     const int64_t dim = table->desc.dim;
     const int64_t s_count = static_cast<int64_t>(table->slot_names.size());
     Tensor *keys, *values, *freqs, *versions, *names, *inits, *slots, *step;
@@ -797,7 +1159,17 @@ class ExportOp : public OpKernel {
                            sizeof(float) * s_count, 0, stream);
     }
     OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": exporting", code));
-    if (n == 0) return;
+    if (tier.size() > 0) {
+      code = RecordsToDevice(tier, in_table, n, dim, s_count,
+                             DataOr<int64_t>(*keys), DataOr<float>(*values),
+                             DataOr<float>(*slots), DataOr<int64_t>(*freqs),
+                             DataOr<int64_t>(*versions), stream);
+      // `tier` is read by the copies: wait before it goes.
+      if (code == GE_OK) code = ge_synchronize(stream);
+      OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": exporting the keys "
+                                     "in host memory", code));
+    }
+    if (in_table == 0) return;
     const GeEvTable desc = table->With(nullptr, 0);
     const size_t bytes = ge_ev_export_scratch_bytes(&desc);
     Tensor scratch_t, count_t;
@@ -816,10 +1188,10 @@ class ExportOp : public OpKernel {
     if (code == GE_OK) code = ge_copy_async(&got, count, 8, 1, stream);
     if (code == GE_OK) code = ge_synchronize(stream);
     OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": exporting", code));
-    OP_REQUIRES(ctx, static_cast<int64_t>(got) == n,
+    OP_REQUIRES(ctx, static_cast<int64_t>(got) == in_table,
                 ::tensorflow::errors::Internal(
                     table->name, ": the export found ", got, " keys, the "
-                    "count ", n, "."));
+                    "count ", in_table, "."));
   }
 };
 
@@ -884,7 +1256,7 @@ class ImportOp : public OpKernel {
                 InvalidArgument(var, ": slots must be [", s_count, ", ", n,
                                 ", ", dim, "], got ",
                                 slots.shape().DebugString(), "."));
-    OP_REQUIRES(ctx, n <= cap,
+    OP_REQUIRES(ctx, n <= cap || table->tier != nullptr,
                 ResourceExhausted(var, ": the checkpoint holds ", n,
                                   " keys, the HBM table ", cap, "; raise "
                                   "storage_size[0]."));
@@ -902,6 +1274,37 @@ class ImportOp : public OpKernel {
     const GeEvTable desc = table->With(nullptr, 0);
     OP_REQUIRES_OK(ctx, CoreStatus(var + ": clearing",
                                    ge_ev_init(&desc, stream)));
+    if (table->tier != nullptr) {
+      // HBM_DRAM: every key goes to host memory; the steps that read
+      // them bring them back.
+      table->tier->Clear(s_count);
+      if (n == 0) return;
+      EvTierRecords rec;
+      rec.Resize(n, dim, s_count);
+      int code = ge_copy_async(rec.keys.data(), DataOr<int64_t>(keys),
+                               sizeof(int64_t) * n, 1, stream);
+      if (code == GE_OK) {
+        code = ge_copy_async(rec.rows.data(), DataOr<float>(values),
+                             sizeof(float) * n * dim, 1, stream);
+      }
+      if (code == GE_OK) {
+        code = ge_copy_async(rec.freq.data(), DataOr<int64_t>(freqs),
+                             sizeof(int64_t) * n, 1, stream);
+      }
+      if (code == GE_OK) {
+        code = ge_copy_async(rec.version.data(), DataOr<int64_t>(versions),
+                             sizeof(int64_t) * n, 1, stream);
+      }
+      if (code == GE_OK && s_count > 0) {
+        code = ge_copy_async(rec.slots.data(), DataOr<float>(slots),
+                             sizeof(float) * s_count * n * dim, 1, stream);
+      }
+      if (code == GE_OK) code = ge_synchronize(stream);
+      OP_REQUIRES_OK(ctx, CoreStatus(var + ": importing into host memory",
+                                     code));
+      table->tier->Put(rec);
+      return;
+    }
     if (n == 0) return;
     const size_t bytes = ge_ev_scratch_bytes(&desc, n);
     OP_REQUIRES(ctx, bytes > 0,
@@ -1022,9 +1425,20 @@ class EvictOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CoreStatus(table->name + ": reading evicted keys",
                                      code));
     }
+    int64_t removed = static_cast<int64_t>(host[GE_EV_EVICTED]);
+    if (table->tier != nullptr) {
+      // HBM_DRAM: the same rules on the keys in host memory.
+      std::vector<int64_t> gone;
+      removed += table->tier->Evict(table->step, steps_to_live_,
+                                    l2_threshold_, &gone);
+      if (record) {
+        table->evicted_keys.insert(table->evicted_keys.end(), gone.begin(),
+                                   gone.end());
+      }
+    }
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = static_cast<int64_t>(host[GE_EV_EVICTED]);
+    out->scalar<int64_t>()() = removed;
   }
 
  private:

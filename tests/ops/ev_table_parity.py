@@ -141,6 +141,16 @@ class Model:
                 out[j] = e[4]
         return out
 
+    def swap_versions(self, keys, versions):
+        """ge_ev_swap_versions: stored keys trade versions with the
+        array's entries."""
+        out = np.array(versions, np.int64)
+        for j, key in enumerate(keys):
+            e = self.bucket(key).get(int(key))
+            if e is not None:
+                e[3], out[j] = int(out[j]), e[3]
+        return out
+
     def find_or_insert(self, keys, step):
         """(rows, stored per occurrence, evicted dict, full count)."""
         self.now = version = max(int(step), 0)
@@ -497,6 +507,39 @@ def case_stamp(ctx, seed):
         check_state(table, model, f"after stamp {step}")
 
 
+def case_swap_versions(ctx, seed):
+    """ge_ev_swap_versions pins keys (version INT64_MAX) through an import
+    into a full table: the import evicts only unpinned keys; the second
+    swap gives every key its version back; absent keys are untouched."""
+    rng = np.random.default_rng(seed)
+    table, model = ctx.pair(1, 4, 1, policy="lru", seed=seed)
+    stored = rng.permutation(np.arange(1000, 1000 + BUCKET)).astype(np.int64)
+    for step in range(4):  # versions 0..3: the oldest would go first
+        part = stored[step * 32:(step + 1) * 32]
+        train_batch(table, model, part, step, f"swap fill {step}")
+    pinned = np.concatenate([stored[:40], [5, 6]]).astype(np.int64)
+    rng.shuffle(pinned)
+    pin = np.full(pinned.size, np.iinfo(np.int64).max, np.int64)
+    # Copies: host memory may hand the array itself to the core.
+    got_saved = table.swap_versions(pinned, pin.copy())
+    want_saved = model.swap_versions(pinned, pin.copy())
+    _same("swap out", got_saved, want_saved)
+    check_state(table, model, "pinned")
+    fresh = np.arange(5000, 5030, dtype=np.int64)
+    rows = rng.standard_normal((30, 4)).astype(np.float32)
+    slots = rng.standard_normal((1, 30, 4)).astype(np.float32)
+    freq, version = rng.integers(0, 9, 30), rng.integers(0, 9, 30)
+    got = table.insert(fresh, rows, slots, freq, version, step=4,
+                       keep_evicted=True)
+    want, _ = model.insert(fresh, rows, slots, freq, version, 4)
+    check_evicted(got, want, "import past pinned keys", 1)
+    if len(want) != 30 or set(want) & set(int(k) for k in pinned):
+        raise Failure(f"the model evicted {sorted(want)[:5]}...")
+    _same("swap back", table.swap_versions(pinned, got_saved.copy()),
+          model.swap_versions(pinned, want_saved.copy()))
+    check_state(table, model, "restored")
+
+
 def case_refusals(ctx, seed):
     """Bad host arguments are refused before anything runs."""
     table, _ = ctx.pair(2, 4, seed=seed)
@@ -600,6 +643,7 @@ def all_cases(quick=False):
     cases.append(("export_import", lambda c: case_export_import(c, 13)))
     cases.append(("bad_keys", lambda c: case_bad_keys(c, 17)))
     cases.append(("stamp", lambda c: case_stamp(c, 29)))
+    cases.append(("swap_versions", lambda c: case_swap_versions(c, 31)))
     cases.append(("group", lambda c: case_group(c, 23)))
     cases.append(("refusals", lambda c: case_refusals(c, 19)))
     for seed in (1, 2):

@@ -26,18 +26,22 @@ def _ev_option(storage=None):
         storage_option=storage or ge.StorageOption())
 
 
-@pytest.mark.parametrize("kind", ["dram", "ssd", "hbm"])
+@pytest.mark.parametrize("kind", ["dram", "ssd", "hbm", "hbm_dram"])
 def test_tf2_module(tmp_path, kind, monkeypatch):
     # ssd: DRAM_SSDHASH with room for the disk index (768 bytes) and two
     # rows, so that most keys are exported from disk; hbm: the GPU table
-    # (StorageType.HBM) on the CUDA core's host stand-in.
+    # (StorageType.HBM) on the CUDA core's host stand-in; hbm_dram: the
+    # same over a host-memory tier, every key moved there before the
+    # export.
     monkeypatch.setenv("GROUP_EMBEDDING_HBM_ON_HOST", "1")
     tiered = kind == "ssd"
     storage = ge.StorageOption(
         ge.StorageType.DRAM_SSDHASH, storage_path=str(tmp_path / "tier"),
         storage_size=[768 + 2 * (36 + 4 * 4 * 2)]) if tiered else None
-    if kind == "hbm":
-        storage = ge.StorageOption(ge.StorageType.HBM, storage_size=[1])
+    if kind in ("hbm", "hbm_dram"):
+        storage = ge.StorageOption(
+            ge.StorageType.HBM if kind == "hbm" else ge.StorageType.HBM_DRAM,
+            storage_size=[1])
     ev = ge.get_embedding_variable("module_ev", 4,
                                    ev_option=_ev_option(storage))
     dense = tf.Variable(tf.random.normal([4, 1], seed=1))
@@ -72,6 +76,12 @@ def test_tf2_module(tmp_path, kind, monkeypatch):
         # the other keys from disk.
         serve_fn(tf.ragged.constant([[1]], tf.int64))
         assert int(ev_storage.tier_stats(ev.handle)[1]) >= 4
+    if kind == "hbm_dram":
+        # Re-importing its own export (what a restore does) leaves every
+        # key in host memory: the export must read them there.
+        size = int(ev.size())
+        ev.storage.import_(ev.handle, *ev.storage.export(ev.handle, 4))
+        assert int(ev.size()) == size >= 6
     path = str(tmp_path / "module")
     assert ge.export_saved_model(module, path) == path
     got = serve(path, {"ids": request}, "serve", tmp_path)
