@@ -26,8 +26,9 @@ import numpy as np
 ABI_VERSION = 4
 ROWS_BY_POSITION = 1  # GeTable.flags
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
-OPTIMIZERS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 3}
-SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 2}
+OPTIMIZERS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 3,
+              "adagrad_decay": 4}
+SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 2, "adagrad_decay": 2}
 BAD_IDS = 0
 BAD_LAYOUT = 1
 _STATUS = {-1: "bad argument", -2: "scratch too small",

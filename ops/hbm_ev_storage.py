@@ -268,12 +268,16 @@ class HbmStorage:
                            lr=lr, l1=l1, l2=l2, l2_shrinkage=l2_shrinkage,
                            lr_power=lr_power)
 
-    def apply_adagrad_decay(self, *args, **kwargs):
-        """Not on the GPU table yet."""
-        del args, kwargs
-        raise NotImplementedError(
-            f"EmbeddingVariable '{self.name}': AdagradDecay does not run on "
-            "StorageType.HBM tables yet; use Adagrad, Adam, FTRL or SGD.")
+    def apply_adagrad_decay(self, handle, keys, grad, step, lr, decay_rate,
+                            floor, period, slot_names):
+        """DeepRec's AdagradDecay (`ev_storage.apply_adagrad_decay`): a
+        key whose decay power (element 0 of slot 2) is behind `period`
+        first decays, `accum = max(accum * decay_rate, floor)`, power + 1;
+        then `accum += g^2; var -= lr * g / sqrt(accum)`. The core takes
+        the period as a float, exact up to 2^24 periods as the power."""
+        return self._apply(handle, keys, grad, step, "adagrad_decay",
+                           slot_names, lr=lr, beta_1=decay_rate,
+                           beta_2=floor, l1=tf.cast(period, tf.float32))
 
 
 def pooled_lookup(module: Any, variables: Sequence[Any],

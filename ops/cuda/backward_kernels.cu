@@ -254,6 +254,13 @@ __device__ __forceinline__ void Finish(const DeviceGroup& g,
   float* slot0 = x.slot0 ? x.slot0 + id * dim : nullptr;
   float* slot1 = x.slot1 ? x.slot1 + id * dim : nullptr;
   float dummy = 0.0f;
+  // AdagradDecay: every lane reads the row's power before lane 0 adds
+  // one to it, after the row.
+  bool decay = false;
+  if (s.optimizer.kind == GE_OPT_ADAGRAD_DECAY) {
+    decay = slot1 != nullptr && ge_math::DecaysRow(s.optimizer, slot1);
+    __syncwarp(me.mask);
+  }
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
     const int64_t col = ColumnOf<VEC, G>(c, me.lane);
@@ -262,9 +269,11 @@ __device__ __forceinline__ void Finish(const DeviceGroup& g,
     for (int v = 0; v < VEC; ++v) {
       ge_math::ApplyElement(s.optimizer, value + col + v,
                             slot0 ? slot0 + col + v : &dummy,
-                            slot1 ? slot1 + col + v : &dummy, acc[c][v]);
+                            slot1 ? slot1 + col + v : &dummy, acc[c][v],
+                            decay);
     }
   }
+  if (decay && me.lane == 0) slot1[0] += 1.0f;
 }
 
 // Table, id and sorted positions of distinct id u.

@@ -141,7 +141,7 @@ inline int CheckTables(const GeTable* tables, int n, int64_t dim,
 // Slot pointers an optimizer needs, on every table it updates.
 inline int CheckOptimizer(const GeTable* tables, int n,
                           const GeOptimizerConfig* o) {
-  if (o == nullptr || o->kind < GE_OPT_SGD || o->kind > GE_OPT_FTRL) {
+  if (o == nullptr || o->kind < GE_OPT_SGD || o->kind > GE_OPT_ADAGRAD_DECAY) {
     return GE_ERR_ARGUMENT;
   }
   const int slots = ge_math::SlotsOf(o->kind);

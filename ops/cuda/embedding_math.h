@@ -32,11 +32,20 @@ GE_HD float FtrlPow(float x, float lr_power) {
   return lr_power == -0.5f ? sqrtf(x) : powf(x, -lr_power);
 }
 
+// Whether a row's AdagradDecay update decays its accumulator first: its
+// decay power (element 0 of its slot1 row, `power_row`) is behind the
+// period. Every element of the row must see the power before the row's
+// update adds one to it (the caller's job, after the row).
+GE_HD bool DecaysRow(const GeOptimizerConfig& o, const float* power_row) {
+  return o.kind == GE_OPT_ADAGRAD_DECAY && o.l1 > power_row[0];
+}
+
 // One element of a sparse optimizer update: value v, slots s0 / s1,
-// summed gradient g. The rules of ops/kernels/ev_apply_ops.cc and
-// ops/sparse_apply.py (Keras' Adagrad, TF's ApplyFtrlV2).
+// summed gradient g; `decay`: DecaysRow of the element's row. The rules
+// of ops/kernels/ev_apply_ops.cc and ops/sparse_apply.py (Keras'
+// Adagrad, TF's ApplyFtrlV2).
 GE_HD void ApplyElement(const GeOptimizerConfig& o, float* v, float* s0,
-                        float* s1, float g) {
+                        float* s1, float g, bool decay = false) {
   switch (o.kind) {
     case GE_OPT_SGD:
       *v -= o.lr * g;
@@ -61,12 +70,20 @@ GE_HD void ApplyElement(const GeOptimizerConfig& o, float* v, float* s0,
       *s0 = na;
       break;
     }
+    case GE_OPT_ADAGRAD_DECAY:
+      // s1 (the power) is the row's, not the element's: left to the
+      // caller.
+      if (decay) *s0 = fmaxf(*s0 * o.beta1, o.beta2);
+      *s0 += g * g;
+      *v -= o.lr * g / sqrtf(*s0);
+      break;
     default:
       break;
   }
 }
 
-// Slots an optimizer needs (0, 1 or 2).
+// Slots an optimizer needs (0, 1 or 2; AdagradDecay's second holds the
+// decay power).
 GE_HD int SlotsOf(int kind) {
   return kind == GE_OPT_SGD ? 0 : kind == GE_OPT_ADAGRAD ? 1 : 2;
 }

@@ -53,6 +53,13 @@ enum GeOptimizer {
   GE_OPT_ADAGRAD = 1,  // a += g^2; v -= lr g / sqrt(a + eps)  (Keras)
   GE_OPT_ADAM = 2,     // m, u moments; v -= alpha m / (sqrt(u) + eps)
   GE_OPT_FTRL = 3,     // TF's ApplyFtrlV2 (slot0: accum, slot1: linear)
+  // DeepRec's AdagradDecay (the CPU EV's EVApplyAdagradDecay): slot0 the
+  // accumulator, slot1 the decay power, a count kept in element 0 of the
+  // row. When period > power: a = max(a * decay_rate, floor), power += 1;
+  // then a += g^2; v -= lr g / sqrt(a). Reads lr, beta1 as the decay
+  // rate, beta2 as the floor and l1 as the period (a whole number, exact
+  // as a float up to 2^24, as the power is).
+  GE_OPT_ADAGRAD_DECAY = 4,
 };
 // Host argument errors (negative, so they never collide with cudaError_t).
 enum GeStatus {

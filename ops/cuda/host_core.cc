@@ -215,12 +215,15 @@ int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
     }
     if (optimizer) {
       float dummy = 0.0f;
+      float* power = x.slot1 ? x.slot1 + id * dim : nullptr;
+      const bool decay = power && ge_math::DecaysRow(*optimizer, power);
       for (int64_t d = 0; d < dim; ++d) {
         ge_math::ApplyElement(*optimizer, value + d,
                               x.slot0 ? x.slot0 + id * dim + d : &dummy,
                               x.slot1 ? x.slot1 + id * dim + d : &dummy,
-                              sum[d]);
+                              sum[d], decay);
       }
+      if (decay) power[0] += 1.0f;
     } else {
       // ge_backward_padded: in table t's block of its occurrences.
       const int64_t slot = padded ? plan.occ_base[t] + (u - offsets[t]) : u;

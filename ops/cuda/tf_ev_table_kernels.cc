@@ -823,7 +823,7 @@ REGISTER_OP("GroupEmbeddingHbmEVApply")
     .Input("hyper: float")
     .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
     .Attr("max_norm: float = -1.0")
-    .Attr("optimizer: {'sgd', 'adagrad', 'adam', 'ftrl'}")
+    .Attr("optimizer: {'sgd', 'adagrad', 'adam', 'ftrl', 'adagrad_decay'}")
     .Attr("slot_names: list(string) >= 0")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
@@ -841,7 +841,8 @@ class ApplyOp : public OpKernel {
     kind_ = optimizer == "sgd"       ? GE_OPT_SGD
             : optimizer == "adagrad" ? GE_OPT_ADAGRAD
             : optimizer == "adam"    ? GE_OPT_ADAM
-                                     : GE_OPT_FTRL;
+            : optimizer == "ftrl"    ? GE_OPT_FTRL
+                                     : GE_OPT_ADAGRAD_DECAY;
     const size_t need = kind_ == GE_OPT_SGD ? 0 : kind_ == GE_OPT_ADAGRAD ? 1
                                                                           : 2;
     OP_REQUIRES(ctx, slots_.size() == need,

@@ -184,8 +184,8 @@ def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
 
 
 def test_unsupported_lookups_and_optimizers_name_the_ev(hbm, monkeypatch):
-    """Collective mode, a tensor max_norm and AdagradDecay (an EV-only
-    optimizer) are errors naming the HBM EV, never silently ignored."""
+    """Collective mode and a tensor max_norm are errors naming the HBM EV,
+    never silently ignored."""
     from group_embedding import model_parallel
     ev = ge.get_embedding_variable("unsup", DIM, ev_option=_option(
         ge.StorageOption(ge.StorageType.HBM)))
@@ -210,16 +210,51 @@ def test_unsupported_lookups_and_optimizers_name_the_ev(hbm, monkeypatch):
         model_parallel.unregister()
         if saved is not None:
             model_parallel.register(saved)
-    with tf.Graph().as_default():
-        ev = ge.get_embedding_variable("unsup_decay", DIM, ev_option=_option(
-            ge.StorageOption(ge.StorageType.HBM)))
-        (out,) = ge.group_embedding_lookup_sparse(
-            [ev], [tf.ragged.constant([[1, 2]], tf.int64)], "sum")
-        step = tf.compat.v1.train.get_or_create_global_step()
-        opt = ge.train.AdagradDecayOptimizer(0.1, step)
-        with pytest.raises(NotImplementedError,
-                           match=r"'unsup_decay'.*AdagradDecay"):
-            opt.minimize(tf.reduce_sum(out * out), var_list=[ev])
+
+
+@pytest.mark.parametrize("tier", [ge.StorageType.HBM, ge.StorageType.HBM_DRAM])
+def test_adagrad_decay_equals_the_dram_ev(hbm, tier):
+    """DeepRec's AdagradDecayOptimizer (TF1, an EV optimizer) on an HBM /
+    HBM_DRAM EV: the core's rule (decay power in element 0 of its second
+    slot) gives the DRAM EV's rows, accumulators and powers; a decay
+    period of 2 steps makes the keys decay several times."""
+    batches = _batches(71, steps=7)
+    states = []
+    for kind in ("hbm", "dram"):
+        with tf.Graph().as_default():
+            storage = (ge.StorageOption(tier, storage_size=[1])
+                       if kind == "hbm" else ge.StorageOption())
+            ev = ge.get_embedding_variable(
+                "decay", DIM, initializer=tf.keras.initializers.RandomUniform(
+                    -1.0, 1.0, seed=7),
+                ev_option=_option(storage))
+            values = tf.compat.v1.placeholder(tf.int64, [None])
+            splits = tf.compat.v1.placeholder(tf.int64, [None])
+            ids = tf.RaggedTensor.from_row_splits(values, splits)
+            (out,) = ge.group_embedding_lookup_sparse([ev], [ids], "mean")
+            step = tf.compat.v1.train.get_or_create_global_step()
+            opt = ge.train.AdagradDecayOptimizer(
+                0.1, step, initial_accumulator_value=0.2,
+                accumulator_decay_step=2, accumulator_decay_rate=0.5)
+            train = opt.minimize(tf.reduce_sum(out * tf.sin(out + 1.0)),
+                                 global_step=step, var_list=[ev])
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for batch, _ in batches:
+                    sess.run(train, {values: batch.values.numpy(),
+                                     splits: batch.row_splits.numpy()})
+                states.append(sess.run(ev.storage.export(ev.handle, DIM)))
+    got, want = ([np.asarray(x) for x in st] for st in states)
+    og, ow = np.argsort(got[0]), np.argsort(want[0])
+    np.testing.assert_array_equal(got[0][og], want[0][ow])
+    np.testing.assert_array_equal(got[2][og], want[2][ow])   # freqs
+    np.testing.assert_array_equal(got[3][og], want[3][ow])   # versions
+    assert list(got[4]) == list(want[4])                     # slot names
+    for i in (1, 6):  # values, slots (accumulator, power)
+        np.testing.assert_allclose(got[i][og], want[i][ow], rtol=2e-6,
+                                   atol=1e-7)
+    powers = want[6][ow][:, DIM]  # element 0 of the power slot
+    assert powers.max() >= 2, powers
 
 
 # -- 34.3: lookups and updates against the DRAM EV --------------------------

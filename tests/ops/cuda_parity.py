@@ -213,6 +213,17 @@ def oracle_apply(name, hyper, value, slots, g):
         quad = na ** p / lr + 2 * hyper["l2"]
         v = (np.clip(lin, -hyper["l1"], hyper["l1"]) - lin) / quad
         s = [na, lin]
+    elif name == "adagrad_decay":
+        # beta1: decay rate, beta2: floor, l1: period; the power is
+        # element 0 of the second slot's row.
+        acc, power = s
+        if hyper["l1"] > power[0]:
+            acc = np.maximum(acc * hyper["beta1"], hyper["beta2"])
+            power = power.copy()
+            power[0] += 1
+        acc = acc + g * g
+        v = v - lr * g / np.sqrt(acc)
+        s = [acc, power]
     return v, s
 
 
@@ -245,6 +256,8 @@ OPT_HYPER = {
     "adam": {"lr": 0.01, "epsilon": 1e-7, "beta1": 0.9, "beta2": 0.999},
     "ftrl": {"lr": 0.1, "l1": 0.01, "l2": 0.02, "l2_shrinkage": 0.03,
              "lr_power": -0.5},
+    # Slots start in [0.1, 1): period 0.5 decays about half the rows.
+    "adagrad_decay": {"lr": 0.1, "beta1": 0.9, "beta2": 0.3, "l1": 0.5},
 }
 
 
