@@ -152,6 +152,11 @@ class HbmStorage:
         return (self.module.group_embedding_hbm_ev_size(handle),
                 tf.constant(held, tf.int64))
 
+    def tier_sizes(self, handle):
+        """int64 [2]: keys in the GPU table, keys in host memory (HBM_DRAM's
+        host tier; 0 for HBM)."""
+        return self.module.group_embedding_hbm_ev_tier_sizes(handle)
+
     def export(self, handle, embedding_dim: int):
         """The CPU EV's snapshot (`ev_storage.export`): keys, values,
         freqs, versions, slot_names, slot_inits, slots [n, S * D], step."""

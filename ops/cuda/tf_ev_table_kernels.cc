@@ -277,11 +277,11 @@ Status EvictedCount(const HbmEvTable& table, const DeviceRecords& d,
 // the table before the op reads it); the keys they displace go to the
 // tier. Keys the table cannot take (one bucket full of keys pinned in
 // this step) stay in the tier and the op fails (ResourceExhausted,
-// naming the EV): nothing is lost. One wait when the tier holds keys,
-// none otherwise.
+// naming the EV; with `full_is_error` false it succeeds): nothing is
+// lost. One wait when the tier holds keys, none otherwise.
 Status Promote(OpKernelContext* ctx, HbmEvTable* table,
                const std::vector<std::pair<const int64_t*, int64_t>>& spans,
-               void* stream) {
+               void* stream, bool full_is_error = true) {
   if (table->tier == nullptr || table->tier->empty()) return Status();
   int64_t n = 0;
   for (const auto& span : spans) n += span.second;
@@ -419,7 +419,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
       ++j;
     }
     rec = std::move(left);
-    return TableErrors(table->name, host_c);
+    return full_is_error ? TableErrors(table->name, host_c) : Status();
   }();
   if (rec.size() > 0) table->tier->Put(rec);
   return status;
@@ -1093,6 +1093,33 @@ class SizeOp : public OpKernel {
   }
 };
 
+// Where the keys are: [keys in the GPU table, keys in host memory (0
+// without a host tier)], a host vector (one wait).
+REGISTER_OP("GroupEmbeddingHbmEVTierSizes")
+    .Input("handle: resource")
+    .Output("sizes: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(2));
+      return Status();
+    });
+
+class TierSizesOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
+    ::tensorflow::tf_shared_lock lock(*table->mu());
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), StreamOf(ctx), &n));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({2}), &out));
+    out->vec<int64_t>()(0) = n;
+    out->vec<int64_t>()(1) = table->tier ? table->tier->size() : 0;
+  }
+};
+
 // Every stored key with its state, under the table's lock: the CPU EV's
 // export (GroupEmbeddingEVExport) but for the slots, [S, n, D] here
 // (the caller lays them out as the CPU EV's [n, S * D]).
@@ -1304,6 +1331,38 @@ class ImportOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CoreStatus(var + ": importing into host memory",
                                      code));
       table->tier->Put(rec);
+      // The hottest keys by the cache strategy (LFU: freq, then version;
+      // LRU: version, then freq; ties by key) go back to the GPU table,
+      // up to half its capacity (a bucket then rarely overflows; keys
+      // that do not fit stay in host memory): the first steps find them.
+      const int64_t seed = std::min(n, cap / 2);
+      std::vector<int64_t> order(n);
+      for (int64_t i = 0; i < n; ++i) order[i] = i;
+      const bool lfu = table->desc.policy == GE_EV_LFU;
+      auto hotter = [&](int64_t a, int64_t b) {
+        const int64_t pa = lfu ? rec.freq[a] : rec.version[a];
+        const int64_t pb = lfu ? rec.freq[b] : rec.version[b];
+        if (pa != pb) return pa > pb;
+        const int64_t qa = lfu ? rec.version[a] : rec.freq[a];
+        const int64_t qb = lfu ? rec.version[b] : rec.freq[b];
+        if (qa != qb) return qa > qb;
+        return rec.keys[a] < rec.keys[b];
+      };
+      std::partial_sort(order.begin(), order.begin() + seed, order.end(),
+                        hotter);
+      std::vector<int64_t> hot(seed);
+      for (int64_t i = 0; i < seed; ++i) hot[i] = rec.keys[order[i]];
+      Tensor hot_t;
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({seed}),
+                                             &hot_t));
+      OP_REQUIRES_OK(ctx, CoreStatus(var + ": seeding the GPU table",
+                                     ge_copy_async(DataOr<int64_t>(hot_t),
+                                                   hot.data(),
+                                                   sizeof(int64_t) * seed, 2,
+                                                   stream)));
+      OP_REQUIRES_OK(ctx, Promote(ctx, table.get(),
+                                  {{DataOr<int64_t>(hot_t), seed}}, stream,
+                                  /*full_is_error=*/false));
       return;
     }
     if (n == 0) return;
@@ -1544,6 +1603,10 @@ REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVSize")
                             .HostMemory("handle")
                             .HostMemory("size"),
                         SizeOp);
+REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVTierSizes")
+                            .HostMemory("handle")
+                            .HostMemory("sizes"),
+                        TierSizesOp);
 REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVExport")
                             .HostMemory("handle")
                             .HostMemory("slot_names")

@@ -148,8 +148,13 @@ def test_keys_move_between_tiers_and_nothing_is_lost(strategy, name, make):
     evs = _evs(f"move_{name}_{strategy.name}", strategy)
     _train_all(evs, make, _batches(3, steps=14))
     _check(evs)
-    # Most keys are in host memory: the tier was used.
-    assert int(evs[0].size()) > 2 * evs[0].storage.capacity
+    # Most keys are in host memory, the GPU table is full: the tier was
+    # used, and a key is in one tier only.
+    gpu, host = evs[0].storage.tier_sizes(evs[0].handle).numpy()
+    assert gpu == evs[0].storage.capacity and host > gpu
+    assert gpu + host == int(evs[0].size())
+    assert list(evs[1].storage.tier_sizes(evs[1].handle).numpy()) == [
+        int(evs[1].size()), 0]
 
 
 def test_keys_read_in_a_step_are_not_displaced_by_keys_coming_back():
@@ -266,6 +271,21 @@ def test_checkpoints_restore_both_ways(tmp_path, saved, restored):
                   ge.StorageOption(), filter_freq=2)))
     tf.train.Checkpoint(ev=target).read(path).assert_consumed()
     _assert_same_state(target, source)
+    if restored == "tiered":
+        # The hottest keys by LFU (freq, then version, then key) are back
+        # in the GPU table, up to half of it; the rest in host memory.
+        gpu, host = target.storage.tier_sizes(target.handle).numpy()
+        assert gpu == 64 and gpu + host == int(target.size())
+        keys, _, freqs, versions = (np.asarray(x) for x in
+                                    _state(target)[:4])
+        hottest = sorted(zip(-freqs, -versions, keys))[:64]
+        ids = tf.ragged.constant([[int(k) for _, _, k in hottest]],
+                                 tf.int64)
+        ge.group_embedding_lookup_sparse([target], [ids], "sum",
+                                         training=False)
+        # Reading them moved nothing.
+        assert list(target.storage.tier_sizes(target.handle).numpy()) == [
+            gpu, host]
     more = _batches(32, steps=4)
     opt_a, opt_b = ge.optimizers.Adam(0.05), ge.optimizers.Adam(0.05)
     for opt in (opt_a, opt_b):
