@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory_resource>
 #include <unordered_map>
 #include <vector>
 
@@ -24,10 +25,16 @@ namespace group_embedding {
 namespace gpu_kernels {
 
 // Records in the GPU table's import / export layout: keys, freq, version
-// [n], rows [n, dim], slots [num_slots, n, dim] (one plane a slot).
+// [n], rows [n, dim], slots [num_slots, n, dim] (one plane a slot), in
+// memory from `mem` (the adaptor's staging: pinned where the GPU copies
+// them).
 struct EvTierRecords {
-  std::vector<int64_t> keys, freq, version;
-  std::vector<float> rows, slots;
+  explicit EvTierRecords(
+      std::pmr::memory_resource* mem = std::pmr::get_default_resource())
+      : keys(mem), freq(mem), version(mem), rows(mem), slots(mem) {}
+
+  std::pmr::vector<int64_t> keys, freq, version;
+  std::pmr::vector<float> rows, slots;
 
   int64_t size() const { return static_cast<int64_t>(keys.size()); }
   void Resize(int64_t n, int64_t dim, int64_t num_slots) {

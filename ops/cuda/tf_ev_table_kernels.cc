@@ -33,6 +33,8 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <memory_resource>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -147,6 +149,38 @@ Status GetTable(OpKernelContext* ctx, int input,
 // ---------------------------------------------------------------------------
 // HBM_DRAM: moving records between the table and its host tier.
 // ---------------------------------------------------------------------------
+// Host memory the GPU copies to and from directly: TF's GPU-compatible
+// host allocator (pinned memory on a GPU device, plain host memory on
+// the stand-in), the staging of every transfer between the table and its
+// host tier (the tier itself is plain memory: pinning gigabytes for keys
+// that sit still would only take them from the system).
+class StagingMemory : public std::pmr::memory_resource {
+ public:
+  explicit StagingMemory(OpKernelContext* ctx) {
+    ::tensorflow::AllocatorAttributes attr;
+    attr.set_on_host(true);
+    attr.set_gpu_compatible(true);
+    allocator_ = ctx->device()->GetAllocator(attr);
+  }
+
+ private:
+  void* do_allocate(size_t bytes, size_t align) override {
+    void* p = allocator_->AllocateRaw(std::max<size_t>(align, 64),
+                                      std::max<size_t>(bytes, 1));
+    if (p == nullptr) throw std::bad_alloc();
+    return p;
+  }
+  void do_deallocate(void* p, size_t, size_t) override {
+    allocator_->DeallocateRaw(p);
+  }
+  bool do_is_equal(const std::pmr::memory_resource& other)
+      const noexcept override {
+    return this == &other;
+  }
+
+  ::tensorflow::Allocator* allocator_;
+};
+
 // Device arrays of `n` records in the core's evicted / import layout:
 // keys, freq, version [n], values [n, D], slots [S, n, D].
 struct DeviceRecords {
@@ -247,10 +281,10 @@ int RecordsToDevice(const EvTierRecords& in, int64_t at, int64_t n,
 // Moves what an evicted output received (its count read by the caller's
 // synchronisation) into the table's host tier.
 Status Demote(HbmEvTable* table, const DeviceRecords& d, uint64_t count,
-              void* stream) {
+              std::pmr::memory_resource* staging, void* stream) {
   const int64_t m = std::min<int64_t>(static_cast<int64_t>(count), d.n);
   if (m == 0) return Status();
-  EvTierRecords rec;
+  EvTierRecords rec(staging);
   int code = RecordsToHost(d, m, table->desc.dim, table->desc.num_slots,
                            &rec, stream);
   if (code == GE_OK) code = ge_synchronize(stream);
@@ -286,7 +320,8 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
   int64_t n = 0;
   for (const auto& span : spans) n += span.second;
   if (n == 0) return Status();
-  std::vector<int64_t> host(n);
+  StagingMemory staging(ctx);
+  std::pmr::vector<int64_t> host(n, &staging);
   int code = GE_OK;
   int64_t at = 0;
   for (const auto& span : spans) {
@@ -298,7 +333,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
   }
   if (code == GE_OK) code = ge_synchronize(stream);
   TF_RETURN_IF_ERROR(CoreStatus(table->name + ": reading keys", code));
-  EvTierRecords rec;
+  EvTierRecords rec(&staging);
   table->tier->Take(host.data(), n, &rec);
   const int64_t m = rec.size();
   if (m == 0) return Status();
@@ -323,9 +358,9 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
                             &counters));
     auto* c = static_cast<unsigned long long*>(counters);
     // The op's keys already in the table (or absent), distinct.
-    std::vector<int64_t> moving(rec.keys);
+    std::vector<int64_t> moving(rec.keys.begin(), rec.keys.end());
     std::sort(moving.begin(), moving.end());
-    std::vector<int64_t> stay(host);
+    std::pmr::vector<int64_t> stay(host, &staging);
     std::sort(stay.begin(), stay.end());
     stay.erase(std::unique(stay.begin(), stay.end()), stay.end());
     stay.erase(std::remove_if(stay.begin(), stay.end(),
@@ -335,7 +370,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
                               }),
                stay.end());
     const int64_t p = static_cast<int64_t>(stay.size());
-    std::vector<int64_t> pins(p, INT64_MAX);
+    std::pmr::vector<int64_t> pins(p, INT64_MAX, &staging);
     Tensor stay_t, pins_t;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({p}),
                                           &stay_t));
@@ -379,7 +414,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
                                     GE_EV_NUM_COUNTERS));
     uint64_t count = 0;
     TF_RETURN_IF_ERROR(EvictedCount(*table, out, stream, &count));
-    TF_RETURN_IF_ERROR(Demote(table, out, count, stream));
+    TF_RETURN_IF_ERROR(Demote(table, out, count, &staging, stream));
     if (host_c[GE_EV_FULL] == 0) return Status();
     // Which records did not get in: a find with the filter off (every
     // stored key then has a slot) on the moved keys.
@@ -388,7 +423,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
     Tensor where_t;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({m}),
                                           &where_t));
-    std::vector<int64_t> where(m);
+    std::pmr::vector<int64_t> where(m, &staging);
     code = ge_ev_find(&all, DataOr<int64_t>(in.keys), m, nullptr,
                       DataOr<int64_t>(where_t), c, stream);
     if (code == GE_OK) {
@@ -755,13 +790,14 @@ class LookupOp : public OpKernel {
             stream)));
       }
       // Before any error: the keys given up are kept.
+      StagingMemory staging(ctx);
       for (size_t u = 0; u < nd; ++u) {
         if (evicted_rows[u] == nullptr) continue;
         uint64_t count = 0;
         OP_REQUIRES_OK(ctx, EvictedCount(*locked.distinct[u],
                                          *evicted_rows[u], stream, &count));
         OP_REQUIRES_OK(ctx, Demote(locked.distinct[u], *evicted_rows[u],
-                                   count, stream));
+                                   count, &staging, stream));
       }
     }
     uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
@@ -1157,7 +1193,8 @@ class ExportOp : public OpKernel {
     int64_t in_table = 0;
     OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), stream, &in_table));
     // HBM_DRAM: the host tier's keys follow the table's.
-    EvTierRecords tier;
+    StagingMemory staging(ctx);
+    EvTierRecords tier(&staging);
     if (table->tier != nullptr) table->tier->Export(&tier);
     const int64_t n = in_table + tier.size();
     const int64_t dim = table->desc.dim;
@@ -1307,7 +1344,8 @@ class ImportOp : public OpKernel {
       // them bring them back.
       table->tier->Clear(s_count);
       if (n == 0) return;
-      EvTierRecords rec;
+      StagingMemory staging(ctx);
+      EvTierRecords rec(&staging);
       rec.Resize(n, dim, s_count);
       int code = ge_copy_async(rec.keys.data(), DataOr<int64_t>(keys),
                                sizeof(int64_t) * n, 1, stream);
@@ -1350,7 +1388,7 @@ class ImportOp : public OpKernel {
       };
       std::partial_sort(order.begin(), order.begin() + seed, order.end(),
                         hotter);
-      std::vector<int64_t> hot(seed);
+      std::pmr::vector<int64_t> hot(seed, &staging);
       for (int64_t i = 0; i < seed; ++i) hot[i] = rec.keys[order[i]];
       Tensor hot_t;
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({seed}),
