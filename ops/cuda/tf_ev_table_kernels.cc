@@ -278,29 +278,49 @@ int RecordsToDevice(const EvTierRecords& in, int64_t at, int64_t n,
   return code;
 }
 
-// Moves what an evicted output received (its count read by the caller's
-// synchronisation) into the table's host tier.
-Status Demote(HbmEvTable* table, const DeviceRecords& d, uint64_t count,
+// One table's evicted output and its count (read by the caller's
+// synchronisation).
+struct EvictedOf {
+  HbmEvTable* table;
+  const DeviceRecords* out;
+  uint64_t count;
+};
+
+// Moves what evicted outputs received into their tables' host tiers:
+// every copy enqueued, then one wait.
+Status Demote(const std::vector<EvictedOf>& evicted,
               std::pmr::memory_resource* staging, void* stream) {
-  const int64_t m = std::min<int64_t>(static_cast<int64_t>(count), d.n);
-  if (m == 0) return Status();
-  EvTierRecords rec(staging);
-  int code = RecordsToHost(d, m, table->desc.dim, table->desc.num_slots,
-                           &rec, stream);
-  if (code == GE_OK) code = ge_synchronize(stream);
-  TF_RETURN_IF_ERROR(CoreStatus(
-      table->name + ": moving evicted keys to host memory", code));
-  table->tier->Put(rec);
+  std::vector<EvTierRecords> recs;
+  recs.reserve(evicted.size());
+  int code = GE_OK;
+  for (const EvictedOf& e : evicted) {
+    recs.emplace_back(staging);
+    const int64_t m =
+        std::min<int64_t>(static_cast<int64_t>(e.count), e.out->n);
+    if (code == GE_OK && m > 0) {
+      code = RecordsToHost(*e.out, m, e.table->desc.dim,
+                           e.table->desc.num_slots, &recs.back(), stream);
+    }
+  }
+  bool any = false;
+  for (const EvTierRecords& rec : recs) any = any || rec.size() > 0;
+  if (code == GE_OK && any) code = ge_synchronize(stream);
+  if (code != GE_OK) {
+    return CoreStatus(evicted.front().table->name +
+                          ": moving evicted keys to host memory",
+                      code);
+  }
+  for (size_t i = 0; i < evicted.size(); ++i) {
+    if (recs[i].size() > 0) evicted[i].table->tier->Put(recs[i]);
+  }
   return Status();
 }
 
-// Reads an evicted output's count (one wait).
-Status EvictedCount(const HbmEvTable& table, const DeviceRecords& d,
-                    void* stream, uint64_t* count) {
-  int code = ge_copy_async(count, d.count_t.flat<int64_t>().data(), 8, 1,
-                           stream);
-  if (code == GE_OK) code = ge_synchronize(stream);
-  return CoreStatus(table.name + ": reading the evicted count", code);
+// Enqueues the copy of an evicted output's count to `count` (host); the
+// caller synchronises.
+int EnqueueCount(const DeviceRecords& d, uint64_t* count, void* stream) {
+  return ge_copy_async(count, d.count_t.flat<int64_t>().data(), 8, 1,
+                       stream);
 }
 
 // Before an op reads or updates the keys `spans` (device arrays, one
@@ -409,12 +429,14 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
     // The table holds them now (but those FULL counts, found below).
     const EvTierRecords moved = std::move(rec);
     rec = EvTierRecords();
+    // The counters and the evicted count in one wait.
     uint64_t host_c[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
+    uint64_t count = 0;
+    TF_RETURN_IF_ERROR(CoreStatus(table->name + ": reading counts",
+                                  EnqueueCount(out, &count, stream)));
     TF_RETURN_IF_ERROR(ReadCounters(stream, counters_t, host_c,
                                     GE_EV_NUM_COUNTERS));
-    uint64_t count = 0;
-    TF_RETURN_IF_ERROR(EvictedCount(*table, out, stream, &count));
-    TF_RETURN_IF_ERROR(Demote(table, out, count, &staging, stream));
+    TF_RETURN_IF_ERROR(Demote({{table, &out, count}}, &staging, stream));
     if (host_c[GE_EV_FULL] == 0) return Status();
     // Which records did not get in: a find with the filter off (every
     // stored key then has a slot) on the moved keys.
@@ -724,6 +746,10 @@ class LookupOp : public OpKernel {
     for (int t = 0; t < k; ++t) {
       offset[t + 1] = offset[t] + keys[t].NumElements();
     }
+    // HBM_DRAM (training): each table's evicted output, and those to move
+    // to host memory once their counts are read.
+    std::vector<std::unique_ptr<DeviceRecords>> evicted_rows(descs.size());
+    std::vector<EvictedOf> given_up;
     if (!training) {
       for (int t = 0; t < k; ++t) {
         const int64_t n = keys[t].NumElements();
@@ -744,7 +770,6 @@ class LookupOp : public OpKernel {
       // most), then to its host tier.
       const size_t nd = descs.size();
       std::vector<GeEvEvicted> evicted(nd);
-      std::vector<std::unique_ptr<DeviceRecords>> evicted_rows(nd);
       bool any_tier = false;
       for (size_t u = 0; u < nd; ++u) {
         std::memset(&evicted[u], 0, sizeof(evicted[u]));
@@ -789,20 +814,25 @@ class LookupOp : public OpKernel {
             any_tier ? evicted.data() : nullptr, scratch, bytes, c,
             stream)));
       }
-      // Before any error: the keys given up are kept.
-      StagingMemory staging(ctx);
       for (size_t u = 0; u < nd; ++u) {
         if (evicted_rows[u] == nullptr) continue;
-        uint64_t count = 0;
-        OP_REQUIRES_OK(ctx, EvictedCount(*locked.distinct[u],
-                                         *evicted_rows[u], stream, &count));
-        OP_REQUIRES_OK(ctx, Demote(locked.distinct[u], *evicted_rows[u],
-                                   count, &staging, stream));
+        given_up.push_back({locked.distinct[u], evicted_rows[u].get(), 0});
+      }
+      // Their counts come with the counters' wait below.
+      for (EvictedOf& e : given_up) {
+        OP_REQUIRES_OK(ctx, CoreStatus(name(), EnqueueCount(
+                                                   *e.out, &e.count,
+                                                   stream)));
       }
     }
     uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
     OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
                                      GE_EV_NUM_COUNTERS));
+    if (!given_up.empty()) {
+      // Before any error: the keys given up are kept.
+      StagingMemory staging(ctx);
+      OP_REQUIRES_OK(ctx, Demote(given_up, &staging, stream));
+    }
     OP_REQUIRES_OK(ctx, TableErrors(absl::StrJoin(names, ", "), host));
     // 2. Pooled: row j of feature t's block is its key j's row.
     OpOutputList pooled;

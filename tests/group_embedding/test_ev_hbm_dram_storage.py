@@ -16,12 +16,15 @@ inference reads, per-key updates of keys not looked up, checkpoints
 both ways, and a step too large for the GPU table.
 """
 
+import ctypes
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import group_embedding as ge
 from group_embedding.ops import config
+from group_embedding.ops import gpu_kernel_library
 
 DIM = 4
 DEFAULT_ROWS = 5
@@ -393,3 +396,36 @@ def test_stress_many_steps_two_tables_shared_features():
         _assert_same_state(evs[0], evs[1])
         gpu, host = evs[0].storage.tier_sizes(evs[0].handle).numpy()
         assert gpu <= 128 < gpu + host
+
+
+def test_a_lookup_waits_for_the_stream_a_fixed_number_of_times():
+    """A training lookup of a group of K tiered EVs that all give keys up
+    waits once per EV to read its keys (the host tier is not empty), then
+    once for the counters and every evicted count together, once for all
+    the records moving out and once for the pooling's error counts (as an
+    HBM EV's lookup does): K + 3, counted by the host stand-in."""
+    evs = [_evs(f"waits_{i}")[0] for i in range(3)]
+    opt = ge.optimizers.SGD(0.1)
+    for step in range(4):  # the tiers fill: each step brings 60 new keys
+        ids = [tf.ragged.constant([list(SPACE[60 * step:60 * step + 60])],
+                                  tf.int64) for _ in evs]
+        with tf.GradientTape() as tape:
+            out = ge.group_embedding_lookup_sparse(evs, ids, "sum")
+            loss = tf.add_n([tf.reduce_sum(o) for o in out])
+        opt.apply(tape.gradient(loss, evs), evs)
+    assert all(ev.storage.tier_sizes(ev.handle).numpy()[1] > 0 for ev in evs)
+    lib = ctypes.CDLL(gpu_kernel_library.host_stand_in_path())
+    lib.ge_host_synchronize_calls.restype = ctypes.c_longlong
+    ids = [tf.ragged.constant([list(SPACE[300:360])], tf.int64) for _ in evs]
+    before = lib.ge_host_synchronize_calls()
+    ge.group_embedding_lookup_sparse(evs, ids, "sum")
+    waits = lib.ge_host_synchronize_calls() - before
+    # Each table gave 60 keys up: 300 keys, 128 on the GPU.
+    assert all(list(ev.storage.tier_sizes(ev.handle).numpy()) == [128, 172]
+               for ev in evs)
+    assert waits == len(evs) + 3, waits
+    # The same lookup on HBM EVs (no tier): the counters and the pooling.
+    whole = [_evs(f"waits_hbm_{i}")[1] for i in range(3)]
+    before = lib.ge_host_synchronize_calls()
+    ge.group_embedding_lookup_sparse(whole, ids, "sum")
+    assert lib.ge_host_synchronize_calls() - before == 2
