@@ -1370,8 +1370,8 @@ class ImportOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CoreStatus(var + ": clearing",
                                    ge_ev_init(&desc, stream)));
     if (table->tier != nullptr) {
-      // HBM_DRAM: every key goes to host memory; the steps that read
-      // them bring them back.
+      // HBM_DRAM: every key goes to host memory, then the hottest come
+      // back (below); the steps that read the others bring them back.
       table->tier->Clear(s_count);
       if (n == 0) return;
       StagingMemory staging(ctx);
