@@ -220,30 +220,33 @@ struct DeviceRecords {
   }
 };
 
-// Copies the first `m` records of device arrays of `n` (slots planes of
-// n) into `out` (host); the caller synchronises before reading `out`.
-int RecordsToHost(const DeviceRecords& d, int64_t m, int64_t dim,
+// Copies the first `m` records of device arrays of `n` entries (slots
+// [S, n, D]) into `out` (host); the caller synchronises before reading
+// `out`. The mirror of RecordsToDevice.
+int RecordsToHost(const int64_t* keys, const float* values,
+                  const float* slots, const int64_t* freq,
+                  const int64_t* version, int64_t n, int64_t m, int64_t dim,
                   int64_t s_count, EvTierRecords* out, void* stream) {
   out->Resize(m, dim, s_count);
   if (m == 0) return GE_OK;
-  int code = ge_copy_async(out->keys.data(), DataOr<int64_t>(d.keys),
-                           sizeof(int64_t) * m, 1, stream);
+  int code = ge_copy_async(out->keys.data(), keys, sizeof(int64_t) * m, 1,
+                           stream);
   if (code == GE_OK) {
-    code = ge_copy_async(out->rows.data(), DataOr<float>(d.values),
-                         sizeof(float) * m * dim, 1, stream);
+    code = ge_copy_async(out->rows.data(), values, sizeof(float) * m * dim,
+                         1, stream);
   }
   if (code == GE_OK) {
-    code = ge_copy_async(out->freq.data(), DataOr<int64_t>(d.freq),
-                         sizeof(int64_t) * m, 1, stream);
+    code = ge_copy_async(out->freq.data(), freq, sizeof(int64_t) * m, 1,
+                         stream);
   }
   if (code == GE_OK) {
-    code = ge_copy_async(out->version.data(), DataOr<int64_t>(d.version),
-                         sizeof(int64_t) * m, 1, stream);
+    code = ge_copy_async(out->version.data(), version, sizeof(int64_t) * m,
+                         1, stream);
   }
   for (int64_t s = 0; code == GE_OK && s < s_count; ++s) {
     code = ge_copy_async(out->slots.data() + s * m * dim,
-                         DataOr<float>(d.slots) + s * d.n * dim,
-                         sizeof(float) * m * dim, 1, stream);
+                         slots + s * n * dim, sizeof(float) * m * dim, 1,
+                         stream);
   }
   return code;
 }
@@ -298,8 +301,12 @@ Status Demote(const std::vector<EvictedOf>& evicted,
     const int64_t m =
         std::min<int64_t>(static_cast<int64_t>(e.count), e.out->n);
     if (code == GE_OK && m > 0) {
-      code = RecordsToHost(*e.out, m, e.table->desc.dim,
-                           e.table->desc.num_slots, &recs.back(), stream);
+      const DeviceRecords& d = *e.out;
+      code = RecordsToHost(DataOr<int64_t>(d.keys), DataOr<float>(d.values),
+                           DataOr<float>(d.slots), DataOr<int64_t>(d.freq),
+                           DataOr<int64_t>(d.version), d.n, m,
+                           e.table->desc.dim, e.table->desc.num_slots,
+                           &recs.back(), stream);
     }
   }
   bool any = false;
@@ -1143,19 +1150,25 @@ REGISTER_OP("GroupEmbeddingHbmEVSize")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
+// The keys of the table of input 0: [in the GPU table, in host memory].
+Status KeysPerTier(OpKernelContext* ctx, int64_t counts[2]) {
+  ::tensorflow::core::RefCountPtr<HbmEvTable> table;
+  TF_RETURN_IF_ERROR(GetTable(ctx, 0, &table));
+  ::tensorflow::tf_shared_lock lock(*table->mu());
+  TF_RETURN_IF_ERROR(StoredKeys(ctx, table.get(), StreamOf(ctx), &counts[0]));
+  counts[1] = table->tier ? table->tier->size() : 0;
+  return Status();
+}
+
 class SizeOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
-    ::tensorflow::tf_shared_lock lock(*table->mu());
-    int64_t n = 0;
-    OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), StreamOf(ctx), &n));
-    if (table->tier != nullptr) n += table->tier->size();
+    int64_t counts[2] = {0, 0};
+    OP_REQUIRES_OK(ctx, KeysPerTier(ctx, counts));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = n;
+    out->scalar<int64_t>()() = counts[0] + counts[1];
   }
 };
 
@@ -1174,15 +1187,12 @@ class TierSizesOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
-    ::tensorflow::tf_shared_lock lock(*table->mu());
-    int64_t n = 0;
-    OP_REQUIRES_OK(ctx, StoredKeys(ctx, table.get(), StreamOf(ctx), &n));
+    int64_t counts[2] = {0, 0};
+    OP_REQUIRES_OK(ctx, KeysPerTier(ctx, counts));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({2}), &out));
-    out->vec<int64_t>()(0) = n;
-    out->vec<int64_t>()(1) = table->tier ? table->tier->size() : 0;
+    out->vec<int64_t>()(0) = counts[0];
+    out->vec<int64_t>()(1) = counts[1];
   }
 };
 
@@ -1376,25 +1386,10 @@ class ImportOp : public OpKernel {
       if (n == 0) return;
       StagingMemory staging(ctx);
       EvTierRecords rec(&staging);
-      rec.Resize(n, dim, s_count);
-      int code = ge_copy_async(rec.keys.data(), DataOr<int64_t>(keys),
-                               sizeof(int64_t) * n, 1, stream);
-      if (code == GE_OK) {
-        code = ge_copy_async(rec.rows.data(), DataOr<float>(values),
-                             sizeof(float) * n * dim, 1, stream);
-      }
-      if (code == GE_OK) {
-        code = ge_copy_async(rec.freq.data(), DataOr<int64_t>(freqs),
-                             sizeof(int64_t) * n, 1, stream);
-      }
-      if (code == GE_OK) {
-        code = ge_copy_async(rec.version.data(), DataOr<int64_t>(versions),
-                             sizeof(int64_t) * n, 1, stream);
-      }
-      if (code == GE_OK && s_count > 0) {
-        code = ge_copy_async(rec.slots.data(), DataOr<float>(slots),
-                             sizeof(float) * s_count * n * dim, 1, stream);
-      }
+      int code = RecordsToHost(
+          DataOr<int64_t>(keys), DataOr<float>(values), DataOr<float>(slots),
+          DataOr<int64_t>(freqs), DataOr<int64_t>(versions), n, n, dim,
+          s_count, &rec, stream);
       if (code == GE_OK) code = ge_synchronize(stream);
       OP_REQUIRES_OK(ctx, CoreStatus(var + ": importing into host memory",
                                      code));

@@ -22,6 +22,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+# Every key's state, sorted by key (the HBM tests' helper; same DIM).
+from test_ev_hbm_storage import _state
+
 import group_embedding as ge
 from group_embedding.ops import config
 from group_embedding.ops import gpu_kernel_library
@@ -86,14 +89,6 @@ def _batches(seed, steps, rows=12, per_row=8, space=SPACE):
         out.append(tf.ragged.constant(ids, tf.int64,
                                       row_splits_dtype=tf.int64))
     return out
-
-
-def _state(ev):
-    keys, values, freqs, versions, names, _, slots, step = (
-        x.numpy() for x in ev.storage.export(ev.handle, DIM))
-    order = np.argsort(keys)
-    return (keys[order], values[order], freqs[order], versions[order],
-            list(names), slots[order], int(step))
 
 
 def _assert_same_state(got_ev, want_ev, exact=True):
