@@ -28,10 +28,15 @@ gradient op is `GroupEmbeddingPooledLookupGrad` with keys as ids): ONE
 `GroupEmbeddingEVBackwardApply` per group resolves each distinct key
 once and updates its row, slots and version in place, instead of the
 gradient op's IndexedSlices and one `GroupEmbeddingEVApply*` per variable.
-Variables in GPU memory (HBM, which fuses per variable in
-`hbm_ev_storage`) keep the per-variable update.
+EVs in GPU memory (HBM, HBM_DRAM): their lookup's gradient function
+(`hbm_ev_storage`) remembers each feature's keys and pooled gradient
+(`remember_hbm_forward`); `fuse_ev()` gives the EVs of one such lookup ONE
+`GroupEmbeddingHbmEVApply` (their storage's `apply_group`), which sums and
+applies every EV's key gradients in one core call without waiting for
+the stream.
 """
 
+import collections
 from typing import Any
 from typing import Dict
 from typing import List
@@ -101,6 +106,49 @@ def hyper(lr=0.0, epsilon=0.0, beta_1=0.0, beta_2=0.0, l1=0.0, l2=0.0,
     """
     return tf.stack([tf.cast(x, tf.float32) for x in (
         lr, epsilon, beta_1, beta_2, l1, l2, l2_shrinkage, lr_power)])
+
+
+class HbmForward(NamedTuple):
+    """One feature of an HBM EV lookup, as its gradient's fused update
+    needs it (`remember_hbm_forward`)."""
+
+    lookup: Any       # the lookup op (None: a gradient given per key)
+    values: Any       # the IndexedSlices values it was remembered for
+    keys: Any
+    row_splits: Any
+    weights: Any      # empty: none
+    grads: Any        # d loss / d pooled output [B, D]
+    combiner: str
+    max_norm: float
+
+
+# HBM lookup features remembered for a fused update (the newest first
+# out: slices nobody applies are forgotten).
+_MAX_REMEMBERED = 256
+_remembered: "collections.OrderedDict[int, HbmForward]" = (
+    collections.OrderedDict())
+
+
+def remember_hbm_forward(forward: HbmForward) -> None:
+    """Remembers the feature whose gradient's values are `forward.values`
+    (the HBM lookup's gradient function calls it)."""
+    _remembered[id(forward.values)] = forward
+    while len(_remembered) > _MAX_REMEMBERED:
+        _remembered.popitem(last=False)
+
+
+def hbm_forward_of(keys, values) -> Optional[HbmForward]:
+    """The HBM lookup feature whose untouched gradient is IndexedSlices
+    (keys, values), taken out of the memory; None if there is none."""
+    # TF1's gradient gating passes the values through an Identity op.
+    values = _through_identities(values)
+    found = _remembered.get(id(values))
+    if (found is None or found.values is not values
+            or _through_identities(found.keys) is not
+            _through_identities(keys)):
+        return None
+    del _remembered[id(values)]
+    return found
 
 
 class _Source(NamedTuple):
@@ -213,7 +261,8 @@ def fuse(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
 
 def fuse_ev(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
             ) -> Tuple[List[Tuple[Any, Any]], List[Any]]:
-    """Applies every whole pooled EV group of `pairs` in one op.
+    """Applies every whole pooled EV group of `pairs` in one op, and the
+    EVs of each HBM lookup whose gradients `pairs` holds in one op.
 
     Args:
         pairs: (gradient, EmbeddingVariable) pairs of one optimizer step
@@ -237,7 +286,29 @@ def fuse_ev(pairs: Sequence[Tuple[Any, Any]], rule: Rule,
             continue
         built.append(_build_ev(op, evs, rule))
         fused.update(i for i, _, _ in entries)
+    for entries in _hbm_groups(pairs, fused):
+        evs = [ev for _, ev, _ in entries]
+        built.append(evs[0].storage.apply_group(
+            [ev.handle for ev in evs], [f for _, _, f in entries], rule))
+        fused.update(i for i, _, _ in entries)
     return [p for i, p in enumerate(pairs) if i not in fused], built
+
+
+def _hbm_groups(pairs, skip: Set[int]):
+    """[(pair index, EV, HbmForward)] of each HBM lookup whose features'
+    untouched gradients are in `pairs` (but not at the indices `skip`),
+    features in order; their forwards are taken out of the memory."""
+    groups: Dict[Any, List[Tuple[int, Any, HbmForward]]] = {}
+    for i, (grad, ev) in enumerate(pairs):
+        if (i in skip or not isinstance(grad, tf.IndexedSlices)
+                or _on_cpu_storage(ev)):
+            continue
+        found = hbm_forward_of(grad.indices, grad.values)
+        if found is not None:
+            # Distinct EVs: a table read twice has a summed gradient,
+            # never remembered.
+            groups.setdefault(found.lookup, []).append((i, ev, found))
+    return list(groups.values())
 
 
 def _whole_groups(pairs):

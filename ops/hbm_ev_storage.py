@@ -13,13 +13,17 @@ find-or-insert + pooling (`lookup_plan`'s HBM EV backend).
 
 Fused backward-apply: the lookup's gradient function gives each EV
 IndexedSlices (one row per occurrence) and remembers, for those values,
-the feature's ids and its pooled output's gradient. When an optimizer
-applies exactly those slices (`apply_*`, any `ge.optimizers` or
-`ge.train` optimizer), the update op takes the feature's ids and pooled
+the feature's ids and its pooled output's gradient
+(`backward_apply.remember_hbm_forward`). When an optimizer applies
+exactly those slices, the update op takes the feature's ids and pooled
 gradient instead, and the core computes, sums and applies each key's
 gradient in one pass: in a traced step the per-occurrence rows are then
-never computed (their ops have no consumer). Slices changed on the way
-(scaled, clipped, summed over two lookups) take the per-key update.
+never computed (their ops have no consumer). `ge.optimizers` and
+`ge.train` SGD, Adagrad, Adam and FTRL update every EV of one lookup in
+ONE op (`apply_group`, from `backward_apply.fuse_ev`) that never waits
+for the stream; the other optimizers update each EV alone (`apply_*`).
+Slices changed on the way (scaled, clipped, summed over two lookups)
+take the per-key update.
 
 Eviction policies (`evict`) run the adaptor's evict op with the CPU
 EV's rules; incremental checkpoints (`export_changes`, `confirm_save`,
@@ -31,21 +35,18 @@ core's host stand-in (tests, `GROUP_EMBEDDING_HBM_ON_HOST=1`), whose
 kernels run on the CPU: same ops, same results.
 """
 
-import collections
 from typing import Any
 from typing import List
-from typing import NamedTuple
-from typing import Optional
 from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+from group_embedding.ops import backward_apply
 from group_embedding.ops import hbm_ev_deltas
 from group_embedding.ops import lookup_tf
 from group_embedding.ops import op_names
-from group_embedding.ops.backward_apply import hyper
 from group_embedding.ops.ragged_ids import FeatureIds
 
 BUCKET = 128
@@ -54,42 +55,6 @@ KEY_BYTES = 8 + 1 + 16
 # Optimizer slots a table's budget makes room for (Adam, FTRL: two).
 BUDGET_SLOTS = 2
 LOOKUP_OP = "GroupEmbeddingHbmEVLookup"
-# Gradients remembered for a fused backward-apply (the newest first out:
-# slices nobody applies are forgotten).
-_MAX_REMEMBERED = 256
-
-
-class _Forward(NamedTuple):
-    """One feature of a lookup, as its gradient's update needs it."""
-
-    values: Any       # the IndexedSlices values it was remembered for
-    keys: Any
-    row_splits: Any
-    weights: Any      # empty: none
-    grads: Any        # d loss / d pooled output [B, D]
-    combiner: str
-    max_norm: float
-
-
-_remembered: "collections.OrderedDict[int, _Forward]" = (
-    collections.OrderedDict())
-
-
-def _remember(forward: _Forward) -> None:
-    _remembered[id(forward.values)] = forward
-    while len(_remembered) > _MAX_REMEMBERED:
-        _remembered.popitem(last=False)
-
-
-def _forward_of(keys, values) -> Optional[_Forward]:
-    """The lookup feature whose untouched gradient is (keys, values)."""
-    found = _remembered.get(id(values))
-    if found is None or found.values is not values or found.keys is not keys:
-        return None
-    del _remembered[id(values)]
-    return found
-
-
 def num_buckets(hbm_bytes: int, embedding_dim: int) -> int:
     """Buckets of 128 keys (a power of two, at least one) that fit
     `hbm_bytes` with each key's row and two optimizer slots."""
@@ -232,22 +197,56 @@ class HbmStorage:
     # -- optimizer updates (`ev_storage.apply_*`) --------------------------
     def _apply(self, handle, keys, grad, step, optimizer, slot_names,
                **hyperparameters):
-        forward = _forward_of(keys, grad)
+        forward = backward_apply.hbm_forward_of(keys, grad)
+        values = backward_apply.hyper(**hyperparameters)
         if forward is not None:
             # The fused backward-apply of the lookup's feature.
-            return self.module.group_embedding_hbm_ev_apply(
-                handle, forward.keys, forward.row_splits, forward.weights,
-                forward.grads, tf.cast(step, tf.int64),
-                hyper(**hyperparameters), combiner=forward.combiner,
-                max_norm=forward.max_norm, optimizer=optimizer,
-                slot_names=list(slot_names))
+            return self._update([handle], [forward], step, optimizer,
+                                slot_names, values)
         keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
-        splits = tf.range(tf.size(keys, out_type=tf.int64) + 1)
+        per_key = backward_apply.HbmForward(
+            lookup=None, values=None, keys=keys,
+            row_splits=tf.range(tf.size(keys, out_type=tf.int64) + 1),
+            weights=tf.zeros([0], tf.float32), grads=tf.cast(grad, tf.float32),
+            combiner="sum", max_norm=-1.0)
+        return self._update([handle], [per_key], step, optimizer, slot_names,
+                            values, keys_checked=False)
+
+    def _update(self, handles, forwards, step, optimizer, slot_names,
+                hyper_values, keys_checked=True):
+        """One `GroupEmbeddingHbmEVApply` of the EVs `handles` (distinct,
+        of one dim), EV t's gradient given by `forwards[t]`
+        (`backward_apply.HbmForward`: a lookup feature's keys and pooled
+        gradient, or keys with one gradient row each). `keys_checked`:
+        the keys are a forward lookup's, which refused bad keys, so the
+        op need not read its counters back (no wait for the stream)."""
+        max_norms = {f.max_norm for f in forwards}
+        if len(max_norms) != 1:
+            raise ValueError(f"{self.name}: one update takes one max_norm, "
+                             f"got {sorted(max_norms)}.")
         return self.module.group_embedding_hbm_ev_apply(
-            handle, keys, splits, tf.zeros([0], tf.float32),
-            tf.cast(grad, tf.float32), tf.cast(step, tf.int64),
-            hyper(**hyperparameters), optimizer=optimizer,
-            slot_names=list(slot_names))
+            handles=list(handles), keys=[f.keys for f in forwards],
+            row_splits=[f.row_splits for f in forwards],
+            weights=[f.weights for f in forwards],
+            grads=[f.grads for f in forwards],
+            global_step=tf.cast(step, tf.int64), hyper=hyper_values,
+            combiners=[f.combiner for f in forwards],
+            max_norm=max_norms.pop(), optimizer=optimizer,
+            slot_names=list(slot_names), keys_checked=keys_checked)
+
+    def apply_group(self, handles, forwards, rule):
+        """The fused backward-apply of several EVs of one lookup in one op
+        (`backward_apply.fuse_ev`).
+
+        Args:
+            handles: the EVs' handles (distinct EVs of this one's dim).
+            forwards: each EV's `backward_apply.HbmForward`.
+            rule: the optimizer's `backward_apply.Rule` (`optimizer`,
+                `hyper`, `ev_slots`, `step`).
+        Returns the op.
+        """
+        return self._update(handles, forwards, rule.step, rule.optimizer,
+                            rule.ev_slots, rule.hyper)
 
     def apply_sgd(self, handle, keys, grad, step, lr):
         """`var -= lr * g` on the admitted keys (duplicates summed)."""
@@ -342,6 +341,7 @@ def _lookup_grad(op, *grads):
     parts = tf.split(row_grads, tf.stack([tf.size(x) for x in keys]), num=k)
     slices = [tf.IndexedSlices(p, key) for p, key in zip(parts, keys)]
     for t, p in enumerate(parts):
-        _remember(_Forward(p, keys[t], splits[t], weights[t], upstream[t],
-                           combiners[t], max_norm))
+        backward_apply.remember_hbm_forward(backward_apply.HbmForward(
+            op, p, keys[t], splits[t], weights[t], upstream[t],
+            combiners[t], max_norm))
     return slices + [None] * (4 * k) + [None, None]

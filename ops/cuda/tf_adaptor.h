@@ -111,15 +111,12 @@ struct CoreGroup {
   }
 };
 
-// Reads the error counters (waiting for the stream); on a bad id, copies
-// the tables' ids back to name the first one, as the CPU kernels do.
-inline Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
-                     const std::vector<std::string>& names,
-                     const CoreGroup& group) {
-  uint64_t host[GE_NUM_ERRORS] = {0, 0};
-  int code = ge_copy_async(host, counters, sizeof(host), 1, stream);
-  if (code == GE_OK) code = ge_synchronize(stream);
-  TF_RETURN_IF_ERROR(CoreStatus("reading the error counts", code));
+// The error counts `host` (GE_NUM_ERRORS, read back) as a status; on a
+// bad id, copies the tables' ids back to name the first one, as the CPU
+// kernels do.
+inline Status CheckCounts(void* stream, const uint64_t* host,
+                          const std::vector<std::string>& names,
+                          const CoreGroup& group) {
   if (host[GE_BAD_LAYOUT] != 0) {
     return InvalidArgument(
         host[GE_BAD_LAYOUT], " rows of the group have row_splits that do "
@@ -131,8 +128,8 @@ inline Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
   for (size_t t = 0; t < group.ids.size(); ++t) {
     const int64_t n = group.ids[t]->NumElements();
     std::vector<int64_t> v(n);
-    code = ge_copy_async(v.data(), group.ids[t]->flat<int64_t>().data(),
-                         sizeof(int64_t) * n, 1, stream);
+    int code = ge_copy_async(v.data(), group.ids[t]->flat<int64_t>().data(),
+                             sizeof(int64_t) * n, 1, stream);
     if (code == GE_OK) code = ge_synchronize(stream);
     TF_RETURN_IF_ERROR(CoreStatus("reading the ids", code));
     for (int64_t j = 0; j < n; ++j) {
@@ -144,6 +141,17 @@ inline Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
     }
   }
   return InvalidArgument(host[GE_BAD_IDS], " ids out of range.");
+}
+
+// Reads the error counters (waiting for the stream), then CheckCounts.
+inline Status CheckCounters(OpKernelContext* ctx, void* stream, void* counters,
+                     const std::vector<std::string>& names,
+                     const CoreGroup& group) {
+  uint64_t host[GE_NUM_ERRORS] = {0, 0};
+  int code = ge_copy_async(host, counters, sizeof(host), 1, stream);
+  if (code == GE_OK) code = ge_synchronize(stream);
+  TF_RETURN_IF_ERROR(CoreStatus("reading the error counts", code));
+  return CheckCounts(stream, host, names, group);
 }
 
 // The `combiners` attr of a pooled op, parsed as the CPU kernels parse

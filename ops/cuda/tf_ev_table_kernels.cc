@@ -289,15 +289,16 @@ struct EvictedOf {
   uint64_t count;
 };
 
-// Moves what evicted outputs received into their tables' host tiers:
-// every copy enqueued, then one wait.
-Status Demote(const std::vector<EvictedOf>& evicted,
-              std::pmr::memory_resource* staging, void* stream) {
-  std::vector<EvTierRecords> recs;
-  recs.reserve(evicted.size());
+// Enqueues the copies of what evicted outputs received (their counts
+// read) to host records, one entry of `recs` per output; the caller
+// waits for the stream, then calls DemotePut.
+int DemoteCopies(const std::vector<EvictedOf>& evicted,
+                 std::pmr::memory_resource* staging, void* stream,
+                 std::vector<EvTierRecords>* recs) {
+  recs->reserve(evicted.size());
   int code = GE_OK;
   for (const EvictedOf& e : evicted) {
-    recs.emplace_back(staging);
+    recs->emplace_back(staging);
     const int64_t m =
         std::min<int64_t>(static_cast<int64_t>(e.count), e.out->n);
     if (code == GE_OK && m > 0) {
@@ -306,9 +307,48 @@ Status Demote(const std::vector<EvictedOf>& evicted,
                            DataOr<float>(d.slots), DataOr<int64_t>(d.freq),
                            DataOr<int64_t>(d.version), d.n, m,
                            e.table->desc.dim, e.table->desc.num_slots,
-                           &recs.back(), stream);
+                           &recs->back(), stream);
     }
   }
+  return code;
+}
+
+// Puts the records DemoteCopies read into their tables' host tiers.
+void DemotePut(const std::vector<EvictedOf>& evicted,
+               const std::vector<EvTierRecords>& recs) {
+  for (size_t i = 0; i < evicted.size(); ++i) {
+    if (recs[i].size() > 0) evicted[i].table->tier->Put(recs[i]);
+  }
+}
+
+// The records of DemoteCopies until they are in their tiers: Put after
+// the caller's wait; an op that returns before (an error on the way)
+// waits and puts them as it leaves, so that no key given up is lost.
+class PendingDemote {
+ public:
+  PendingDemote(const std::vector<EvictedOf>& evicted, void* stream)
+      : evicted_(evicted), stream_(stream) {}
+  ~PendingDemote() {
+    if (!recs_.empty() && ge_synchronize(stream_) == GE_OK) Put();
+  }
+  std::vector<EvTierRecords>* records() { return &recs_; }
+  void Put() {
+    DemotePut(evicted_, recs_);
+    recs_.clear();
+  }
+
+ private:
+  const std::vector<EvictedOf>& evicted_;
+  void* stream_;
+  std::vector<EvTierRecords> recs_;
+};
+
+// Moves what evicted outputs received into their tables' host tiers:
+// every copy enqueued, then one wait.
+Status Demote(const std::vector<EvictedOf>& evicted,
+              std::pmr::memory_resource* staging, void* stream) {
+  std::vector<EvTierRecords> recs;
+  int code = DemoteCopies(evicted, staging, stream, &recs);
   bool any = false;
   for (const EvTierRecords& rec : recs) any = any || rec.size() > 0;
   if (code == GE_OK && any) code = ge_synchronize(stream);
@@ -317,9 +357,7 @@ Status Demote(const std::vector<EvictedOf>& evicted,
                           ": moving evicted keys to host memory",
                       code);
   }
-  for (size_t i = 0; i < evicted.size(); ++i) {
-    if (recs[i].size() > 0) evicted[i].table->tier->Put(recs[i]);
-  }
+  DemotePut(evicted, recs);
   return Status();
 }
 
@@ -330,40 +368,17 @@ int EnqueueCount(const DeviceRecords& d, uint64_t* count, void* stream) {
                        stream);
 }
 
-// Before an op reads or updates the keys `spans` (device arrays, one
-// table's), the keys among them held by the host tier go back into the
-// table with their whole state, in one import (its keys pinned while it
-// runs, so none displaces another; the op's other keys pinned too, by
-// swapping their versions for INT64_MAX and back, so that none leaves
-// the table before the op reads it); the keys they displace go to the
-// tier. Keys the table cannot take (one bucket full of keys pinned in
-// this step) stay in the tier and the op fails (ResourceExhausted,
-// naming the EV; with `full_is_error` false it succeeds): nothing is
-// lost. One wait when the tier holds keys, none otherwise.
-Status Promote(OpKernelContext* ctx, HbmEvTable* table,
-               const std::vector<std::pair<const int64_t*, int64_t>>& spans,
-               void* stream, bool full_is_error = true) {
-  if (table->tier == nullptr || table->tier->empty()) return Status();
-  int64_t n = 0;
-  for (const auto& span : spans) n += span.second;
-  if (n == 0) return Status();
-  StagingMemory staging(ctx);
-  std::pmr::vector<int64_t> host(n, &staging);
-  int code = GE_OK;
-  int64_t at = 0;
-  for (const auto& span : spans) {
-    if (code == GE_OK) {
-      code = ge_copy_async(host.data() + at, span.first,
-                           sizeof(int64_t) * span.second, 1, stream);
-    }
-    at += span.second;
-  }
-  if (code == GE_OK) code = ge_synchronize(stream);
-  TF_RETURN_IF_ERROR(CoreStatus(table->name + ": reading keys", code));
-  EvTierRecords rec(&staging);
-  table->tier->Take(host.data(), n, &rec);
+// PromoteAll's import for one table, whose op keys `host` (copied to the
+// host, as PromoteAll reads them) its tier may hold.
+Status ImportFromTier(OpKernelContext* ctx, HbmEvTable* table,
+                      const std::pmr::vector<int64_t>& host,
+                      std::pmr::memory_resource* staging, void* stream,
+                      bool full_is_error) {
+  EvTierRecords rec(staging);
+  table->tier->Take(host.data(), static_cast<int64_t>(host.size()), &rec);
   const int64_t m = rec.size();
   if (m == 0) return Status();
+  int code = GE_OK;
   // From here the records are only in `rec`: any failure puts them back.
   Status status = [&]() -> Status {
     const int64_t dim = table->desc.dim, s_count = table->desc.num_slots;
@@ -387,7 +402,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
     // The op's keys already in the table (or absent), distinct.
     std::vector<int64_t> moving(rec.keys.begin(), rec.keys.end());
     std::sort(moving.begin(), moving.end());
-    std::pmr::vector<int64_t> stay(host, &staging);
+    std::pmr::vector<int64_t> stay(host.begin(), host.end(), staging);
     std::sort(stay.begin(), stay.end());
     stay.erase(std::unique(stay.begin(), stay.end()), stay.end());
     stay.erase(std::remove_if(stay.begin(), stay.end(),
@@ -397,7 +412,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
                               }),
                stay.end());
     const int64_t p = static_cast<int64_t>(stay.size());
-    std::pmr::vector<int64_t> pins(p, INT64_MAX, &staging);
+    std::pmr::vector<int64_t> pins(p, INT64_MAX, staging);
     Tensor stay_t, pins_t;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({p}),
                                           &stay_t));
@@ -443,7 +458,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
                                   EnqueueCount(out, &count, stream)));
     TF_RETURN_IF_ERROR(ReadCounters(stream, counters_t, host_c,
                                     GE_EV_NUM_COUNTERS));
-    TF_RETURN_IF_ERROR(Demote({{table, &out, count}}, &staging, stream));
+    TF_RETURN_IF_ERROR(Demote({{table, &out, count}}, staging, stream));
     if (host_c[GE_EV_FULL] == 0) return Status();
     // Which records did not get in: a find with the filter off (every
     // stored key then has a slot) on the moved keys.
@@ -452,7 +467,7 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
     Tensor where_t;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({m}),
                                           &where_t));
-    std::pmr::vector<int64_t> where(m, &staging);
+    std::pmr::vector<int64_t> where(m, staging);
     code = ge_ev_find(&all, DataOr<int64_t>(in.keys), m, nullptr,
                       DataOr<int64_t>(where_t), c, stream);
     if (code == GE_OK) {
@@ -487,6 +502,65 @@ Status Promote(OpKernelContext* ctx, HbmEvTable* table,
   }();
   if (rec.size() > 0) table->tier->Put(rec);
   return status;
+}
+
+// One table's keys for PromoteAll: device arrays of the op's keys.
+struct PromoteRequest {
+  HbmEvTable* table;
+  std::vector<std::pair<const int64_t*, int64_t>> spans;
+};
+
+// Before an op reads or updates the keys of `requests` (each a table's
+// spans of device keys), PromoteAll brings those keys of each table that
+// its host tier holds back into the table with their whole state, in one
+// import a table (its keys pinned while it runs, so none displaces
+// another; the op's other keys pinned too, by swapping their versions
+// for INT64_MAX and back, so that none leaves the table before the op
+// reads it); the keys they displace go to the tier. Keys a table cannot
+// take (one bucket full of keys pinned in this step) stay in its tier
+// and the op fails (ResourceExhausted, naming the EV; with
+// `full_is_error` false it succeeds): nothing is lost. The keys of every
+// table whose tier holds keys are read in one wait (none when no tier
+// does); each table that takes keys back waits up to twice more.
+Status PromoteAll(OpKernelContext* ctx,
+                  const std::vector<PromoteRequest>& requests, void* stream,
+                  bool full_is_error = true) {
+  StagingMemory staging(ctx);
+  std::vector<HbmEvTable*> tables;
+  std::vector<std::pmr::vector<int64_t>> hosts;
+  int code = GE_OK;
+  for (const PromoteRequest& r : requests) {
+    if (r.table->tier == nullptr || r.table->tier->empty()) continue;
+    int64_t n = 0;
+    for (const auto& span : r.spans) n += span.second;
+    if (n == 0) continue;
+    tables.push_back(r.table);
+    hosts.emplace_back(n, &staging);
+    int64_t at = 0;
+    for (const auto& span : r.spans) {
+      if (code == GE_OK) {
+        code = ge_copy_async(hosts.back().data() + at, span.first,
+                             sizeof(int64_t) * span.second, 1, stream);
+      }
+      at += span.second;
+    }
+  }
+  if (tables.empty()) return Status();
+  if (code == GE_OK) code = ge_synchronize(stream);
+  TF_RETURN_IF_ERROR(CoreStatus(tables.front()->name + ": reading keys",
+                                code));
+  for (size_t i = 0; i < tables.size(); ++i) {
+    TF_RETURN_IF_ERROR(ImportFromTier(ctx, tables[i], hosts[i], &staging,
+                                      stream, full_is_error));
+  }
+  return Status();
+}
+
+// PromoteAll of one table.
+Status Promote(OpKernelContext* ctx, HbmEvTable* table,
+               const std::vector<std::pair<const int64_t*, int64_t>>& spans,
+               void* stream, bool full_is_error = true) {
+  return PromoteAll(ctx, {{table, spans}}, stream, full_is_error);
 }
 
 // ---------------------------------------------------------------------------
@@ -738,16 +812,17 @@ class LookupOp : public OpKernel {
                                                  8 * GE_EV_NUM_COUNTERS,
                                                  stream)));
     // HBM_DRAM: every table's keys of the call held in host memory move
-    // back first (one import a table).
+    // back first (one import a table, one wait to read all the keys).
+    std::vector<PromoteRequest> requests(locked.distinct.size());
     for (size_t u = 0; u < locked.distinct.size(); ++u) {
-      std::vector<std::pair<const int64_t*, int64_t>> spans;
-      for (int t = 0; t < k; ++t) {
-        if (locked.index[t] != static_cast<int>(u)) continue;
-        if (keys[t].NumElements() == 0) continue;
-        spans.emplace_back(DataOr<int64_t>(keys[t]), keys[t].NumElements());
-      }
-      OP_REQUIRES_OK(ctx, Promote(ctx, locked.distinct[u], spans, stream));
+      requests[u].table = locked.distinct[u];
     }
+    for (int t = 0; t < k; ++t) {
+      if (keys[t].NumElements() == 0) continue;
+      requests[locked.index[t]].spans.emplace_back(DataOr<int64_t>(keys[t]),
+                                                   keys[t].NumElements());
+    }
+    OP_REQUIRES_OK(ctx, PromoteAll(ctx, requests, stream));
     float* out = DataOr<float>(*rows);
     std::vector<int64_t> offset(k + 1, 0);
     for (int t = 0; t < k; ++t) {
@@ -832,15 +907,24 @@ class LookupOp : public OpKernel {
                                                    stream)));
       }
     }
+    // Keys given up to host tiers: their counts are read now, their
+    // records with the pooling's error counts, and they move before any
+    // error (nothing is lost). Otherwise the table's counters are read
+    // with the pooling's error counts, in one wait.
+    const std::string all_names = absl::StrJoin(names, ", ");
     uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
-    OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
-                                     GE_EV_NUM_COUNTERS));
+    StagingMemory staging(ctx);
+    PendingDemote demoted(given_up, stream);
     if (!given_up.empty()) {
-      // Before any error: the keys given up are kept.
-      StagingMemory staging(ctx);
-      OP_REQUIRES_OK(ctx, Demote(given_up, &staging, stream));
+      OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
+                                       GE_EV_NUM_COUNTERS));
+      // Their records come with the pooling's error counts.
+      const int code = DemoteCopies(given_up, &staging, stream,
+                                    demoted.records());
+      if (code != GE_OK) demoted.records()->clear();  // not all copied
+      OP_REQUIRES_OK(ctx, CoreStatus(all_names + ": moving evicted keys to "
+                                     "host memory", code));
     }
-    OP_REQUIRES_OK(ctx, TableErrors(absl::StrJoin(names, ", "), host));
     // 2. Pooled: row j of feature t's block is its key j's row.
     OpOutputList pooled;
     OP_REQUIRES_OK(ctx, ctx->output_list("pooled", &pooled));
@@ -864,8 +948,24 @@ class LookupOp : public OpKernel {
       group.SetIds(t, positions);
       group.vocabs[t] = d.nnz;
     }
-    OP_REQUIRES_OK(ctx, CallCore(ctx, name(), ge_lookup_pooled, &group, dim_,
-                                 max_norm_, names));
+    CoreScratch s;
+    OP_REQUIRES_OK(ctx, s.Allocate(ctx, ge_lookup_scratch_bytes(k), stream));
+    OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_lookup_pooled(
+        group.descs.data(), k, dim_, max_norm_, s.scratch, s.bytes,
+        s.errors(), stream)));
+    uint64_t errors[GE_NUM_ERRORS] = {0, 0};
+    int code = ge_copy_async(errors, s.counters, sizeof(errors), 1, stream);
+    if (code == GE_OK && given_up.empty()) {
+      code = ge_copy_async(host, counters_t.flat<uint8_t>().data(),
+                           sizeof(host), 1, stream);
+    }
+    if (code == GE_OK) code = ge_synchronize(stream);
+    OP_REQUIRES_OK(ctx, CoreStatus("reading the error counts", code));
+    // Before any error: the keys given up are kept.
+    demoted.Put();
+    // A table's error first: a key it could not store read no row.
+    OP_REQUIRES_OK(ctx, TableErrors(all_names, host));
+    OP_REQUIRES_OK(ctx, CheckCounts(stream, errors, names, group));
   }
 
  private:
@@ -875,42 +975,50 @@ class LookupOp : public OpKernel {
 };
 
 // ---------------------------------------------------------------------------
-// Optimizer step of one EV: ge_ev_stamp (each key's row, -1 for keys
-// absent or not admitted, which the update skips; every stored key's
-// version), then the core's sparse update (ge_backward_apply) in place
-// on the table's values and slots, duplicates summed. Two uses, one op:
+// Optimizer step of a group of EVs, one core update for all of them:
+// ge_ev_stamp per EV (each key's row, -1 for keys absent or not
+// admitted, which the update skips; every stored key's version), then
+// ONE ge_backward_apply over every EV's table and slots in place,
+// duplicates summed. Entry t of each list is EV t's; every EV appears
+// once (a table read by two features has its gradients summed first).
+// Two uses, one op:
 // * the fused backward-apply of a lookup: `keys`, `row_splits`,
 //   `weights` of one feature of the forward, `grads` its pooled output's
-//   gradient [B, D], the forward's combiner and max_norm: the per-key
+//   gradient [B, D], the forward's combiners and max_norm: the per-key
 //   gradients are never written;
 // * a gradient given per key (IndexedSlices): row_splits 0 .. n (a key a
 //   row), no weights, `grads` [n, D], sum, no max_norm.
+// `keys_checked`: the keys are the forward lookup's of the same step,
+// which refused the reserved key already; then the counters are not
+// read back, and the op never waits for the stream but once to read the
+// keys of all its HBM_DRAM EVs whose host tiers hold keys (PromoteAll).
 // ---------------------------------------------------------------------------
 REGISTER_OP("GroupEmbeddingHbmEVApply")
-    .Input("handle: resource")
-    .Input("keys: int64")
-    .Input("row_splits: int64")
-    .Input("weights: float")
-    .Input("grads: float")
+    .Input("handles: num_tables * resource")
+    .Input("keys: num_tables * int64")
+    .Input("row_splits: num_tables * int64")
+    .Input("weights: num_tables * float")
+    .Input("grads: num_tables * float")
     .Input("global_step: int64")
     .Input("hyper: float")
-    .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
+    .Attr("num_tables: int >= 1")
+    .Attr("combiners: list(string)")
     .Attr("max_norm: float = -1.0")
     .Attr("optimizer: {'sgd', 'adagrad', 'adam', 'ftrl', 'adagrad_decay'}")
     .Attr("slot_names: list(string) >= 0")
+    .Attr("keys_checked: bool = false")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
 
 class ApplyOp : public OpKernel {
  public:
   explicit ApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string optimizer, combiner;
+    std::string optimizer;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_names", &slots_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("keys_checked", &keys_checked_));
+    OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
-    combiner_ = combiner == "mean" ? GE_MEAN
-                : combiner == "sqrtn" ? GE_SQRTN : GE_SUM;
     kind_ = optimizer == "sgd"       ? GE_OPT_SGD
             : optimizer == "adagrad" ? GE_OPT_ADAGRAD
             : optimizer == "adam"    ? GE_OPT_ADAM
@@ -924,45 +1032,53 @@ class ApplyOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<HbmEvTable> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, 0, &table));
-    const std::string& var = table->name;
-    const Tensor& keys = ctx->input(1);
-    const Tensor& splits = ctx->input(2);
-    const Tensor& weights = ctx->input(3);
-    const Tensor& grads = ctx->input(4);
-    OP_REQUIRES_OK(ctx, CheckScalar(ctx->input(5), "global_step"));
-    const int64_t step = ctx->input(5).scalar<int64_t>()();
-    const Tensor& hyper = ctx->input(6);
-    const int64_t dim = table->desc.dim;
-    OP_REQUIRES_OK(ctx, CheckRaggedShapes(var, keys, splits, weights));
-    const int64_t n = keys.NumElements();
-    const int64_t batch = splits.NumElements() - 1;
-    OP_REQUIRES_OK(ctx, CheckMatrix(var + ": gradient", grads, batch, dim));
+    OpInputList keys, splits, weights, grads;
+    OP_REQUIRES_OK(ctx, ctx->input_list("keys", &keys));
+    OP_REQUIRES_OK(ctx, ctx->input_list("row_splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("weights", &weights));
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    const int k = keys.size();
+    OP_REQUIRES(ctx, static_cast<int>(combiners_.size()) == k,
+                InvalidArgument("combiners must have ", k, " entries."));
+    const Tensor& step_t = ctx->input(5 * k);
+    const Tensor& hyper = ctx->input(5 * k + 1);
+    OP_REQUIRES_OK(ctx, CheckScalar(step_t, "global_step"));
+    const int64_t step = step_t.scalar<int64_t>()();
     OP_REQUIRES(ctx, hyper.dims() == 1 && hyper.NumElements() == 8,
-                InvalidArgument(var, ": hyper must have 8 values."));
+                InvalidArgument("hyper must have 8 values."));
     const float* h = hyper.flat<float>().data();
     const GeOptimizerConfig config = {kind_, 0,    h[0], h[1], h[2],
                                       h[3],  h[4], h[5], h[6], h[7]};
-    ::tensorflow::mutex_lock lock(*table->mu());
-    std::vector<int> idx;
-    for (const auto& s : slots_) {
-      idx.push_back(table->SlotIndex(s));
-      OP_REQUIRES(ctx, idx.back() >= 0,
-                  InvalidArgument(var, ": optimizer slot '", s,
-                                  "' was not created; build the optimizer "
-                                  "first."));
+    LockedHbmTables locked;
+    OP_REQUIRES_OK(ctx, locked.Open(ctx, k));
+    OP_REQUIRES(ctx, static_cast<int>(locked.distinct.size()) == k,
+                InvalidArgument("an EV appears twice in one update (",
+                                TableNames(locked), "); sum its gradients "
+                                "first."));
+    const int64_t dim = locked.refs[0]->desc.dim;
+    // Each EV's slot planes, in the optimizer's order.
+    std::vector<std::vector<int>> idx(k);
+    for (int t = 0; t < k; ++t) {
+      HbmEvTable* table = locked.refs[t].get();
+      const std::string& var = table->name;
+      OP_REQUIRES(ctx, table->desc.dim == dim,
+                  InvalidArgument(var, ": has embedding_dim ",
+                                  table->desc.dim, ", the group ", dim,
+                                  "."));
+      OP_REQUIRES_OK(ctx, CheckRaggedShapes(var, keys[t], splits[t],
+                                            weights[t]));
+      OP_REQUIRES_OK(ctx, CheckMatrix(var + ": gradient", grads[t],
+                                      splits[t].NumElements() - 1, dim));
+      for (const auto& s : slots_) {
+        idx[t].push_back(table->SlotIndex(s));
+        OP_REQUIRES(ctx, idx[t].back() >= 0,
+                    InvalidArgument(var, ": optimizer slot '", s,
+                                    "' was not created; build the "
+                                    "optimizer first."));
+      }
     }
-    table->step = std::max(table->step, step);
-    if (n == 0) return;
     void* stream = StreamOf(ctx);
-    // HBM_DRAM: keys held in host memory move back to be updated.
-    OP_REQUIRES_OK(ctx, Promote(ctx, table.get(),
-                                {{DataOr<int64_t>(keys), n}}, stream));
-    const GeEvTable desc = table->With(nullptr, 0);
-    Tensor slot_of_t, counters_t;
-    OP_REQUIRES_OK(ctx, Allocate(ctx, DT_INT64, TensorShape({n}),
-                                 &slot_of_t));
+    Tensor counters_t;
     void* counters = nullptr;
     OP_REQUIRES_OK(ctx, Temp(ctx, 8 * GE_EV_NUM_COUNTERS, &counters_t,
                              &counters));
@@ -970,49 +1086,82 @@ class ApplyOp : public OpKernel {
                                    ge_zero_async(counters,
                                                  8 * GE_EV_NUM_COUNTERS,
                                                  stream)));
-    int64_t* slot_of = slot_of_t.flat<int64_t>().data();
-    OP_REQUIRES_OK(ctx, CoreStatus(var, ge_ev_stamp(
-        &desc, DataOr<int64_t>(keys), n, step, slot_of,
-        static_cast<unsigned long long*>(counters), stream)));
-    const int64_t cap = table->capacity();
-    float* planes = DataOr<float>(table->slots);
-    GeTable d;
-    std::memset(&d, 0, sizeof(d));
-    d.table = table->desc.values;
-    d.vocab = cap;
-    // Keys absent or not admitted have row -1: the core skips them (the
-    // combiner's scale still counts them, as the forward did).
-    d.ids = slot_of;
-    d.splits = DataOr<int64_t>(splits);
-    d.weights = DataOr<float>(weights);
-    d.nnz = n;
-    d.batch = batch;
-    d.combiner = combiner_;
-    d.grad = DataOr<float>(grads);
-    d.grad_stride = dim;
-    d.slot0 = idx.size() > 0 ? planes + idx[0] * cap * dim : nullptr;
-    d.slot1 = idx.size() > 1 ? planes + idx[1] * cap * dim : nullptr;
-    const size_t bytes = ge_backward_scratch_bytes(&d, 1, dim);
-    OP_REQUIRES(ctx, bytes > 0,
-                InvalidArgument(var, ": the CUDA core refused the update's "
-                                "arguments."));
-    CoreScratch s;
-    OP_REQUIRES_OK(ctx, s.Allocate(ctx, bytes, stream));
-    OP_REQUIRES_OK(ctx, CoreStatus(var, ge_backward_apply(
-        &d, 1, dim, max_norm_, &config, s.scratch, s.bytes, s.errors(),
-        stream)));
+    // HBM_DRAM: keys held in host memory move back to be updated (at
+    // this step: an import evicts no key this step has stamped).
+    std::vector<PromoteRequest> requests(k);
+    for (int t = 0; t < k; ++t) {
+      requests[t].table = locked.refs[t].get();
+      requests[t].table->step = std::max(requests[t].table->step, step);
+      if (keys[t].NumElements() == 0) continue;
+      requests[t].spans.emplace_back(DataOr<int64_t>(keys[t]),
+                                     keys[t].NumElements());
+    }
+    OP_REQUIRES_OK(ctx, PromoteAll(ctx, requests, stream));
+    std::vector<Tensor> slot_of(k);
+    CoreGroup group(k);
+    int updated = 0;  // tables with keys, first in group.descs
+    for (int t = 0; t < k; ++t) {
+      HbmEvTable* table = locked.refs[t].get();
+      const int64_t n = keys[t].NumElements();
+      if (n == 0) continue;
+      const GeEvTable desc = table->With(nullptr, 0);
+      OP_REQUIRES_OK(ctx, Allocate(ctx, DT_INT64, TensorShape({n}),
+                                   &slot_of[t]));
+      int64_t* slots_of_keys = slot_of[t].flat<int64_t>().data();
+      OP_REQUIRES_OK(ctx, CoreStatus(table->name, ge_ev_stamp(
+          &desc, DataOr<int64_t>(keys[t]), n, step, slots_of_keys,
+          static_cast<unsigned long long*>(counters), stream)));
+      const int64_t cap = table->capacity();
+      float* planes = DataOr<float>(table->slots);
+      GeTable& d = group.descs[updated++];
+      std::memset(&d, 0, sizeof(d));
+      d.table = table->desc.values;
+      d.vocab = cap;
+      // Keys absent or not admitted have row -1: the core skips them
+      // (the combiner's scale still counts them, as the forward did).
+      d.ids = slots_of_keys;
+      d.splits = DataOr<int64_t>(splits[t]);
+      d.weights = DataOr<float>(weights[t]);
+      d.nnz = n;
+      d.batch = splits[t].NumElements() - 1;
+      d.combiner = combiners_[t];
+      d.grad = DataOr<float>(grads[t]);
+      d.grad_stride = dim;
+      d.slot0 = idx[t].size() > 0 ? planes + idx[t][0] * cap * dim : nullptr;
+      d.slot1 = idx[t].size() > 1 ? planes + idx[t][1] * cap * dim : nullptr;
+    }
+    if (updated > 0) {
+      const size_t bytes =
+          ge_backward_scratch_bytes(group.descs.data(), updated, dim);
+      OP_REQUIRES(ctx, bytes > 0,
+                  InvalidArgument(TableNames(locked), ": the CUDA core "
+                                  "refused the update's arguments."));
+      CoreScratch s;
+      OP_REQUIRES_OK(ctx, s.Allocate(ctx, bytes, stream));
+      OP_REQUIRES_OK(ctx, CoreStatus(TableNames(locked), ge_backward_apply(
+          group.descs.data(), updated, dim, max_norm_, &config, s.scratch,
+          s.bytes, s.errors(), stream)));
+    }
+    if (keys_checked_ || updated == 0) return;
     // The skipped keys are counted as bad ids by design; only the
-    // reserved key is an error (the forward refused it already).
+    // reserved key is an error.
     uint64_t host[GE_EV_NUM_COUNTERS] = {0, 0, 0, 0};
     OP_REQUIRES_OK(ctx, ReadCounters(stream, counters_t, host,
                                      GE_EV_NUM_COUNTERS));
-    OP_REQUIRES_OK(ctx, TableErrors(var, host));
+    OP_REQUIRES_OK(ctx, TableErrors(TableNames(locked), host));
   }
 
  private:
+  static std::string TableNames(const LockedHbmTables& locked) {
+    std::vector<std::string> names;
+    for (const auto& ref : locked.refs) names.push_back(ref->name);
+    return absl::StrJoin(names, ", ");
+  }
+
   std::vector<std::string> slots_;
+  std::vector<int32_t> combiners_;
+  bool keys_checked_ = false;
   int32_t kind_;
-  int32_t combiner_;
   float max_norm_;
 };
 
@@ -1655,7 +1804,7 @@ REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVLookup")
                             .HostMemory("training"),
                         LookupOp);
 REGISTER_KERNEL_BUILDER(GE_EV_KERNEL("GroupEmbeddingHbmEVApply")
-                            .HostMemory("handle")
+                            .HostMemory("handles")
                             .HostMemory("global_step")
                             .HostMemory("hyper"),
                         ApplyOp);

@@ -19,6 +19,8 @@ them; incremental saves write the DRAM EV's deltas (changed and removed
 keys), and either chain restores bitwise into either kind.
 """
 
+import ctypes
+
 import keras
 import numpy as np
 import pytest
@@ -28,8 +30,11 @@ import group_embedding as ge
 from group_embedding import feature_column as ge_fc
 from group_embedding import lookup_plan
 from group_embedding.distributed import checkpoint as ge_checkpoint
+from group_embedding.ops import backward_apply
 from group_embedding.ops import capabilities
 from group_embedding.ops import config
+from group_embedding.ops import ev_storage
+from group_embedding.ops import gpu_kernel_library
 
 DIM = 4
 DEFAULT_ROWS = 5
@@ -100,7 +105,7 @@ def _state(ev):
             list(names), slots[order], int(step))
 
 
-def _assert_same_state(hbm_ev, dram_ev, exact=False):
+def _assert_same_state(hbm_ev, dram_ev, exact=False, rtol=2e-6, atol=1e-7):
     got, want = _state(hbm_ev), _state(dram_ev)
     np.testing.assert_array_equal(got[0], want[0])   # keys
     np.testing.assert_array_equal(got[2], want[2])   # freqs
@@ -110,7 +115,7 @@ def _assert_same_state(hbm_ev, dram_ev, exact=False):
         if exact:
             np.testing.assert_array_equal(g, w)
         else:
-            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
 
 
 def _train(ev, optimizer, batches, combiner, max_norm=None):
@@ -414,6 +419,135 @@ def test_traced_training_step_equals_the_dram_ev(hbm):
     _assert_same_state(hbm_ev, dram_ev)
 
 
+def _apply_ops(graph):
+    """The GroupEmbeddingHbmEVApply nodes of a graph and of its functions:
+    the number of EVs each updates."""
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return sorted(n.attr["num_tables"].i for n in nodes
+                  if n.op == "GroupEmbeddingHbmEVApply")
+
+
+def _stream_waits():
+    """The host stand-in's count of stream synchronisations so far."""
+    lib = ctypes.CDLL(gpu_kernel_library.host_stand_in_path())
+    lib.ge_host_synchronize_calls.restype = ctypes.c_longlong
+    return lib.ge_host_synchronize_calls
+
+
+@pytest.mark.parametrize("name,make", [
+    ("sgd", lambda: ge.optimizers.SGD(0.2)),
+    ("adagrad", lambda: ge.optimizers.Adagrad(0.1)),
+    ("adam", lambda: ge.optimizers.Adam(0.05)),
+    ("ftrl", lambda: ge.optimizers.Ftrl(0.1, l1_regularization_strength=0.01,
+                                        l2_regularization_strength=0.02)),
+])
+def test_a_lookups_evs_are_updated_by_one_op_without_a_wait(
+        hbm, monkeypatch, name, make):
+    """A traced step over three HBM EVs (three combiners, one weighted
+    feature): the update is ONE op for the three EVs, the step waits for
+    the stream once (the lookup's error counts), and every output, key,
+    row, slot, freq and version is bitwise what one update op per EV
+    gives, and equals the DRAM EVs."""
+    pairs = [_pair(f"one_op_{name}_{i}") for i in range(3)]
+    batches = [_batches(90 + i, steps=4, weighted=i == 1) for i in range(3)]
+
+    def run(evs):
+        opt = make()
+
+        @tf.function
+        def step(ids, w):
+            with tf.GradientTape() as tape:
+                out = ge.group_embedding_lookup_sparse(
+                    evs, ids, ["sum", "mean", "sqrtn"], [None, w, None])
+                loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + 1.0))
+                                 for o in out])
+            opt.apply(tape.gradient(loss, evs), evs)
+            return out
+
+        outs, waits = [], []
+        for b in range(4):
+            ids = [batches[i][b][0] for i in range(3)]
+            count = None
+            if b > 0 and evs[0].storage is not ev_storage:
+                count = _stream_waits()
+                before = count()
+            outs.append([o.numpy() for o in step(ids, batches[1][b][1])])
+            if count is not None:
+                waits.append(count() - before)
+        graph = step.get_concrete_function(ids, batches[1][0][1]).graph
+        return outs, waits, _apply_ops(graph)
+
+    hbm_evs = [p[0] for p in pairs]
+    got, waits, ops = run(hbm_evs)
+    assert ops == [3] and waits == [1, 1, 1], (ops, waits)
+    want, _, _ = run([p[1] for p in pairs])
+    # FTRL's accumulators grow large: its last bits differ a little more.
+    rtol, atol = (1e-5, 1e-6) if name == "ftrl" else (2e-6, 1e-7)
+    for gs, ws in zip(got, want):
+        for g, w in zip(gs, ws):
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+    for hbm_ev, dram_ev in pairs:
+        _assert_same_state(hbm_ev, dram_ev, rtol=rtol, atol=atol)
+    # One update op per EV: bitwise the same.
+    monkeypatch.setattr(backward_apply, "_hbm_groups", lambda *a: [])
+    apart = [_pair(f"apart_{name}_{i}")[0] for i in range(3)]
+    alone, waits, ops = run(apart)
+    assert ops == [1, 1, 1] and waits == [1, 1, 1], (ops, waits)
+    for gs, ws in zip(got, alone):
+        for g, w in zip(gs, ws):
+            np.testing.assert_array_equal(g, w)
+    for ev, other in zip(hbm_evs, apart):
+        _assert_same_state(ev, other, exact=True)
+
+
+def test_a_tf1_train_op_updates_a_lookups_evs_in_one_op(hbm):
+    """`ge.train.AdagradOptimizer` in a TF1 graph: one update op for the
+    lookup's three HBM EVs, one wait a step; the DRAM EVs' results."""
+    batches = [_batches(95 + i, steps=3) for i in range(3)]
+    states, ops, waits = [], [], []
+    for kind in (0, 1):
+        with tf.Graph().as_default() as graph:
+            evs = [_pair(f"tf1_one_op_{i}")[kind] for i in range(3)]
+            feeds, ids = [], []
+            for _ in evs:
+                values = tf.compat.v1.placeholder(tf.int64, [None])
+                splits = tf.compat.v1.placeholder(tf.int64, [None])
+                feeds.append((values, splits))
+                ids.append(tf.RaggedTensor.from_row_splits(values, splits))
+            out = ge.group_embedding_lookup_sparse(evs, ids, "mean")
+            loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + 1.0)) for o in out])
+            step = tf.compat.v1.train.get_or_create_global_step()
+            train = ge.train.AdagradOptimizer(0.1).minimize(
+                loss, global_step=step, var_list=evs)
+            ops.append(_apply_ops(graph))
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for b in range(3):
+                    feed = {}
+                    for (values, splits), feature in zip(feeds, batches):
+                        feed[values] = feature[b][0].values.numpy()
+                        feed[splits] = feature[b][0].row_splits.numpy()
+                    if kind == 0 and b > 0:
+                        count = _stream_waits()
+                        before = count()
+                    sess.run(train, feed)
+                    if kind == 0 and b > 0:
+                        waits.append(count() - before)
+                states.append([sess.run(ev.storage.export(ev.handle, DIM))
+                               for ev in evs])
+    assert ops == [[3], []] and waits == [1, 1], (ops, waits)
+    for got, want in zip(*states):
+        og, ow = np.argsort(got[0]), np.argsort(want[0])
+        for i in (0, 2, 3):  # keys, freqs, versions
+            np.testing.assert_array_equal(got[i][og], want[i][ow])
+        for i in (1, 6):  # values, accumulators
+            np.testing.assert_allclose(got[i][og], want[i][ow], rtol=2e-6,
+                                       atol=1e-7)
+
+
 def test_reserved_key_and_full_bucket_are_errors_naming_the_ev(hbm):
     (ev, _) = _pair("limits", hbm_bytes=1)  # one bucket of 128 keys
     assert ev.storage.capacity == 128
@@ -425,6 +559,12 @@ def test_reserved_key_and_full_bucket_are_errors_naming_the_ev(hbm):
     with pytest.raises(tf.errors.ResourceExhaustedError,
                        match="limits_hbm.*could not store 1 keys"):
         ge.group_embedding_lookup_sparse([ev], [many], "sum")
+    # A gradient given per key (not the lookup's own) is checked too.
+    grad = tf.IndexedSlices(tf.ones([1, DIM]), tf.constant([-2**63],
+                                                           tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="limits_hbm.*int64 min"):
+        ge.optimizers.SGD(0.1).apply([grad], [ev])
 
 
 # -- 34.1: eviction policies, run when the CPU EV runs them -----------------
@@ -685,16 +825,15 @@ def test_untouched_gradients_take_the_fused_backward_apply(hbm, monkeypatch,
     backward-apply (the feature's ids and pooled gradient into one core
     update); slices changed on the way (here scaled by 1) take the
     per-key update. Both equal the DRAM EV."""
-    from group_embedding.ops import hbm_ev_storage
     found = []
-    real = hbm_ev_storage._forward_of
+    real = backward_apply.hbm_forward_of
 
     def spy(keys, values):
         forward = real(keys, values)
         found.append(forward is not None)
         return forward
 
-    monkeypatch.setattr(hbm_ev_storage, "_forward_of", spy)
+    monkeypatch.setattr(backward_apply, "hbm_forward_of", spy)
     batches = _batches(41, steps=3, weighted=True)
     for scale in (None, 1.0):
         hbm_ev, dram_ev = _pair(f"fused_{traced}_{scale}")
