@@ -215,6 +215,10 @@ _DISPATCH: Dict[_Key, _Run] = {
     (TableKind.HBM_EV, Backend.GPU_KERNELS, Mode.POOLED): _hbm_ev_pooled,
     (TableKind.HBM_EV, Backend.GPU_KERNELS, Mode.CONCAT):
         _concat_of(_hbm_ev_pooled),
+    (TableKind.HBM_EV, Backend.GPU_KERNELS, Mode.SEQUENCE):
+        lambda g, c: hbm_ev_storage.sequence_lookup(
+            g.capabilities.hbm_ev_module(g.names), g.tables, g.feats,
+            c.max_norm, c.training),
     # Inside a SavedModel save only: the frozen snapshots' stock ops.
     (TableKind.HBM_EV, Backend.TF_OPS, Mode.POOLED): _ev_tf_pooled,
     (TableKind.HBM_EV, Backend.TF_OPS, Mode.CONCAT):

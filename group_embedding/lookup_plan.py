@@ -216,7 +216,7 @@ def _hbm_backend(names: Sequence[str], call: LookupCall,
     Raises:
         RuntimeError: no GPU kernels serve HBM EVs here (naming the EVs).
         NotImplementedError: what the HBM ops do not do yet (naming the
-            EVs): sequence lookups, collective mode, a tensor max_norm.
+            EVs): collective mode, a tensor max_norm.
     """
     if found.in_save:
         return Backend.TF_OPS
@@ -225,8 +225,6 @@ def _hbm_backend(names: Sequence[str], call: LookupCall,
     refused = None
     if runtime is not None and runtime.size > 1:
         refused = "collective mode"
-    elif call.mode == Mode.SEQUENCE:
-        refused = "sequence lookups (is_sequence=True)"
     elif lookup_kernels.kernel_max_norm(call.max_norm) is None:
         refused = "a max_norm that is not a number >= 0"
     if refused is not None:

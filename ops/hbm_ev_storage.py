@@ -9,7 +9,8 @@ is what such an EV holds instead of the `ev_storage` module: the same
 calls (`ensure_slot`, `size`, `export`, `import_`, `apply_*`) with the
 same arguments and results, so the EV, its checkpoints and the
 optimizers treat both alike; `pooled_lookup` is the group's fused
-find-or-insert + pooling (`lookup_plan`'s HBM EV backend).
+find-or-insert + pooling (`lookup_plan`'s HBM EV backend), and
+`sequence_lookup` places the same op's rows in TF.
 
 Fused backward-apply: the lookup's gradient function gives each EV
 IndexedSlices (one row per occurrence) and remembers, for those values,
@@ -292,12 +293,35 @@ def pooled_lookup(module: Any, variables: Sequence[Any],
     op. The gradient is each EV's IndexedSlices keyed by key, one row per
     occurrence (the updates sum duplicates), as the TF path of a DRAM EV
     computes it from the rows read."""
+    return list(_lookup(module, variables, feats, combiners, max_norm,
+                        training, pool=True)[0])
+
+
+def sequence_lookup(module: Any, variables: Sequence[Any],
+                    feats: Sequence[FeatureIds], max_norm: Any,
+                    training: Any) -> List[tf.Tensor]:
+    """`[B_i, T_i, D]` lookups of the group: the rows the lookup op reads
+    (one find-or-insert for the group, `[sum nnz, D]`), clipped to
+    `max_norm` and placed at their slots with their weights in TF, as a
+    DRAM EV's TF path places them (`lookup_tf.sequence_rows`). Their
+    gradient reaches each EV as IndexedSlices keyed by key, a key a row,
+    which the fused update applies as given (`fuse_ev`)."""
+    rows = _lookup(module, variables, feats, ["sum"] * len(feats), None,
+                   training, pool=False)[1]
+    if max_norm is not None:
+        rows = lookup_tf.clip_rows(rows, max_norm)
+    return lookup_tf.sequence_rows(rows, feats)
+
+
+def _lookup(module, variables, feats, combiners, max_norm, training, pool):
+    """The lookup op's outputs: (pooled per feature, rows `[sum nnz, D]`);
+    `pool` False: only the rows (the pooled outputs are empty)."""
     for v in variables:
         resource_variable_ops.variable_accessed(v)
     empty = tf.zeros([0], tf.float32)
     sizes = [tf.size(f.values, out_type=tf.int64) for f in feats]
     positions = tf.range(tf.reduce_max(tf.stack(sizes)))
-    out = module.group_embedding_hbm_ev_lookup(
+    return module.group_embedding_hbm_ev_lookup(
         handles=[v.handle for v in variables],
         keys=[tf.cast(f.values, tf.int64) for f in feats],
         row_splits=[f.row_splits for f in feats],
@@ -307,8 +331,7 @@ def pooled_lookup(module: Any, variables: Sequence[Any],
         training=tf.convert_to_tensor(training, tf.bool),
         combiners=list(combiners),
         embedding_dim=int(variables[0].embedding_dim),
-        max_norm=-1.0 if max_norm is None else float(max_norm))
-    return list(out[0])
+        max_norm=-1.0 if max_norm is None else float(max_norm), pool=pool)
 
 
 @op_names.register_gradient(LOOKUP_OP)
@@ -319,6 +342,19 @@ def _lookup_grad(op, *grads):
     weights = op.inputs[3 * k:4 * k]
     rows = op.outputs[k]
     max_norm = op.get_attr("max_norm")
+    if not op.get_attr("pool"):
+        # A sequence lookup: the gradient of the rows it placed, per key.
+        rows_grad = (tf.zeros_like(rows) if grads[k] is None
+                     else tf.convert_to_tensor(grads[k]))
+        parts = tf.split(rows_grad, tf.stack([tf.size(x) for x in keys]),
+                         num=k)
+        for p, key in zip(parts, keys):
+            # Applied as given (a key a row), keys checked by this op.
+            backward_apply.remember_hbm_forward(backward_apply.HbmForward(
+                op, p, key, tf.range(tf.size(key, out_type=tf.int64) + 1),
+                tf.zeros([0], tf.float32), p, "sum", -1.0))
+        return ([tf.IndexedSlices(p, key) for p, key in zip(parts, keys)]
+                + [None] * (4 * k) + [None, None])
     combiners = [c.decode() if isinstance(c, bytes) else c
                  for c in op.get_attr("combiners")]
     feats = []

@@ -683,7 +683,9 @@ class HandleOp : public OpKernel {
 // ---------------------------------------------------------------------------
 // The group's lookup: find-or-insert of every feature's keys (one core
 // call per distinct step of its tables), then the pooling of the rows
-// read (one core call), max_norm and every combiner included.
+// read (one core call), max_norm and every combiner included. `pool`
+// false (sequence lookups, which place the rows themselves): only the
+// rows, the pooled outputs empty ([0, D]).
 // ---------------------------------------------------------------------------
 REGISTER_OP("GroupEmbeddingHbmEVLookup")
     .Input("handles: num_tables * resource")
@@ -699,6 +701,7 @@ REGISTER_OP("GroupEmbeddingHbmEVLookup")
     .Attr("combiners: list(string)")
     .Attr("embedding_dim: int >= 1")
     .Attr("max_norm: float = -1.0")
+    .Attr("pool: bool = true")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       int k = 0, dim = 0;
@@ -742,6 +745,7 @@ class LookupOp : public OpKernel {
  public:
   explicit LookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("embedding_dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pool", &pool_));
     OP_REQUIRES_OK(ctx, GetMaxNorm(ctx, &max_norm_));
     OP_REQUIRES_OK(ctx, CombinersAttr(ctx, &combiners_));
   }
@@ -941,20 +945,25 @@ class LookupOp : public OpKernel {
       d.batch = splits[t].NumElements() - 1;
       d.combiner = combiners_[t];
       Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, pooled.allocate(t, TensorShape({d.batch, dim_}),
-                                          &o));
+      OP_REQUIRES_OK(ctx, pooled.allocate(
+                              t, TensorShape({pool_ ? d.batch : 0, dim_}),
+                              &o));
       d.out = DataOr<float>(*o);
       d.out_stride = dim_;
       group.SetIds(t, positions);
       group.vocabs[t] = d.nnz;
     }
     CoreScratch s;
-    OP_REQUIRES_OK(ctx, s.Allocate(ctx, ge_lookup_scratch_bytes(k), stream));
-    OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_lookup_pooled(
-        group.descs.data(), k, dim_, max_norm_, s.scratch, s.bytes,
-        s.errors(), stream)));
     uint64_t errors[GE_NUM_ERRORS] = {0, 0};
-    int code = ge_copy_async(errors, s.counters, sizeof(errors), 1, stream);
+    int code = GE_OK;
+    if (pool_) {
+      OP_REQUIRES_OK(ctx, s.Allocate(ctx, ge_lookup_scratch_bytes(k),
+                                     stream));
+      OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_lookup_pooled(
+          group.descs.data(), k, dim_, max_norm_, s.scratch, s.bytes,
+          s.errors(), stream)));
+      code = ge_copy_async(errors, s.counters, sizeof(errors), 1, stream);
+    }
     if (code == GE_OK && given_up.empty()) {
       code = ge_copy_async(host, counters_t.flat<uint8_t>().data(),
                            sizeof(host), 1, stream);
@@ -971,6 +980,7 @@ class LookupOp : public OpKernel {
  private:
   std::vector<int32_t> combiners_;
   int64_t dim_;
+  bool pool_ = true;
   float max_norm_;
 };
 

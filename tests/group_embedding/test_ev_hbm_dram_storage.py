@@ -209,6 +209,32 @@ def test_a_group_of_tiered_evs_with_a_shared_table():
     _check(b)
 
 
+def test_sequence_lookups_of_keys_in_host_memory():
+    """is_sequence=True over the tiers (traced, Adagrad): the whole-table
+    HBM EV's outputs and state bitwise, the DRAM EV's to tolerance."""
+    evs = _evs("seq")
+    batches = _batches(12, steps=10)
+    outs = []
+    for ev in evs:
+        opt = ge.optimizers.Adagrad(0.1)
+
+        @tf.function
+        def step(ids, ev=ev, opt=opt):
+            with tf.GradientTape() as tape:
+                (out,) = ge.group_embedding_lookup_sparse(
+                    [ev], [ids], "sum", is_sequence=True)
+                loss = tf.reduce_sum(out * tf.sin(out + 1.0))
+            opt.apply(tape.gradient(loss, [ev]), [ev])
+            return out
+
+        outs.append([step(ids).numpy() for ids in batches])
+    for g, w, d in zip(*outs):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_allclose(g, d, rtol=3e-5, atol=2e-6)
+    _check(evs)
+    assert evs[0].storage.tier_sizes(evs[0].handle).numpy()[1] > 0
+
+
 def test_inference_reads_keys_in_host_memory_without_stamping():
     evs = _evs("infer")
     _train_all(evs, lambda: ge.optimizers.Adagrad(0.1), _batches(9, steps=8))

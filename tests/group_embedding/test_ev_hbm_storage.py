@@ -180,12 +180,6 @@ def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
             filter_option=ge.CBFFilter(2, 10, 0.01))
         with pytest.raises(NotImplementedError, match="'todo'.*CBFFilter"):
             ge.get_embedding_variable("todo", DIM, ev_option=option)
-    ev = ge.get_embedding_variable("seq", DIM, ev_option=_option(
-        ge.StorageOption(ge.StorageType.HBM)))
-    ids = tf.ragged.constant([[1, 2]], tf.int64)
-    with pytest.raises(NotImplementedError, match=r"\(seq\).*sequence"):
-        ge.group_embedding_lookup_sparse([ev], [ids], "sum",
-                                         is_sequence=True)
 
 
 def test_unsupported_lookups_and_optimizers_name_the_ev(hbm, monkeypatch):
@@ -546,6 +540,62 @@ def test_a_tf1_train_op_updates_a_lookups_evs_in_one_op(hbm):
         for i in (1, 6):  # values, accumulators
             np.testing.assert_allclose(got[i][og], want[i][ow], rtol=2e-6,
                                        atol=1e-7)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_sequence_lookups_equal_the_dram_ev(hbm, max_norm):
+    """is_sequence=True: three features over two HBM EVs (one shared, one
+    feature weighted), four traced Adagrad steps, then an inference read:
+    the DRAM EVs' outputs and, after, their keys, rows and slots. The
+    update of the EV read once is fused (no wait), the shared one's is
+    per key (its two gradients summed): 2 update ops, 2 waits a step
+    (the lookup's counters, the per-key update's check)."""
+    a, a_ref = _pair(f"seq_a_{max_norm}")
+    b, b_ref = _pair(f"seq_b_{max_norm}")
+    batches = _batches(61, steps=12, weighted=True)
+
+    def run(tables):
+        opt = ge.optimizers.Adagrad(0.1)
+        distinct = tables[:2]
+
+        @tf.function
+        def step(ids, w):
+            with tf.GradientTape() as tape:
+                out = ge.group_embedding_lookup_sparse(
+                    tables, ids, "sum", [None, w, None], is_sequence=True,
+                    max_norm=max_norm)
+                loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + 1.0))
+                                 for o in out])
+            opt.apply(tape.gradient(loss, distinct), distinct)
+            return out
+
+        outs, waits = [], []
+        for i in range(0, 12, 3):
+            ids = [batches[i + j][0] for j in range(3)]
+            on_gpu = i > 0 and tables[0].storage is not ev_storage
+            count = _stream_waits() if on_gpu else None
+            before = count() if count else 0
+            outs.append([o.numpy() for o in step(ids, batches[i + 1][1])])
+            if count:
+                waits.append(count() - before)
+        if waits:
+            ops = _apply_ops(step.get_concrete_function(
+                ids, batches[10][1]).graph)
+            assert ops == [1, 1] and waits == [2, 2, 2], (ops, waits)
+        read = ge.group_embedding_lookup_sparse(
+            tables, [batches[0][0]] * 3, "sum", is_sequence=True,
+            training=False, max_norm=max_norm)
+        outs.append([o.numpy() for o in read])
+        return outs
+
+    got = run([a, b, a])
+    want = run([a_ref, b_ref, a_ref])
+    assert got[0][0].ndim == 3
+    for gs, ws in zip(got, want):
+        for g, w in zip(gs, ws):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(a, a_ref)
+    _assert_same_state(b, b_ref)
 
 
 def test_reserved_key_and_full_bucket_are_errors_naming_the_ev(hbm):
