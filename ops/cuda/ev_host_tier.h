@@ -52,6 +52,9 @@ class EvHostTier {
 
   int64_t size() const { return static_cast<int64_t>(index_.size()); }
   bool empty() const { return index_.empty(); }
+  // Calls of Put that stored keys and of Clear: a key may have left the
+  // GPU table since this count was read only if it changed.
+  uint64_t puts() const { return puts_; }
   int64_t num_slots() const { return num_slots_; }
   // Bytes the records take (live and free), for size reports.
   int64_t bytes() const {
@@ -84,12 +87,14 @@ class EvHostTier {
     data_.clear();
     free_.clear();
     num_slots_ = num_slots;
+    ++puts_;
   }
 
   // Stores records i in [0, in.size()) of `in` (slots planes of `in.size()`
   // entries), replacing a key's record if present.
   void Put(const EvTierRecords& in) {
     const int64_t n = in.size();
+    if (n > 0) ++puts_;
     index_.reserve(index_.size() + n);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = Slot(in.keys[i]);
@@ -208,6 +213,7 @@ class EvHostTier {
   std::vector<int64_t> keys_, freq_, version_;
   std::vector<float> data_;     // [records, dim * (1 + num_slots)]
   std::vector<int64_t> free_;   // records no key holds
+  uint64_t puts_ = 0;
 };
 
 }  // namespace gpu_kernels

@@ -104,6 +104,24 @@ class HbmEvTable : public ::tensorflow::ResourceBase {
   std::vector<int64_t> evicted_keys;
   // HBM_DRAM: the keys the table gave up (null for HBM: they are dropped).
   std::unique_ptr<EvHostTier> tier;
+  // HBM_DRAM: the key tensors of the last lookup that succeeded, and the
+  // tier's puts() when it ended. Until a key moves to the tier, all of
+  // those keys are in the table (or were removed): an update of one of
+  // these tensors need not look for its keys in the tier (a wait). The
+  // tensors are held, so their buffers cannot hold other keys meanwhile.
+  std::vector<Tensor> looked_up;
+  uint64_t looked_up_puts = 0;
+
+  bool InTableSinceLookup(const Tensor& keys) const {
+    if (tier == nullptr || tier->puts() != looked_up_puts) return false;
+    for (const Tensor& t : looked_up) {
+      if (t.NumElements() == keys.NumElements() &&
+          t.tensor_data().data() == keys.tensor_data().data()) {
+        return true;
+      }
+    }
+    return false;
+  }
 
  private:
   ::tensorflow::mutex mu_;
@@ -975,6 +993,16 @@ class LookupOp : public OpKernel {
     // A table's error first: a key it could not store read no row.
     OP_REQUIRES_OK(ctx, TableErrors(all_names, host));
     OP_REQUIRES_OK(ctx, CheckCounts(stream, errors, names, group));
+    // Every key of the call is in its table now.
+    for (HbmEvTable* table : locked.distinct) {
+      if (table->tier == nullptr) continue;
+      table->looked_up.clear();
+      table->looked_up_puts = table->tier->puts();
+    }
+    for (int t = 0; t < k; ++t) {
+      HbmEvTable* table = locked.refs[t].get();
+      if (table->tier != nullptr) table->looked_up.push_back(keys[t]);
+    }
   }
 
  private:
@@ -1103,6 +1131,8 @@ class ApplyOp : public OpKernel {
       requests[t].table = locked.refs[t].get();
       requests[t].table->step = std::max(requests[t].table->step, step);
       if (keys[t].NumElements() == 0) continue;
+      // The keys of the step's lookup, none moved out since: in place.
+      if (requests[t].table->InTableSinceLookup(keys[t])) continue;
       requests[t].spans.emplace_back(DataOr<int64_t>(keys[t]),
                                      keys[t].NumElements());
     }
