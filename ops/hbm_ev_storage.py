@@ -37,6 +37,7 @@ kernels run on the CPU: same ops, same results.
 """
 
 from typing import Any
+from typing import Dict
 from typing import List
 from typing import Sequence
 
@@ -348,13 +349,17 @@ def _lookup_grad(op, *grads):
                      else tf.convert_to_tensor(grads[k]))
         parts = tf.split(rows_grad, tf.stack([tf.size(x) for x in keys]),
                          num=k)
-        for p, key in zip(parts, keys):
+        slices: List[Any] = [None] * k
+        for ts in _features_by_table(op, k):
+            values = _joined([parts[t] for t in ts])
+            ids = _joined([keys[t] for t in ts])
+            slices[ts[0]] = tf.IndexedSlices(values, ids)
             # Applied as given (a key a row), keys checked by this op.
             backward_apply.remember_hbm_forward(backward_apply.HbmForward(
-                op, p, key, tf.range(tf.size(key, out_type=tf.int64) + 1),
-                tf.zeros([0], tf.float32), p, "sum", -1.0))
-        return ([tf.IndexedSlices(p, key) for p, key in zip(parts, keys)]
-                + [None] * (4 * k) + [None, None])
+                op, values, ids,
+                tf.range(tf.size(ids, out_type=tf.int64) + 1),
+                tf.zeros([0], tf.float32), values, "sum", -1.0))
+        return slices + [None] * (4 * k) + [None, None]
     combiners = [c.decode() if isinstance(c, bytes) else c
                  for c in op.get_attr("combiners")]
     feats = []
@@ -375,9 +380,48 @@ def _lookup_grad(op, *grads):
                 for p, g in zip(pooled, grads[:k])]
     row_grads = tape.gradient(pooled, rows, output_gradients=upstream)
     parts = tf.split(row_grads, tf.stack([tf.size(x) for x in keys]), num=k)
-    slices = [tf.IndexedSlices(p, key) for p, key in zip(parts, keys)]
-    for t, p in enumerate(parts):
-        backward_apply.remember_hbm_forward(backward_apply.HbmForward(
-            op, p, keys[t], splits[t], weights[t], upstream[t],
-            combiners[t], max_norm))
+    slices: List[Any] = [None] * k
+    for ts in _features_by_table(op, k):
+        values = _joined([parts[t] for t in ts])
+        ids = _joined([keys[t] for t in ts])
+        slices[ts[0]] = tf.IndexedSlices(values, ids)
+        if len({combiners[t] for t in ts}) > 1:
+            continue  # one update needs one combiner: this EV's is per key
+        if len(ts) == 1:
+            t = ts[0]
+            forward = backward_apply.HbmForward(
+                op, values, ids, splits[t], weights[t], upstream[t],
+                combiners[t], max_norm)
+        else:
+            # Features of one EV as one: rows after rows, ids after ids.
+            forward = backward_apply.HbmForward(
+                op, values, ids, _joined_splits([splits[t] for t in ts]),
+                tf.concat([feats[t].weights for t in ts], 0),
+                tf.concat([upstream[t] for t in ts], 0), combiners[ts[0]],
+                max_norm)
+        backward_apply.remember_hbm_forward(forward)
     return slices + [None] * (4 * k) + [None, None]
+
+
+def _features_by_table(op, k):
+    """The features of lookup `op` grouped by table, in order: [[t, ...]]
+    (a table two features read gets both; its gradient goes to the first,
+    whole, and the others give None, so that TF adds nothing to it and an
+    optimizer finds the slices this gradient function remembered)."""
+    groups: Dict[int, List[int]] = {}
+    for t in range(k):
+        groups.setdefault(id(op.inputs[t]), []).append(t)
+    return list(groups.values())
+
+
+def _joined(tensors):
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, 0)
+
+
+def _joined_splits(splits):
+    """row_splits of features' rows one after the other."""
+    out, base = [splits[0]], splits[0][-1]
+    for s in splits[1:]:
+        out.append(s[1:] + base)
+        base = base + s[-1]
+    return tf.concat(out, 0)

@@ -546,10 +546,9 @@ def test_a_tf1_train_op_updates_a_lookups_evs_in_one_op(hbm):
 def test_sequence_lookups_equal_the_dram_ev(hbm, max_norm):
     """is_sequence=True: three features over two HBM EVs (one shared, one
     feature weighted), four traced Adagrad steps, then an inference read:
-    the DRAM EVs' outputs and, after, their keys, rows and slots. The
-    update of the EV read once is fused (no wait), the shared one's is
-    per key (its two gradients summed): 2 update ops, 2 waits a step
-    (the lookup's counters, the per-key update's check)."""
+    the DRAM EVs' outputs and, after, their keys, rows and slots. Both
+    EVs are updated by one op (the shared one's two features as one),
+    and a step waits once (the lookup's counters)."""
     a, a_ref = _pair(f"seq_a_{max_norm}")
     b, b_ref = _pair(f"seq_b_{max_norm}")
     batches = _batches(61, steps=12, weighted=True)
@@ -581,7 +580,7 @@ def test_sequence_lookups_equal_the_dram_ev(hbm, max_norm):
         if waits:
             ops = _apply_ops(step.get_concrete_function(
                 ids, batches[10][1]).graph)
-            assert ops == [1, 1] and waits == [2, 2, 2], (ops, waits)
+            assert ops == [2] and waits == [1, 1, 1], (ops, waits)
         read = ge.group_embedding_lookup_sparse(
             tables, [batches[0][0]] * 3, "sum", is_sequence=True,
             training=False, max_norm=max_norm)
@@ -591,6 +590,60 @@ def test_sequence_lookups_equal_the_dram_ev(hbm, max_norm):
     got = run([a, b, a])
     want = run([a_ref, b_ref, a_ref])
     assert got[0][0].ndim == 3
+    for gs, ws in zip(got, want):
+        for g, w in zip(gs, ws):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(a, a_ref)
+    _assert_same_state(b, b_ref)
+
+
+@pytest.mark.parametrize("combiners", [["mean", "mean", "sqrtn"],
+                                       ["sum", "mean", "sqrtn"]])
+def test_an_ev_two_features_read_is_updated_once(hbm, combiners):
+    """Three features over two HBM EVs, the first EV read by two features
+    (one weighted), traced Adagrad steps. With one combiner, the shared
+    EV's two features go to the one update op as one feature (one op,
+    one wait a step); with two, its update is per key (its gradients
+    joined, checked with a wait). The DRAM EVs' outputs and state."""
+    tag = "_".join(combiners[:2])
+    a, a_ref = _pair(f"twice_a_{tag}")
+    b, b_ref = _pair(f"twice_b_{tag}")
+    batches = _batches(23, steps=12, weighted=True)
+
+    def run(tables):
+        opt = ge.optimizers.Adagrad(0.1)
+        distinct = [tables[0], tables[2]]
+
+        @tf.function
+        def step(ids, w):
+            with tf.GradientTape() as tape:
+                out = ge.group_embedding_lookup_sparse(
+                    tables, ids, combiners, [None, w, None])
+                loss = tf.add_n([tf.reduce_sum(o * tf.sin(o + 1.0))
+                                 for o in out])
+            opt.apply(tape.gradient(loss, distinct), distinct)
+            return out
+
+        outs, waits, ops = [], [], None
+        for i in range(0, 12, 3):
+            ids = [batches[i + j][0] for j in range(3)]
+            on_gpu = i > 0 and tables[0].storage is not ev_storage
+            count = _stream_waits() if on_gpu else None
+            before = count() if count else 0
+            outs.append([o.numpy() for o in step(ids, batches[i + 1][1])])
+            if count:
+                waits.append(count() - before)
+        if waits:
+            ops = _apply_ops(step.get_concrete_function(
+                ids, batches[10][1]).graph)
+        return outs, waits, ops
+
+    got, waits, ops = run([a, a, b])
+    if combiners[0] == combiners[1]:
+        assert ops == [2] and waits == [1, 1, 1], (ops, waits)
+    else:
+        assert ops == [1, 1] and waits == [2, 2, 2], (ops, waits)
+    want, _, _ = run([a_ref, a_ref, b_ref])
     for gs, ws in zip(got, want):
         for g, w in zip(gs, ws):
             np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
