@@ -542,6 +542,26 @@ def test_a_tf1_train_op_updates_a_lookups_evs_in_one_op(hbm):
                                        atol=1e-7)
 
 
+def _run_steps(step, tables, batches):
+    """Runs traced `step(ids, w)` on the features batches[i + 0..2] (the
+    weights of the second) for i = 0, 3, 6, 9: the outputs and, for HBM
+    EVs, the stream waits of each step after the first and the update
+    ops of the trace (`_apply_ops`)."""
+    outs, waits, ops = [], [], None
+    for i in range(0, len(batches), 3):
+        ids = [batches[i + j][0] for j in range(3)]
+        on_gpu = i > 0 and tables[0].storage is not ev_storage
+        count = _stream_waits() if on_gpu else None
+        before = count() if count else 0
+        outs.append([o.numpy() for o in step(ids, batches[i + 1][1])])
+        if count:
+            waits.append(count() - before)
+    if waits:
+        ops = _apply_ops(step.get_concrete_function(
+            ids, batches[len(batches) - 2][1]).graph)
+    return outs, waits, ops
+
+
 @pytest.mark.parametrize("max_norm", [None, 0.5])
 def test_sequence_lookups_equal_the_dram_ev(hbm, max_norm):
     """is_sequence=True: three features over two HBM EVs (one shared, one
@@ -568,18 +588,8 @@ def test_sequence_lookups_equal_the_dram_ev(hbm, max_norm):
             opt.apply(tape.gradient(loss, distinct), distinct)
             return out
 
-        outs, waits = [], []
-        for i in range(0, 12, 3):
-            ids = [batches[i + j][0] for j in range(3)]
-            on_gpu = i > 0 and tables[0].storage is not ev_storage
-            count = _stream_waits() if on_gpu else None
-            before = count() if count else 0
-            outs.append([o.numpy() for o in step(ids, batches[i + 1][1])])
-            if count:
-                waits.append(count() - before)
+        outs, waits, ops = _run_steps(step, tables, batches)
         if waits:
-            ops = _apply_ops(step.get_concrete_function(
-                ids, batches[10][1]).graph)
             assert ops == [2] and waits == [1, 1, 1], (ops, waits)
         read = ge.group_embedding_lookup_sparse(
             tables, [batches[0][0]] * 3, "sum", is_sequence=True,
@@ -624,19 +634,7 @@ def test_an_ev_two_features_read_is_updated_once(hbm, combiners):
             opt.apply(tape.gradient(loss, distinct), distinct)
             return out
 
-        outs, waits, ops = [], [], None
-        for i in range(0, 12, 3):
-            ids = [batches[i + j][0] for j in range(3)]
-            on_gpu = i > 0 and tables[0].storage is not ev_storage
-            count = _stream_waits() if on_gpu else None
-            before = count() if count else 0
-            outs.append([o.numpy() for o in step(ids, batches[i + 1][1])])
-            if count:
-                waits.append(count() - before)
-        if waits:
-            ops = _apply_ops(step.get_concrete_function(
-                ids, batches[10][1]).graph)
-        return outs, waits, ops
+        return _run_steps(step, tables, batches)
 
     got, waits, ops = run([a, a, b])
     if combiners[0] == combiners[1]:
