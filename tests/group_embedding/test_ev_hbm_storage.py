@@ -873,7 +873,8 @@ def test_v1_saver_names_and_restores_an_hbm_ev(hbm, tmp_path):
 def test_feature_columns_with_hbm_evs_fit_like_dram_evs(hbm):
     """`group_embedding_column_scope` + `GroupEmbeddingFeatures` in a
     Keras model trained by `model.fit`: HBM EV columns give the DRAM EV
-    columns' losses, rows and sizes."""
+    columns' losses, rows and sizes, and a fit step waits for the stream
+    once (its update of both EVs is one op that does not wait)."""
     rng = np.random.default_rng(0)
     uid = rng.integers(0, 6, 32)
     city = rng.choice(["sf", "ny", "la"], 32)
@@ -907,6 +908,17 @@ def test_feature_columns_with_hbm_evs_fit_like_dram_evs(hbm):
         model = keras.Model(inputs, out)
         model.compile(optimizer=ge.optimizers.Adagrad(0.3), loss="mse")
         losses = model.fit(ds, epochs=4, verbose=0).history["loss"]
+        # A fit step updates both EVs in one op: it waits once, as an
+        # evaluate step does (4 batches).
+        count = _stream_waits() if kind == "hbm" else None
+        waits = []
+        for run in (lambda: model.evaluate(ds, verbose=0),
+                    lambda: model.fit(ds, epochs=1, verbose=0)):
+            before = count() if count else 0
+            run()
+            if count:
+                waits.append(count() - before)
+        assert waits == ([4, 4] if count else []), waits
         evs = features.embedding_variables
         assert [ev.ge_table_kind for ev in evs] == (
             ["hbm_ev"] * 2 if kind == "hbm" else ["ev"] * 2)
