@@ -305,8 +305,8 @@ def _hbm_groups(pairs, skip: Set[int]):
             continue
         found = hbm_forward_of(grad.indices, grad.values)
         if found is not None:
-            # Distinct EVs: a table read twice has a summed gradient,
-            # never remembered.
+            # Distinct EVs: the features of a table two features read
+            # are remembered as one (hbm_ev_storage's gradient).
             groups.setdefault(found.lookup, []).append((i, ev, found))
     return list(groups.values())
 

@@ -1018,7 +1018,7 @@ class LookupOp : public OpKernel {
 // admitted, which the update skips; every stored key's version), then
 // ONE ge_backward_apply over every EV's table and slots in place,
 // duplicates summed. Entry t of each list is EV t's; every EV appears
-// once (a table read by two features has its gradients summed first).
+// once (the features of a table two features read come joined).
 // Two uses, one op:
 // * the fused backward-apply of a lookup: `keys`, `row_splits`,
 //   `weights` of one feature of the forward, `grads` its pooled output's
