@@ -33,7 +33,7 @@ for tool in memcheck racecheck; do
         tests/ops/ev_table_parity.py --core "$CORE" --memory cupy --quick
 done
 run hkv_anchor 90 bash -c "build/gpu/hkv_anchor > '$OUT/hkv_anchor.jsonl'"
-run ev_bench 90 "$PY" benchmarks/gpu/ev_table_bench.py --core "$CORE" \
+run ev_bench 150 "$PY" benchmarks/gpu/ev_table_bench.py --core "$CORE" \
     --hkv "$OUT/hkv_anchor.jsonl" --json "$OUT/ev_table_bench.json"
 run ev_step 120 "$PY" benchmarks/gpu/ev_step_bench.py --core "$CORE" \
     --json "$OUT/ev_step_bench.json"
