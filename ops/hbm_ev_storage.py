@@ -349,11 +349,8 @@ def _lookup_grad(op, *grads):
                      else tf.convert_to_tensor(grads[k]))
         parts = tf.split(rows_grad, tf.stack([tf.size(x) for x in keys]),
                          num=k)
-        slices: List[Any] = [None] * k
-        for ts in _features_by_table(op, k):
-            values = _joined([parts[t] for t in ts])
-            ids = _joined([keys[t] for t in ts])
-            slices[ts[0]] = tf.IndexedSlices(values, ids)
+        slices, tables = _slices_by_table(op, k, parts, keys)
+        for ts, values, ids in tables:
             # Applied as given (a key a row), keys checked by this op.
             backward_apply.remember_hbm_forward(backward_apply.HbmForward(
                 op, values, ids,
@@ -380,11 +377,8 @@ def _lookup_grad(op, *grads):
                 for p, g in zip(pooled, grads[:k])]
     row_grads = tape.gradient(pooled, rows, output_gradients=upstream)
     parts = tf.split(row_grads, tf.stack([tf.size(x) for x in keys]), num=k)
-    slices: List[Any] = [None] * k
-    for ts in _features_by_table(op, k):
-        values = _joined([parts[t] for t in ts])
-        ids = _joined([keys[t] for t in ts])
-        slices[ts[0]] = tf.IndexedSlices(values, ids)
+    slices, tables = _slices_by_table(op, k, parts, keys)
+    for ts, values, ids in tables:
         if len({combiners[t] for t in ts}) > 1:
             continue  # one update needs one combiner: this EV's is per key
         if len(ts) == 1:
@@ -403,15 +397,24 @@ def _lookup_grad(op, *grads):
     return slices + [None] * (4 * k) + [None, None]
 
 
-def _features_by_table(op, k):
-    """The features of lookup `op` grouped by table, in order: [[t, ...]]
-    (a table two features read gets both; its gradient goes to the first,
-    whole, and the others give None, so that TF adds nothing to it and an
-    optimizer finds the slices this gradient function remembered)."""
+def _slices_by_table(op, k, parts, keys):
+    """Each table's gradient of lookup `op` from the features' rows
+    `parts` and `keys`: (the k handle inputs' gradients, [(the table's
+    features, its rows, its keys)]). A table two features read has their
+    rows and keys joined; its gradient goes to its first feature, whole,
+    and the others give None, so that TF adds nothing to it and an
+    optimizer finds the slices this gradient function remembers."""
     groups: Dict[int, List[int]] = {}
     for t in range(k):
         groups.setdefault(id(op.inputs[t]), []).append(t)
-    return list(groups.values())
+    slices: List[Any] = [None] * k
+    tables = []
+    for ts in groups.values():
+        values = _joined([parts[t] for t in ts])
+        ids = _joined([keys[t] for t in ts])
+        slices[ts[0]] = tf.IndexedSlices(values, ids)
+        tables.append((ts, values, ids))
+    return slices, tables
 
 
 def _joined(tensors):

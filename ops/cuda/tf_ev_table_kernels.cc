@@ -1178,9 +1178,13 @@ class ApplyOp : public OpKernel {
                                   "refused the update's arguments."));
       CoreScratch s;
       OP_REQUIRES_OK(ctx, s.Allocate(ctx, bytes, stream));
-      OP_REQUIRES_OK(ctx, CoreStatus(TableNames(locked), ge_backward_apply(
+      const int code = ge_backward_apply(
           group.descs.data(), updated, dim, max_norm_, &config, s.scratch,
-          s.bytes, s.errors(), stream)));
+          s.bytes, s.errors(), stream);
+      // The names only on an error: this runs every step.
+      if (code != GE_OK) {
+        OP_REQUIRES_OK(ctx, CoreStatus(TableNames(locked), code));
+      }
     }
     if (keys_checked_ || updated == 0) return;
     // The skipped keys are counted as bad ids by design; only the
