@@ -204,7 +204,15 @@ void CountStoredKeys(EVStorage* ev, const int64_t* key, int64_t n, int part,
     const int64_t far = i + 2 * kPrefetchDistance;
     const int64_t near = i + kPrefetchDistance;
     if (far < m && !is_known(far)) ev->PrefetchBucketHashed(hash[far]);
-    if (near < m && !is_known(near)) ev->PrefetchKeyRowHashed(hash[near]);
+    if (near < m) {
+      // A known key's row needs no probe, but its freq and version
+      // (counted below) are as scattered as the probe's lines.
+      if (is_known(near)) {
+        __builtin_prefetch(ev->Meta(known[at(near)]), 1);
+      } else {
+        ev->PrefetchKeyRowHashed(hash[near]);
+      }
+    }
     // A key the promotion pass did not find may be stored all the same
     // (promoted, or inserted by an earlier table of the variable).
     return is_known(i) ? known[at(i)] : ev->FindHashed(key[at(i)], hash[i]);

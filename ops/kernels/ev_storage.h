@@ -793,20 +793,27 @@ class EVStorage : public tensorflow::ResourceBase {
     // 1. Probes, in parallel: they only read (the caller holds the
     // exclusive lock, and the work items take none), and on a batch of
     // mostly known keys they are most of the pass.
-    std::vector<int64_t> record_of(n);
+    std::vector<int64_t> record_of(n, -1);
     auto probe = [&](int64_t begin, int64_t end) {
       constexpr int64_t kAhead = 8;
+      // The DRAM probes first, then the tier index's only for the keys
+      // DRAM lacks (new or cold, a minority): loading the index's two
+      // lines for every key cost the hot keys' probes as much again.
+      std::vector<int64_t> absent;
       for (int64_t j = begin; j < end; ++j) {
         if (j + 2 * kAhead < end) PrefetchBucket(keys[j + 2 * kAhead]);
-        if (j + kAhead < end) {
-          PrefetchKeyRow(keys[j + kAhead]);
-          // Wasted on the keys in DRAM, but a miss of the tier's index
-          // (hundreds of MB) would stall every new or cold key.
-          tier_->PrefetchKey(keys[j + kAhead]);
-        }
+        if (j + kAhead < end) PrefetchKeyRow(keys[j + kAhead]);
         const int64_t row = Find(keys[j]);
-        if (rows != nullptr && row >= 0) rows[j] = row;
-        record_of[j] = row >= 0 ? -1 : tier_->RecordOf(keys[j]);
+        if (row < 0) {
+          absent.push_back(j);
+        } else if (rows != nullptr) {
+          rows[j] = row;
+        }
+      }
+      const size_t m = absent.size();
+      for (size_t i = 0; i < m; ++i) {
+        if (i + kAhead < m) tier_->PrefetchKey(keys[absent[i + kAhead]]);
+        record_of[absent[i]] = tier_->RecordOf(keys[absent[i]]);
       }
     };
     if (pool != nullptr) {
