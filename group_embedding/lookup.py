@@ -232,7 +232,7 @@ _DISPATCH: Dict[_Key, _Run] = {
         lambda g, c: lookup_tf.sequence_ev(g.tables, g.feats, c.max_norm,
                                            c.training),
 }
-for _kind in (TableKind.SHARDED, TableKind.EV):
+for _kind in (TableKind.SHARDED, TableKind.EV, TableKind.HBM_EV):
     _DISPATCH[(_kind, Backend.COLLECTIVE, Mode.POOLED)] = (
         _collective("pooled_lookup"))
     _DISPATCH[(_kind, Backend.COLLECTIVE, Mode.CONCAT)] = (

@@ -208,29 +208,30 @@ def _backend(kind: TableKind, tables: Sequence[Any],
 
 def _hbm_backend(names: Sequence[str], call: LookupCall,
                  found: Capabilities) -> Backend:
-    """HBM EVs (their tables in GPU memory) have one backend: the GPU
-    library's HBM EV ops (on the host stand-in in tests). Inside a
+    """HBM EVs (their tables in GPU memory) run the GPU library's HBM EV
+    ops (on the host stand-in in tests). In collective mode, as DRAM
+    EVs, the collective backend: worker `key mod N` owns a key and looks
+    up what it receives with those ops (collective_lookup). Inside a
     SavedModel save, the stock-TF path, which reads the EVs' frozen
     snapshots as for DRAM EVs (export/ev_snapshot.py).
 
     Raises:
         RuntimeError: no GPU kernels serve HBM EVs here (naming the EVs).
-        NotImplementedError: what the HBM ops do not do yet (naming the
-            EVs): collective mode, a tensor max_norm.
+        NotImplementedError: a tensor max_norm outside collective mode
+            (naming the EVs): the HBM lookup op takes a number.
     """
+    runtime = model_parallel.runtime()
+    if runtime is not None and runtime.size > 1:
+        if not found.in_save:
+            found.hbm_ev_module(names)
+        return Backend.COLLECTIVE
     if found.in_save:
         return Backend.TF_OPS
     found.hbm_ev_module(names)
-    runtime = model_parallel.runtime()
-    refused = None
-    if runtime is not None and runtime.size > 1:
-        refused = "collective mode"
-    elif lookup_kernels.kernel_max_norm(call.max_norm) is None:
-        refused = "a max_norm that is not a number >= 0"
-    if refused is not None:
+    if lookup_kernels.kernel_max_norm(call.max_norm) is None:
         raise NotImplementedError(
             f"{', '.join(names)}: StorageType.HBM tables do not support "
-            f"{refused} yet.")
+            f"a max_norm that is not a number >= 0 yet.")
     return Backend.GPU_KERNELS
 
 

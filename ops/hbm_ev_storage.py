@@ -314,6 +314,21 @@ def sequence_lookup(module: Any, variables: Sequence[Any],
     return lookup_tf.sequence_rows(rows, feats)
 
 
+def gather(module: Any, variables: Sequence[Any],
+           keys: Sequence[tf.Tensor], training: Any) -> tf.Tensor:
+    """Rows `[sum n_i, D]` of K same-dim HBM EVs for their int64 key
+    vectors `keys` (one row per key, in order): the group's one
+    find-or-insert (each occurrence counted when `training`), unpooled,
+    as `sequence_lookup` reads them. The owners of collective mode look
+    their received keys up with it. The gradient reaches each EV as
+    IndexedSlices keyed by key, a key a row."""
+    feats = [FeatureIds(values=k, row_splits=tf.range(
+        tf.size(k, out_type=tf.int64) + 1), weights=None, positions=None,
+        max_len=None, name=f"table {t}") for t, k in enumerate(keys)]
+    return _lookup(module, variables, feats, ["sum"] * len(feats), None,
+                   training, pool=False)[1]
+
+
 def _lookup(module, variables, feats, combiners, max_norm, training, pool):
     """The lookup op's outputs: (pooled per feature, rows `[sum nnz, D]`);
     `pool` False: only the rows (the pooled outputs are empty)."""

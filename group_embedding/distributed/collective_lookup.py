@@ -27,6 +27,7 @@ from typing import List
 from typing import Optional
 
 import tensorflow as tf
+from tensorflow.python.saved_model import save_context
 
 from group_embedding import lookup
 from group_embedding import lookup_plan
@@ -37,8 +38,10 @@ from group_embedding.distributed.sharded_variable import ShardedVariable
 from group_embedding.embedding_variable.variable import is_embedding_variable
 from group_embedding.lookup_plan import LookupCall
 from group_embedding.lookup_plan import TableGroup
+from group_embedding.ops import capabilities
 from group_embedding.ops import collective_routing
 from group_embedding.ops import ev_storage
+from group_embedding.ops import hbm_ev_storage
 from group_embedding.ops import lookup_tf
 from group_embedding.ops import ragged_ids
 from group_embedding.ops.ragged_ids import FeatureIds
@@ -205,11 +208,17 @@ def _owner_rows_sharded(tables, parts, counts, names, training):
 
 
 def _owner_rows_ev(tables, parts, counts, names, training):
-    del names
     # Expand keys by their counts (frequencies), gather, keep one row per
     # received key: the first of its run.
     expanded = [tf.repeat(p, c) for p, c in zip(parts, counts)]
-    rows = ev_storage.group_gather(tables, expanded, training)
+    if (lookup_plan.table_kind(tables[0]) == lookup_plan.TableKind.HBM_EV
+            and not save_context.in_save_context()):
+        # HBM EVs: the GPU library's lookup op, unpooled. (A SavedModel
+        # save reads every kind's frozen snapshot: group_gather.)
+        module = capabilities.current().hbm_ev_module(names)
+        rows = hbm_ev_storage.gather(module, tables, expanded, training)
+    else:
+        rows = ev_storage.group_gather(tables, expanded, training)
     sizes = [tf.size(x) for x in expanded]
     firsts = [tf.cumsum(c, exclusive=True) for c in counts]
     offsets = tf.cumsum(tf.stack(sizes), exclusive=True)

@@ -14,6 +14,10 @@ save must raise on every worker and `latest` must still be the first.
 `--tier` gives the EV a disk tier (DRAM_SSDHASH) whose DRAM holds 3 rows:
 at the save some of each worker's keys are on disk (checked), and the
 restore at M workers goes into tiered EVs too.
+`--hbm` gives the EV of this phase its table in GPU memory
+(StorageType.HBM, on the CUDA core's host stand-in: the test sets
+GROUP_EMBEDDING_HBM_ON_HOST=1); a save of HBM EVs restores into DRAM EVs
+and the other way round, as a single process's does.
 """
 
 import argparse
@@ -51,8 +55,9 @@ def placement_args(name, partition, size):
 TIER_DRAM_BYTES = 64 * 12 + 3 * (24 + 12 + 2 * 4 * 8)
 
 
-def build(seed_offset, tier=None):
-    """The tables; `tier`: the EV's disk tier folder (None: all DRAM)."""
+def build(seed_offset, tier=None, hbm=False):
+    """The tables; `tier`: the EV's disk tier folder (None: all DRAM);
+    `hbm`: the EV's table in GPU memory."""
     size = model_parallel.world()[1]
     tables = {name: ge.get_embedding_table(
                   name, v, d, seed=seed_offset + i,
@@ -68,7 +73,11 @@ def build(seed_offset, tier=None):
         option = ge.EmbeddingVariableOption(storage_option=ge.StorageOption(
             ge.StorageType.DRAM_SSDHASH, storage_path=tier,
             storage_size=[TIER_DRAM_BYTES]))
+    elif hbm:
+        option = ge.EmbeddingVariableOption(
+            storage_option=ge.StorageOption(ge.StorageType.HBM))
     tables["tags"] = ge.get_embedding_variable("tags", 8, ev_option=option)
+    assert tables["tags"].ge_table_kind == ("hbm_ev" if hbm else "ev")
     ge.broadcast_variables([tables["tags"]])
     return tables
 
@@ -139,6 +148,7 @@ def main():
     parser.add_argument("--dir")
     parser.add_argument("--fail-save", action="store_true")
     parser.add_argument("--tier", action="store_true")
+    parser.add_argument("--hbm", action="store_true")
     args = parser.parse_args()
     hvd = ge.enable_distributed_strategy("collective")
     rank, size = hvd.rank(), hvd.size()
@@ -147,7 +157,7 @@ def main():
             if args.tier else None)
 
     if args.phase == "save":
-        tables = build(0, tier)
+        tables = build(0, tier, args.hbm)
         opt = train(tables, 2)
         if tier:
             in_dram, on_disk = ev_storage.tier_stats(
@@ -184,7 +194,8 @@ def main():
         print(f"worker {rank}/{size}: saved", flush=True)
         return
 
-    tables = build(1000, tier)  # other initial values than the saved ones
+    # Other initial values than the saved ones.
+    tables = build(1000, tier, args.hbm)
     before = lookup(tables, batch(7), training=False).numpy()
     expected = np.load(expected_path)
     assert not np.allclose(before, expected), "restore would prove nothing"
@@ -204,7 +215,8 @@ def main():
     np.testing.assert_array_equal(keys[order], want_keys[mine][want_order])
     np.testing.assert_array_equal(values[order],
                                   want_values[mine][want_order])
-    print(f"worker {rank}/{size}: restored, probe lookups equal", flush=True)
+    print(f"worker {rank}/{size}: restored, probe lookups equal"
+          f"{' (HBM EV)' if args.hbm else ''}", flush=True)
 
 
 if __name__ == "__main__":

@@ -164,6 +164,10 @@ def main():
     # The workers' lookup returns one concatenated output (the reference
     # keeps per-table outputs).
     parser.add_argument("--concat", action="store_true")
+    # The EV's storage: hbm runs its table on the HBM ops (the host
+    # stand-in: the test sets GROUP_EMBEDDING_HBM_ON_HOST=1).
+    parser.add_argument("--ev-storage", default="dram",
+                        choices=["dram", "hbm"])
     args = parser.parse_args()
 
     hvd = ge.enable_distributed_strategy(
@@ -185,7 +189,12 @@ def main():
                   VOCABS[:EV_TABLE], DIMS[:EV_TABLE],
                   table_placements(args.placement, size)))]
     check_placements(tables, args.placement, size)
-    ev = ge.get_embedding_variable("ev4", DIMS[EV_TABLE])
+    storage = (ge.StorageOption(ge.StorageType.HBM)
+               if args.ev_storage == "hbm" else ge.StorageOption())
+    ev = ge.get_embedding_variable(
+        "ev4", DIMS[EV_TABLE],
+        ev_option=ge.EmbeddingVariableOption(storage_option=storage))
+    assert ev.ge_table_kind == ("hbm_ev" if args.ev_storage == "hbm" else "ev")
     # New keys start from the default rows: make every worker's equal.
     ge.broadcast_variables([ev])
     tables.append(ev)
@@ -274,7 +283,8 @@ def main():
                                rtol=2e-5, atol=2e-6)
     print(f"worker {rank}/{size}: {STEPS} steps equal the single-process "
           f"run ({args.partition}, {args.optimizer}, {args.placement}"
-          f"{', pipelined' if args.pipeline else ''})", flush=True)
+          f"{', pipelined' if args.pipeline else ''}, {args.ev_storage} "
+          f"EV)", flush=True)
 
 
 if __name__ == "__main__":

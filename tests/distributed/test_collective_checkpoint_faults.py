@@ -29,6 +29,32 @@ def test_checkpoint_restores_at_other_worker_count(tmp_path, save_at,
     assert out.count("probe lookups equal") == restore_at, out[-4000:]
 
 
+@pytest.mark.parametrize("save_at,restore_at,kinds", [
+    (2, 3, ("hbm", "hbm")), (2, 1, ("hbm", "dram")),
+    (1, 2, ("dram", "hbm"))], ids=lambda n: str(n))
+def test_hbm_ev_checkpoint_restores_at_other_worker_count(
+        tmp_path, save_at, restore_at, kinds):
+    """An HBM EV's collective checkpoint (on the host stand-in) restores
+    at another worker count, into HBM or DRAM EVs, and a DRAM EV's into
+    HBM EVs: the same files."""
+    env = {"GROUP_EMBEDDING_HBM_ON_HOST": "1"}
+    flags = [["--hbm"] if kind == "hbm" else [] for kind in kinds]
+    saved = run_workers(save_at, "collective_checkpoint.py", "--phase",
+                        "save", "--fail-save", "--dir", str(tmp_path),
+                        *flags[0], env=env)
+    out = saved.stdout + saved.stderr
+    assert saved.returncode == 0, out[-4000:]
+    assert out.count("failed save raised") == save_at, out[-4000:]
+    restored = run_workers(restore_at, "collective_checkpoint.py",
+                           "--phase", "restore", "--dir", str(tmp_path),
+                           *flags[1], env=env)
+    out = restored.stdout + restored.stderr
+    assert restored.returncode == 0, out[-4000:]
+    assert out.count("probe lookups equal") == restore_at, out[-4000:]
+    assert out.count("(HBM EV)") == (
+        restore_at if kinds[1] == "hbm" else 0), out[-4000:]
+
+
 @pytest.mark.parametrize("mode", ["raise", "kill"])
 def test_failing_worker_stops_the_others(mode):
     start = time.monotonic()

@@ -105,3 +105,24 @@ def test_placements_equal_single_process(workers, placement, partition,
         workers, partition, optimizer, uneven, "--placement", placement,
         *extra, transport="horovod" if kernels == "tf" else "sockets",
         env={"GROUP_EMBEDDING_KERNELS": kernels})
+
+
+# The EV's table in GPU memory (StorageType.HBM, on the CUDA core's host
+# stand-in here): the owner of a key looks it up and updates it with the
+# HBM ops; every number equals the single-process run's.
+HBM_CASES = [
+    pytest.param(2, "mod", "adagrad", False, id="np2-mod-adagrad-hbm"),
+    pytest.param(3, "div", "adam", True, id="np3-div-adam-uneven-hbm"),
+]
+
+
+@pytest.mark.parametrize("workers,partition,optimizer,uneven", HBM_CASES)
+def test_hbm_ev_equals_single_process(workers, partition, optimizer, uneven):
+    args = ["--partition", partition, "--optimizer", optimizer,
+            "--ev-storage", "hbm"] + (["--uneven"] if uneven else [])
+    result = run_workers(workers, "collective_train.py", *args,
+                         env={"GROUP_EMBEDDING_HBM_ON_HOST": "1"})
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("equal the single-process run") == workers, out[-4000:]
+    assert out.count("hbm EV)") == workers, out[-4000:]

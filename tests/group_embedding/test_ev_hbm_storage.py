@@ -182,10 +182,14 @@ def test_what_hbm_tables_do_not_do_yet_is_an_error_naming_the_ev(hbm):
             ge.get_embedding_variable("todo", DIM, ev_option=option)
 
 
-def test_unsupported_lookups_and_optimizers_name_the_ev(hbm, monkeypatch):
-    """Collective mode and a tensor max_norm are errors naming the HBM EV,
-    never silently ignored."""
+def test_a_tensor_max_norm_names_the_ev_and_collective_mode_runs(
+        hbm, monkeypatch):
+    """A tensor max_norm is an error naming the HBM EV, never silently
+    ignored; in collective mode the lookup goes to the collective runtime
+    (whose owners use the HBM ops: tests/distributed)."""
     from group_embedding import model_parallel
+    from group_embedding.lookup_plan import Backend
+    from group_embedding.lookup_plan import TableKind
     ev = ge.get_embedding_variable("unsup", DIM, ev_option=_option(
         ge.StorageOption(ge.StorageType.HBM)))
     ids = tf.ragged.constant([[1, 2]], tf.int64)
@@ -195,20 +199,43 @@ def test_unsupported_lookups_and_optimizers_name_the_ev(hbm, monkeypatch):
                                          max_norm=tf.constant(0.5))
 
     def never(*args, **kwargs):
-        raise AssertionError("the runtime must not be called")
+        raise AssertionError("a sequence lookup was not asked for")
+
+    planned = []
+
+    def pooled(group, call):
+        planned.append((group.kind, group.backend, group.names))
+        return [tf.zeros([1, DIM])]
 
     saved = model_parallel.runtime()
     model_parallel.register(model_parallel.Runtime(
-        rank=0, size=2, pooled_lookup=never, sequence_lookup=never,
+        rank=0, size=2, pooled_lookup=pooled, sequence_lookup=never,
         collective_table=None))
     try:
-        with pytest.raises(NotImplementedError,
-                           match=r"unsup.*collective mode"):
+        ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+    finally:
+        model_parallel.unregister()
+        if saved is not None:
+            model_parallel.register(saved)
+    assert [(k, b) for k, b, _ in planned] == [
+        (TableKind.HBM_EV, Backend.COLLECTIVE)]
+    planned.clear()
+    # Without a GPU (nor the stand-in), collective mode refuses the HBM EV
+    # as a single process does, naming it.
+    monkeypatch.setenv(config.HBM_ON_HOST, "0")
+    monkeypatch.setattr(capabilities, "_hbm_support", {})
+    monkeypatch.setattr(capabilities, "_snapshots", {})
+    model_parallel.register(model_parallel.Runtime(
+        rank=0, size=2, pooled_lookup=pooled, sequence_lookup=never,
+        collective_table=None))
+    try:
+        with pytest.raises(RuntimeError, match=r"unsup.*sees no GPU"):
             ge.group_embedding_lookup_sparse([ev], [ids], "sum")
     finally:
         model_parallel.unregister()
         if saved is not None:
             model_parallel.register(saved)
+    assert not planned
 
 
 def _adagrad_decay(step):
