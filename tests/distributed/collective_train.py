@@ -165,10 +165,14 @@ def main():
     # keeps per-table outputs).
     parser.add_argument("--concat", action="store_true")
     # The EV's storage: hbm runs its table on the HBM ops (the host
-    # stand-in: the test sets GROUP_EMBEDDING_HBM_ON_HOST=1).
+    # stand-in: the test sets GROUP_EMBEDDING_HBM_ON_HOST=1); hbm_dram
+    # gives it a GPU table of 128 keys and a host-memory tier.
     parser.add_argument("--ev-storage", default="dram",
-                        choices=["dram", "hbm"])
+                        choices=["dram", "hbm", "hbm_dram"])
+    # The EV's id space (more keys than a worker's 128-key GPU table).
+    parser.add_argument("--ev-vocab", type=int, default=VOCABS[EV_TABLE])
     args = parser.parse_args()
+    VOCABS[EV_TABLE] = args.ev_vocab
 
     hvd = ge.enable_distributed_strategy(
         "collective", **(PLAN if args.placement == "plan" else {}))
@@ -189,12 +193,15 @@ def main():
                   VOCABS[:EV_TABLE], DIMS[:EV_TABLE],
                   table_placements(args.placement, size)))]
     check_placements(tables, args.placement, size)
-    storage = (ge.StorageOption(ge.StorageType.HBM)
-               if args.ev_storage == "hbm" else ge.StorageOption())
+    storage = {"dram": ge.StorageOption(),
+               "hbm": ge.StorageOption(ge.StorageType.HBM),
+               "hbm_dram": ge.StorageOption(ge.StorageType.HBM_DRAM,
+                                            storage_size=[1])}[args.ev_storage]
     ev = ge.get_embedding_variable(
         "ev4", DIMS[EV_TABLE],
         ev_option=ge.EmbeddingVariableOption(storage_option=storage))
-    assert ev.ge_table_kind == ("hbm_ev" if args.ev_storage == "hbm" else "ev")
+    assert ev.ge_table_kind == ("ev" if args.ev_storage == "dram"
+                                else "hbm_ev")
     # New keys start from the default rows: make every worker's equal.
     ge.broadcast_variables([ev])
     tables.append(ev)
@@ -266,6 +273,10 @@ def main():
         np.testing.assert_allclose(global_loss.numpy(), ref_loss.numpy(),
                                    rtol=2e-5)
 
+    if args.ev_storage == "hbm_dram":
+        # More keys than the GPU table holds: some went to host memory.
+        in_gpu, in_host = ev.storage.tier_sizes(ev.handle).numpy()
+        assert in_gpu <= 128 and in_host > 0, (in_gpu, in_host)
     for t, r in zip(tables, ref_tables):
         if t is ev:
             keys, values, _, _ = (x.numpy() for x in ev.export())

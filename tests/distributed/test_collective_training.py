@@ -110,19 +110,27 @@ def test_placements_equal_single_process(workers, placement, partition,
 # The EV's table in GPU memory (StorageType.HBM, on the CUDA core's host
 # stand-in here): the owner of a key looks it up and updates it with the
 # HBM ops; every number equals the single-process run's.
+# hbm_dram: a 128-key GPU table per worker over 2000 ids, so that keys
+# move to the host tier and back.
 HBM_CASES = [
-    pytest.param(2, "mod", "adagrad", False, id="np2-mod-adagrad-hbm"),
-    pytest.param(3, "div", "adam", True, id="np3-div-adam-uneven-hbm"),
+    pytest.param(2, "mod", "adagrad", False, "hbm", id="np2-mod-adagrad-hbm"),
+    pytest.param(3, "div", "adam", True, "hbm", id="np3-div-adam-uneven-hbm"),
+    pytest.param(2, "mod", "adagrad", False, "hbm_dram",
+                 id="np2-mod-adagrad-hbm-dram"),
 ]
 
 
-@pytest.mark.parametrize("workers,partition,optimizer,uneven", HBM_CASES)
-def test_hbm_ev_equals_single_process(workers, partition, optimizer, uneven):
+@pytest.mark.parametrize("workers,partition,optimizer,uneven,storage",
+                         HBM_CASES)
+def test_hbm_ev_equals_single_process(workers, partition, optimizer, uneven,
+                                      storage):
     args = ["--partition", partition, "--optimizer", optimizer,
-            "--ev-storage", "hbm"] + (["--uneven"] if uneven else [])
+            "--ev-storage", storage] + (["--uneven"] if uneven else [])
+    if storage == "hbm_dram":
+        args += ["--ev-vocab", "2000"]
     result = run_workers(workers, "collective_train.py", *args,
                          env={"GROUP_EMBEDDING_HBM_ON_HOST": "1"})
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count("equal the single-process run") == workers, out[-4000:]
-    assert out.count("hbm EV)") == workers, out[-4000:]
+    assert out.count(f"{storage} EV)") == workers, out[-4000:]
