@@ -151,6 +151,37 @@ def hbm_forward_of(keys, values) -> Optional[HbmForward]:
     return found
 
 
+def scaled_hbm_gradient(grad, scale: float):
+    """`grad` times `scale`, still applied by its lookup's fused update.
+
+    When `grad` is the untouched gradient of an HBM lookup feature (its
+    gradient function remembered it), the scaled values are remembered in
+    its place, with the feature's upstream gradient scaled alike (the
+    update is linear in it): the optimizer finds them as it finds an
+    unscaled gradient (collective mode averages an EV's gradient over
+    the workers this way).
+
+    Args:
+        grad: a gradient (`tf.IndexedSlices`, a tensor or None).
+        scale: the factor, e.g. 1 / number of workers.
+
+    Returns:
+        The scaled `tf.IndexedSlices`, or None where `grad` is no such
+        gradient (eager, another op): scale it yourself.
+    """
+    if not isinstance(grad, tf.IndexedSlices) or tf.executing_eagerly():
+        return None
+    found = hbm_forward_of(grad.indices, grad.values)
+    if found is None:
+        return None
+    values = grad.values * scale
+    # A gradient given per key is its own upstream (the unpooled lookups).
+    upstream = (values if found.grads is found.values
+                else found.grads * scale)
+    remember_hbm_forward(found._replace(values=values, grads=upstream))
+    return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+
+
 class _Source(NamedTuple):
     """Where a table's IndexedSlices come from."""
 

@@ -25,6 +25,7 @@ from group_embedding.distributed import transport
 from group_embedding.embedding_variable.keras_variable import (
     embedding_variable_of,
 )
+from group_embedding.ops import backward_apply
 from group_embedding.ops import collective_routing
 from group_embedding.ops import sparse_apply
 from group_embedding.ops import tf_variables
@@ -59,6 +60,12 @@ def allreduce_gradients(gradients: Sequence[Any],
               or embedding_variable_of(v) is not None):
             # Shards and EmbeddingVariables: every worker's gradient rows
             # already reached the owner through the all-to-all backward.
+            hbm = backward_apply.scaled_hbm_gradient(g, 1.0 / size)
+            if hbm is not None:
+                # An HBM EV's, for its lookup's fused update, which sums
+                # the rows of a key itself.
+                reduced.append(hbm)
+                continue
             scaled = collective_routing.scaled_shard_gradient(g, 1.0 / size)
             if scaled is not None:
                 g = scaled

@@ -17,6 +17,7 @@ replicated, 0 and 2 table-wise, 1 row-sharded.
 """
 
 import argparse
+import ctypes
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,6 +27,7 @@ import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
 from group_embedding.distributed import sharded_variable  # noqa: E402
+from group_embedding.ops import gpu_kernel_library  # noqa: E402
 
 # Tables 0-2: sharded tf.Variables; 3: replicated (tiny); 4: an
 # EmbeddingVariable whose ids are mapped to arbitrary int64 keys.
@@ -108,6 +110,14 @@ def check_placements(tables, placement, size):
         owners = [t.owner_rank for t in tables[:3]]
         # Least loaded after t0 (3104 bytes) and t1 (9600): rank 1.
         assert owners == [size - 1, 0, 1], owners
+
+
+def stream_waits():
+    """A function giving the host stand-in's count of stream waits so far
+    (the HBM ops' host synchronisations)."""
+    lib = ctypes.CDLL(gpu_kernel_library.host_stand_in_path())
+    lib.ge_host_synchronize_calls.restype = ctypes.c_longlong
+    return lib.ge_host_synchronize_calls
 
 
 def make_optimizer(name):
@@ -261,18 +271,31 @@ def main():
     exchanged = exchange(locals_[0][0]) if args.pipeline else {}
     if args.pipeline and size > 1:
         assert len(exchanged) == 2, exchanged.keys()  # dims 8 and 4
+    waits = stream_waits() if args.ev_storage != "dram" else None
+    step_waits = []
     for i, batch in enumerate(batches):
         local = locals_[i]
         n = cuts[rank + 1] - cuts[rank]
+        before = waits() if waits else 0
         loss, exchanged = step(
             *local, tf.constant(n * size / GLOBAL_BATCH, tf.float32),
             exchanged, locals_[(i + 1) % len(locals_)][0])
+        loss.numpy()
+        if waits:
+            step_waits.append(waits() - before)
         loss = tf.where(n > 0, loss, 0.0)  # an empty slice's mean is NaN
         global_loss = hvd.allreduce(loss * n, op=hvd.Sum) / GLOBAL_BATCH
         ref_loss = ref_step(*rows_of(batch, 0, GLOBAL_BATCH))
         np.testing.assert_allclose(global_loss.numpy(), ref_loss.numpy(),
                                    rtol=2e-5)
 
+    if waits:
+        print(f"worker {rank}: stream waits per step {step_waits}",
+              flush=True)
+    if args.ev_storage == "hbm":
+        # As in one process: the lookup's one wait, the update (its
+        # gradient averaged over the workers) fused, without one.
+        assert step_waits == [1] * len(batches), step_waits
     if args.ev_storage == "hbm_dram":
         # More keys than the GPU table holds: some went to host memory.
         in_gpu, in_host = ev.storage.tier_sizes(ev.handle).numpy()
