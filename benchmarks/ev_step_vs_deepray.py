@@ -12,7 +12,9 @@ Step: the criteo-like workload (`criteo_like.py`, 26 tables, Zipf ids) on
   round by round so that the two sides alternate in the same run).
 Both sides first pass once over the batches (inserting most keys), then
 time `--rounds` alternated rounds of `--steps` steps; the ratio is
-Deepray's median step over ours (target >= 2.5).
+Deepray's median step over ours (target >= 2.5). Our same step on
+pre-sized plain `tf.Variable` tables (the same fused lookup and
+optimizer) runs in the same rounds: the EV's own share of our step.
 
 Lookup: one EV holding `--lookup-keys` keys (default 10M) x dim; a batch
 of `--lookup-rows` known keys read with `ev.lookup_rows(keys,
@@ -119,6 +121,11 @@ def step_vs_deepray(args):
     for b in batches:  # fill-up pass, as the worker's
         step(b).numpy()
     ours_keys = sum(int(ev.size()) for ev in evs)
+    plain = [tf.Variable(init([v, args.dim]))
+             for v in criteo_like.vocab_sizes(args.cap)]
+    plain_step = make_step(plain, ge.optimizers.Adagrad(0.01, 0.1))
+    for b in batches:
+        plain_step(b).numpy()
 
     deepray = None
     python = find_deepray_python(args.deepray_python)
@@ -127,7 +134,7 @@ def step_vs_deepray(args):
         ids_path = os.path.join(tmp, "ids.npz")
         _write_ids(id_batches, ids_path)
         deepray = DeeprayWorker(python, ids_path, args.dim)
-    ours_t, deepray_t = [], []
+    ours_t, deepray_t, plain_t = [], [], []
     try:
         for r in range(args.rounds):
             # Alternate which side goes first: neither always runs just
@@ -135,6 +142,7 @@ def step_vs_deepray(args):
             if deepray and r % 2:
                 deepray_t.append(deepray.time(args.steps))
             ours_t.append(timed(step, batches, args.steps))
+            plain_t.append(timed(plain_step, batches, args.steps))
             if deepray and r % 2 == 0:
                 deepray_t.append(deepray.time(args.steps))
     finally:
@@ -146,6 +154,9 @@ def step_vs_deepray(args):
         "ours_step_ms": 1e3 * float(np.median(ours_t)),
         "ours_rounds_ms": [1e3 * t for t in ours_t],
         "ours_live_keys": ours_keys,
+        "ours_plain_variables_step_ms": 1e3 * float(np.median(plain_t)),
+        "ev_step_over_plain_step": float(np.median(ours_t) /
+                                         np.median(plain_t)),
     }
     if deepray:
         if deepray.live_keys != ours_keys:

@@ -68,6 +68,7 @@ def test_ev_step_vs_deepray_our_side(tmp_path):
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     result = _run_ev_vs_deepray(tmp_path, env)
     assert result["step"]["ours_live_keys"] > 0
+    assert result["step"]["ev_step_over_plain_step"] > 0
     assert "not run" in result["step"]["deepray"]
     assert result["lookup"]["lookup_rows"] == 500
 
