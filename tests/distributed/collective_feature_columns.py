@@ -10,6 +10,12 @@ to `OUT.rank-R.npz`. test_collective_feature_columns.py runs this at -np 1
 `--plan` (Keras) declares the tables to `enable_distributed_strategy`
 (`table_sizes`, by the layer's table names): the planner puts `b` whole on
 one worker and row-shards `a`.
+
+Column `d` is an EmbeddingVariable column (`categorical_column_with_
+embedding`): worker `key mod N` owns a key; the dump holds each worker's
+keys as its rows. `--ev-storage hbm` puts its table in GPU memory
+(StorageType.HBM, on the host stand-in: the test sets
+GROUP_EMBEDDING_HBM_ON_HOST=1).
 """
 
 import argparse
@@ -23,6 +29,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
+from group_embedding.embedding_variable.variable import is_embedding_variable  # noqa: E402
 
 fc = ge.feature_column
 GLOBAL_BATCH = 16
@@ -31,15 +38,31 @@ STEPS = 10
 # sharded, the last stays replicated.
 COLUMNS = [("a", 12000, 8, "sum"), ("b", 9000, 8, "mean"),
            ("c", 50, 4, "sqrtn")]
+# The EV column: ids drawn from EV_KEYS arbitrary int64 keys.
+EV_COLUMN = ("d", 8, "mean")
+EV_KEYS = 300
 
 
-def make_columns():
+def make_columns(ev_storage="dram"):
+    storage = (ge.StorageOption(ge.StorageType.HBM) if ev_storage == "hbm"
+               else ge.StorageOption())
+    key, dim, combiner = EV_COLUMN
     with fc.group_embedding_column_scope("ctr"):
-        return [fc.embedding_column(
-                    tf.feature_column.categorical_column_with_identity(
-                        key, buckets),
-                    dim, combiner=combiner)
-                for key, buckets, dim, combiner in COLUMNS]
+        columns = [fc.embedding_column(
+                       tf.feature_column.categorical_column_with_identity(
+                           key, buckets),
+                       dim, combiner=combiner)
+                   for key, buckets, dim, combiner in COLUMNS]
+        columns.append(fc.embedding_column(
+            fc.categorical_column_with_embedding(
+                key, dtype=tf.int64, ev_option=ge.EmbeddingVariableOption(
+                    storage_option=storage)),
+            # Seeded: the -np 1 and -np 2 runs (other processes) must
+            # start from the same default rows.
+            dim, combiner=combiner,
+            initializer=tf.compat.v1.random_uniform_initializer(
+                -0.5, 0.5, seed=3)))
+        return columns
 
 
 def global_data():
@@ -50,6 +73,8 @@ def global_data():
         ids = rng.integers(0, buckets, (n, 3))
         ids[rng.random((n, 3)) < 0.3] = -1  # missing, as stock treats -1
         feats[key] = ids
+    keys = rng.integers(-2 ** 62, 2 ** 62, EV_KEYS)
+    feats[EV_COLUMN[0]] = keys[rng.integers(0, EV_KEYS, (n, 2))]
     label = rng.normal(size=(n, 1)).astype(np.float32)
     return feats, label
 
@@ -78,9 +103,23 @@ def dump(path, rank, tables, dense):
 
 
 def held(tables, values=None):
-    """name -> (global rows or None if replicated, values)."""
+    """name -> (global rows or None if replicated, values); an EV's rows
+    are its keys (`values[name]`: its keys, values and default rows)."""
     out = {}
     for name, t in tables.items():
+        if is_embedding_variable(t):
+            keys, rows, defaults = (
+                values[name] if values is not None
+                else [x.numpy() for x in t.export()[:2]] +
+                [t.default_values.numpy()])
+            # Trained: a row still equal to a default row was not updated.
+            untouched = np.all(np.asarray(rows)[:, None, :] ==
+                               np.asarray(defaults)[None, :, :], -1).any(1)
+            assert len(keys) > 0 and not untouched.any(), (
+                f"{name}: {untouched.sum()} of {len(keys)} EV rows were "
+                "never updated")
+            out[name] = (np.asarray(keys), np.asarray(rows))
+            continue
         sharded = isinstance(t, ge.ShardedVariable)
         value = (values[name] if values is not None
                  else t.shard if sharded else t)
@@ -95,10 +134,10 @@ PLAN = {"table_wise_fraction": 1.0,
                         for key, buckets, dim, _ in COLUMNS}}
 
 
-def run_keras(rank, size, out, plan=False):
+def run_keras(rank, size, out, plan=False, ev_storage="dram"):
     feats, label, per = local_slices(rank, size)
     features = fc.GroupEmbeddingFeatures(
-        make_columns(), **({"name": "features"} if plan else {}))
+        make_columns(ev_storage), **({"name": "features"} if plan else {}))
 
     class Model(keras.Model):
         def __init__(self):
@@ -126,13 +165,13 @@ def run_keras(rank, size, out, plan=False):
          [model.head.kernel, model.head.bias])
 
 
-def run_tf1(rank, size, out):
+def run_tf1(rank, size, out, ev_storage="dram"):
     feats, label, per = local_slices(rank, size)
     with tf.Graph().as_default():
         data = tf.compat.v1.data.make_one_shot_iterator(
             tf.data.Dataset.from_tensor_slices((feats, label)).batch(per))
         x, y = data.get_next()
-        embedded = fc.input_layer(x, make_columns())
+        embedded = fc.input_layer(x, make_columns(ev_storage))
         w = tf.compat.v1.get_variable(
             "w", [embedded.shape[1], 1],
             initializer=tf.compat.v1.constant_initializer(0.1),
@@ -140,18 +179,21 @@ def run_tf1(rank, size, out):
         loss = tf.reduce_mean(tf.square(tf.matmul(embedded, w) - y))
         step = tf.compat.v1.train.get_or_create_global_step()
         opt = ge.DistributedOptimizer(
-            tf.compat.v1.train.AdagradOptimizer(0.1))
+            ge.train.AdagradOptimizer(0.1))
         train_op = opt.minimize(loss, global_step=step)
         graph = tf.compat.v1.get_default_graph()
+        tables = importlib.import_module(
+            "group_embedding.feature_column.input_layer").graph_tables(graph)
+        # Built before the session finalizes the graph.
+        fetches = {n: (list(t.export()[:2]) + [t.default_values]
+                       if is_embedding_variable(t)
+                       else t.shard if isinstance(t, ge.ShardedVariable)
+                       else t) for n, t in tables.items()}
         hooks = [ge.BroadcastVariablesHook(0)]
         with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as s:
             for _ in range(STEPS):
                 s.run(train_op)
-            tables = importlib.import_module(
-                "group_embedding.feature_column.input_layer").graph_tables(
-                    graph)
-            values = s.run({n: (t.shard if isinstance(t, ge.ShardedVariable)
-                                else t) for n, t in tables.items()})
+            values = s.run(fetches)
             dense = s.run([w])
     dump(out, rank, held(tables, values), dense)
 
@@ -161,13 +203,16 @@ def main():
     parser.add_argument("--api", choices=["keras", "tf1"])
     parser.add_argument("--out")
     parser.add_argument("--plan", action="store_true")
+    parser.add_argument("--ev-storage", default="dram",
+                        choices=["dram", "hbm"])
     args = parser.parse_args()
     hvd = ge.enable_distributed_strategy(
         "collective", **(PLAN if args.plan else {}))
     if args.api == "keras":
-        run_keras(hvd.rank(), hvd.size(), args.out, args.plan)
+        run_keras(hvd.rank(), hvd.size(), args.out, args.plan,
+                  args.ev_storage)
     else:
-        run_tf1(hvd.rank(), hvd.size(), args.out)
+        run_tf1(hvd.rank(), hvd.size(), args.out, args.ev_storage)
     print(f"worker {hvd.rank()}/{hvd.size()}: trained {args.api}", flush=True)
 
 
