@@ -20,6 +20,7 @@ Which lookups use it (`GROUP_EMBEDDING_KERNELS`, decided once in
 `python -m group_embedding` shows the status of both libraries.
 """
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -342,6 +343,21 @@ def host_stand_in_library(verbose=False) -> Any:
 def host_stand_in_path() -> Optional[str]:
     """Where the loaded host stand-in library is, or None."""
     return _host_state["path"]
+
+
+def host_stand_in_waits() -> int:
+    """How many times the loaded host stand-in has synchronised a stream
+    so far (what a GPU op waits for; tests count the waits of a step).
+
+    Raises:
+        RuntimeError: no host stand-in is loaded.
+    """
+    path = host_stand_in_path()
+    if path is None:
+        raise RuntimeError("no host stand-in is loaded.")
+    lib = ctypes.CDLL(path)
+    lib.ge_host_synchronize_calls.restype = ctypes.c_longlong
+    return int(lib.ge_host_synchronize_calls())
 
 
 def build_at_install(verbose=False):

@@ -17,7 +17,6 @@ replicated, 0 and 2 table-wise, 1 row-sharded.
 """
 
 import argparse
-import ctypes
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -110,14 +109,6 @@ def check_placements(tables, placement, size):
         owners = [t.owner_rank for t in tables[:3]]
         # Least loaded after t0 (3104 bytes) and t1 (9600): rank 1.
         assert owners == [size - 1, 0, 1], owners
-
-
-def stream_waits():
-    """A function giving the host stand-in's count of stream waits so far
-    (the HBM ops' host synchronisations)."""
-    lib = ctypes.CDLL(gpu_kernel_library.host_stand_in_path())
-    lib.ge_host_synchronize_calls.restype = ctypes.c_longlong
-    return lib.ge_host_synchronize_calls
 
 
 def make_optimizer(name):
@@ -271,7 +262,8 @@ def main():
     exchanged = exchange(locals_[0][0]) if args.pipeline else {}
     if args.pipeline and size > 1:
         assert len(exchanged) == 2, exchanged.keys()  # dims 8 and 4
-    waits = stream_waits() if args.ev_storage != "dram" else None
+    waits = (gpu_kernel_library.host_stand_in_waits
+             if args.ev_storage != "dram" else None)
     step_waits = []
     for i, batch in enumerate(batches):
         local = locals_[i]

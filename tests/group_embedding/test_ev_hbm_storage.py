@@ -19,7 +19,6 @@ them; incremental saves write the DRAM EV's deltas (changed and removed
 keys), and either chain restores bitwise into either kind.
 """
 
-import ctypes
 
 import keras
 import numpy as np
@@ -451,13 +450,6 @@ def _apply_ops(graph):
                   if n.op == "GroupEmbeddingHbmEVApply")
 
 
-def _stream_waits():
-    """The host stand-in's count of stream synchronisations so far."""
-    lib = ctypes.CDLL(gpu_kernel_library.host_stand_in_path())
-    lib.ge_host_synchronize_calls.restype = ctypes.c_longlong
-    return lib.ge_host_synchronize_calls
-
-
 @pytest.mark.parametrize("name,make", [
     ("sgd", lambda: ge.optimizers.SGD(0.2)),
     ("adagrad", lambda: ge.optimizers.Adagrad(0.1)),
@@ -493,7 +485,7 @@ def test_a_lookups_evs_are_updated_by_one_op_without_a_wait(
             ids = [batches[i][b][0] for i in range(3)]
             count = None
             if b > 0 and evs[0].storage is not ev_storage:
-                count = _stream_waits()
+                count = gpu_kernel_library.host_stand_in_waits
                 before = count()
             outs.append([o.numpy() for o in step(ids, batches[1][b][1])])
             if count is not None:
@@ -552,7 +544,7 @@ def test_a_tf1_train_op_updates_a_lookups_evs_in_one_op(hbm):
                         feed[values] = feature[b][0].values.numpy()
                         feed[splits] = feature[b][0].row_splits.numpy()
                     if kind == 0 and b > 0:
-                        count = _stream_waits()
+                        count = gpu_kernel_library.host_stand_in_waits
                         before = count()
                     sess.run(train, feed)
                     if kind == 0 and b > 0:
@@ -578,7 +570,7 @@ def _run_steps(step, tables, batches):
     for i in range(0, len(batches), 3):
         ids = [batches[i + j][0] for j in range(3)]
         on_gpu = i > 0 and tables[0].storage is not ev_storage
-        count = _stream_waits() if on_gpu else None
+        count = gpu_kernel_library.host_stand_in_waits if on_gpu else None
         before = count() if count else 0
         outs.append([o.numpy() for o in step(ids, batches[i + 1][1])])
         if count:
@@ -937,7 +929,8 @@ def test_feature_columns_with_hbm_evs_fit_like_dram_evs(hbm):
         losses = model.fit(ds, epochs=4, verbose=0).history["loss"]
         # A fit step updates both EVs in one op: it waits once, as an
         # evaluate step does (4 batches).
-        count = _stream_waits() if kind == "hbm" else None
+        count = (gpu_kernel_library.host_stand_in_waits if kind == "hbm"
+                 else None)
         waits = []
         for run in (lambda: model.evaluate(ds, verbose=0),
                     lambda: model.fit(ds, epochs=1, verbose=0)):
