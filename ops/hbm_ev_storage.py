@@ -163,22 +163,28 @@ class HbmStorage:
         if restored:
             return self.deltas.restored(
                 self._numpy_export(handle, self.embedding_dim))
-        return self.deltas.delta_base(np.asarray(
-            self.module.group_embedding_hbm_ev_slot_names(handle)))
+        names, _ = self.module.group_embedding_hbm_ev_slot_names(handle)
+        return self.deltas.delta_base(np.asarray(names))
 
     def import_(self, handle, keys, values, freqs, versions, slot_names,
                 slot_inits, slots, step):
         """Replaces the whole content with a snapshot in the CPU EV's
-        layout (`ev_storage.import_`)."""
+        layout (`ev_storage.import_`). As the CPU EV's import, slots the
+        table has and the snapshot lacks (an optimizer built after that
+        save) stay, every key's entry their initial value, before the
+        snapshot's others; a slot of both takes the snapshot's initial
+        value."""
         d = self.embedding_dim
         keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
         n = tf.size(keys)
-        s = tf.size(slot_names)
-        inits = tf.cast(slot_inits, tf.float32)
+        by_slot = tf.transpose(
+            tf.reshape(tf.cast(slots, tf.float32),
+                       tf.stack([n, tf.size(slot_names), d])), [1, 0, 2])
+        slot_names, inits, by_slot = self._with_kept_slots(
+            handle, slot_names, tf.cast(slot_inits, tf.float32), by_slot)
         planes = tf.broadcast_to(tf.reshape(inits, [-1, 1, 1]),
-                                 tf.stack([s, self.capacity, d]))
-        by_slot = tf.transpose(tf.reshape(tf.cast(slots, tf.float32),
-                                          tf.stack([n, s, d])), [1, 0, 2])
+                                 tf.stack([tf.size(slot_names),
+                                           self.capacity, d]))
         return self.module.group_embedding_hbm_ev_import(
             handle, keys, tf.reshape(tf.cast(values, tf.float32),
                                      tf.stack([n, d])),
@@ -188,6 +194,40 @@ class HbmStorage:
             tf.maximum(tf.cast(versions, tf.int64), 0),
             slot_names, inits, planes, by_slot,
             tf.maximum(tf.cast(step, tf.int64), 0))
+
+    def _with_kept_slots(self, handle, names, inits, by_slot):
+        """The table's slots in their order, then the snapshot's others:
+        their names, initial values and entries [S, n, D] of the
+        snapshot's keys (the snapshot's, else the initial value)."""
+        have, have_inits = self.module.group_embedding_hbm_ev_slot_names(
+            handle)
+        # Known ranks for the masks (a Saver's restored tensors have none).
+        names, inits = tf.reshape(names, [-1]), tf.reshape(inits, [-1])
+        same = tf.equal(have[:, None], names[None, :])  # [table, snapshot]
+        count = tf.size(names)
+        columns = tf.range(count)
+        # Each slot's column of the snapshot (names are distinct), or
+        # `count` (a padding column): the table's alone. No argmax: the
+        # snapshot may have no slots.
+        src = tf.concat([
+            tf.where(tf.reduce_any(same, 1),
+                     tf.reduce_sum(tf.cast(same, tf.int32)
+                                   * columns[None, :], 1), count),
+            tf.boolean_mask(columns,
+                            tf.logical_not(tf.reduce_any(same, 0)))], 0)
+        from_snapshot = src < count
+        kept = tf.size(have)
+        new_names = tf.concat([have, tf.gather(names, src[kept:])], 0)
+        new_inits = tf.where(
+            from_snapshot, tf.gather(tf.concat([inits, [0.0]], 0), src),
+            tf.concat([have_inits, tf.zeros(tf.shape(src[kept:]))], 0))
+        shape = tf.shape(by_slot)
+        padded = tf.concat([by_slot, tf.zeros(tf.concat([[1], shape[1:]],
+                                                         0))], 0)
+        new_slots = tf.where(tf.reshape(from_snapshot, [-1, 1, 1]),
+                             tf.gather(padded, src),
+                             tf.reshape(new_inits, [-1, 1, 1]))
+        return new_names, new_inits, new_slots
 
     def evict(self, handle):
         """Runs the eviction policy (the CPU EV's rules, against the last

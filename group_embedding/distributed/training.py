@@ -201,48 +201,6 @@ class BroadcastVariablesHook(tf.compat.v1.train.SessionRunHook):
             session.run(self._op)
 
 
-def _check_evs_trained(loss, variables, optimizer_name):
-    """TF1: refuses a `minimize(loss)` of every variable whose optimizer
-    leaves out trainable EmbeddingVariables the loss reads (a stock
-    `tf.compat.v1.train` optimizer skips them: they are not in
-    TRAINABLE_VARIABLES), instead of training the rest silently."""
-    if loss is None or callable(loss) or tf.executing_eagerly():
-        return
-    evs = [v for v in tf.compat.v1.get_collection(
-               tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
-           if embedding_variable_of(v) is not None and v.trainable]
-    if not evs:
-        return
-    trained = {_tensor_key(v.handle) for v in variables
-               if embedding_variable_of(v) is not None}
-    wanted = {_tensor_key(ev.handle): ev for ev in evs
-              if _tensor_key(ev.handle) not in trained}
-    if not wanted:
-        return
-    # The EV handles the loss reads, walking its graph backwards.
-    seen, stack, missing = set(), [tf.convert_to_tensor(loss).op], []
-    while stack:
-        op = stack.pop()
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        for t in op.inputs:
-            if _tensor_key(t) in wanted:
-                missing.append(wanted.pop(_tensor_key(t)).name)
-            stack.append(t.op)
-    if missing:
-        raise ValueError(
-            f"{optimizer_name} cannot train the EmbeddingVariables "
-            f"{sorted(set(missing))} that the loss reads (a stock "
-            "tf.compat.v1.train optimizer skips them): use the ge.train "
-            "optimizer of the same name, or pass `var_list` to say which "
-            "variables this optimizer trains.")
-
-
-def _tensor_key(t):
-    return (t.op.name, t.value_index)
-
-
 def DistributedOptimizer(optimizer):  # noqa: N802 - reads like a class
     """Makes an optimizer reduce gradients across workers before applying.
 
@@ -263,12 +221,9 @@ def DistributedOptimizer(optimizer):  # noqa: N802 - reads like a class
         return optimizer
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         def compute_gradients(self, *args, **kwargs):
+            # A stock optimizer that would skip the loss's EVs raises
+            # here (embedding_variable/stock_optimizer_guard.py).
             pairs = base.compute_gradients(self, *args, **kwargs)
-            if kwargs.get("var_list", args[1] if len(args) > 1 else None) \
-                    is None:
-                _check_evs_trained(
-                    kwargs.get("loss", args[0] if args else None),
-                    [v for _, v in pairs], base.__name__)
             grads = allreduce_gradients([g for g, _ in pairs],
                                         [v for _, v in pairs])
             return list(zip(grads, [v for _, v in pairs]))

@@ -29,6 +29,7 @@ from group_embedding.embedding_variable.options import EmbeddingVariableOption
 from group_embedding.embedding_variable.options import GlobalStepEvict
 from group_embedding.embedding_variable.options import L2WeightEvict
 from group_embedding.embedding_variable.options import StorageType
+from group_embedding.embedding_variable.stock_optimizer_guard import add_guard
 from group_embedding.ops import capabilities
 from group_embedding.ops import ev_storage
 from group_embedding.ops import hbm_ev_storage
@@ -173,6 +174,7 @@ class EmbeddingVariable(tf.Module):
                 tf.compat.v1.add_to_collection(
                     tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS,
                     self.table_only())
+                add_guard(self)
 
     def table_only(self) -> "EmbeddingVariable":
         """This EV as a Saver entry that leaves the default matrix out.

@@ -1805,15 +1805,19 @@ class TakeEvictedOp : public OpKernel {
   }
 };
 
-// The names of the table's optimizer slots, in export order: whether an
-// incremental checkpoint can still extend its base (a delta cannot add
-// a slot column to the keys it leaves out) without exporting the table.
+// The names of the table's optimizer slots, in export order, and their
+// initial values, without exporting the table: whether an incremental
+// checkpoint can still extend its base (a delta cannot add a slot column
+// to the keys it leaves out), and the slots a restore keeps (those the
+// checkpoint lacks, as the CPU EV's import keeps them).
 REGISTER_OP("GroupEmbeddingHbmEVSlotNames")
     .Input("handle: resource")
     .Output("slot_names: string")
+    .Output("slot_inits: float")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->UnknownDim()));
       return Status();
     });
 
@@ -1831,6 +1835,17 @@ class SlotNamesOp : public OpKernel {
     for (int64_t s = 0; s < s_count; ++s) {
       out->flat<::tensorflow::tstring>()(s) = table->slot_names[s];
     }
+    Tensor* inits = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({s_count}),
+                                             &inits));
+    if (s_count == 0) return;
+    OP_REQUIRES_OK(ctx, CoreStatus(
+                            table->name + ": reading the slots' initial "
+                            "values",
+                            ge_copy_async(DataOr<float>(*inits),
+                                          DataOr<float>(table->slot_inits),
+                                          sizeof(float) * s_count, 0,
+                                          StreamOf(ctx))));
   }
 };
 

@@ -59,9 +59,9 @@ def test_a_stock_tf1_optimizer_that_would_skip_an_ev_is_refused():
         loss, _ = _tf1_ev_loss()
         opt = ge.DistributedOptimizer(
             tf.compat.v1.train.AdagradOptimizer(0.1))
-        with pytest.raises(ValueError, match=r"AdagradOptimizer cannot "
-                                             r"train the EmbeddingVariables "
-                                             r".*d_embedding"):
+        with pytest.raises(TypeError, match=r"EmbeddingVariable "
+                                            r"'.*d_embedding.*' is read by the "
+                                            r"loss, but a stock"):
             opt.minimize(loss)
     with tf.Graph().as_default():
         loss, w = _tf1_ev_loss()

@@ -853,6 +853,43 @@ def test_checkpoint_format_and_restore_both_ways(hbm, tmp_path, saved,
     _assert_same_state(target, source)
 
 
+@pytest.mark.parametrize("tier", ["hbm", "hbm_dram"])
+def test_a_checkpoint_older_than_the_optimizer_keeps_its_slots(
+        hbm, tmp_path, tier):
+    """Rewinding to a checkpoint written before the optimizer built its
+    slots (or with fewer of them) keeps the table's slots, every key's
+    entry their initial value, as the CPU EV's import does; training goes
+    on alike. Before, the HBM import dropped them: the next step failed
+    ("optimizer slot 'adam/m' was not created")."""
+    hbm_ev, dram_ev = _pair(f"older_{tier}")
+    if tier == "hbm_dram":
+        hbm_ev = ge.get_embedding_variable(
+            "older_tiered", DIM, ev_option=_option(ge.StorageOption(
+                ge.StorageType.HBM_DRAM, storage_size=[1])))
+        hbm_ev.default_values.assign(dram_ev.default_values)
+    evs = (hbm_ev, dram_ev)
+    early = _batches(41, steps=2)
+    sgd = [ge.optimizers.SGD(0.1) for _ in evs]
+    for ev, opt in zip(evs, sgd):
+        _train(ev, opt, early, "sum")  # keys, no slots
+    paths = [tf.train.Checkpoint(ev=ev).write(str(tmp_path / f"e{i}"))
+             for i, ev in enumerate(evs)]
+    adam = [ge.optimizers.Adam(0.05) for _ in evs]
+    for ev, opt in zip(evs, adam):
+        _train(ev, opt, _batches(42, steps=3), "mean")
+    for ev, path in zip(evs, paths):
+        tf.train.Checkpoint(ev=ev).read(path).assert_consumed()
+    state = _state(hbm_ev)
+    assert state[4] == [b"adam/m", b"adam/v"] == _state(dram_ev)[4]
+    assert np.all(state[5] == 0.0)  # Adam's initial moments
+    _assert_same_state(hbm_ev, dram_ev)
+    got, want = (_train(ev, opt, _batches(43, steps=3), "sum")
+                 for ev, opt in zip(evs, adam))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
 def test_v1_saver_names_and_restores_an_hbm_ev(hbm, tmp_path):
     """A TF1 graph's Saver writes DeepRec's `<name>-keys`, ... for an HBM
     EV, and a DRAM EV of the same name restores them."""
