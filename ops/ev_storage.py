@@ -163,10 +163,18 @@ def confirm_save(handle, covered):
         handle, tf.cast(covered, tf.int64))
 
 
-def delta_base(handle, restored: bool = False):
+def delta_base(handle, restored: bool = False, restored_slot_names=()):
     """The `since` the next delta may use (0: none, save in full). With
-    `restored` (right after a restore), the content becomes that base."""
-    return library().group_embedding_ev_delta_base(handle, restored=restored)
+    `restored` (right after a restore of a checkpoint with slots
+    `restored_slot_names`), the content becomes that base, unless the
+    variable's slots are others (it kept some the checkpoint lacks)."""
+    return library().group_embedding_ev_delta_base(
+        handle, restored=restored,
+        restored_slot_names=[_text(n) for n in restored_slot_names])
+
+
+def _text(name) -> str:
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def import_(handle, keys, values, freqs, versions, slot_names, slot_inits,

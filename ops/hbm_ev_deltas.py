@@ -95,11 +95,16 @@ class DeltaTracker:
             return 0
         return self._base_id
 
-    def restored(self, export: Sequence[np.ndarray]) -> int:
-        """The content `export` was just restored: it is the base of the
-        next delta (its number returned)."""
+    def restored(self, export: Sequence[np.ndarray],
+                 checkpoint_slots: Sequence) -> int:
+        """The content `export` was just restored from a checkpoint with
+        slots `checkpoint_slots`: it is the base of the next delta (its
+        number returned), or, when the table's slots are others (it kept
+        some the checkpoint lacks), there is none (0)."""
         self._exports += 1
         self._base, self._base_id = _Snapshot(export), self._exports
+        if self._base.slot_names != _names(np.asarray(checkpoint_slots)):
+            self._base, self._base_id = None, 0
         self._pending = None
         self._evicted = []
         return self._base_id

@@ -155,14 +155,17 @@ class HbmStorage:
         del handle
         self.deltas.confirm(int(covered))
 
-    def delta_base(self, handle, restored: bool = False):
+    def delta_base(self, handle, restored: bool = False,
+                   restored_slot_names=()):
         """The `since` the next delta may use (0: none, save in full).
-        With `restored` (right after a restore), the content becomes that
-        base."""
+        With `restored` (right after a restore of a checkpoint with slots
+        `restored_slot_names`), the content becomes that base, unless the
+        table's slots are others (it kept some the checkpoint lacks)."""
         self._take_evicted(handle)
         if restored:
             return self.deltas.restored(
-                self._numpy_export(handle, self.embedding_dim))
+                self._numpy_export(handle, self.embedding_dim),
+                restored_slot_names)
         names, _ = self.module.group_embedding_hbm_ev_slot_names(handle)
         return self.deltas.delta_base(np.asarray(names))
 

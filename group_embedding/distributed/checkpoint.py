@@ -526,7 +526,8 @@ _EV_PER_VARIABLE = ("slot_names", "slot_inits", "step")
 
 
 def _restore_ev(name, table, shards, rank, size):
-    """EVs: merge every worker's keys, keep those this worker owns."""
+    """EVs: merge every worker's keys, keep those this worker owns.
+    Returns the checkpoint's slot names of the EV."""
     fields = _EV_PER_KEY
     parts = {f: [] for f in fields}
     meta = None
@@ -547,6 +548,7 @@ def _restore_ev(name, table, shards, rank, size):
         restored[f] = tf.convert_to_tensor(meta[f"{name}/{f}"])
     table._restore_from_tensors(restored)
     table.default_values.assign(meta[f"{name}/default_values"])
+    return meta[f"{name}/slot_names"]
 
 
 def restore_tables(path: str, tables: Dict[str, object]):
@@ -578,10 +580,12 @@ def restore_tables(path: str, tables: Dict[str, object]):
     rank, size = model_parallel.world()
     chain = _chain(path)
     shards = _replay(chain)
+    slot_names = {}
     for name, table in tables.items():
         if is_embedding_variable(table):
             owner_size = size if distributed_strategy.is_collective() else 1
-            _restore_ev(name, table, shards, rank % owner_size, owner_size)
+            slot_names[name] = _restore_ev(name, table, shards,
+                                           rank % owner_size, owner_size)
         else:
             _restore_rows(name, table, shards, rank, size)
     manifest = chain[0][1]
@@ -589,4 +593,5 @@ def restore_tables(path: str, tables: Dict[str, object]):
         incremental.record_restore(
             path, _sha256(os.path.join(path, MANIFEST)), manifest["depth"],
             manifest["num_shards"], size,
-            {n: t for n, t in tables.items() if is_embedding_variable(t)})
+            {n: t for n, t in tables.items() if is_embedding_variable(t)},
+            slot_names)

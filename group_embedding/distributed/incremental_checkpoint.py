@@ -133,16 +133,23 @@ def _remember(directory, checkpoint, manifest_sha256, depth, size, evs,
 
 
 def record_restore(path: str, manifest_sha256: str, depth: int,
-                   size: int, now: int, evs: Dict[str, Any]):
+                   size: int, now: int, evs: Dict[str, Any],
+                   slot_names: Dict[str, Any]):
     """After `evs` were restored from checkpoint `path` (saved at `size`
-    workers, `now` workers running): the next save in its directory may
-    be a delta of it when the worker count is the same."""
+    workers, `now` workers running; `slot_names`: each EV's slots there):
+    the next save in its directory may be a delta of it when the worker
+    count is the same and every EV has the checkpoint's slots (one that
+    kept others, built since that save, needs a full save)."""
     directory, checkpoint = os.path.split(os.path.normpath(path))
     if size != now:
         _bases.pop(_key(directory, evs), None)
         return
-    covered = {n: int(t.storage.delta_base(t.handle, restored=True))
+    covered = {n: int(t.storage.delta_base(
+                   t.handle, restored=True, restored_slot_names=slot_names[n]))
                for n, t in evs.items()}
+    if not all(covered.values()):
+        _bases.pop(_key(directory, evs), None)
+        return
     _remember(directory, checkpoint, manifest_sha256, depth, size, evs,
               covered)
 

@@ -864,10 +864,19 @@ class LookupOp : public OpKernel {
       }
     } else {
       // One group call per distinct step (tables trained together share
-      // theirs): each table stamps its own last applied step.
-      std::map<int64_t, std::vector<int>> by_step;
+      // theirs): each table stamps its own last applied step. A filtered
+      // table read by several features takes them one call after the
+      // other (the n-th in call n): as on the CPU EV, a feature reads the
+      // counts the features before it raised (a key they admitted reads
+      // its row), where one call on their concatenation would read every
+      // occurrence as before the call.
+      std::map<std::pair<int64_t, int>, std::vector<int>> by_step;
+      std::vector<int> seen(locked.distinct.size(), 0);
       for (int t = 0; t < k; ++t) {
-        by_step[locked.refs[t]->step].push_back(t);
+        const int u = locked.index[t];
+        const int wave =
+            locked.distinct[u]->desc.filter_freq > 0 ? seen[u]++ : 0;
+        by_step[{locked.refs[t]->step, wave}].push_back(t);
       }
       // HBM_DRAM: what a table gives up goes to an evicted output with
       // room for all its keys of the call (an insert evicts one key at
@@ -892,6 +901,22 @@ class LookupOp : public OpKernel {
         OP_REQUIRES_OK(ctx, evicted_rows[u]->AsEvicted(*table, stream,
                                                        &evicted[u]));
       }
+      // The later calls' stored keys are stamped first (version = step:
+      // pinned), so that an insert of an earlier call gives none of them
+      // up before it is read, as in one call.
+      for (const auto& entry : by_step) {
+        if (entry.first.second == 0) continue;
+        for (int t : entry.second) {
+          const int64_t n = keys[t].NumElements();
+          if (n == 0) continue;
+          Tensor unused;  // the stamp's slots of the keys
+          OP_REQUIRES_OK(ctx, Allocate(ctx, DT_INT64, TensorShape({n}),
+                                       &unused));
+          OP_REQUIRES_OK(ctx, CoreStatus(names[t], ge_ev_stamp(
+              &descs[locked.index[t]], DataOr<int64_t>(keys[t]), n,
+              entry.first.first, DataOr<int64_t>(unused), c, stream)));
+        }
+      }
       for (const auto& entry : by_step) {
         std::vector<GeEvBatch> batches;
         for (int t : entry.second) {
@@ -914,7 +939,7 @@ class LookupOp : public OpKernel {
         void* scratch = nullptr;
         OP_REQUIRES_OK(ctx, Temp(ctx, bytes, &scratch_t, &scratch));
         OP_REQUIRES_OK(ctx, CoreStatus(name(), ge_ev_find_or_insert_group(
-            descs.data(), nt, batches.data(), nb, entry.first,
+            descs.data(), nt, batches.data(), nb, entry.first.first,
             any_tier ? evicted.data() : nullptr, scratch, bytes, c,
             stream)));
       }

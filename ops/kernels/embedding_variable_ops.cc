@@ -406,15 +406,20 @@ GE_REGISTER_OP_WITH_ALIAS(
     .Input("handle: resource")
     .Output("base: int64")
     .Attr("restored: bool = false")
+    // With `restored`: the slots of the checkpoint just restored.
+    .Attr("restored_slot_names: list(string) = []")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::ScalarShape));
 
 // The confirmed save the next delta may extend (0: none). With
-// `restored`, after a restore: the restored content becomes that base.
+// `restored`, after a restore: the restored content becomes that base,
+// unless the variable kept slots the checkpoint lacks (an import keeps
+// them): a delta cannot add their columns to the keys it leaves out.
 class EVDeltaBaseOp : public OpKernel {
  public:
   explicit EVDeltaBaseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("restored", &restored_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("restored_slot_names", &names_));
   }
   void Compute(OpKernelContext* ctx) override {
     RefCountPtr<EVStorage> ev;
@@ -423,11 +428,12 @@ class EVDeltaBaseOp : public OpKernel {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() =
-        restored_ ? ev->MarkRestored() : ev->delta_base();
+        restored_ ? ev->MarkRestored(names_) : ev->delta_base();
   }
 
  private:
   bool restored_ = false;
+  std::vector<std::string> names_;
 };
 
 GE_REGISTER_CPU_KERNEL_WITH_ALIAS(

@@ -1232,15 +1232,17 @@ class EVStorage : public tensorflow::ResourceBase {
     }
     delta_base_ = id;
   }
-  // The content was just restored from a checkpoint: it is the base of
-  // the next delta (returned).
-  int64_t MarkRestored() {
+  // The content was just restored from a checkpoint with these slots: it
+  // is the base of the next delta (returned), or, when the variable's
+  // slots are others (it kept slots the checkpoint lacks), there is none
+  // (0: the next save is full).
+  int64_t MarkRestored(const std::vector<std::string>& checkpoint_slots) {
     std::fill(changed_.begin(), changed_.end(), 0);
     std::fill(exported_.begin(), exported_.end(), 0);
     if (tier_) tier_->ForEachMarks([](int64_t, uint8_t& m) { m = 0; });
     removed_.clear();
     tracking_removals_ = true;
-    delta_base_ = ++exports_;
+    delta_base_ = checkpoint_slots == slot_names_ ? ++exports_ : 0;
     return delta_base_;
   }
 

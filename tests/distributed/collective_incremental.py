@@ -60,7 +60,7 @@ def state(ev):
     also used by test_incremental_checkpoint.py and incremental_kill.py),
     and its per-variable fields."""
     keys, values, freqs, versions, names, inits, slots, step = [
-        np.asarray(x) for x in ev_storage.export(ev.handle,
+        np.asarray(x) for x in ev.storage.export(ev.handle,
                                                  ev.embedding_dim)]
     order = np.argsort(keys)
     names = np.asarray([n.decode() for n in names], dtype=str)

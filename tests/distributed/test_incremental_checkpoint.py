@@ -20,6 +20,7 @@ from collective_incremental import state
 
 import group_embedding as ge
 from group_embedding.distributed import checkpoint as checkpoint_lib
+from group_embedding.ops import config
 from group_embedding.ops import ev_storage
 
 DIM = 4
@@ -194,6 +195,36 @@ def test_new_slot_or_other_tables_save_in_full(tmp_path):
     third = ge.save_tables(str(tmp_path), {"t": ev, "u": other}, 3,
                            full_every=5)
     assert _manifest(third)["kind"] == "full"
+
+
+@pytest.mark.parametrize("storage", ["dram", "hbm"])
+def test_a_restore_that_keeps_a_newer_slot_saves_in_full_next(
+        tmp_path, monkeypatch, storage):
+    """A restore into an EV holding a slot the checkpoint lacks (built
+    after that save) keeps the slot, so the EV no longer holds the
+    checkpoint's content: the next save is full, and it restores what was
+    saved. Before, it was a delta adding a slot column its base lacks,
+    which `restore_tables` refused: that checkpoint was lost."""
+    monkeypatch.setenv(config.HBM_ON_HOST, "1")
+    option = None if storage == "dram" else ge.EmbeddingVariableOption(
+        storage_option=ge.StorageOption(ge.StorageType.HBM,
+                                        storage_size=[1 << 20]))
+    ev = _make(f"kept_slot_{storage}", option)
+    ev.lookup_rows(tf.constant(np.arange(20), tf.int64))
+    ge.save_tables(str(tmp_path), {"t": ev}, 1, full_every=5)
+    ev.ensure_slot("adam/m", 0.0)
+    ge.restore_tables(str(tmp_path), {"t": ev})
+    ev.lookup_rows(tf.constant([3, 500], tf.int64))
+    second = ge.save_tables(str(tmp_path), {"t": ev}, 2, full_every=5)
+    assert _manifest(second)["kind"] == "full"
+    _assert_same(_restored(second, option, name=f"kept_{storage}_into"),
+                 _state(ev))
+    # Its slots match now: the save after it is a delta again.
+    ev.lookup_rows(tf.constant([4], tf.int64))
+    third = ge.save_tables(str(tmp_path), {"t": ev}, 3, full_every=5)
+    assert _manifest(third)["kind"] == "delta"
+    _assert_same(_restored(third, option, name=f"kept_{storage}_again"),
+                 _state(ev))
 
 
 def test_same_step_again_keeps_the_checkpoint_it_extends(tmp_path):

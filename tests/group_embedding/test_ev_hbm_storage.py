@@ -373,6 +373,41 @@ def test_counter_filter_admission_and_duplicates(hbm):
     _assert_same_state(hbm_ev, dram_ev)
 
 
+@pytest.mark.parametrize("tier", ["hbm", "hbm_dram"])
+def test_a_key_admitted_by_an_earlier_feature_of_the_call(hbm, tier):
+    """CounterFilter(2), one EV read by three features of one lookup: a
+    key counted once before and once by the first feature is admitted
+    when the second reads it, which reads its row, as on the CPU EV
+    (features read in order, each seeing the counts the ones before it
+    raised). Before, the HBM table read every occurrence of the call as
+    before the call: no_permission."""
+    hbm_ev, dram_ev = _pair(f"earlier_{tier}", filter_freq=2)
+    if tier == "hbm_dram":
+        hbm_ev = ge.get_embedding_variable(
+            "earlier_tiered", DIM, ev_option=_option(ge.StorageOption(
+                ge.StorageType.HBM_DRAM, storage_size=[1]), filter_freq=2,
+                no_permission=0.25))
+        hbm_ev.default_values.assign(dram_ev.default_values)
+    feats = [tf.ragged.constant([[7], [19]], tf.int64),
+             tf.ragged.constant([[7, 19], [11]], tf.int64),
+             tf.ragged.constant([[19], [11, 7]], tf.int64)]
+    outs = []
+    for ev in (hbm_ev, dram_ev):
+        ev.lookup_rows(tf.constant([7, 11], tf.int64))  # counted once
+        outs.append([o.numpy() for o in ge.group_embedding_lookup_sparse(
+            [ev] * 3, feats, "sum")])
+    got, want = outs
+    # Feature 0 reads key 7 before counting it: no_permission.
+    np.testing.assert_array_equal(want[0][0], np.full(DIM, 0.25))
+    # Feature 1 reads 7's row (admitted by feature 0) + 19 (seen once).
+    row7 = dram_ev.lookup_rows(tf.constant([7], tf.int64),
+                               training=False).numpy()[0]
+    np.testing.assert_allclose(want[1][0], row7 + 0.25, rtol=1e-6)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
 def test_group_of_several_hbm_evs_with_a_shared_table(hbm):
     """Three features over two HBM EVs (one shared) in one fused op."""
     a, a_ref = _pair("grp_a")

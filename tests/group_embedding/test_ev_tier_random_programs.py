@@ -2,12 +2,16 @@
 against an EV of one tier running the same program.
 
 The other tier tests take one feature at a time (training, filters,
-eviction, checkpoints); here a seeded program interleaves them on one
-pair of EVs: training steps of a group that reads the EV through two
-features (combiners and weights drawn per step), `training=False`
+eviction, checkpoints); here a seeded program interleaves them on two
+EVs a side (each with its own drawn filter and eviction policy):
+training steps of a group of one to three features over them, an EV
+read by up to two (combiners, weights, and eager or traced (the fused
+backward-apply) drawn per step), `training=False`
 lookups, lookups that insert, eviction, frequency and version reads,
-and checkpoint writes and rewinds (restoring an older checkpoint after
-more training). Two pairs, each of which must be equal BIT FOR BIT
+checkpoint writes and rewinds (restoring an older checkpoint after more
+training), and incremental `ge.save_tables` (full saves and deltas)
+with `ge.restore_tables`, which must bring back bitwise what the EV held
+at the last save. Two pairs, each of which must be equal BIT FOR BIT
 after every op (every output, and every key's row, slots, freq and
 version):
 - ssd: a DRAM_SSDHASH EV whose DRAM tier holds 4 rows of 60 keys (keys
@@ -15,8 +19,19 @@ version):
 - hbm_dram: an HBM_DRAM EV whose GPU table holds 128 of ~600 keys and an
   HBM EV holding every key (the CUDA core's host stand-in,
   `GROUP_EMBEDDING_HBM_ON_HOST=1`, as test_ev_hbm_dram_storage.py).
-Options drawn per program: optimizer, filter, eviction policy, cache
-strategy.
+Options drawn per program: optimizer, filter (CounterFilter, and
+CBFFilter for the disk tier), eviction policy, cache strategy. The same
+programs also run on an HBM EV against a DRAM EV (the CPU EV's
+semantics: keys, frequencies, versions exactly, floats to rounding).
+
+Found so far: an HBM restore dropped the optimizer's slots that the
+checkpoint lacked (the next step failed); after a restore that kept such
+slots, the next incremental save was a delta with slot columns its base
+lacked, which no restore could read; an HBM lookup of one filtered EV by
+several features read every occurrence as before the call, where the
+CPU EV lets a feature see the counts of the features before it (and the
+first fix of that, a call per feature, let an earlier feature's inserts
+give up a later feature's keys: caught by the HBM_DRAM pair).
 """
 
 import numpy as np
@@ -40,6 +55,9 @@ OPTIMIZERS = [lambda: ge.optimizers.SGD(0.2),
               lambda: ge.optimizers.Ftrl(0.2, l1_regularization_strength=0.01,
                                          l2_regularization_strength=0.02)]
 FILTERS = [None, ge.CounterFilter(filter_freq=2)]
+# CPU EVs only (not on HBM tables yet).
+CBF = ge.CBFFilter(filter_freq=2, max_element_size=1000,
+                   false_positive_probability=0.01)
 EVICTIONS = [None, ge.GlobalStepEvict(steps_to_live=4),
              ge.L2WeightEvict(l2_weight_threshold=0.5)]
 STRATEGIES = [ge.CacheStrategy.LFU, ge.CacheStrategy.LRU]
@@ -47,32 +65,45 @@ COMBINERS = ["sum", "mean", "sqrtn"]
 
 
 def _ssd_pair(tmp_path, name, strategy, options):
-    """(oracle, tiered) and the keys their programs draw from."""
-    dram = ev_cases.make_ev(f"{name}_dram", DIM, ev_option=_option(**options))
-    tier = ev_cases.make_ev(f"{name}_tier", DIM, ev_option=_option(
-        _ssd(tmp_path / name, strategy=strategy), **options))
-    return dram, tier, np.arange(60, dtype=np.int64) * 7919 - 200000
+    """(oracles, tiered EVs): one pair per entry of `options`; the keys
+    their programs draw from and the rows of a feature."""
+    refs, tiered = [], []
+    for i, opts in enumerate(options):
+        refs.append(ev_cases.make_ev(f"{name}_dram{i}", DIM, seed=i,
+                                     ev_option=_option(**opts)))
+        tiered.append(ev_cases.make_ev(
+            f"{name}_tier{i}", DIM, seed=i, ev_option=_option(
+                _ssd(tmp_path / f"{name}{i}", strategy=strategy), **opts)))
+    return refs, tiered, np.arange(60, dtype=np.int64) * 7919 - 200000, 6
 
 
 def _hbm_dram_pair(tmp_path, name, strategy, options):
-    def make(suffix, kind, size):
-        return ev_cases.make_ev(f"{name}_{suffix}", DIM, ev_option=_option(
-            ge.StorageOption(kind, storage_size=[size],
-                             cache_strategy=strategy), **options))
-    whole = make("hbm", ge.StorageType.HBM, 1 << 22)
-    tier = make("tier", ge.StorageType.HBM_DRAM, 1)
-    assert tier.storage.capacity == 128
-    assert whole.storage.capacity >= 4 * len(SPACE)
-    return whole, tier, SPACE
+    def make(suffix, kind, size, opts, seed):
+        return ev_cases.make_ev(f"{name}_{suffix}", DIM, seed=seed,
+                                ev_option=_option(ge.StorageOption(
+                                    kind, storage_size=[size],
+                                    cache_strategy=strategy), **opts))
+    whole = [make(f"hbm{i}", ge.StorageType.HBM, 1 << 22, opts, i)
+             for i, opts in enumerate(options)]
+    tiered = [make(f"tier{i}", ge.StorageType.HBM_DRAM, 1, opts, i)
+              for i, opts in enumerate(options)]
+    assert all(ev.storage.capacity == 128 for ev in tiered)
+    assert all(ev.storage.capacity >= 4 * len(SPACE) for ev in whole)
+    # Up to 96 ids of an EV a step (two features of 12 rows): more keys
+    # than the GPU table's 128 within a few steps, yet a step's fit.
+    return whole, tiered, SPACE, 12
 
 
 PAIRS = {"ssd": _ssd_pair, "hbm_dram": _hbm_dram_pair}
 
 
 def _second_tier_keys(ev):
-    """Keys on disk (DRAM_SSDHASH) or in host memory (HBM_DRAM)."""
+    """Keys on disk (DRAM_SSDHASH) or in host memory (HBM_DRAM); 0 for
+    other EVs."""
     if ev.ge_table_kind == "hbm_ev":
         return int(ev.storage.tier_sizes(ev.handle).numpy()[1])
+    if ev.ev_option.storage_option.storage_type == ge.StorageType.DRAM:
+        return 0
     return int(ev_storage.tier_stats(ev.handle)[1])
 
 
@@ -87,28 +118,63 @@ def _snapshot(ev):
             "slots": slots[order], "step": step}
 
 
-def _ids(rng, keys, rows=6):
+def _assert_restored(now, saved):
+    """`now` is `saved` restored into an EV that may have built optimizer
+    slots since: those stay (as an import keeps them), every key's entry
+    their initial value; all else bitwise."""
+    names = list(now["slot_names"])
+    dim = now["values"].shape[1]
+    kept = [names.index(n) for n in saved["slot_names"]]
+    expect = dict(saved, slot_names=now["slot_names"],
+                  slot_inits=now["slot_inits"],
+                  slots=np.empty_like(now["slots"]))
+    for j, init in enumerate(now["slot_inits"]):
+        expect["slots"][:, j * dim:(j + 1) * dim] = init
+    for c, j in enumerate(kept):
+        expect["slots"][:, j * dim:(j + 1) * dim] = \
+            saved["slots"][:, c * dim:(c + 1) * dim]
+        assert now["slot_inits"][j] == saved["slot_inits"][c]
+    _assert_same(now, expect)
+
+
+def _ids(rng, keys, rows):
     return tf.ragged.constant(
         [list(rng.choice(keys, size=rng.integers(0, 5))) for _ in range(rows)],
         dtype=tf.int64, row_splits_dtype=tf.int64)
 
 
 class _Side:
-    """One EV, its optimizer and its checkpoints."""
+    """A side's EVs, its optimizer and its checkpoints."""
 
-    def __init__(self, ev, optimizer):
-        self.ev, self.opt = ev, optimizer
-        self.ckpt = tf.train.Checkpoint(ev=ev)
+    def __init__(self, evs, optimizer):
+        self.evs, self.opt = evs, optimizer
+        self.tables = {f"ev{i}": ev for i, ev in enumerate(evs)}
+        self.ckpt = tf.train.Checkpoint(**self.tables)
+        self._traced = {}
 
-    def train(self, feats, combiners, weights):
+    def train(self, feats, which, combiners, weights, traced):
+        """One step of a group lookup: feature f reads EV which[f];
+        `traced`: in a `tf.function` (the fused backward-apply), else
+        eagerly (an update per EV)."""
+        key = (tuple(which), tuple(combiners), weights is None)
+        if not traced:
+            return [o.numpy() for o in self._step(key, feats, weights)]
+        if key not in self._traced:
+            self._traced[key] = tf.function(
+                lambda f, w: self._step(key, f, w), reduce_retracing=True)
+        return [o.numpy() for o in self._traced[key](feats, weights)]
+
+    def _step(self, key, feats, weights):
+        which, combiners, _ = key
+        read = [self.evs[i] for i in sorted(set(which))]
         with tf.GradientTape() as tape:
             outs = ge.group_embedding_lookup_sparse(
-                [self.ev] * len(feats), feats, combiners,
+                [self.evs[i] for i in which], list(feats), list(combiners),
                 sp_weights=weights)
             loss = sum(tf.reduce_sum(tf.square(o - 0.3 * (i + 1)))
                        for i, o in enumerate(outs))
-        self.opt.apply_gradients([(tape.gradient(loss, self.ev), self.ev)])
-        return [o.numpy() for o in outs]
+        self.opt.apply_gradients(zip(tape.gradient(loss, read), read))
+        return outs
 
 
 def _weights(rng, feats):
@@ -119,70 +185,158 @@ def _weights(rng, feats):
         for f in feats]
 
 
+def _bitwise(got, want, context):
+    np.testing.assert_array_equal(
+        got.view(np.uint8) if got.dtype == np.float32 else got,
+        want.view(np.uint8) if want.dtype == np.float32 else want,
+        err_msg=context)
+
+
+def _close(got, want, context):
+    """HBM against the CPU EV: floats to rounding (the kernels sum in
+    another order), all else exactly."""
+    if got.dtype == np.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5,
+                                   err_msg=context)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=context)
+
+
+def _run(tmp_path, seed, sides, keys, rows, same):
+    """Runs seed's program on both sides, comparing every output and the
+    whole state after each op with `same`; returns the most keys the
+    second side's second tiers held."""
+    rng = np.random.default_rng(seed)
+    n_evs = len(sides[0].evs)
+    # Every kind of op at least twice, saves before the first rewinds.
+    program = (["train"] * 24 + ["infer", "insert", "evict", "counts"] * 2
+               + ["save", "rewind"] * 3 + ["save_tables"] * 5
+               + ["restore_tables"] * 2)
+    rng.shuffle(program)
+    program[:0] = ["save", "save_tables"]
+    # What each side held at its last save_tables: what restore_tables
+    # must bring back, bitwise (full saves and deltas alike).
+    at_save_tables = [None, None]
+    most_moved = 0
+    saved = []
+    trail = []  # the program so far, for the failure message
+    for step, op in enumerate(program):
+        trail.append(op)
+        context = f"seed {seed}, program {trail}"
+        i = int(rng.integers(n_evs))  # the EV of a one-EV op
+        try:
+            if op == "train":
+                # One to three features, at most two reading an EV.
+                which = list(rng.permutation(
+                    [e for e in range(n_evs) for _ in range(2)]))[
+                        :rng.integers(1, 4)]
+                feats = [_ids(rng, keys, rows) for _ in which]
+                combiners = [str(rng.choice(COMBINERS)) for _ in feats]
+                weights = _weights(rng, feats)
+                traced = bool(rng.random() < 0.5)
+                got = [s.train(feats, which, combiners, weights, traced)
+                       for s in sides]
+            elif op == "infer":
+                feats = [_ids(rng, keys, rows)]
+                got = [[o.numpy() for o in ge.group_embedding_lookup_sparse(
+                    [s.evs[i]], feats, "mean", training=False)]
+                    for s in sides]
+            elif op == "insert":
+                some = tf.constant(rng.choice(keys, size=rng.integers(1, 12)))
+                got = [[s.evs[i].lookup_rows(some, training=True).numpy()]
+                       for s in sides]
+            elif op == "evict":
+                got = [[s.evs[i].evict().numpy()] for s in sides]
+            elif op == "counts":
+                some = tf.constant(rng.choice(keys, size=10))
+                got = [[s.evs[i].get_frequency(some).numpy(),
+                        s.evs[i].get_version(some).numpy()] for s in sides]
+            elif op == "save":
+                path = str(tmp_path / f"ckpt_{step}")
+                for k, s in enumerate(sides):
+                    s.ckpt.write(f"{path}_{k}")
+                saved.append(path)
+                got = [[], []]
+            elif op == "save_tables":
+                # Incremental: a full save, then deltas, every 3rd full.
+                for k, s in enumerate(sides):
+                    ge.save_tables(str(tmp_path / f"tables_{k}"), s.tables,
+                                   step, full_every=3)
+                    at_save_tables[k] = [_snapshot(ev) for ev in s.evs]
+                got = [[], []]
+            elif op == "restore_tables":
+                for k, s in enumerate(sides):
+                    ge.restore_tables(str(tmp_path / f"tables_{k}"),
+                                      s.tables)
+                    for ev, want in zip(s.evs, at_save_tables[k]):
+                        _assert_restored(_snapshot(ev), want)
+                got = [[], []]
+            else:  # rewind: restore an older checkpoint after more steps
+                path = saved[rng.integers(len(saved))]
+                for k, s in enumerate(sides):
+                    s.ckpt.read(f"{path}_{k}").assert_consumed()
+                got = [[], []]
+            for a, b in zip(*got):
+                same(np.asarray(b), np.asarray(a), context)
+            for ref, ev in zip(sides[0].evs, sides[1].evs):
+                want, now = _snapshot(ref), _snapshot(ev)
+                assert now.keys() == want.keys()
+                for field in want:
+                    same(np.asarray(now[field]), np.asarray(want[field]),
+                         f"{context}: {ev.name} {field}")
+                assert int(ev.size()) == int(ref.size())
+        except Exception as e:
+            raise AssertionError(f"{context}: {e}") from e
+        most_moved = max(most_moved,
+                         sum(_second_tier_keys(ev) for ev in sides[1].evs))
+    return most_moved
+
+
+def _options(rng, exclude_l2=False, cbf=False):
+    """Two EVs' options (filter, eviction) and a cache strategy."""
+    evictions = EVICTIONS[:-1] if exclude_l2 else EVICTIONS
+    filters = FILTERS + [CBF] if cbf else FILTERS
+    return ([{"filter_option": filters[rng.integers(len(filters))],
+              "evict_option": evictions[rng.integers(len(evictions))]}
+             for _ in range(2)],
+            STRATEGIES[rng.integers(len(STRATEGIES))])
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("kind", sorted(PAIRS))
 def test_random_program_matches_one_tier_bitwise(tmp_path, monkeypatch,
                                                  kind, seed):
     monkeypatch.setenv(config.HBM_ON_HOST, "1")
-    rng = np.random.default_rng(seed)
+    options, strategy = _options(np.random.default_rng(1000 + seed),
+                                 cbf=kind == "ssd")
+    oracles, tiered, keys, rows = PAIRS[kind](
+        tmp_path, f"prog_{kind}{seed}", strategy, options)
     make_opt = OPTIMIZERS[seed % len(OPTIMIZERS)]
-    options = {"filter_option": FILTERS[rng.integers(len(FILTERS))],
-               "evict_option": EVICTIONS[rng.integers(len(EVICTIONS))]}
-    strategy = STRATEGIES[rng.integers(len(STRATEGIES))]
-    oracle, tiered, keys = PAIRS[kind](tmp_path, f"prog_{kind}{seed}",
-                                       strategy, options)
-    ref, tier = _Side(oracle, make_opt()), _Side(tiered, make_opt())
-    # Every kind of op at least twice, a save before the first rewind.
-    program = (["train"] * 24 + ["infer", "insert", "evict", "counts"] * 2
-               + ["save", "rewind"] * 3)
-    rng.shuffle(program)
-    program.insert(0, "save")
-    sides = (ref, tier)
-    most_moved = 0  # keys in the second tier, at most
-    saved = []
-    trail = []  # the program so far, for the failure message
-    for step, op in enumerate(program):
-        trail.append(op)
-        if op == "train":
-            feats = [_ids(rng, keys) for _ in range(rng.integers(1, 3))]
-            combiners = [str(rng.choice(COMBINERS)) for _ in feats]
-            weights = _weights(rng, feats)
-            got = [s.train(feats, combiners, weights) for s in sides]
-        elif op == "infer":
-            feats = [_ids(rng, keys)]
-            got = [[o.numpy() for o in ge.group_embedding_lookup_sparse(
-                [s.ev], feats, "mean", training=False)] for s in sides]
-        elif op == "insert":
-            some = tf.constant(rng.choice(keys, size=rng.integers(1, 12)))
-            got = [[s.ev.lookup_rows(some, training=True).numpy()]
-                   for s in sides]
-        elif op == "evict":
-            got = [[s.ev.evict().numpy()] for s in sides]
-        elif op == "counts":
-            some = tf.constant(rng.choice(keys, size=10))
-            got = [[s.ev.get_frequency(some).numpy(),
-                    s.ev.get_version(some).numpy()] for s in sides]
-        elif op == "save":
-            path = str(tmp_path / f"ckpt_{step}")
-            for i, s in enumerate(sides):
-                s.ckpt.write(f"{path}_{i}")
-            saved.append(path)
-            got = [[], []]
-        else:  # rewind: restore an older checkpoint after more steps
-            path = saved[rng.integers(len(saved))]
-            for i, s in enumerate(sides):
-                s.ckpt.read(f"{path}_{i}").assert_consumed()
-            got = [[], []]
-        context = f"seed {seed}, program {trail}"
-        for a, b in zip(*got):
-            np.testing.assert_array_equal(
-                np.asarray(b).view(np.uint8) if b.dtype == np.float32 else b,
-                np.asarray(a).view(np.uint8) if a.dtype == np.float32 else a,
-                err_msg=context)
-        try:
-            _assert_same(_snapshot(tier.ev), _snapshot(ref.ev))
-        except AssertionError as e:
-            raise AssertionError(f"{context}: {e}") from None
-        assert int(tier.ev.size()) == int(ref.ev.size()), context
-        most_moved = max(most_moved, _second_tier_keys(tier.ev))
-    assert most_moved > 0  # the program did move keys between tiers
+    sides = (_Side(oracles, make_opt()), _Side(tiered, make_opt()))
+    # The program did move keys between tiers.
+    assert _run(tmp_path, seed, sides, keys, rows, _bitwise) > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_program_on_hbm_matches_the_cpu_ev(tmp_path, monkeypatch,
+                                                  seed):
+    """The same programs on HBM EVs (the CUDA core's kernels, on the
+    host stand-in) and DRAM EVs: keys, frequencies, versions and counts
+    exactly, floats to rounding. No L2WeightEvict: a row's norm within
+    rounding of the threshold may go either way."""
+    monkeypatch.setenv(config.HBM_ON_HOST, "1")
+    options, strategy = _options(np.random.default_rng(2000 + seed),
+                                 exclude_l2=True)
+    name = f"prog_cpu{seed}"
+    dram, hbm = [], []
+    for i, opts in enumerate(options):
+        dram.append(ev_cases.make_ev(f"{name}_dram{i}", DIM, seed=i,
+                                     ev_option=_option(**opts)))
+        hbm.append(ev_cases.make_ev(f"{name}_hbm{i}", DIM, seed=i,
+                                    ev_option=_option(ge.StorageOption(
+                                        ge.StorageType.HBM,
+                                        storage_size=[1 << 22],
+                                        cache_strategy=strategy), **opts)))
+    make_opt = OPTIMIZERS[seed % len(OPTIMIZERS)]
+    sides = (_Side(dram, make_opt()), _Side(hbm, make_opt()))
+    _run(tmp_path, seed, sides, SPACE, 12, _close)
