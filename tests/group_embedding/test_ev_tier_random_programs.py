@@ -11,7 +11,9 @@ lookups, lookups that insert, eviction, frequency and version reads,
 checkpoint writes and rewinds (restoring an older checkpoint after more
 training), and incremental `ge.save_tables` (full saves and deltas)
 with `ge.restore_tables`, which must bring back bitwise what the EV held
-at the last save. Two pairs, each of which must be equal BIT FOR BIT
+at the last save; at the end, a SavedModel of each side
+(`ge.export_saved_model`) serves what its lookups read. Two
+pairs, each of which must be equal BIT FOR BIT
 after every op (every output, and every key's row, slots, freq and
 version):
 - ssd: a DRAM_SSDHASH EV whose DRAM tier holds 4 rows of 60 keys (keys
@@ -289,7 +291,35 @@ def _run(tmp_path, seed, sides, keys, rows, same):
             raise AssertionError(f"{context}: {e}") from e
         most_moved = max(most_moved,
                          sum(_second_tier_keys(ev) for ev in sides[1].evs))
+    for k, s in enumerate(sides):
+        _assert_export_serves_as_lookups(tmp_path / f"export_{k}", s.evs,
+                                         [_ids(rng, keys, rows) for _ in
+                                          s.evs])
     return most_moved
+
+
+def _assert_export_serves_as_lookups(path, evs, request):
+    """The SavedModel of a lookup of `evs` (`ge.export_saved_model`, every
+    EV frozen into stock ops) serves what `training=False` lookups read
+    now: rows, filtered and default rows alike (to rounding: stock ops
+    pool in their own order)."""
+    module = tf.Module()
+    module.evs = evs
+    spec = tf.RaggedTensorSpec([None, None], tf.int64, 1, tf.int64)
+
+    @tf.function(input_signature=[[spec] * len(evs)])
+    def serve(ids):
+        return ge.group_embedding_lookup_sparse(evs, ids, "sqrtn",
+                                                training=False)
+
+    module.serve = serve
+    want = [o.numpy() for o in serve(request)]
+    ge.export_saved_model(module, str(path))
+    loaded = tf.saved_model.load(str(path))  # held: it owns the tables
+    got = loaded.serve(request)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-6, atol=1e-6,
+                                   err_msg="served")
 
 
 def _options(rng, exclude_l2=False, cbf=False):
