@@ -335,7 +335,7 @@ def _hbm_groups(pairs, skip: Set[int]):
                 or _on_cpu_storage(ev)):
             continue
         found = hbm_forward_of(grad.indices, grad.values)
-        if found is not None:
+        if found is not None and ev.storage.takes_forward(found):
             # Distinct EVs: the features of a table two features read
             # are remembered as one (hbm_ev_storage's gradient).
             groups.setdefault(found.lookup, []).append((i, ev, found))

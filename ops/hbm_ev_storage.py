@@ -94,9 +94,13 @@ class HbmStorage:
         self.host_tier = host_tier
         self.deltas = hbm_ev_deltas.DeltaTracker(name)
 
+    # The CounterFilter's threshold (0: none), set by create_handle.
+    filter_freq = 0
+
     def create_handle(self, shared_name: str, filter_freq: int,
                       no_permission: float, lfu: bool) -> tf.Tensor:
         """Creates (or finds) the table's resource; its handle."""
+        self.filter_freq = filter_freq
         return self.module.group_embedding_hbm_ev_handle(
             shared_name=shared_name, variable_name=self.name,
             embedding_dim=self.embedding_dim, num_buckets=self.buckets,
@@ -240,11 +244,20 @@ class HbmStorage:
             l2_threshold=self.l2_threshold)
 
     # -- optimizer updates (`ev_storage.apply_*`) --------------------------
+    def takes_forward(self, forward) -> bool:
+        """Whether the fused backward-apply of `forward` (a lookup's keys
+        and pooled gradient) gives this table the lookup's gradient. Not
+        under `max_norm` with a filter: the fused update clips at each
+        key's stored row, but a key admitted by the lookup itself read
+        `no_permission` there (its gradient is then the upstream's, as
+        the per-key update applies it)."""
+        return forward.max_norm < 0 or self.filter_freq == 0
+
     def _apply(self, handle, keys, grad, step, optimizer, slot_names,
                **hyperparameters):
         forward = backward_apply.hbm_forward_of(keys, grad)
         values = backward_apply.hyper(**hyperparameters)
-        if forward is not None:
+        if forward is not None and self.takes_forward(forward):
             # The fused backward-apply of the lookup's feature.
             return self._update([handle], [forward], step, optimizer,
                                 slot_names, values)

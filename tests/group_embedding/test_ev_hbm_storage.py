@@ -408,6 +408,36 @@ def test_a_key_admitted_by_an_earlier_feature_of_the_call(hbm, tier):
     _assert_same_state(hbm_ev, dram_ev)
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_max_norm_gradient_of_a_key_admitted_by_its_lookup(hbm, traced):
+    """CounterFilter(2) and max_norm 0.6: at its second lookup a key
+    reads no_permission (norm 0.5: not clipped) and is admitted, so that
+    step updates it with the upstream gradient, as the DRAM EV does. The
+    fused update clipped at the stored row instead (norm 0.83 > 0.6):
+    such updates go per key."""
+    hbm_ev, dram_ev = _pair(f"mn_admit_{traced}", filter_freq=2)
+    ids = tf.ragged.constant([[3]], tf.int64)
+    upstream = tf.constant([[1.0, -2.0, 0.5, 3.0]])
+    for ev in (hbm_ev, dram_ev):
+        opt = ge.optimizers.SGD(1.0)
+
+        def step(ev=ev, opt=opt):
+            with tf.GradientTape() as tape:
+                (out,) = ge.group_embedding_lookup_sparse(
+                    [ev], [ids], "sum", max_norm=0.6)
+                loss = tf.reduce_sum(out * upstream)
+            opt.apply_gradients([(tape.gradient(loss, ev), ev)])
+
+        run = tf.function(step) if traced else step
+        run()
+        init = _state(ev)[1][0].copy()
+        assert np.linalg.norm(init) > 0.6
+        run()
+        np.testing.assert_allclose(init - _state(ev)[1][0], upstream[0],
+                                   rtol=1e-6, atol=1e-6)
+    _assert_same_state(hbm_ev, dram_ev)
+
+
 def test_group_of_several_hbm_evs_with_a_shared_table(hbm):
     """Three features over two HBM EVs (one shared) in one fused op."""
     a, a_ref = _pair("grp_a")

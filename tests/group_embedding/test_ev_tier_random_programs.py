@@ -5,8 +5,9 @@ The other tier tests take one feature at a time (training, filters,
 eviction, checkpoints); here a seeded program interleaves them on two
 EVs a side (each with its own drawn filter and eviction policy):
 training steps of a group of one to three features over them, an EV
-read by up to two (combiners, weights, and eager or traced (the fused
-backward-apply) drawn per step), `training=False`
+read by up to two (combiners, weights, `max_norm`, and eager or traced
+(the fused backward-apply) drawn per step), pooled or sequence
+`training=False`
 lookups, lookups that insert, eviction, frequency and version reads,
 checkpoint writes and rewinds (restoring an older checkpoint after more
 training), and incremental `ge.save_tables` (full saves and deltas)
@@ -33,7 +34,9 @@ lacked, which no restore could read; an HBM lookup of one filtered EV by
 several features read every occurrence as before the call, where the
 CPU EV lets a feature see the counts of the features before it (and the
 first fix of that, a call per feature, let an earlier feature's inserts
-give up a later feature's keys: caught by the HBM_DRAM pair).
+give up a later feature's keys: caught by the HBM_DRAM pair); the HBM
+fused update under `max_norm` clipped the gradient of a key admitted by
+its own lookup at its stored row, not at the no_permission row it read.
 """
 
 import numpy as np
@@ -154,11 +157,11 @@ class _Side:
         self.ckpt = tf.train.Checkpoint(**self.tables)
         self._traced = {}
 
-    def train(self, feats, which, combiners, weights, traced):
+    def train(self, feats, which, combiners, weights, traced, max_norm):
         """One step of a group lookup: feature f reads EV which[f];
         `traced`: in a `tf.function` (the fused backward-apply), else
         eagerly (an update per EV)."""
-        key = (tuple(which), tuple(combiners), weights is None)
+        key = (tuple(which), tuple(combiners), weights is None, max_norm)
         if not traced:
             return [o.numpy() for o in self._step(key, feats, weights)]
         if key not in self._traced:
@@ -167,12 +170,12 @@ class _Side:
         return [o.numpy() for o in self._traced[key](feats, weights)]
 
     def _step(self, key, feats, weights):
-        which, combiners, _ = key
+        which, combiners, _, max_norm = key
         read = [self.evs[i] for i in sorted(set(which))]
         with tf.GradientTape() as tape:
             outs = ge.group_embedding_lookup_sparse(
                 [self.evs[i] for i in which], list(feats), list(combiners),
-                sp_weights=weights)
+                sp_weights=weights, max_norm=max_norm)
             loss = sum(tf.reduce_sum(tf.square(o - 0.3 * (i + 1)))
                        for i, o in enumerate(outs))
         self.opt.apply_gradients(zip(tape.gradient(loss, read), read))
@@ -236,13 +239,15 @@ def _run(tmp_path, seed, sides, keys, rows, same):
                 combiners = [str(rng.choice(COMBINERS)) for _ in feats]
                 weights = _weights(rng, feats)
                 traced = bool(rng.random() < 0.5)
-                got = [s.train(feats, which, combiners, weights, traced)
-                       for s in sides]
+                max_norm = [None, 0.9][rng.integers(2)]
+                got = [s.train(feats, which, combiners, weights, traced,
+                               max_norm) for s in sides]
             elif op == "infer":
                 feats = [_ids(rng, keys, rows)]
+                sequence = bool(rng.random() < 0.5)
                 got = [[o.numpy() for o in ge.group_embedding_lookup_sparse(
-                    [s.evs[i]], feats, "mean", training=False)]
-                    for s in sides]
+                    [s.evs[i]], feats, "mean", is_sequence=sequence,
+                    training=False)] for s in sides]
             elif op == "insert":
                 some = tf.constant(rng.choice(keys, size=rng.integers(1, 12)))
                 got = [[s.evs[i].lookup_rows(some, training=True).numpy()]
