@@ -74,7 +74,7 @@ def _train(ev, opt, batches):
 def _snapshot(ev):
     """Every output of the EV's export, rows sorted by key, as numpy."""
     keys, values, freqs, versions, names, inits, slots, step = (
-        x.numpy() for x in ev_storage.export(ev.handle, ev.embedding_dim))
+        x.numpy() for x in ev.storage.export(ev.handle, ev.embedding_dim))
     order = np.argsort(keys)
     return {"keys": keys[order], "values": values[order],
             "freqs": freqs[order], "versions": versions[order],

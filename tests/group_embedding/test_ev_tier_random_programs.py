@@ -46,6 +46,7 @@ from test_ev_hbm_dram_storage import SPACE
 from test_ev_ssd_storage import DIM
 from test_ev_ssd_storage import _assert_same
 from test_ev_ssd_storage import _option
+from test_ev_ssd_storage import _snapshot
 from test_ev_ssd_storage import _ssd
 
 import group_embedding as ge
@@ -110,17 +111,6 @@ def _second_tier_keys(ev):
     if ev.ev_option.storage_option.storage_type == ge.StorageType.DRAM:
         return 0
     return int(ev_storage.tier_stats(ev.handle)[1])
-
-
-def _snapshot(ev):
-    """Every output of the EV's export, rows sorted by key, as numpy."""
-    keys, values, freqs, versions, names, inits, slots, step = (
-        x.numpy() for x in ev.storage.export(ev.handle, ev.embedding_dim))
-    order = np.argsort(keys)
-    return {"keys": keys[order], "values": values[order],
-            "freqs": freqs[order], "versions": versions[order],
-            "slot_names": names, "slot_inits": inits,
-            "slots": slots[order], "step": step}
 
 
 def _assert_restored(now, saved):
