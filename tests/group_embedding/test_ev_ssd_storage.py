@@ -73,8 +73,13 @@ def _train(ev, opt, batches):
 
 def _snapshot(ev):
     """Every output of the EV's export, rows sorted by key, as numpy."""
-    keys, values, freqs, versions, names, inits, slots, step = (
-        x.numpy() for x in ev.storage.export(ev.handle, ev.embedding_dim))
+    return _sorted_export([x.numpy() for x in ev.storage.export(
+        ev.handle, ev.embedding_dim)])
+
+
+def _sorted_export(arrays):
+    """An export's numpy arrays by name, rows sorted by key."""
+    keys, values, freqs, versions, names, inits, slots, step = arrays
     order = np.argsort(keys)
     return {"keys": keys[order], "values": values[order],
             "freqs": freqs[order], "versions": versions[order],
