@@ -342,7 +342,10 @@ class StorageOption(_Config):
             `config_pb2.StorageType` value is accepted too.
         storage_path: the folder of the disk tier (DRAM_SSDHASH and
             SSDHASH only, required there); created if missing, owned by
-            one EmbeddingVariable of the process.
+            one EmbeddingVariable of the process. Processes may share it
+            (the workers of one host): each EV file is locked by its
+            process, and another process of the same EV name takes the
+            next free name (`name.1.tier`, ...).
         storage_size: DRAM_SSDHASH: `[dram_bytes]`; HBM, HBM_DRAM:
             `[hbm_bytes]` (DeepRec's per-tier list; default `[2**30]`,
             DeepRec's). DRAM_SSDHASH's budget covers the DRAM rows with

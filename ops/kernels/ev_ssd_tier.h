@@ -22,6 +22,7 @@
 // Not thread-safe: the caller serialises access.
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -382,15 +383,40 @@ class SsdTierFile {
   SsdTierFile(const SsdTierFile&) = delete;
   SsdTierFile& operator=(const SsdTierFile&) = delete;
 
-  // Creates (truncates) the file and writes its header. The tier is a
-  // cache of one process: an existing file is not reused.
-  std::string Open() {
+  // Creates the file, locked (flock) while this object has it open, and
+  // writes its header. The tier is a cache of one process: a file left
+  // by a process that is gone (unlocked) is truncated and reused; one
+  // that another open file holds is left untouched, an error with
+  // `*busy` set (when given): a second process on the same path would
+  // otherwise truncate the first one's records and write its own at
+  // their offsets, with valid checksums and the same keys: wrong rows.
+  std::string Open(bool* busy = nullptr) {
     Close();
-    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd_ < 0) return Error("cannot create", errno);
+    if (busy != nullptr) *busy = false;
+    const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return Error("cannot create", errno);
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      ::close(fd);
+      if (e == EWOULDBLOCK) {
+        if (busy != nullptr) *busy = true;
+        return Error("is in use by another process:", 0);
+      }
+      return Error("cannot be locked", e);
+    }
+    fd_ = fd;
+    return Clear(slot_floats_);
+  }
+
+  // Empties the open file (a restore replaces the whole content) with
+  // `slot_floats` slot floats a record, keeping its lock.
+  std::string Clear(uint32_t slot_floats) {
     index_.Clear();
     end_ = 0;
     dead_ = 0;
+    slot_floats_ = slot_floats;
+    record_bytes_ = 24 + 4 * (uint64_t(dim_) + slot_floats) + 4;
+    if (::ftruncate(fd_, 0) != 0) return Error("cannot truncate", errno);
     std::string header = Header();
     std::string err = WriteAll(header.data(), header.size(), 0);
     if (!err.empty()) return err;
@@ -399,14 +425,15 @@ class SsdTierFile {
   }
 
   void Close() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0) ::close(fd_);  // releases the lock
     fd_ = -1;
   }
 
-  // Closes and deletes the file (the EV is gone).
+  // Deletes and closes the file (the EV is gone). Unlinked while still
+  // locked: a process that takes the name then creates a new file.
   void CloseAndRemove() {
+    if (fd_ >= 0) ::unlink(path_.c_str());
     Close();
-    ::unlink(path_.c_str());
   }
 
   // Appends the record; on success the index points at it (a former record

@@ -449,10 +449,25 @@ class EVStorage : public tensorflow::ResourceBase {
         c = '_';
       }
     }
-    tier_.reset(new SsdTierFile(config_.name,
-                                std::string(resolved) + "/" + file + ".tier",
-                                static_cast<uint32_t>(dim()), 0));
-    return TierStatus(tier_->Open());
+    // Processes that share the folder (workers of one host, two jobs)
+    // each take the first name no live process holds: NAME.tier, then
+    // NAME.1.tier, ... (SsdTierFile::Open locks it).
+    constexpr int kNames = 4096;
+    for (int i = 0; i < kNames; ++i) {
+      tier_.reset(new SsdTierFile(
+          config_.name,
+          std::string(resolved) + "/" + file +
+              (i == 0 ? "" : "." + std::to_string(i)) + ".tier",
+          static_cast<uint32_t>(dim()), 0));
+      bool busy = false;
+      const std::string err = tier_->Open(&busy);
+      if (!busy) return TierStatus(err);
+    }
+    tier_.reset();
+    return InvalidArgument("EmbeddingVariable '", config_.name,
+                           "': storage_path '", config_.tier_dir, "': ",
+                           kNames, " processes hold its tier files ", file,
+                           "[.N].tier; give this one another folder.");
   }
 
   // Spills the coldest DRAM rows to the tier down to the budget, then
@@ -644,10 +659,9 @@ class EVStorage : public tensorflow::ResourceBase {
   // Empties the tier (a restore replaces the whole content).
   Status ClearTier() {
     if (!tier_) return Status();
-    tier_.reset(new SsdTierFile(config_.name, tier_->path(),
-                                static_cast<uint32_t>(dim()),
-                                static_cast<uint32_t>(slots_.size() * dim())));
-    return TierStatus(tier_->Open());
+    // In place: the file stays locked (see OpenTier).
+    return TierStatus(
+        tier_->Clear(static_cast<uint32_t>(slots_.size() * dim())));
   }
 
  private:

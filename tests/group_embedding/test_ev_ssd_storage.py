@@ -12,6 +12,8 @@ import gc
 import os
 import resource
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -31,6 +33,34 @@ ROW_BYTES = 24 + 29 + 4 * DIM * 2
 # The disk tier's index while it holds at most 51 keys: 64 slots of 12
 # bytes. The DRAM budget pays for it first.
 INDEX_BYTES = 64 * 12
+
+
+# The other process of test_processes_sharing_a_path_keep_their_own_rows:
+# an EV of the same name on the same folder, its own rows (a constant),
+# trained on the keys that process trained. Prints the folder's files
+# while it holds its file, and its keys on disk.
+_SHARING_PROCESS = """
+import os, sys
+import numpy as np
+import tensorflow as tf
+import group_embedding as ge
+from group_embedding.ops import ev_storage
+folder, budget = sys.argv[1], int(sys.argv[2])
+ev = ge.get_embedding_variable(
+    "e_shared", 4, initializer=tf.keras.initializers.Constant(7.0),
+    ev_option=ge.EmbeddingVariableOption(storage_option=ge.StorageOption(
+        ge.StorageType.DRAM_SSDHASH, storage_path=folder,
+        storage_size=[budget])))
+keys = np.arange(40, dtype=np.int64) * 7 - 50
+ids = tf.RaggedTensor.from_uniform_row_length(keys, 1)
+ge.group_embedding_lookup_sparse([ev], [ids], "sum")
+ge.group_embedding_lookup_sparse([ev], [ids[:1]], "sum")  # spills
+print(sorted(os.listdir(folder)))
+print(int(ev_storage.tier_stats(ev.handle)[1]))
+(rows,) = ge.group_embedding_lookup_sparse([ev], [ids], "sum",
+                                           training=False)
+assert np.all(rows.numpy() == 7.0), rows
+"""
 
 
 def _option(storage=None, **kwargs):
@@ -477,6 +507,54 @@ class TestTieredErrors:
         assert not (tmp_path / "gone" / "e_gone.tier").exists()
         ev_cases.make_ev(
             "e_gone_2", DIM, ev_option=_option(_ssd(tmp_path / "gone")))
+
+    def test_processes_sharing_a_path_keep_their_own_rows(self, tmp_path):
+        # Two processes (workers of one host, or two jobs) with the same
+        # folder and EV name: each takes its own tier file. With one file
+        # for both, the second truncated the first's records and wrote
+        # its own at their offsets (the same keys, valid checksums): the
+        # first then read the second's rows, with no error.
+        folder = tmp_path / "shared"
+        ev = ev_cases.make_ev("e_shared", DIM, seed=1,
+                              ev_option=_option(_ssd(folder)))
+        batches = _batches(30, 3, batch=20)
+        _train(ev, ge.optimizers.SGD(0.1), batches)
+        assert int(ev_storage.tier_stats(ev.handle)[1]) >= 10
+        want = _snapshot(ev)
+        child = subprocess.run(
+            [sys.executable, "-c", _SHARING_PROCESS, str(folder),
+             str(INDEX_BYTES + 4 * ROW_BYTES)],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        assert child.returncode == 0, child.stderr[-3000:]
+        # Every row, slot, freq and version of this process's EV is its
+        # own: the export and a lookup read through its file.
+        _assert_same(_snapshot(ev), want)
+        keys = want["keys"]
+        (got,) = ge.group_embedding_lookup_sparse(
+            [ev], [tf.RaggedTensor.from_uniform_row_length(keys, 1)], "sum",
+            training=False)
+        np.testing.assert_array_equal(got.numpy(), want["values"])
+        # The child trained the same keys, with rows of its own, into
+        # e_shared.1.tier (deleted when it ended), mostly on disk.
+        lines = child.stdout.splitlines()
+        assert lines[0] == "['e_shared.1.tier', 'e_shared.tier']", lines
+        assert int(lines[1]) >= 10, lines
+        assert sorted(os.listdir(folder)) == ["e_shared.tier"]
+
+    def test_a_file_no_process_holds_is_reused(self, tmp_path):
+        # A file left by a process that is gone (a crash: no EV deleted
+        # it) is not locked: the next EV of that name truncates it.
+        (tmp_path / "e_stale").mkdir()
+        stale = tmp_path / "e_stale" / "e_stale_ssd.tier"
+        stale.write_bytes(b"left by a crashed process" * 100)
+        dram, ssd = _pair(tmp_path, "e_stale")
+        batches = _batches(31, 6)
+        _train(dram, ge.optimizers.Adagrad(0.1), batches)
+        _train(ssd, ge.optimizers.Adagrad(0.1), batches)
+        assert os.listdir(tmp_path / "e_stale") == ["e_stale_ssd.tier"]
+        assert int(ev_storage.tier_stats(ssd.handle)[1]) > 0
+        _assert_same(_snapshot(ssd), _snapshot(dram))
 
     def test_unwritable_path_fails(self, tmp_path):
         blocker = tmp_path / "a_file"
