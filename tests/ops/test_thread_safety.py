@@ -10,7 +10,10 @@ timeout, so a hang fails the test instead of hanging the suite.
 No update may be lost: every training lookup counts each key occurrence
 once (final frequencies) and SGD on `loss = sum(pooled)` with "sum"
 moves a zero-initialised row by exactly `-lr * occurrences` (lr a power
-of two, so float sums are exact in any order).
+of two, so float sums are exact in any order). The same run with a
+disk tier (DRAM_SSDHASH, ~10% of the rows in DRAM) moves millions of
+rows between the tiers while the threads run (promotions and spills
+under the EV's exclusive lock, with pool work), and must end as exact.
 """
 
 import os
@@ -23,6 +26,7 @@ import pytest
 _SCRIPT = """
 import os, sys, tempfile, threading, time
 inter_op, mode, duration = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+tier = sys.argv[4] if len(sys.argv) > 4 else None
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 os.environ["GROUP_EMBEDDING_KERNELS"] = mode
 import numpy as np
@@ -32,11 +36,22 @@ import group_embedding as ge
 from group_embedding.ops import ev_storage
 
 DIM, KEYS, LR = 8, 20000, 2.0 ** -6
-option = ge.EmbeddingVariableOption(
-    evict_option=ge.GlobalStepEvict(steps_to_live=10 ** 12))
+
+
+def option(i):
+    # With `tier`: a DRAM tier of ~2000 of the 20000 rows, so that most
+    # ops spill and promote (pool work under the EV's exclusive lock).
+    storage = ge.StorageOption() if tier is None else ge.StorageOption(
+        ge.StorageType.DRAM_SSDHASH, storage_path=os.path.join(tier, str(i)),
+        storage_size=[600_000])
+    return ge.EmbeddingVariableOption(
+        evict_option=ge.GlobalStepEvict(steps_to_live=10 ** 12),
+        storage_option=storage)
+
+
 evs = [ge.get_embedding_variable(f"stress_{i}", DIM,
                                  initializer=tf.keras.initializers.Zeros(),
-                                 ev_option=option) for i in range(3)]
+                                 ev_option=option(i)) for i in range(3)]
 
 
 def batch(seed):
@@ -162,18 +177,29 @@ for i, ev in enumerate(evs):
     np.testing.assert_array_equal(freqs, freq[i][keys])
     want = -LR * moved[i][keys].astype(np.float32)[:, None]
     np.testing.assert_array_equal(values, np.broadcast_to(want, values.shape))
+if tier is not None:
+    for ev in evs:  # rows moved both ways while the threads ran
+        moves = ev_storage.tier_stats(ev.handle).numpy()[2:4]
+        assert moves.min() > 0, moves
+        print("promotions, spills", moves, flush=True)
 print("STRESS OK", flush=True)
 """
 
 
-@pytest.mark.parametrize("inter_op,mode", [(3, "custom"), (4, "tf")])
-def test_concurrent_training_lookups_and_export(inter_op, mode, tmp_path):
+# ssd: the EVs have a disk tier holding most rows (DRAM_SSDHASH).
+@pytest.mark.parametrize("inter_op,mode,storage", [
+    (3, "custom", "dram"), (4, "tf", "dram"), (3, "custom", "ssd")])
+def test_concurrent_training_lookups_and_export(inter_op, mode, storage,
+                                                tmp_path):
     script = tmp_path / "stress.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    args = [str(inter_op), mode, "6"]
+    if storage == "ssd":
+        args.append(str(tmp_path / "tiers"))
     try:
         result = subprocess.run(
-            [sys.executable, str(script), str(inter_op), mode, "6"], env=env,
+            [sys.executable, str(script), *args], env=env,
             capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail(f"deadlock: concurrent EV ops (inter_op={inter_op}, "
