@@ -13,7 +13,8 @@ moves a zero-initialised row by exactly `-lr * occurrences` (lr a power
 of two, so float sums are exact in any order). The same run with a
 disk tier (DRAM_SSDHASH, ~10% of the rows in DRAM) moves millions of
 rows between the tiers while the threads run (promotions and spills
-under the EV's exclusive lock, with pool work), and must end as exact.
+under the EV's exclusive lock, with pool work), and must end as exact;
+so must HBM EVs (the CUDA core's host stand-in) without the raw updates.
 """
 
 import os
@@ -26,7 +27,9 @@ import pytest
 _SCRIPT = """
 import os, sys, tempfile, threading, time
 inter_op, mode, duration = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-tier = sys.argv[4] if len(sys.argv) > 4 else None
+# "dram", "hbm" or a folder (a disk tier under it).
+storage_kind = sys.argv[4] if len(sys.argv) > 4 else "dram"
+tier = None if storage_kind in ("dram", "hbm") else storage_kind
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 os.environ["GROUP_EMBEDDING_KERNELS"] = mode
 import numpy as np
@@ -41,9 +44,13 @@ DIM, KEYS, LR = 8, 20000, 2.0 ** -6
 def option(i):
     # With `tier`: a DRAM tier of ~2000 of the 20000 rows, so that most
     # ops spill and promote (pool work under the EV's exclusive lock).
-    storage = ge.StorageOption() if tier is None else ge.StorageOption(
-        ge.StorageType.DRAM_SSDHASH, storage_path=os.path.join(tier, str(i)),
-        storage_size=[600_000])
+    storage = ge.StorageOption()
+    if tier is not None:
+        storage = ge.StorageOption(
+            ge.StorageType.DRAM_SSDHASH,
+            storage_path=os.path.join(tier, str(i)), storage_size=[600_000])
+    elif storage_kind == "hbm":
+        storage = ge.StorageOption(ge.StorageType.HBM)
     return ge.EmbeddingVariableOption(
         evict_option=ge.GlobalStepEvict(steps_to_live=10 ** 12),
         storage_option=storage)
@@ -52,6 +59,8 @@ def option(i):
 evs = [ge.get_embedding_variable(f"stress_{i}", DIM,
                                  initializer=tf.keras.initializers.Zeros(),
                                  ev_option=option(i)) for i in range(3)]
+assert all(ev.ge_table_kind == ("hbm_ev" if storage_kind == "hbm" else "ev")
+           for ev in evs)
 
 
 def batch(seed):
@@ -159,8 +168,9 @@ def guarded(fn, *args, **kwargs):
 jobs = [(trainer, (1,), {}), (reader, (2,), {"is_sequence": True}),
         (reader, (3,), {"max_norm": 0.5}),
         (reader, (4,), {"is_sequence": True, "max_norm": 0.5}),
-        (hammer, (0,), {}),
-        (hammer, (2,), {}), (housekeeper, (), {})]
+        (housekeeper, (), {})]
+if storage_kind != "hbm":  # raw CPU-EV ops
+    jobs += [(hammer, (0,), {}), (hammer, (2,), {})]
 if mode == "tf":
     # Pure TF: 4 trainers, all through GroupEmbeddingEVGather.
     jobs += [(trainer, (5,), {}), (trainer, (6,), {}), (trainer, (7,), {})]
@@ -186,17 +196,20 @@ print("STRESS OK", flush=True)
 """
 
 
-# ssd: the EVs have a disk tier holding most rows (DRAM_SSDHASH).
+# ssd: the EVs have a disk tier holding most rows (DRAM_SSDHASH); hbm:
+# their tables are the CUDA core's (its host stand-in), without the raw
+# CPU-EV updates.
 @pytest.mark.parametrize("inter_op,mode,storage", [
-    (3, "custom", "dram"), (4, "tf", "dram"), (3, "custom", "ssd")])
+    (3, "custom", "dram"), (4, "tf", "dram"), (3, "custom", "ssd"),
+    (3, "custom", "hbm")])
 def test_concurrent_training_lookups_and_export(inter_op, mode, storage,
                                                 tmp_path):
     script = tmp_path / "stress.py"
     script.write_text(textwrap.dedent(_SCRIPT))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    args = [str(inter_op), mode, "6"]
-    if storage == "ssd":
-        args.append(str(tmp_path / "tiers"))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               GROUP_EMBEDDING_HBM_ON_HOST="1")
+    args = [str(inter_op), mode, "6",
+            str(tmp_path / "tiers") if storage == "ssd" else storage]
     try:
         result = subprocess.run(
             [sys.executable, str(script), *args], env=env,
