@@ -60,6 +60,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -448,6 +449,17 @@ class EVStorage : public tensorflow::ResourceBase {
           c != '.') {
         c = '_';
       }
+    }
+    // A file name has at most 255 bytes: a long EV name (deep scopes)
+    // keeps its first characters and a hash of the whole name.
+    constexpr size_t kNameChars = 180;
+    if (file.size() > kNameChars) {
+      uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+      for (unsigned char c : config_.name) h = (h ^ c) * 0x100000001b3ull;
+      char tag[18];
+      std::snprintf(tag, sizeof(tag), "-%016llx",
+                    static_cast<unsigned long long>(h));
+      file = file.substr(0, kNameChars) + tag;
     }
     // Processes that share the folder (workers of one host, two jobs)
     // each take the first name no live process holds: NAME.tier, then

@@ -556,6 +556,23 @@ class TestTieredErrors:
         assert int(ev_storage.tier_stats(ssd.handle)[1]) > 0
         _assert_same(_snapshot(ssd), _snapshot(dram))
 
+    def test_a_long_name_gets_a_short_file_name(self, tmp_path):
+        # An EV name of deep scopes longer than a file name may be (255
+        # bytes) was "File name too long"; the file now keeps the name's
+        # first characters and a hash of the whole.
+        name = "/".join(f"scope_{i:02d}_of_a_deep_model" for i in range(12))
+        assert len(name) > 255
+        dram = ev_cases.make_ev(name + "_dram", DIM, ev_option=_option())
+        ssd = ev_cases.make_ev(name, DIM,
+                               ev_option=_option(_ssd(tmp_path / "long")))
+        batches = _batches(32, 6)
+        _train(dram, ge.optimizers.Adagrad(0.1), batches)
+        _train(ssd, ge.optimizers.Adagrad(0.1), batches)
+        (file,) = os.listdir(tmp_path / "long")
+        assert len(file) < 255 and file.startswith("scope_00_of_a_deep")
+        assert int(ev_storage.tier_stats(ssd.handle)[1]) > 0
+        _assert_same(_snapshot(ssd), _snapshot(dram))
+
     def test_unwritable_path_fails(self, tmp_path):
         blocker = tmp_path / "a_file"
         blocker.write_text("not a folder")
