@@ -402,7 +402,9 @@ class SsdTierFile {
         if (busy != nullptr) *busy = true;
         return Error("is in use by another process:", 0);
       }
-      return Error("cannot be locked", e);
+      // flock keeps two processes off one file; a file system without it
+      // (some network ones) cannot hold a tier safely.
+      return Error("cannot be locked (flock: use a local file system)", e);
     }
     fd_ = fd;
     return Clear(slot_floats_);
