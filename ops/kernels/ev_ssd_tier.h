@@ -412,13 +412,14 @@ class SsdTierFile {
 
   // Empties the open file (a restore replaces the whole content) with
   // `slot_floats` slot floats a record, keeping its lock.
+  // A failed truncation changes nothing.
   std::string Clear(uint32_t slot_floats) {
+    if (::ftruncate(fd_, 0) != 0) return Error("cannot truncate", errno);
     index_.Clear();
     end_ = 0;
     dead_ = 0;
     slot_floats_ = slot_floats;
     record_bytes_ = 24 + 4 * (uint64_t(dim_) + slot_floats) + 4;
-    if (::ftruncate(fd_, 0) != 0) return Error("cannot truncate", errno);
     std::string header = Header();
     std::string err = WriteAll(header.data(), header.size(), 0);
     if (!err.empty()) return err;
