@@ -23,8 +23,9 @@ same program:
 The single process (`--mode single`) keeps both EVs in DRAM; the
 collective workers (model parallel: a key's owner is key mod N) keep
 them in `--storage`: DRAM, DRAM_SSDHASH with a DRAM tier of a few rows
-(every worker on the same storage_path, as one host's workers are), or
-HBM (the CUDA core's host stand-in, GROUP_EMBEDDING_HBM_ON_HOST=1).
+(every worker on the same storage_path, as one host's workers are),
+HBM or HBM_DRAM with a GPU table of 128 keys (the CUDA core's host
+stand-in, GROUP_EMBEDDING_HBM_ON_HOST=1; `--keys` more than it holds).
 
 Each process writes D/<mode>-<rank>.npz: per seed and op, the op's
 global outputs (the loss summed over the batch, the lookup rows) and
@@ -42,12 +43,18 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
+from group_embedding.ops import ev_storage  # noqa: E402
 
 DIM = 4
 GLOBAL_BATCH = 8
 OPS = 24
-# Keys of both signs, spread over the owners (key mod N).
-KEYS = np.arange(50, dtype=np.int64) * 1_000_003 - 25_000_000
+
+
+def key_space(n):
+    """`n` keys of both signs, spread over the owners (key mod N)."""
+    return np.arange(n, dtype=np.int64) * 1_000_003 - 25_000_000
+
+
 COMBINERS = ["sum", "mean", "sqrtn"]
 # One DRAM row with up to two optimizer slots (Adam), its bookkeeping
 # (ev_storage.h), and the disk index of up to 64 keys: a DRAM tier of
@@ -68,8 +75,9 @@ def make_optimizer(index):
             ][index]()
 
 
-def draw_program(seed):
-    """(EV options, optimizer index, ops) of `seed`."""
+def draw_program(seed, num_keys):
+    """(EV options, optimizer index, ops) of `seed` over `num_keys` keys."""
+    keys = key_space(num_keys)
     rng = np.random.default_rng(seed)
     options = []
     for _ in range(2):
@@ -96,7 +104,7 @@ def draw_program(seed):
             op["feats"] = []
             for _ in range(n):
                 lengths = rng.integers(0, 5, GLOBAL_BATCH)
-                ids = rng.choice(KEYS, lengths.sum())
+                ids = rng.choice(keys, lengths.sum())
                 weights = rng.uniform(0.5, 2.0, lengths.sum()).astype("f")
                 op["feats"].append((lengths, ids, weights))
         ops.append(op)
@@ -133,6 +141,8 @@ def storage_of(kind, folder):
                                 storage_size=[SSD_BUDGET])
     if kind == "hbm":
         return ge.StorageOption(ge.StorageType.HBM)
+    if kind == "hbm_dram":  # a GPU table of 128 keys over host memory
+        return ge.StorageOption(ge.StorageType.HBM_DRAM, storage_size=[1])
     return ge.StorageOption()
 
 
@@ -146,7 +156,7 @@ def state(ev):
 
 def run_program(seed, args, hvd, out):
     rank, size = (hvd.rank(), hvd.size()) if hvd else (0, 1)
-    options, optimizer, ops = draw_program(seed)
+    options, optimizer, ops = draw_program(seed, args.keys)
     storage = args.storage if hvd else "dram"
     evs = [make_ev(f"s{seed}_ev{i}", seed * 10 + i, opts, storage_of(
         storage, os.path.join(args.out, f"tier-s{seed}-ev{i}")))
@@ -230,6 +240,17 @@ def run_program(seed, args, hvd, out):
             for field, value in state(ev).items():
                 out[f"{prefix}/ev{e}/{field}"] = value
     out[f"s{seed}/ops"] = np.asarray([op["kind"] for op in ops])
+    # Keys in the second tier (disk, host memory) at the end: the
+    # programs moved keys between the tiers.
+    out[f"s{seed}/second_tier"] = np.asarray([second_tier(ev) for ev in evs])
+
+
+def second_tier(ev):
+    if ev.ge_table_kind == "hbm_ev":
+        return int(ev.storage.tier_sizes(ev.handle).numpy()[1])
+    if ev.ev_option.storage_option.storage_type == ge.StorageType.DRAM:
+        return 0
+    return int(ev_storage.tier_stats(ev.handle)[1])
 
 
 def main():
@@ -238,7 +259,9 @@ def main():
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--out")
     parser.add_argument("--storage", default="dram",
-                        choices=["dram", "ssd", "hbm"])
+                        choices=["dram", "ssd", "hbm", "hbm_dram"])
+    # The key space (hbm_dram: more keys than a worker's GPU table).
+    parser.add_argument("--keys", type=int, default=50)
     # A folder of a --mode single run of the same seeds: restores read
     # its checkpoints (written by one process) instead of this run's.
     parser.add_argument("--restore-from")
