@@ -24,6 +24,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -393,21 +394,32 @@ class SsdTierFile {
   std::string Open(bool* busy = nullptr) {
     Close();
     if (busy != nullptr) *busy = false;
-    const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) return Error("cannot create", errno);
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      const int e = errno;
-      ::close(fd);
-      if (e == EWOULDBLOCK) {
-        if (busy != nullptr) *busy = true;
-        return Error("is in use by another process:", 0);
+    // The file locked must still be the one the path names: another
+    // process may have renamed a compacted file over it, or removed it,
+    // between our open and our lock. Then open the path again.
+    for (int attempt = 0;; ++attempt) {
+      const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+      if (fd < 0) return Error("cannot create", errno);
+      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        const int e = errno;
+        ::close(fd);
+        if (e == EWOULDBLOCK) {
+          if (busy != nullptr) *busy = true;
+          return Error("is in use by another process:", 0);
+        }
+        // flock keeps two processes off one file; a file system without
+        // it (some network ones) cannot hold a tier safely.
+        return Error("cannot be locked (flock: use a local file system)", e);
       }
-      // flock keeps two processes off one file; a file system without it
-      // (some network ones) cannot hold a tier safely.
-      return Error("cannot be locked (flock: use a local file system)", e);
+      struct stat held, named;
+      if (::fstat(fd, &held) == 0 && ::stat(path_.c_str(), &named) == 0 &&
+          held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
+        fd_ = fd;
+        return Clear(slot_floats_);
+      }
+      ::close(fd);
+      if (attempt == 16) return Error("keeps being replaced:", 0);
     }
-    fd_ = fd;
-    return Clear(slot_floats_);
   }
 
   // Empties the open file (a restore replaces the whole content) with

@@ -5,9 +5,10 @@ and checked against a Python dict of numpy float32 rows: bitwise equal
 rows, slots, freq and version through overwrites, erases and compactions;
 a flipped byte or a cut file is an error naming the EV and the file; a
 failed append (the file size limit standing in for a full disk) loses
-nothing already stored. The hardware CRC-32C equals the portable one; the
-batched reads (ReadMany) and the index split into 256 tables keep every
-record.
+nothing already stored; a file another process holds (flock) is not
+opened, and one replaced between our open and our lock is opened again.
+The hardware CRC-32C equals the portable one; the batched reads
+(ReadMany) and the index split into 256 tables keep every record.
 """
 
 import os
@@ -39,12 +40,13 @@ def driver(tmp_path_factory):
 class Tier:
     """One driver process: a command per line, an answer per line."""
 
-    def __init__(self, driver, path, dim, slots, ev="ev_a", preexec=None):
+    def __init__(self, driver, path, dim, slots, ev="ev_a", preexec=None,
+                 env=None):
         self.dim, self.slots = dim, slots
         self.proc = subprocess.Popen(
             [driver, ev, str(path), str(dim), str(slots)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            preexec_fn=preexec)
+            preexec_fn=preexec, env=env)
         self.opened = self.proc.stdout.readline().strip()
 
     def ask(self, line):
@@ -323,4 +325,75 @@ def test_index_split_keeps_every_record(driver, tmp_path):
     for key in keys[1::4]:
         assert tier.get(int(key)) == "missing"
     assert tier.stats()[0] == len(oracle)
+    tier.close()
+
+
+def test_a_held_file_is_not_opened_twice(driver, tmp_path):
+    # Another open file (another process) holds the lock: this Open is an
+    # error naming the EV, and the holder's records stay; once the holder
+    # is gone, the file is taken over (truncated).
+    path = tmp_path / "t"
+    rng = np.random.default_rng(7)
+    first = Tier(driver, path, 2, 0, ev="ev_one")
+    assert first.opened == "ok"
+    rec = (1, 2, _values(rng, 2))
+    assert first.put(5, *rec) == "ok"
+    second = Tier(driver, path, 2, 0, ev="ev_two")
+    assert second.opened.startswith("error"), second.opened
+    assert "ev_two" in second.opened and "in use by another process" in \
+        second.opened
+    second.close()
+    _assert_same(first, {5: rec})
+    first.close()
+    third = Tier(driver, path, 2, 0)
+    assert third.opened == "ok" and third.stats()[0] == 0
+    third.close()
+
+
+# LD_PRELOAD shim: before the first flock, renames $GE_SWAP_FROM over
+# $GE_SWAP_TO, as a process renaming its compacted file over the path
+# would between our open and our lock.
+_SWAP_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+int flock(int fd, int op) {
+  static int done = 0;
+  const char* from = getenv("GE_SWAP_FROM");
+  const char* to = getenv("GE_SWAP_TO");
+  if (!done && from && to) {
+    done = 1;
+    rename(from, to);
+  }
+  int (*real)(int, int) = (int (*)(int, int))dlsym(RTLD_NEXT, "flock");
+  return real(fd, op);
+}
+"""
+
+
+def test_a_file_replaced_before_its_lock_is_opened_again(driver, tmp_path):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "swap.c").write_text(_SWAP_SHIM)
+    shim = tmp_path / "swap.so"
+    subprocess.run([cc, "-shared", "-fPIC", str(tmp_path / "swap.c"), "-o",
+                    str(shim), "-ldl"], check=True)
+    path, swap = tmp_path / "t", tmp_path / "t.swap"
+    path.write_bytes(b"replaced")
+    swap.write_bytes(b"replacing")
+    tier = Tier(driver, path, 2, 0, env={
+        **os.environ, "LD_PRELOAD": str(shim), "GE_SWAP_FROM": str(swap),
+        "GE_SWAP_TO": str(path)})
+    assert tier.opened == "ok"
+    assert not swap.exists()  # the shim ran
+    # The tier holds the file the path names now (its header is there),
+    # not the unnamed one it opened first.
+    assert path.read_bytes()[:8] == b"GESSDT01"
+    rec = (3, 4, _values(np.random.default_rng(8), 2))
+    assert tier.put(9, *rec) == "ok"
+    assert os.path.getsize(path) == 16 + tier.stats()[3]
+    _assert_same(tier, {9: rec})
     tier.close()
