@@ -48,18 +48,16 @@ from group_embedding.ops import ev_storage  # noqa: E402
 DIM = 4
 GLOBAL_BATCH = 8
 OPS = 24
-
-
-def key_space(n):
-    """`n` keys of both signs, spread over the owners (key mod N)."""
-    return np.arange(n, dtype=np.int64) * 1_000_003 - 25_000_000
-
-
 COMBINERS = ["sum", "mean", "sqrtn"]
 # One DRAM row with up to two optimizer slots (Adam), its bookkeeping
 # (ev_storage.h), and the disk index of up to 64 keys: a DRAM tier of
 # about 4 rows.
 SSD_BUDGET = 64 * 12 + 4 * (24 + 29 + 3 * 4 * DIM)
+
+
+def key_space(n):
+    """`n` keys of both signs, spread over the owners (key mod N)."""
+    return np.arange(n, dtype=np.int64) * 1_000_003 - 25_000_000
 
 
 def make_optimizer(index):
@@ -155,6 +153,9 @@ def state(ev):
 
 
 def run_program(seed, args, hvd, out):
+    """Runs the program of `seed` (on this worker's slices when `hvd`,
+    the collective module, is given) and records every op's outputs and
+    EV states into `out`."""
     rank, size = (hvd.rank(), hvd.size()) if hvd else (0, 1)
     options, optimizer, ops = draw_program(seed, args.keys)
     storage = args.storage if hvd else "dram"
@@ -202,7 +203,6 @@ def run_program(seed, args, hvd, out):
             ids = [p[0] for p in parts]
             weights = [p[1] for p in parts]
             if kind == "train":
-                fn = train
                 if op["traced"]:
                     key = (tuple(op["evs"]), tuple(op["combiners"]),
                            op["weighted"], op["max_norm"])
@@ -212,7 +212,7 @@ def run_program(seed, args, hvd, out):
                             reduce_retracing=True)
                     loss = traced[key](ids, weights)
                 else:
-                    loss = fn(op, ids, weights)
+                    loss = train(op, ids, weights)
                 if hvd:
                     loss = hvd.allreduce(loss, op=hvd.Sum)
                 out[f"{prefix}/loss"] = loss.numpy()
