@@ -8,6 +8,7 @@
   `max_row + 1` rows).
 * `sequence_oracle`: a numpy loop building the unpooled `[B, T, D]` result.
 * `to_dense` / `op_counts`: densify gradients, count op types of a graph.
+* `second_tier_keys`: the keys an EV keeps in its second tier.
 """
 
 import collections
@@ -286,3 +287,15 @@ def sequence_oracle(table: np.ndarray, feature: Feature,
                 w = feature.weights[b][j]
             out[b, c] = table[i] * w
     return out
+
+
+def second_tier_keys(ev) -> int:
+    """Keys of EmbeddingVariable `ev` on disk (DRAM_SSDHASH, SSDHASH) or
+    in host memory (HBM_DRAM); 0 for other EVs."""
+    import group_embedding as ge
+    from group_embedding.ops import ev_storage
+    if ev.ge_table_kind == "hbm_ev":
+        return int(ev.storage.tier_sizes(ev.handle).numpy()[1])
+    if ev.ev_option.storage_option.storage_type == ge.StorageType.DRAM:
+        return 0
+    return int(ev_storage.tier_stats(ev.handle)[1])

@@ -36,6 +36,7 @@ compares them with the single process after every op.
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -43,7 +44,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import group_embedding as ge  # noqa: E402
-from group_embedding.ops import ev_storage  # noqa: E402
+
+# tests/testing.py, the tests' shared helpers.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                ".."))
+from testing import second_tier_keys  # noqa: E402
 
 DIM = 4
 GLOBAL_BATCH = 8
@@ -242,15 +247,8 @@ def run_program(seed, args, hvd, out):
     out[f"s{seed}/ops"] = np.asarray([op["kind"] for op in ops])
     # Keys in the second tier (disk, host memory) at the end: the
     # programs moved keys between the tiers.
-    out[f"s{seed}/second_tier"] = np.asarray([second_tier(ev) for ev in evs])
-
-
-def second_tier(ev):
-    if ev.ge_table_kind == "hbm_ev":
-        return int(ev.storage.tier_sizes(ev.handle).numpy()[1])
-    if ev.ev_option.storage_option.storage_type == ge.StorageType.DRAM:
-        return 0
-    return int(ev_storage.tier_stats(ev.handle)[1])
+    out[f"s{seed}/second_tier"] = np.asarray(
+        [second_tier_keys(ev) for ev in evs])
 
 
 def main():

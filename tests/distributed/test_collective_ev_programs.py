@@ -70,7 +70,7 @@ def _assert_programs_equal(single, parts, workers):
                 order = np.argsort(want["keys"], kind="stable")
                 want = {f: v[order] for f, v in want.items()}
                 got = _merged(parts, name)
-                for p, rank in zip(parts, range(workers)):
+                for rank, p in enumerate(parts):
                     assert np.all(np.mod(p[f"{name}/keys"], workers) ==
                                   rank), f"{where}: worker {rank} holds " \
                                          "keys it does not own"

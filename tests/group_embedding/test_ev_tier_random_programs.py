@@ -51,9 +51,9 @@ from test_ev_ssd_storage import _ssd
 
 import group_embedding as ge
 from group_embedding.ops import config
-from group_embedding.ops import ev_storage
 
 import ev_cases
+from testing import second_tier_keys
 
 OPTIMIZERS = [lambda: ge.optimizers.SGD(0.2),
               lambda: ge.optimizers.Adagrad(0.1),
@@ -101,16 +101,6 @@ def _hbm_dram_pair(tmp_path, name, strategy, options):
 
 
 PAIRS = {"ssd": _ssd_pair, "hbm_dram": _hbm_dram_pair}
-
-
-def _second_tier_keys(ev):
-    """Keys on disk (DRAM_SSDHASH) or in host memory (HBM_DRAM); 0 for
-    other EVs."""
-    if ev.ge_table_kind == "hbm_ev":
-        return int(ev.storage.tier_sizes(ev.handle).numpy()[1])
-    if ev.ev_option.storage_option.storage_type == ge.StorageType.DRAM:
-        return 0
-    return int(ev_storage.tier_stats(ev.handle)[1])
 
 
 def _assert_restored(now, saved):
@@ -285,7 +275,7 @@ def _run(tmp_path, seed, sides, keys, rows, same):
         except Exception as e:
             raise AssertionError(f"{context}: {e}") from e
         most_moved = max(most_moved,
-                         sum(_second_tier_keys(ev) for ev in sides[1].evs))
+                         sum(second_tier_keys(ev) for ev in sides[1].evs))
     for k, s in enumerate(sides):
         _assert_export_serves_as_lookups(tmp_path / f"export_{k}", s.evs,
                                          [_ids(rng, keys, rows) for _ in
