@@ -16,7 +16,9 @@ see the peer's README), concat, loss = mean of squares, backward,
 `_width`), so both sides train on the same ids.
 
 Protocol (one line each way): after the fill-up pass it prints
-`ready <live keys>`; then `time <steps>` -> `time <seconds per step>`; `quit`.
+`ready <live keys>`; then `time <steps>` -> `time <seconds per step>`;
+`dense <steps>` -> `dense <seconds per step>` (the step without its
+embeddings, as `make_dense_only_step` in the benchmark); `quit`.
 """
 
 import argparse
@@ -89,9 +91,31 @@ def main():
         opt.apply_gradients(zip(tape.gradient(loss, evs), evs))
         return loss
 
+    # The step without its embeddings (the benchmark's
+    # make_dense_only_step): same inputs, variables as pooled outputs.
+    outs = [tf.Variable(tf.zeros([int(batches[0][0].dense_shape[0]),
+                                  args.dim])) for _ in range(num_features)]
+
+    @tf.function
+    def dense_step(sp_ids):
+        del sp_ids
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.concat(outs, 1)))
+        for v, g in zip(outs, tape.gradient(loss, outs)):
+            v.assign_sub(0.01 * g)
+        return loss
+
+    def per_step(fn, steps):
+        start = time.perf_counter()
+        for i in range(steps):
+            loss = fn(batches[i % len(batches)])
+        loss.numpy()
+        return (time.perf_counter() - start) / steps
+
     # Fill-up pass: the first pass over the batches inserts most keys.
     for b in batches:
         step(b).numpy()
+        dense_step(b).numpy()
     live = sum(int(gen_kv_variable_ops.kv_variable_shape(
         ev.handle, Tkeys=tf.int64, dtype=tf.float32)[0]) for ev in evs)
     print(f"ready {live}", flush=True)
@@ -100,12 +124,9 @@ def main():
         if not cmd or cmd[0] == "quit":
             break
         if cmd[0] == "time":
-            steps = int(cmd[1])
-            start = time.perf_counter()
-            for i in range(steps):
-                loss = step(batches[i % len(batches)])
-            loss.numpy()
-            print(f"time {(time.perf_counter() - start) / steps!r}",
+            print(f"time {per_step(step, int(cmd[1]))!r}", flush=True)
+        elif cmd[0] == "dense":
+            print(f"dense {per_step(dense_step, int(cmd[1]))!r}",
                   flush=True)
         else:
             print(f"error unknown command {cmd[0]!r}", flush=True)

@@ -14,7 +14,14 @@ Both sides first pass once over the batches (inserting most keys), then
 time `--rounds` alternated rounds of `--steps` steps; the ratio is
 Deepray's median step over ours (target >= 2.5). Our same step on
 pre-sized plain `tf.Variable` tables (the same fused lookup and
-optimizer) runs in the same rounds: the EV's own share of our step.
+optimizer) runs in the same rounds: the EV's own share of our step. So
+does, on each side, the step without its embeddings ("dense only"): the
+same function of the same 26 SparseTensors, whose pooled outputs are 26
+`[batch, dim]` variables instead, with the same concat, loss, gradient
+and an SGD assign - TF's call overhead and the model's dense work, which
+every step pays. The rest of a step is its embedding part; the JSON
+gives both parts' ratios and what our embedding part would have to take
+for the step to reach 2.5x Deepray.
 
 Lookup: one EV holding `--lookup-keys` keys (default 10M) x dim; a batch
 of `--lookup-rows` known keys read with `ev.lookup_rows(keys,
@@ -90,11 +97,36 @@ class DeeprayWorker:
         self._proc.stdin.flush()
         return float(self._reply("time"))
 
+    def time_dense(self, steps):
+        """Seconds per step of the dense-only step over `steps` steps."""
+        self._proc.stdin.write(f"dense {steps}\n")
+        self._proc.stdin.flush()
+        return float(self._reply("dense"))
+
     def close(self):
         if self._proc.poll() is None:
             self._proc.stdin.write("quit\n")
             self._proc.stdin.flush()
             self._proc.wait(timeout=60)
+
+
+def make_dense_only_step(batch, dim, num_tables):
+    """The step without its embeddings: the same signature (26
+    SparseTensors, ignored), 26 `[batch, dim]` variables standing for the
+    pooled outputs, the same concat and loss, their gradient and an SGD
+    assign (else the gradient would be pruned). `deepray_ev_step.py`
+    builds the same."""
+    outs = [tf.Variable(tf.zeros([batch, dim])) for _ in range(num_tables)]
+
+    @tf.function
+    def step(sp_ids):
+        del sp_ids
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.concat(outs, 1)))
+        for v, g in zip(outs, tape.gradient(loss, outs)):
+            v.assign_sub(0.01 * g)
+        return loss
+    return step
 
 
 def find_deepray_python(arg):
@@ -126,6 +158,9 @@ def step_vs_deepray(args):
     plain_step = make_step(plain, ge.optimizers.Adagrad(0.01, 0.1))
     for b in batches:
         plain_step(b).numpy()
+    dense_step = make_dense_only_step(args.batch, args.dim, len(evs))
+    for b in batches:
+        dense_step(b).numpy()
 
     deepray = None
     python = find_deepray_python(args.deepray_python)
@@ -134,7 +169,7 @@ def step_vs_deepray(args):
         ids_path = os.path.join(tmp, "ids.npz")
         _write_ids(id_batches, ids_path)
         deepray = DeeprayWorker(python, ids_path, args.dim)
-    ours_t, deepray_t, plain_t = [], [], []
+    ours_t, deepray_t, plain_t, dense_t, deepray_dense_t = [], [], [], [], []
     try:
         for r in range(args.rounds):
             # Alternate which side goes first: neither always runs just
@@ -143,8 +178,11 @@ def step_vs_deepray(args):
                 deepray_t.append(deepray.time(args.steps))
             ours_t.append(timed(step, batches, args.steps))
             plain_t.append(timed(plain_step, batches, args.steps))
+            dense_t.append(timed(dense_step, batches, args.steps))
             if deepray and r % 2 == 0:
                 deepray_t.append(deepray.time(args.steps))
+            if deepray:
+                deepray_dense_t.append(deepray.time_dense(args.steps))
     finally:
         if deepray:
             deepray.close()
@@ -157,7 +195,12 @@ def step_vs_deepray(args):
         "ours_plain_variables_step_ms": 1e3 * float(np.median(plain_t)),
         "ev_step_over_plain_step": float(np.median(ours_t) /
                                          np.median(plain_t)),
+        "ours_dense_only_ms": 1e3 * float(np.median(dense_t)),
     }
+    dense = result["ours_dense_only_ms"]
+    result["ours_embedding_part_ms"] = result["ours_step_ms"] - dense
+    result["ours_plain_variables_embedding_part_ms"] = (
+        result["ours_plain_variables_step_ms"] - dense)
     if deepray:
         if deepray.live_keys != ours_keys:
             raise AssertionError(
@@ -169,7 +212,19 @@ def step_vs_deepray(args):
             "deepray_live_keys": deepray.live_keys,
             "speedup_over_deepray": float(np.median(deepray_t) /
                                           np.median(ours_t)),
+            "plain_variables_speedup_over_deepray": float(
+                np.median(deepray_t) / np.median(plain_t)),
+            "deepray_dense_only_ms": 1e3 * float(np.median(deepray_dense_t)),
         })
+        deepray_ms = result["deepray_step_ms"]
+        result["deepray_embedding_part_ms"] = (
+            deepray_ms - result["deepray_dense_only_ms"])
+        result["embedding_part_speedup_over_deepray"] = (
+            result["deepray_embedding_part_ms"] /
+            result["ours_embedding_part_ms"])
+        # 2.5x Deepray: our whole step within deepray_ms / 2.5, of which
+        # the dense-only part is fixed; what is left for the embeddings.
+        result["embedding_part_budget_at_2_5x_ms"] = deepray_ms / 2.5 - dense
     else:
         result["deepray"] = ("not run: no Deepray venv (--deepray-python or "
                              "$DEEPRAY_PYTHON)")
