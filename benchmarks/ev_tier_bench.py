@@ -33,6 +33,8 @@ import json
 import os
 import resource
 import shutil
+import struct
+import subprocess
 import tempfile
 import time
 
@@ -70,16 +72,21 @@ def keys_of(ranks):
         return (ranks.astype(np.uint64) * _MULT).view(np.int64)
 
 
-def make_batches(rng, num_keys, batch, per_sample, count):
+def make_batches(rng, num_keys, batch, per_sample, count, keep=None):
     """`count` ragged [batch, per_sample] Zipf id batches and the number
-    of distinct keys of each."""
-    out, distinct = [], []
-    for _ in range(count):
-        ids = keys_of(zipf_ranks(rng, num_keys, batch * per_sample))
-        distinct.append(len(np.unique(ids)))
+    of distinct keys of each; with `keep` (a set of batch numbers), also
+    the distinct ranks of those batches (None for the others)."""
+    out, distinct, kept = [], [], []
+    for i in range(count):
+        ranks = zipf_ranks(rng, num_keys, batch * per_sample)
+        unique = np.unique(ranks)  # keys_of is a bijection
+        distinct.append(len(unique))
+        kept.append(unique if keep is not None and i in keep else None)
         out.append(tf.RaggedTensor.from_uniform_row_length(
-            tf.constant(ids), per_sample))
-    return out, distinct
+            tf.constant(keys_of(ranks)), per_sample))
+    if keep is None:
+        return out, distinct
+    return out, distinct, kept
 
 
 def fill_batch(begin, end):
@@ -175,6 +182,49 @@ def sample_keys(rng, num_keys, n):
     return keys_of(np.unique(ranks))
 
 
+_FLOOR_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                             "tier_io_floor.cc")
+
+
+def io_floor(path, reads, dram_ms):
+    """The bare file I/O of `reads` misses a step (tier_io_floor.cc, run
+    on the tier file under `path`): a dict with its measures and the
+    step ratio tier/DRAM that the I/O alone would give, or why it was not
+    measured (no C++ compiler)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        return {"not_measured": "no C++ compiler (g++, c++ or $CXX)"}
+    files = sorted(f for f in os.listdir(path) if f.endswith(".tier"))
+    if len(files) != 1:
+        raise AssertionError(f"expected one tier file in {path}: {files}")
+    tier_file = os.path.join(path, files[0])
+    with open(tier_file, "rb") as f:
+        magic, dim, slot_floats = struct.unpack("<8sII", f.read(16))
+    if magic != b"GESSDT01" or dim != DIM:
+        raise AssertionError(f"{tier_file}: unexpected header {magic!r} "
+                             f"dim {dim}")
+    record = 24 + 4 * (dim + slot_floats) + 4  # ev_ssd_tier.h's layout
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "tier_io_floor")
+        subprocess.run([cxx, "-O2", "-std=c++17", "-pthread", "-o", exe,
+                        _FLOOR_SOURCE], check=True)
+        out = subprocess.run(
+            [exe, tier_file, "16", str(record), str(max(1, int(reads))),
+             str(os.cpu_count() or 1), "20"],
+            check=True, capture_output=True, text=True).stdout
+    floor = json.loads(out)
+    floor["record_bytes"] = record
+    # Every miss is a record read (on all threads) and a row spilled (a
+    # record appended): what the step pays at least, over the DRAM step.
+    floor["io_ms_per_step"] = floor["pread_ms"] + floor["append_ms"]
+    floor["ratio_if_io_were_all_extra"] = (
+        (dram_ms + floor["io_ms_per_step"]) / dram_ms)
+    floor["ratio_with_warm_mmap_reads"] = (
+        (dram_ms + floor["mmap_warm_ms"] / floor["threads"] +
+         floor["append_ms"]) / dram_ms)
+    return floor
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scale", action="store_true",
@@ -245,8 +295,12 @@ def run_compare(args, path):
 
     _, dram_fill_s = fill(dram_step, n, args.fill_batch)
     _, tier_fill_s = fill(tier_step, n, args.fill_batch)
-    batches, distinct = make_batches(rng, n, args.batch, args.ids_per_sample,
-                                     args.num_batches)
+    # The timed batches' distinct ranks are kept: the oracle below.
+    timed_batches = [(args.warmup + i) % args.num_batches
+                     for i in range(args.rounds * args.steps)]
+    batches, distinct, ranks = make_batches(
+        rng, n, args.batch, args.ids_per_sample, args.num_batches,
+        keep=set(timed_batches))
     for i in range(args.warmup):
         b = batches[i % len(batches)]
         dram_step(b).numpy()
@@ -278,6 +332,14 @@ def run_compare(args, path):
     stats = tier_stats(tier_ev)
     dram_ms = 1e3 * float(np.median(dram_t))
     tier_ms = 1e3 * float(np.median(tier_t))
+    # The oracle: a DRAM tier of the same size holding the truly hottest
+    # keys (ranks below its size), which no counting policy can beat.
+    timed_ranks = [ranks[b] for b in timed_batches]
+    held = stats["dram_keys"]
+    oracle_misses = float(np.mean([np.count_nonzero(r >= held)
+                                   for r in timed_ranks]))
+    oracle_hit = 1.0 - oracle_misses * len(timed_ranks) / looked_up
+    floor = io_floor(path, oracle_misses, dram_ms)
     return {
         "mode": "compare",
         "keys": n, "dim": DIM, "optimizer": "Adagrad(0.01, 0.1)",
@@ -307,6 +369,9 @@ def run_compare(args, path):
             t / d for t, d in zip(tier_t, dram_t)],
         "target_ratio": 1.3,
         "hit_rate_distinct_keys": 1.0 - promoted / looked_up,
+        "oracle_hit_rate_distinct_keys": oracle_hit,
+        "oracle_misses_per_step": oracle_misses,
+        "io_floor_of_oracle_misses": floor,
         "promotions_per_step": promoted / (args.rounds * args.steps),
         "spilled_rows_per_step": spills / (args.rounds * args.steps),
         "promote_ms_per_step": 1e3 * (after["promote_s"] - before[
