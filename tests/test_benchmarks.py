@@ -69,6 +69,11 @@ def test_ev_step_vs_deepray_our_side(tmp_path):
     result = _run_ev_vs_deepray(tmp_path, env)
     assert result["step"]["ours_live_keys"] > 0
     assert result["step"]["ev_step_over_plain_step"] > 0
+    # The step without its embeddings, and the rest of ours.
+    step = result["step"]
+    assert step["ours_dense_only_ms"] > 0
+    assert step["ours_embedding_part_ms"] == pytest.approx(
+        step["ours_step_ms"] - step["ours_dense_only_ms"])
     assert "not run" in result["step"]["deepray"]
     assert result["lookup"]["lookup_rows"] == 500
 
@@ -82,7 +87,12 @@ def test_ev_step_vs_deepray_both_sides(tmp_path):
         pytest.skip("no Deepray venv ($DEEPRAY_PYTHON)")
     result = _run_ev_vs_deepray(tmp_path, dict(os.environ,
                                                TF_CPP_MIN_LOG_LEVEL="2"))
-    assert result["step"]["speedup_over_deepray"] > 0
+    step = result["step"]
+    assert step["speedup_over_deepray"] > 0
+    assert step["deepray_dense_only_ms"] > 0
+    assert step["embedding_part_speedup_over_deepray"] == pytest.approx(
+        (step["deepray_step_ms"] - step["deepray_dense_only_ms"]) /
+        (step["ours_step_ms"] - step["ours_dense_only_ms"]))
 
 
 _TIER_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -118,5 +128,15 @@ def test_ev_tier_bench_quick_runs(tmp_path):
             rounds = result["tier_step_ms_rounds"]
             assert result["tier_step_ms_mean"] == pytest.approx(
                 sum(rounds) / len(rounds))
+            assert 0 <= result["oracle_hit_rate_distinct_keys"] <= 1
+            # The bare I/O ran on the tier file (its header read: dim 16
+            # and Adagrad's one slot make 156-byte records), where a C++
+            # compiler is.
+            floor = result["io_floor_of_oracle_misses"]
+            if "not_measured" not in floor:
+                assert floor["record_bytes"] == 24 + 4 * (16 + 16) + 4
+                assert floor["reads"] == max(
+                    1, int(result["oracle_misses_per_step"]))
+                assert floor["pread_ms"] > 0 and floor["append_ms"] > 0
             assert result["ratio_tier_over_dram_mean"] == pytest.approx(
                 result["tier_step_ms_mean"] / result["dram_step_ms_mean"])
