@@ -11,7 +11,12 @@ the tier's insert rate), then warm up on Zipf batches (the LFU counts
 learn the hot keys), then are timed. Reports the step time ratio
 tier/DRAM (target <= 1.3), the tier's hit rate (distinct keys of a step
 found in DRAM, from `ev_storage.tier_stats`' promotions), and checks
-that both EVs hold bitwise equal rows for a sample of keys.
+that both EVs hold bitwise equal rows for a sample of keys. Then the
+bound: the oracle (a DRAM tier of the same size holding the truly
+hottest keys, the lowest ranks) and its misses a step, whose bare file
+I/O `tier_io_floor.cc` measures on the tier file itself (record reads
+by pread and io_uring, appends; built with the C++ compiler where there
+is one): the ratio the I/O alone would give.
 
 `--scale` (issue 36 point 4, first half): only the tier EV, `--keys`
 200M x dim 16, Adagrad, a 4 GiB DRAM tier under `--storage-path`
@@ -223,6 +228,8 @@ def io_floor(path, reads, dram_ms):
     floor["io_ms_per_step"] = reads + floor["append_ms"]
     floor["ratio_if_io_were_all_extra"] = (
         (dram_ms + floor["io_ms_per_step"]) / dram_ms)
+    # The mapping's reads were timed on one thread; as if they split
+    # evenly over the threads.
     floor["ratio_with_warm_mmap_reads"] = (
         (dram_ms + floor["mmap_warm_ms"] / floor["threads"] +
          floor["append_ms"]) / dram_ms)
