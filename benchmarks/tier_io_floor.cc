@@ -14,7 +14,8 @@
 //                  call alone, data in the CPU's cache)
 //   uring_ms       the same READS through io_uring (one ring per thread,
 //                  up to 256 reads a submission: no system call per
-//                  record), or -1 where the kernel refuses io_uring
+//                  record), or -1 where the kernel refuses io_uring or
+//                  its reads
 //   mmap_fresh_ms  READS random records copied out of a fresh read-only
 //                  mapping of the file, one thread (page faults included)
 //   mmap_warm_ms   the same through one mapping kept across the REPS
@@ -239,7 +240,12 @@ int main(int argc, char** argv) {
         });
       }
       for (std::thread& th : pool) th.join();
-      if (failed.load()) Fail("an io_uring read of " + path + " failed");
+      if (failed.load()) {
+        // A kernel whose io_uring lacks plain reads (before 5.6): not
+        // measured, as where io_uring is refused.
+        uring_ms.clear();
+        break;
+      }
       uring_ms.push_back(Ms(t0, Clock::now()));
     }
   }
