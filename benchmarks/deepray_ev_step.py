@@ -18,7 +18,7 @@ see the peer's README), concat, loss = mean of squares, backward,
 Protocol (one line each way): after the fill-up pass it prints
 `ready <live keys>`; then `time <steps>` -> `time <seconds per step>`;
 `dense <steps>` -> `dense <seconds per step>` (the step without its
-embeddings, as `make_dense_only_step` in the benchmark); `quit`.
+embeddings, `dense_only_step.py`); `quit`.
 """
 
 import argparse
@@ -91,19 +91,10 @@ def main():
         opt.apply_gradients(zip(tape.gradient(loss, evs), evs))
         return loss
 
-    # The step without its embeddings (the benchmark's
-    # make_dense_only_step): same inputs, variables as pooled outputs.
-    outs = [tf.Variable(tf.zeros([int(batches[0][0].dense_shape[0]),
-                                  args.dim])) for _ in range(num_features)]
-
-    @tf.function
-    def dense_step(sp_ids):
-        del sp_ids
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(tf.concat(outs, 1)))
-        for v, g in zip(outs, tape.gradient(loss, outs)):
-            v.assign_sub(0.01 * g)
-        return loss
+    # The step without its embeddings, as the benchmark's.
+    from dense_only_step import make_dense_only_step
+    dense_step = make_dense_only_step(int(batches[0][0].dense_shape[0]),
+                                      args.dim, num_features)
 
     def per_step(fn, steps):
         start = time.perf_counter()

@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import group_embedding as ge  # noqa: E402
 
 import criteo_like  # noqa: E402
+from dense_only_step import make_dense_only_step  # noqa: E402
 from ev_bench import make_step  # noqa: E402
 from ev_bench import timed  # noqa: E402
 
@@ -108,25 +109,6 @@ class DeeprayWorker:
             self._proc.stdin.write("quit\n")
             self._proc.stdin.flush()
             self._proc.wait(timeout=60)
-
-
-def make_dense_only_step(batch, dim, num_tables):
-    """The step without its embeddings: the same signature (26
-    SparseTensors, ignored), 26 `[batch, dim]` variables standing for the
-    pooled outputs, the same concat and loss, their gradient and an SGD
-    assign (else the gradient would be pruned). `deepray_ev_step.py`
-    builds the same."""
-    outs = [tf.Variable(tf.zeros([batch, dim])) for _ in range(num_tables)]
-
-    @tf.function
-    def step(sp_ids):
-        del sp_ids
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(tf.concat(outs, 1)))
-        for v, g in zip(outs, tape.gradient(loss, outs)):
-            v.assign_sub(0.01 * g)
-        return loss
-    return step
 
 
 def find_deepray_python(arg):
