@@ -62,12 +62,16 @@ double Median(std::vector<double> v) {
   std::exit(1);
 }
 
-int64_t Arg(char** argv, int i, int64_t lo) {
+// Argument i as an integer in [lo, hi] (bounded so that the buffer
+// sizes below, record bytes x reads, cannot overflow).
+int64_t Arg(char** argv, int i, int64_t lo, int64_t hi) {
   char* end = nullptr;
+  errno = 0;
   const long long v = std::strtoll(argv[i], &end, 10);
-  if (end == argv[i] || *end != '\0' || v < lo) {
+  if (end == argv[i] || *end != '\0' || errno != 0 || v < lo || v > hi) {
     Fail(std::string("argument ") + std::to_string(i) + " ('" + argv[i] +
-         "') must be an integer >= " + std::to_string(lo));
+         "') must be an integer in [" + std::to_string(lo) + ", " +
+         std::to_string(hi) + "]");
   }
   return v;
 }
@@ -179,11 +183,11 @@ int main(int argc, char** argv) {
          "THREADS REPS");
   }
   const std::string path = argv[1];
-  const int64_t header = Arg(argv, 2, 0);
-  const int64_t rec = Arg(argv, 3, 1);
-  const int64_t reads = Arg(argv, 4, 1);
-  const int threads = static_cast<int>(std::min<int64_t>(Arg(argv, 5, 1), 256));
-  const int reps = static_cast<int>(std::min<int64_t>(Arg(argv, 6, 1), 1000));
+  const int64_t header = Arg(argv, 2, 0, int64_t{1} << 20);
+  const int64_t rec = Arg(argv, 3, 1, int64_t{1} << 20);
+  const int64_t reads = Arg(argv, 4, 1, int64_t{1} << 24);
+  const int threads = static_cast<int>(Arg(argv, 5, 1, 256));
+  const int reps = static_cast<int>(Arg(argv, 6, 1, 1000));
   const int fd = open(path.c_str(), O_RDONLY);
   if (fd < 0) Fail("cannot open " + path + ": " + std::strerror(errno));
   struct stat st;
