@@ -77,20 +77,18 @@ def keys_of(ranks):
         return (ranks.astype(np.uint64) * _MULT).view(np.int64)
 
 
-def make_batches(rng, num_keys, batch, per_sample, count, keep=None):
-    """`count` ragged [batch, per_sample] Zipf id batches and the number
-    of distinct keys of each; with `keep` (a set of batch numbers), also
-    the distinct ranks of those batches (None for the others)."""
+def make_batches(rng, num_keys, batch, per_sample, count, keep=()):
+    """`count` ragged [batch, per_sample] Zipf id batches, the number of
+    distinct keys of each, and the distinct ranks of the batches whose
+    numbers are in `keep` (None for the others)."""
     out, distinct, kept = [], [], []
     for i in range(count):
         ranks = zipf_ranks(rng, num_keys, batch * per_sample)
         unique = np.unique(ranks)  # keys_of is a bijection
         distinct.append(len(unique))
-        kept.append(unique if keep is not None and i in keep else None)
+        kept.append(unique if i in keep else None)
         out.append(tf.RaggedTensor.from_uniform_row_length(
             tf.constant(keys_of(ranks)), per_sample))
-    if keep is None:
-        return out, distinct
     return out, distinct, kept
 
 
@@ -419,7 +417,7 @@ def run_scale(args, path):
     deadline = time.perf_counter() + 60 * args.max_fill_minutes
     inserted, fill_s = fill(step, args.keys, args.fill_batch, deadline, log)
     rate = inserted / fill_s
-    batches, distinct = make_batches(rng, inserted, args.batch,
+    batches, distinct, _ = make_batches(rng, inserted, args.batch,
                                      args.ids_per_sample, args.num_batches)
     for i in range(args.warmup):
         step(batches[i % len(batches)]).numpy()
