@@ -22,7 +22,8 @@
 # Writes everything under $OUT (default benchmarks/results/gpu): the logs,
 # parity_*.json, bench.json, ev_table_*.json, hkv_anchor.jsonl and
 # summary.json (commit id from GE_COMMIT). SKIP="bench ev_bench" (names of
-# steps) leaves steps out.
+# steps) leaves steps out. CORE=build/gpu/libge_cuda.so checks the carried
+# build alone (no build here, no machine-build parity): for a short lease.
 # Exit status: 0 only if every step passed.
 #
 # Usage (from the repository root):
@@ -76,18 +77,21 @@ json.dump(env, open(sys.argv[1], "w"), indent=1)
 print(env)
 EOF
 
-# 2. The core, built here.
-CORE="$BUILD/libge_cuda.so"
+# 2. The core, built here (unless CORE names a carried build).
+if [ -n "${CORE:-}" ]; then
+    SKIP="${SKIP:-} build parity_machine_build ev_table_parity_machine_build"
+fi
+CORE=${CORE:-$BUILD/libge_cuda.so}
 step build 300 "$NVCC" -O3 -std=c++17 -arch="$ARCH" \
     -Xcompiler -fPIC,-fvisibility=hidden -shared -o "$CORE" \
     ops/cuda/lookup_kernels.cu ops/cuda/backward_kernels.cu \
     ops/cuda/ev_table_kernels.cu
 
 # 3. Parity: this machine's build (CuPy) and the carried one (torch).
-step parity_machine_build 300 "$PY" tests/ops/cuda_parity.py \
+step parity_machine_build 120 "$PY" tests/ops/cuda_parity.py \
     --core "$CORE" --memory cupy --json "$OUT/parity_machine_build.json"
 if [ -f build/gpu/libge_cuda.so ]; then
-    step parity_carried_build 300 "$PY" tests/ops/cuda_parity.py \
+    step parity_carried_build 120 "$PY" tests/ops/cuda_parity.py \
         --core build/gpu/libge_cuda.so --memory torch \
         --json "$OUT/parity_carried_build.json"
 else
@@ -95,22 +99,22 @@ else
     STEPS_FAILED+=("parity_carried_build(missing)")
 fi
 
-step ev_table_parity_machine_build 300 "$PY" tests/ops/ev_table_parity.py \
+step ev_table_parity_machine_build 150 "$PY" tests/ops/ev_table_parity.py \
     --core "$CORE" --memory cupy --json "$OUT/ev_table_parity_machine_build.json"
 if [ -f build/gpu/libge_cuda.so ]; then
-    step ev_table_parity_carried_build 300 "$PY" \
+    step ev_table_parity_carried_build 150 "$PY" \
         tests/ops/ev_table_parity.py --core build/gpu/libge_cuda.so \
         --memory torch --json "$OUT/ev_table_parity_carried_build.json"
 fi
 
 # 4. compute-sanitizer on the quick cases.
 for tool in memcheck racecheck; do
-    step "sanitizer_$tool" 300 "$SANITIZER" --tool "$tool" \
+    step "sanitizer_$tool" 150 "$SANITIZER" --tool "$tool" \
         --error-exitcode 9 --log-file "$OUT/sanitizer_$tool.log" \
         "$PY" tests/ops/cuda_parity.py --core "$CORE" --memory cupy \
         --quick --json "$OUT/sanitizer_${tool}_parity.json"
     tail -5 "$OUT/sanitizer_$tool.log"
-    step "ev_table_sanitizer_$tool" 300 "$SANITIZER" --tool "$tool" \
+    step "ev_table_sanitizer_$tool" 150 "$SANITIZER" --tool "$tool" \
         --error-exitcode 9 --log-file "$OUT/ev_table_sanitizer_$tool.log" \
         "$PY" tests/ops/ev_table_parity.py --core "$CORE" --memory cupy \
         --quick --json "$OUT/ev_table_sanitizer_${tool}_parity.json"
@@ -118,7 +122,7 @@ for tool in memcheck racecheck; do
 done
 
 # 5. Speed against torch.
-step bench 400 "$PY" benchmarks/gpu/bench.py --core "$CORE" \
+step bench 180 "$PY" benchmarks/gpu/bench.py --core "$CORE" \
     --json "$OUT/bench.json"
 
 # 6. The EV table against HierarchicalKV, same run.
@@ -130,21 +134,21 @@ if [ ! -x "$HKV" ] && [ -d build/hkv/include ]; then
         -o "$HKV" build/hkv/hkv_anchor.cu
 fi
 if [ -x "$HKV" ]; then
-    step hkv_anchor 300 bash -c "'$HKV' > '$OUT/hkv_anchor.jsonl'"
+    step hkv_anchor 120 bash -c "'$HKV' > '$OUT/hkv_anchor.jsonl'"
     cat "$OUT/hkv_anchor.jsonl"
 else
     echo "no HierarchicalKV driver (carry build/gpu/hkv_anchor or build/hkv/include)"
     STEPS_FAILED+=("hkv_anchor(missing)")
 fi
-step ev_bench 400 "$PY" benchmarks/gpu/ev_table_bench.py --core "$CORE" \
+step ev_bench 240 "$PY" benchmarks/gpu/ev_table_bench.py --core "$CORE" \
     --hkv "$OUT/hkv_anchor.jsonl" --json "$OUT/ev_table_bench.json"
 # The criteo-like step on EV tables against plain tables.
-step ev_step 400 "$PY" benchmarks/gpu/ev_step_bench.py --core "$CORE" \
+step ev_step 150 "$PY" benchmarks/gpu/ev_step_bench.py --core "$CORE" \
     --json "$OUT/ev_step_bench.json"
 # Kernel by kernel (Nsight Compute), where it is installed.
 NCU=$(command -v ncu || echo "$(dirname "$NVCC")/ncu")
 if [ -x "$NCU" ]; then
-    step ev_phases 200 bash -c "'$NCU' --profile-from-start off \
+    step ev_phases 100 bash -c "'$NCU' --profile-from-start off \
         --metrics gpu__time_duration.sum,dram__bytes.sum '$PY' \
         benchmarks/gpu/ev_table_phases.py '$CORE' > '$OUT/ev_table_phases.txt' 2>&1"
 fi
