@@ -18,7 +18,8 @@
 #      benchmarks/gpu/ev_table_bench.py), the criteo-like step on EV
 #      tables against plain ones (benchmarks/gpu/ev_step_bench.py) and,
 #      where ncu is installed, the table's kernels one by one
-#      (benchmarks/gpu/ev_table_phases.py).
+#      (benchmarks/gpu/ev_table_phases.py) and the plain fused step's
+#      (benchmarks/gpu/step_phases.py).
 # Writes everything under $OUT (default benchmarks/results/gpu): the logs,
 # parity_*.json, bench.json, ev_table_*.json, hkv_anchor.jsonl and
 # summary.json (commit id from GE_COMMIT). SKIP="bench ev_bench" (names of
@@ -151,6 +152,10 @@ if [ -x "$NCU" ]; then
     step ev_phases 100 bash -c "'$NCU' --profile-from-start off \
         --metrics gpu__time_duration.sum,dram__bytes.sum '$PY' \
         benchmarks/gpu/ev_table_phases.py '$CORE' > '$OUT/ev_table_phases.txt' 2>&1"
+    # The plain fused step (forward + backward-apply) the same way.
+    step step_phases 150 bash -c "'$NCU' --profile-from-start off \
+        --metrics gpu__time_duration.sum,dram__bytes.sum '$PY' \
+        benchmarks/gpu/step_phases.py '$CORE' > '$OUT/step_phases.txt' 2>&1"
 fi
 
 "$PY" - "$OUT" "${GE_COMMIT:-unknown}" "${STEPS_FAILED[*]:-}" <<'EOF'

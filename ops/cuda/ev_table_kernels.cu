@@ -300,17 +300,27 @@ __global__ void __launch_bounds__(kBlock)
     return;
   }
   int64_t* meta = t.meta + 2 * s;
-  const longlong2 fv = *reinterpret_cast<const longlong2*>(meta);
-  if (me.lane == 0) {
-    // Repeats of the key store the same version: the race is benign.
-    if (fv.y < g.now) meta[1] = g.now;
-    if (t.filter_freq <= 0) {
+  if (t.filter_freq <= 0) {
+    // No filter: the read does not depend on freq, so the row is read
+    // first and the stamp and count are fire-and-forget atomics (a load
+    // of the metadata before them put a dependent miss in front of the
+    // row; the version only ever grows, as with the load and compare).
+    if (out != nullptr) {
+      CopyRow(out, t.values + s * t.dim, t.dim, me.lane, kTile, g.vec4);
+    }
+    if (me.lane == 0) {
+      atomicMax(reinterpret_cast<long long*>(meta + 1),
+                static_cast<long long>(g.now));
       atomicAdd(reinterpret_cast<unsigned long long*>(meta), 1ull);
     }
+    return;
   }
+  const longlong2 fv = *reinterpret_cast<const longlong2*>(meta);
+  // Repeats of the key store the same version: the race is benign.
+  if (me.lane == 0 && fv.y < g.now) meta[1] = g.now;
   if (out == nullptr) return;
-  // The freq read above is from before this call counted (a repeat's
-  // count may race it, but then there is no filter and it is not used).
+  // The freq read above is from before this call counted
+  // (CountHitsKernel counts once every read is done).
   if (Admitted(fv.x, t.filter_freq)) {
     CopyRow(out, t.values + s * t.dim, t.dim, me.lane, kTile, g.vec4);
   } else {
@@ -388,6 +398,13 @@ __device__ __forceinline__ void NewKeyRow(const GeEvTable& t, int64_t s,
   }
 }
 
+// An insert tile's counts, added to the call's counters once when the
+// tile is done: one atomic per key on the same three addresses
+// serialised the insert in L2.
+struct RunCounts {
+  unsigned long long inserted = 0, evicted = 0, full = 0;
+};
+
 // The missing keys of call-wide bucket gb, sorted entries [e, ...),
 // inserted in turn by one tile of 8 lanes. The tile keeps the bucket's
 // digests (16 a lane: slots 16l .. 16l + 15), so it finds free slots and
@@ -395,7 +412,7 @@ __device__ __forceinline__ void NewKeyRow(const GeEvTable& t, int64_t s,
 __device__ void InsertRun(const Lanes& tile, const Group& g,
                           const uint32_t* bucket_sorted,
                           const int32_t* index_sorted, int64_t e,
-                          uint32_t gb) {
+                          uint32_t gb, RunCounts* counts) {
   const int lane = tile.thread_rank();
   const int tn = g.nt == 1 ? 0 : FindSegment(g.bucket_base, g.nt, gb);
   const GeEvTable& t = g.tables[tn];
@@ -456,10 +473,8 @@ __device__ void InsertRun(const Lanes& tile, const Group& g,
         a = static_cast<int64_t>(at);
       }
       if (!room) {  // every key pinned, or nowhere to put the victim
-        if (lane == 0) {
-          *slot = -1;
-          Count(g.counters, GE_EV_FULL);
-        }
+        if (lane == 0) *slot = -1;
+        ++counts->full;
         if (dst != nullptr) AbsentRow(t, key, dst, lane, g.vec4);
         continue;
       }
@@ -479,7 +494,7 @@ __device__ void InsertRun(const Lanes& tile, const Group& g,
         }
         tile.sync();
       }
-      if (lane == 0) Count(g.counters, GE_EV_EVICTED);
+      ++counts->evicted;
     }
     const int64_t s = base + q;
     WriteEntry(t, s, key, o.jl, g.now, g.in, lane, kTile, g.vec4);
@@ -488,8 +503,8 @@ __device__ void InsertRun(const Lanes& tile, const Group& g,
       t.digests[s] = static_cast<uint8_t>(d);
       if (!g.in.on) *ge_ev::FreqOf(t.meta, s) = 1;  // this occurrence
       *slot = s;
-      Count(g.counters, GE_EV_INSERTED);
     }
+    ++counts->inserted;
     if (lane == q / 16) SetByte(&dg, q % 16, d);
     tile.sync();
     if (dst != nullptr) NewKeyRow(t, s, dst, lane, g.vec4);
@@ -511,20 +526,25 @@ __global__ void __launch_bounds__(kBlock, GE_EV_INSERT_MIN_BLOCKS)
   const Lanes tile = cg::tiled_partition<kTile>(cg::this_thread_block());
   const int lane = tile.thread_rank();
   const int64_t tiles = gridDim.x * static_cast<int64_t>(kBlock / kTile);
+  RunCounts counts;
   for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) +
                     threadIdx.x) / kTile;
        w * kTile < g.n; w += tiles) {
     const int64_t e = w * kTile + lane;
     const uint32_t b = e < g.n ? bucket_sorted[e] : g.none;
-    if (tile.shfl(b, 0) == g.none) return;
+    if (tile.shfl(b, 0) == g.none) break;
     const bool start = b != g.none && (e == 0 || bucket_sorted[e - 1] != b);
     for (unsigned starts = tile.ballot(start); starts != 0;
          starts &= starts - 1) {
       const int l = __ffs(starts) - 1;
       InsertRun(tile, g, bucket_sorted, index_sorted, w * kTile + l,
-                tile.shfl(b, l));
+                tile.shfl(b, l), &counts);
     }
   }
+  if (lane != 0) return;
+  if (counts.inserted) Count(g.counters, GE_EV_INSERTED, counts.inserted);
+  if (counts.evicted) Count(g.counters, GE_EV_EVICTED, counts.evicted);
+  if (counts.full) Count(g.counters, GE_EV_FULL, counts.full);
 }
 
 // The hits of filtered tables, counted once every read is done (a group
