@@ -276,6 +276,17 @@ __global__ void __launch_bounds__(kBlock)
   const bool bad = key == GE_EV_EMPTY_KEY;
   const uint64_t h = Mix(static_cast<uint64_t>(key));
   const int64_t s = TileFind(t, active && !bad, key, h, me.lane, me.tile);
+  // The warp's occurrences of one stored key stamp and count it once (the
+  // lowest lane among them): the few keys of a small table recur
+  // thousands of times a batch, and an access per occurrence to one
+  // address serialises in L2. Matched on the key's metadata address
+  // (table and slot); a tile that holds no hit matches only itself.
+  const bool hit = active && !bad && s >= 0;
+  const unsigned peers = __match_any_sync(
+      kAll, hit ? reinterpret_cast<unsigned long long>(t.meta + 2 * s)
+                : ~static_cast<unsigned long long>(me.tile));
+  const bool leader = static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1;
+  const unsigned long long repeats = __popc(peers) / kTile;
   if (!active) return;
   float* out = o.batch->out != nullptr && !g.in.on
                    ? o.batch->out + o.jl * t.dim
@@ -301,23 +312,24 @@ __global__ void __launch_bounds__(kBlock)
   }
   int64_t* meta = t.meta + 2 * s;
   if (t.filter_freq <= 0) {
-    // No filter: the read does not depend on freq, so the row is read
-    // first and the stamp and count are fire-and-forget atomics (a load
-    // of the metadata before them put a dependent miss in front of the
-    // row; the version only ever grows, as with the load and compare).
+    // No filter: the read does not depend on freq. The leader's load of
+    // the version is issued before the row's loads and waited for after
+    // them (a stamp between the two made the row wait for it).
+    int64_t version = 0;
+    if (leader) version = meta[1];
     if (out != nullptr) {
       CopyRow(out, t.values + s * t.dim, t.dim, me.lane, kTile, g.vec4);
     }
-    if (me.lane == 0) {
-      atomicMax(reinterpret_cast<long long*>(meta + 1),
-                static_cast<long long>(g.now));
-      atomicAdd(reinterpret_cast<unsigned long long*>(meta), 1ull);
+    if (leader) {
+      // Warps with the same key store the same version: benign.
+      if (version < g.now) meta[1] = g.now;
+      atomicAdd(reinterpret_cast<unsigned long long*>(meta), repeats);
     }
     return;
   }
   const longlong2 fv = *reinterpret_cast<const longlong2*>(meta);
   // Repeats of the key store the same version: the race is benign.
-  if (me.lane == 0 && fv.y < g.now) meta[1] = g.now;
+  if (leader && fv.y < g.now) meta[1] = g.now;
   if (out == nullptr) return;
   // The freq read above is from before this call counted
   // (CountHitsKernel counts once every read is done).
@@ -405,14 +417,24 @@ struct RunCounts {
   unsigned long long inserted = 0, evicted = 0, full = 0;
 };
 
+// The sorted entries a tile walks, read ahead: lane l holds entry c0 + l
+// (its bucket, occurrence and key), so that a run inside the chunk does
+// not wait for an index and then a key, one entry after another.
+struct Chunk {
+  int64_t c0;
+  uint32_t bucket;
+  int64_t j;
+  int64_t key;
+};
+
 // The missing keys of call-wide bucket gb, sorted entries [e, ...),
 // inserted in turn by one tile of 8 lanes. The tile keeps the bucket's
 // digests (16 a lane: slots 16l .. 16l + 15), so it finds free slots and
 // the keys it inserted earlier in the run without reading keys.
 __device__ void InsertRun(const Lanes& tile, const Group& g,
                           const uint32_t* bucket_sorted,
-                          const int32_t* index_sorted, int64_t e,
-                          uint32_t gb, RunCounts* counts) {
+                          const int32_t* index_sorted, const Chunk& chunk,
+                          int64_t e, uint32_t gb, RunCounts* counts) {
   const int lane = tile.thread_rank();
   const int tn = g.nt == 1 ? 0 : FindSegment(g.bucket_base, g.nt, gb);
   const GeEvTable& t = g.tables[tn];
@@ -420,10 +442,18 @@ __device__ void InsertRun(const Lanes& tile, const Group& g,
   const int64_t base = (gb - g.bucket_base[tn]) * GE_EV_BUCKET;
   const int64_t cap = t.num_buckets * GE_EV_BUCKET;
   uint4 dg = reinterpret_cast<const uint4*>(t.digests + base)[lane];
-  for (; e < g.n && bucket_sorted[e] == gb; ++e) {
-    const int64_t j = index_sorted[e];
+  for (; e < g.n; ++e) {
+    // Entry e from the chunk's lanes, or read (a run that goes past it).
+    const int64_t at = e - chunk.c0;  // the same in every lane
+    const bool held = at < kTile;
+    const int src = held ? static_cast<int>(at) : 0;
+    const uint32_t b_held = tile.shfl(chunk.bucket, src);
+    const int64_t j_held = tile.shfl(chunk.j, src);
+    const int64_t key_held = tile.shfl(chunk.key, src);
+    if ((held ? b_held : bucket_sorted[e]) != gb) break;
+    const int64_t j = held ? j_held : index_sorted[e];
     const Occurrence o = Locate(g, j);
-    const int64_t key = o.batch->keys[o.jl];
+    const int64_t key = held ? key_held : o.batch->keys[o.jl];
     const uint64_t h = Mix(static_cast<uint64_t>(key));
     const unsigned d = DigestOf(h);
     float* dst = o.batch->out != nullptr && !g.in.on
@@ -507,7 +537,14 @@ __device__ void InsertRun(const Lanes& tile, const Group& g,
     ++counts->inserted;
     if (lane == q / 16) SetByte(&dg, q % 16, d);
     tile.sync();
-    if (dst != nullptr) NewKeyRow(t, s, dst, lane, g.vec4);
+    // The new row is the default row WriteEntry copied: read from there
+    // rather than back from the write (an import has no output).
+    if (dst != nullptr && t.filter_freq <= 0) {
+      CopyRow(dst, t.defaults + DefaultRow(key, t.default_rows) * t.dim,
+              t.dim, lane, kTile, g.vec4);
+    } else if (dst != nullptr) {
+      FillRow(dst, t.no_permission, t.dim, lane, kTile);
+    }
   }
 }
 
@@ -534,10 +571,16 @@ __global__ void __launch_bounds__(kBlock, GE_EV_INSERT_MIN_BLOCKS)
     const uint32_t b = e < g.n ? bucket_sorted[e] : g.none;
     if (tile.shfl(b, 0) == g.none) break;
     const bool start = b != g.none && (e == 0 || bucket_sorted[e - 1] != b);
+    Chunk chunk{w * kTile, b, 0, 0};
+    if (b != g.none) {
+      chunk.j = index_sorted[e];
+      const Occurrence o = Locate(g, chunk.j);
+      chunk.key = o.batch->keys[o.jl];
+    }
     for (unsigned starts = tile.ballot(start); starts != 0;
          starts &= starts - 1) {
       const int l = __ffs(starts) - 1;
-      InsertRun(tile, g, bucket_sorted, index_sorted, w * kTile + l,
+      InsertRun(tile, g, bucket_sorted, index_sorted, chunk, w * kTile + l,
                 tile.shfl(b, l), &counts);
     }
   }
