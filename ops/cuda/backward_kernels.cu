@@ -20,6 +20,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
@@ -31,54 +32,107 @@
 namespace ge_cuda {
 namespace {
 
+// The scale of a pooled row's occurrences (mean / sqrtn; 1 for sums and
+// sequences).
+__device__ __forceinline__ float PrepareScale(const GeTable& x, int64_t lo,
+                                              int64_t hi) {
+  if (x.positions != nullptr || x.combiner == GE_SUM) return 1.0f;
+  const float* w = x.weights;
+  double wsum = 0.0, w2sum = 0.0;
+  if (w) {
+    for (int64_t j = lo; j < hi; ++j) {
+      wsum += w[j];
+      w2sum += static_cast<double>(w[j]) * w[j];
+    }
+  }
+  return ge_math::RowScale(x.combiner, w != nullptr, hi - lo, wsum, w2sum);
+}
+
+// Occurrence j (of row b) of table t: its sort key (the group-wide row of
+// its id) and payload (the gradient row it reads, its factor). A bad id
+// or position is counted and keeps its all-ones key (skipped).
+__device__ __forceinline__ void PrepareOccurrence(
+    const DeviceGroup& g, const GeTable& x, int t, int64_t b, int64_t j,
+    float scale, uint64_t* __restrict__ keys,
+    uint64_t* __restrict__ payload) {
+  const int64_t id = x.ids[j];
+  int64_t row = b;
+  float f = x.weights ? x.weights[j] : 1.0f;
+  if (x.positions != nullptr) {
+    const int64_t p = x.positions[j];
+    if (p < 0 || p >= x.seq_len) {
+      CountError(g.errors, GE_BAD_LAYOUT);
+      return;
+    }
+    row = b * x.seq_len + p;
+  } else {
+    f *= scale;
+  }
+  if (static_cast<uint64_t>(id) >= static_cast<uint64_t>(x.vocab)) {
+    CountError(g.errors, GE_BAD_IDS);
+    return;
+  }
+  const int64_t at = g.occ_base[t] + j;
+  keys[at] = static_cast<uint64_t>(g.row_base[t] + id);
+  payload[at] = (static_cast<uint64_t>(row) << 32) | __float_as_uint(f);
+}
+
+// Sort keys and payloads of every occurrence. A block takes kBlock rows
+// (units) in turn, table by table: each thread reads its row's range and
+// scale, then the block walks the rows' occurrences together, one thread
+// an occurrence (reads and writes in order; a thread per row walking its
+// own occurrences touched a line per row and step). Rows whose ranges do
+// not follow one another (a bad row_splits: its row reads as empty) are
+// walked a thread per row instead.
 __global__ void __launch_bounds__(kBlock)
     PrepareKernel(DeviceGroup g, uint64_t* __restrict__ keys,
                   uint64_t* __restrict__ payload) {
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x +
-                       threadIdx.x;
-  if (unit >= g.units) return;
-  const int t = FindSegment(g.unit_base, g.n, unit);
-  const GeTable& x = g.tables[t];
-  const int64_t b = unit - g.unit_base[t];
-  int64_t lo, hi;
-  RowRange(x, b, true, g.errors, &lo, &hi);
-  const bool sequence = x.positions != nullptr;
-  const float* w = x.weights;
-  float scale = 1.0f;
-  if (!sequence && x.combiner != GE_SUM) {
-    double wsum = 0.0, w2sum = 0.0;
-    if (w) {
+  __shared__ int64_t first[kBlock + 1];  // rows' ranges: [first[i], first[i+1])
+  __shared__ float scales[kBlock];
+  const int64_t u0 = static_cast<int64_t>(blockIdx.x) * kBlock;
+  const int64_t u_end = min(u0 + kBlock, g.units);
+  const int i = threadIdx.x;
+  for (int64_t seg = u0; seg < u_end;) {
+    // The rows of one table in this block: units [seg, seg_end).
+    const int t = FindSegment(g.unit_base, g.n, seg);
+    const int64_t seg_end = min(u_end, g.unit_base[t + 1]);
+    const GeTable& x = g.tables[t];
+    const int64_t b0 = seg - g.unit_base[t];
+    const int rows = static_cast<int>(seg_end - seg);
+    int64_t lo = 0, hi = 0;
+    float scale = 1.0f;
+    __syncthreads();  // the previous table's rows are walked
+    if (i < rows) {
+      RowRange(x, b0 + i, true, g.errors, &lo, &hi);
+      scale = PrepareScale(x, lo, hi);
+      first[i] = lo;
+      scales[i] = scale;
+      if (i == rows - 1) first[rows] = hi;
+    }
+    __syncthreads();
+    const bool follows = i >= rows || hi == first[i + 1];
+    if (__syncthreads_and(follows)) {
+      const int64_t end = first[rows];
+      for (int64_t j = first[0] + i; j < end; j += kBlock) {
+        // The last row whose range starts at or before j (an empty row
+        // shares its start with the row after it).
+        int a = 0, z = rows;
+        while (z - a > 1) {
+          const int mid = (a + z) / 2;
+          if (first[mid] <= j) {
+            a = mid;
+          } else {
+            z = mid;
+          }
+        }
+        PrepareOccurrence(g, x, t, b0 + a, j, scales[a], keys, payload);
+      }
+    } else if (i < rows) {
       for (int64_t j = lo; j < hi; ++j) {
-        wsum += w[j];
-        w2sum += static_cast<double>(w[j]) * w[j];
+        PrepareOccurrence(g, x, t, b0 + i, j, scale, keys, payload);
       }
     }
-    scale = ge_math::RowScale(x.combiner, w != nullptr, hi - lo, wsum, w2sum);
-  }
-  const uint64_t vocab = static_cast<uint64_t>(x.vocab);
-  const int64_t base = g.row_base[t];
-  const int64_t occ = g.occ_base[t];
-  for (int64_t j = lo; j < hi; ++j) {
-    const int64_t id = x.ids[j];
-    int64_t row = b;
-    float f = w ? w[j] : 1.0f;
-    if (sequence) {
-      const int64_t p = x.positions[j];
-      if (p < 0 || p >= x.seq_len) {
-        CountError(g.errors, GE_BAD_LAYOUT);
-        continue;  // its key stays all ones (skipped)
-      }
-      row = b * x.seq_len + p;
-    } else {
-      f *= scale;
-    }
-    if (static_cast<uint64_t>(id) >= vocab) {
-      CountError(g.errors, GE_BAD_IDS);
-      continue;
-    }
-    keys[occ + j] = static_cast<uint64_t>(base + id);
-    payload[occ + j] = (static_cast<uint64_t>(row) << 32) |
-                       __float_as_uint(f);
+    seg = seg_end;
   }
 }
 
@@ -291,16 +345,11 @@ __device__ __forceinline__ Run RunOf(const DeviceGroup& g,
   return r;
 }
 
-// One group per distinct id: short runs are summed and finished here,
-// long ones are cut into chunks for ChunkKernel and FinishLongKernel.
+// Distinct id u: summed and finished, or (a long run) cut into chunks.
 template <int VEC, int G, int CH>
-__global__ void __launch_bounds__(kBlock)
-    SumKernel(DeviceGroup g, SumTargets s) {
-  const Lanes<G> me;
-  // Launched for the occurrence count, an upper bound of the distinct
-  // ids, whose number is known only on the device.
-  if (me.unit >= s.offsets[g.n]) return;
-  const int64_t u = me.unit;
+__device__ __forceinline__ void SumRun(const DeviceGroup& g,
+                                       const SumTargets& s,
+                                       const Lanes<G>& me, int64_t u) {
   const Run r = RunOf(g, s, u);
   const int64_t len = r.i1 - r.i0;
   if (len > kLongRun) {
@@ -329,38 +378,60 @@ __global__ void __launch_bounds__(kBlock)
   Finish<VEC, G, CH>(g, s, x, SlotOf(g, s, r.t, u), r.id, me, acc);
 }
 
-// One group per chunk of a long run: its partial sum.
+// Groups of G lanes in the whole launch (the stride of the loops over
+// work counted only on the device).
+template <int G>
+__device__ __forceinline__ int64_t GroupsInGrid() {
+  return static_cast<int64_t>(gridDim.x) * (blockDim.x / G);
+}
+
+// One group per distinct id: short runs are summed and finished here,
+// long ones are cut into chunks for ChunkKernel and FinishLongKernel.
+// The distinct ids are counted only on the device: a bounded launch
+// loops over them (a launch for the occurrence count, their upper bound,
+// spent most of its time starting blocks that had nothing to do).
+template <int VEC, int G, int CH>
+__global__ void __launch_bounds__(kBlock)
+    SumKernel(DeviceGroup g, SumTargets s) {
+  const Lanes<G> me;
+  for (int64_t u = me.unit; u < s.offsets[g.n]; u += GroupsInGrid<G>()) {
+    SumRun<VEC, G, CH>(g, s, me, u);
+  }
+}
+
+// One group per chunk of a long run: its partial sum (a bounded launch
+// looping over the chunks, counted on the device).
 template <int VEC, int G, int CH>
 __global__ void __launch_bounds__(kBlock)
     ChunkKernel(DeviceGroup g, SumTargets s) {
   const Lanes<G> me;
-  if (me.unit >= static_cast<int64_t>(s.counters[1])) return;
-  const int64_t u = s.chunk_run[me.unit];
-  const int64_t c = s.chunk_index[me.unit];
-  const Run r = RunOf(g, s, u);
-  const int64_t i0 = r.i0 + c * kChunk;
-  const int64_t i1 = min(r.i1, i0 + kChunk);
-  float acc[CH][VEC] = {};
-  AddOccurrences<VEC, G, CH>(g.tables[r.t], s, g.dim, me.lane, i0, i1, acc);
-  StoreRow<VEC, G, CH>(s.partials + me.unit * g.dim, g.dim, me.lane, acc);
+  const int64_t chunks = static_cast<int64_t>(s.counters[1]);
+  for (int64_t k = me.unit; k < chunks; k += GroupsInGrid<G>()) {
+    const int64_t u = s.chunk_run[k];
+    const int64_t c = s.chunk_index[k];
+    const Run r = RunOf(g, s, u);
+    const int64_t i0 = r.i0 + c * kChunk;
+    const int64_t i1 = min(r.i1, i0 + kChunk);
+    float acc[CH][VEC] = {};
+    AddOccurrences<VEC, G, CH>(g.tables[r.t], s, g.dim, me.lane, i0, i1,
+                               acc);
+    StoreRow<VEC, G, CH>(s.partials + k * g.dim, g.dim, me.lane, acc);
+  }
 }
 
-// One block per long run: its groups add the chunks' partial sums
-// (group q takes chunks q, q + groups, ...), a fixed tree in shared
-// memory adds the groups' sums, and group 0 finishes the run. Fixed
-// orders throughout, so the result does not depend on scheduling.
+// Long run l of FinishLongKernel, by the whole block.
 template <int VEC, int G, int CH>
-__global__ void __launch_bounds__(kLongBlock)
-    FinishLongKernel(DeviceGroup g, SumTargets s) {
+__device__ __forceinline__ void FinishLongRun(const DeviceGroup& g,
+                                              const SumTargets& s,
+                                              int64_t l) {
   extern __shared__ float group_sums[];  // [kLongBlock / G, dim]
-  if (blockIdx.x >= s.counters[0]) return;
   const Lanes<G> me;
   const int q = threadIdx.x / G;
   constexpr int kGroups = kLongBlock / G;
   const int64_t dim = g.dim;
-  const int64_t u = s.long_run[blockIdx.x];
-  const int64_t first = s.long_first[blockIdx.x];
-  const int64_t chunks = s.long_chunks[blockIdx.x];
+  const int64_t u = s.long_run[l];
+  const int64_t first = s.long_first[l];
+  const int64_t chunks = s.long_chunks[l];
   float acc[CH][VEC] = {};
   for (int64_t c = q; c < chunks; c += kGroups) {
     float part[CH][VEC];
@@ -390,6 +461,21 @@ __global__ void __launch_bounds__(kLongBlock)
   const Run r = RunOf(g, s, u);
   Finish<VEC, G, CH>(g, s, g.tables[r.t], SlotOf(g, s, r.t, u), r.id, me,
                      acc);
+}
+
+// One block per long run (a bounded launch: block b takes long runs b,
+// b + blocks, ...): its groups add the chunks' partial sums (group q
+// takes chunks q, q + groups, ...), a fixed tree in shared memory adds
+// the groups' sums, and group 0 finishes the run. Fixed orders
+// throughout, so the result does not depend on scheduling.
+template <int VEC, int G, int CH>
+__global__ void __launch_bounds__(kLongBlock)
+    FinishLongKernel(DeviceGroup g, SumTargets s) {
+  const int64_t runs = static_cast<int64_t>(s.counters[0]);
+  for (int64_t l = blockIdx.x; l < runs; l += gridDim.x) {
+    __syncthreads();  // the previous run's tree is read to the end
+    FinishLongRun<VEC, G, CH>(g, s, l);
+  }
 }
 
 // d loss / d w_j of the weighted tables: one group per example row.
@@ -632,14 +718,18 @@ int Backward(const GeTable* tables, int n, int64_t dim, float max_norm,
   vec4 = vec4 && ge_cuda::Aligned16(blocks.partials);
   return WithShape(dim, vec4, [&](auto shape) {
     using S = decltype(shape);
+    // The distinct ids, chunks and long runs are counted on the device:
+    // each launch is bounded by what the GPU holds at once and loops.
+    const unsigned cap = ResidentBlocks(2048 / kBlock);
     SumKernel<S::kVec, S::kG, S::kCh>
-        <<<GridFor(occ, S::kG), kBlock, 0, s>>>(g, targets);
+        <<<std::min(GridFor(occ, S::kG), cap), kBlock, 0, s>>>(g, targets);
     ChunkKernel<S::kVec, S::kG, S::kCh>
-        <<<GridFor(blocks.max_chunks, S::kG), kBlock, 0, s>>>(g, targets);
+        <<<std::min(GridFor(blocks.max_chunks, S::kG), cap), kBlock, 0, s>>>(
+            g, targets);
     const size_t shared = sizeof(float) * (kLongBlock / S::kG) * dim;
     FinishLongKernel<S::kVec, S::kG, S::kCh>
-        <<<static_cast<unsigned>(blocks.max_long), kLongBlock, shared, s>>>(
-            g, targets);
+        <<<static_cast<unsigned>(std::min<int64_t>(blocks.max_long, cap)),
+           kLongBlock, shared, s>>>(g, targets);
     return LaunchStatus();
   });
 }

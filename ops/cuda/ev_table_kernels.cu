@@ -846,10 +846,13 @@ int Upsert(const GeEvTable* tables, int nt, const GeEvBatch* batches,
   if (e != cudaSuccess) return static_cast<int>(e);
   // Enough tiles to keep the GPU busy; each walks chunks of 8 entries
   // (measured on an H200: one warp per 32 entries, 80 registers, left
-  // the insert latency-bound at 0.46 ms for 400k new keys).
+  // the insert latency-bound at 0.46 ms for 400k new keys). No more
+  // blocks than the GPU holds at once: most calls have few new keys, and
+  // a block per chunk then mostly starts blocks that stop at once.
   const int64_t tiles = (n + kTile - 1) / kTile;
   const int64_t blocks = std::min<int64_t>(
-      (tiles + kBlock / kTile - 1) / (kBlock / kTile), 8192);
+      (tiles + kBlock / kTile - 1) / (kBlock / kTile),
+      ge_cuda::ResidentBlocks(GE_EV_INSERT_MIN_BLOCKS));
   InsertKernel<<<blocks, kBlock, 0, st>>>(g, s.bucket_sorted,
                                           s.index_sorted);
   if (int e2 = Launched()) return e2;

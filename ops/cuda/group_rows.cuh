@@ -119,6 +119,20 @@ int WithShape(int64_t dim, bool vec4, F&& f) {
   return GE_ERR_TOO_LARGE;
 }
 
+// Blocks of a kernel the current GPU holds at once, at `per_sm` blocks
+// an SM: the grid of a launch that loops over work counted only on the
+// device. A fixed guess (an H100's SMs) where the device cannot be asked.
+inline unsigned ResidentBlocks(int per_sm) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                             device) != cudaSuccess ||
+      sms <= 0) {
+    sms = 132;
+  }
+  return static_cast<unsigned>(sms) * static_cast<unsigned>(per_sm);
+}
+
 // Blocks of kBlock threads for `units` groups of G lanes.
 inline unsigned GridFor(int64_t units, int g) {
   const int64_t threads = units * g;
