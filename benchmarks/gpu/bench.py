@@ -172,6 +172,21 @@ def forward_bandwidth(result, nnz, dim, batch_size, k, copy_gbs):
     })
 
 
+def fused_step(core, descs, k, dim, optimizer, lookup_scratch, scratch,
+               errors, stream):
+    """The fused training step of `k` described tables (`describe`): one
+    pooled lookup (`ge_lookup_pooled`) and one fused backward-apply with
+    `optimizer` (a `GeOptimizerConfig`). The scratches and the error
+    counters are device tensors; `stream` a CUDA stream handle (None on
+    the host stand-in)."""
+    core.check("lookup", core.lib.ge_lookup_pooled(
+        descs, k, dim, -1.0, lookup_scratch.data_ptr(),
+        lookup_scratch.numel(), errors.data_ptr(), stream))
+    core.check("backward_apply", core.lib.ge_backward_apply(
+        descs, k, dim, -1.0, ctypes.byref(optimizer), scratch.data_ptr(),
+        scratch.numel(), errors.data_ptr(), stream))
+
+
 def run_dim(dev, core, dim, batch_size, cap, steps, id_batches,
             forward_only=False):
     torch = dev.torch
@@ -215,10 +230,8 @@ def run_dim(dev, core, dim, batch_size, cap, steps, id_batches,
             lookup_scratch.numel(), errors.data_ptr(), stream))
 
     def step(i):
-        forward(i)
-        core.check("backward_apply", core.lib.ge_backward_apply(
-            descs[i % 2], k, dim, -1.0, ctypes.byref(adagrad),
-            scratch.data_ptr(), scratch.numel(), errors.data_ptr(), stream))
+        fused_step(core, descs[i % 2], k, dim, adagrad, lookup_scratch,
+                   scratch, errors, stream)
 
     def backward_slices(i):
         core.check("backward", core.lib.ge_backward(

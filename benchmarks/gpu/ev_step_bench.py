@@ -25,7 +25,6 @@ ev_step / plain_step (issue 34 asks for <= 2), the checks.
 """
 
 import argparse
-import ctypes
 import json
 import sys
 import time
@@ -98,12 +97,8 @@ def run(dev, core, dim, batch_size, cap, steps, id_batches):
     scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=on)
 
     def step_with(descs):
-        core.check("lookup", core.lib.ge_lookup_pooled(
-            descs, k, dim, -1.0, lookup_scratch.data_ptr(),
-            lookup_scratch.numel(), errors.data_ptr(), stream))
-        core.check("backward_apply", core.lib.ge_backward_apply(
-            descs, k, dim, -1.0, ctypes.byref(adagrad), scratch.data_ptr(),
-            scratch.numel(), errors.data_ptr(), stream))
+        bench.fused_step(core, descs, k, dim, adagrad, lookup_scratch,
+                         scratch, errors, stream)
 
     # -- EV tables, filled with every key of their plain table ---------------
     evs = []

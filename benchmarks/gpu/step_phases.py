@@ -13,7 +13,6 @@ forward (`ge_lookup_pooled`) and one fused backward-apply
 host stand-in on CPU torch (a dry run of the script itself).
 """
 
-import ctypes
 import sys
 
 import numpy as np
@@ -48,12 +47,8 @@ def profile_dim(torch, core, dim, id_batch, on, cap=10_000_000):
     stream = torch.cuda.current_stream().cuda_stream if gpu else None
 
     def step():
-        core.check("lookup", core.lib.ge_lookup_pooled(
-            descs, k, dim, -1.0, lookup_scratch.data_ptr(),
-            lookup_scratch.numel(), errors.data_ptr(), stream))
-        core.check("backward_apply", core.lib.ge_backward_apply(
-            descs, k, dim, -1.0, ctypes.byref(adagrad), scratch.data_ptr(),
-            scratch.numel(), errors.data_ptr(), stream))
+        bench.fused_step(core, descs, k, dim, adagrad, lookup_scratch,
+                         scratch, errors, stream)
 
     step()
     if gpu:
